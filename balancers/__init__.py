@@ -1,0 +1,39 @@
+"""Balancers by name: the built-ins, plus any registered under the `sluicegate.balancers`
+entry-point group by an installed package."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from balancers.base import Balancer, Candidate
+from balancers.least_inflight import LeastInflight
+from balancers.round_robin import RoundRobin
+
+ENTRY_POINT_GROUP = "sluicegate.balancers"
+BUILTIN: dict[str, type[Balancer]] = {
+    RoundRobin.name: RoundRobin,
+    LeastInflight.name: LeastInflight,
+}
+
+__all__ = ["BUILTIN", "Balancer", "Candidate", "available", "balancer_class"]
+
+
+def _plugins() -> dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available() -> list[str]:
+    return sorted(set(BUILTIN) | set(_plugins()))
+
+
+def balancer_class(name: str) -> type[Balancer]:
+    """The class registered under `name`; KeyError names the choices when there is none."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    ep = _plugins().get(name)
+    if ep is None:
+        raise KeyError(f"unknown balancer {name!r}; available: {', '.join(available())}")
+    cls = ep.load()  # type: ignore[attr-defined]
+    if not callable(getattr(cls, "pick", None)):
+        raise KeyError(f"balancer plugin {name!r} ({ep.value}) has no pick() method")  # type: ignore[attr-defined]
+    return cls  # type: ignore[no-any-return]

@@ -1,0 +1,58 @@
+"""In-process in-flight counts: the default, exact for a single worker, no network."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+
+from balancers.base import Balancer, Candidate
+from balancers.inflight.base import Lease
+from router.upstreams import Backend
+
+
+class LocalInflight:
+    kind = "local"
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def candidates(self, backends: Sequence[Backend], exclude: Set[str]) -> list[Candidate]:
+        counts = self._counts
+        out = []
+        for b in backends:
+            if b.name in exclude:
+                continue
+            n = counts.get(b.name, 0)
+            if b.max_inflight is not None and n >= b.max_inflight:
+                continue
+            out.append(Candidate(b.name, b.weight, n))
+        return out
+
+    async def acquire(
+        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+    ) -> Lease | None:
+        return self.acquire_now(backends, balancer, exclude)
+
+    def acquire_now(
+        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+    ) -> Lease | None:
+        picked = balancer.pick(self.candidates(backends, exclude), exclude)
+        if picked is None:
+            return None
+        self._counts[picked.name] = self._counts.get(picked.name, 0) + 1
+        return Lease(picked.name)
+
+    def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        n = self._counts.get(lease.backend, 0) - 1
+        if n > 0:
+            self._counts[lease.backend] = n
+        else:
+            self._counts.pop(lease.backend, None)
+
+    async def counts(self, names: Sequence[str]) -> dict[str, int]:
+        return {n: self._counts.get(n, 0) for n in names}
+
+    async def aclose(self) -> None:
+        return None

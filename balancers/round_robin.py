@@ -1,0 +1,38 @@
+"""Smooth weighted round-robin (nginx's): weights honoured, picks interleaved, equal = rotation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from typing import ClassVar
+
+from balancers.base import Candidate
+
+
+class RoundRobin:
+    name: ClassVar[str] = "round_robin"
+
+    def __init__(self) -> None:
+        self._current: dict[str, float] = {}
+
+    def pick(
+        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
+    ) -> Candidate | None:
+        best: Candidate | None = None
+        best_weight = 0.0
+        total = 0.0
+        current = self._current
+        for c in candidates:
+            if c.name in exclude:
+                continue
+            w = current.get(c.name, 0.0) + c.weight
+            current[c.name] = w
+            total += c.weight
+            if best is None or w > best_weight:
+                best, best_weight = c, w
+        if best is not None:
+            current[best.name] = best_weight - total
+            if len(current) > 4 * len(candidates) + 16:
+                # Backends come and go; forget the ones no longer offered.
+                keep = {c.name for c in candidates}
+                self._current = {k: v for k, v in current.items() if k in keep}
+        return best

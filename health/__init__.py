@@ -1,0 +1,1 @@
+"""Knowing which backends can take traffic: probes, passive outlier detection, cooldowns."""

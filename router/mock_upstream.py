@@ -1,0 +1,418 @@
+"""A vLLM-compatible mock upstream, cheap enough to sit under a benchmark.
+
+Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running/waiting gauges)
+and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
+recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
+Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
+tokens, half_event, gzip, retry_after) so fault tests need no second implementation.
+A raw ASGI app: no framework on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from starlette.types import Message, Receive, Scope, Send
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+@dataclass
+class Behaviour:
+    ttft_ms: float = 0.0
+    itl_ms: float = 0.0
+    tokens: int = 16
+    fail_status: int = 0
+    fail_count: int = -1  # how many requests fail_status applies to; -1 = all
+    retry_after: float | None = None
+    hang: bool = False  # accept, read the request, never answer
+    half_event_after: int = -1  # send this many tokens, then half an event, then close
+    die_after: int = -1  # send this many tokens, then drop the connection
+    gzip: bool = False
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    completed: int = 0
+    aborted: int = 0
+    tokens_generated: int = 0
+    tokens_after_disconnect: int = 0
+    running: int = 0
+    connections: set[tuple[str, int]] = field(default_factory=set)
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "completed": self.completed,
+            "aborted": self.aborted,
+            "tokens_generated": self.tokens_generated,
+            "tokens_after_disconnect": self.tokens_after_disconnect,
+            "running": self.running,
+            "connections_opened": len(self.connections),
+            "recent": list(self.recent),
+        }
+
+
+def token_text(i: int) -> str:
+    return f"tok{i} "
+
+
+class MockUpstream:
+    def __init__(self, name: str = "mock", behaviour: Behaviour | None = None) -> None:
+        self.name = name
+        self.behaviour = behaviour or Behaviour()
+        self.stats = Stats()
+        # Chunks differ only by the token text: pre-split templates keep per-token work small.
+        self._chat_pre = (
+            '{"id":"chatcmpl-%s","object":"chat.completion.chunk","created":0,"model":"%s",'
+            '"choices":[{"index":0,"delta":{"content":"'
+        )
+        self._cmpl_pre = (
+            '{"id":"cmpl-%s","object":"text_completion","created":0,"model":"%s",'
+            '"choices":[{"index":0,"text":"'
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        client = scope.get("client")
+        if client:
+            self.stats.connections.add((client[0], client[1]))
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if method == "GET":
+            await self._get(path, send)
+            return
+        body = await _read_body(receive)
+        if path == "/control":
+            await self._control(body, send)
+            return
+        if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            await self._generate(scope, path, body, receive, send)
+            return
+        await _json(
+            send, 404, {"error": {"message": "not found", "type": "not_found", "code": 404}}
+        )
+
+    async def _get(self, path: str, send: Send) -> None:
+        if path == "/health":
+            await _json(send, 200, {})
+        elif path == "/v1/models":
+            await _json(
+                send,
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": "mock-model", "object": "model", "owned_by": self.name}],
+                },
+            )
+        elif path == "/stats":
+            await _json(
+                send,
+                200,
+                {"name": self.name, **self.stats.public(), "behaviour": asdict(self.behaviour)},
+            )
+        elif path == "/metrics":
+            text = (
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="mock-model"}} {self.stats.running}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                'vllm:num_requests_waiting{model_name="mock-model"} 0\n'
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4")],
+                }
+            )
+            await send({"type": "http.response.body", "body": text})
+        else:
+            await _json(send, 404, {"error": {"message": "not found", "type": "not_found"}})
+
+    async def _control(self, body: bytes, send: Send) -> None:
+        try:
+            changes = json.loads(body or b"{}")
+            if changes.pop("reset_stats", False):
+                self.stats = Stats()
+            fields = asdict(Behaviour())
+            fields.update(asdict(self.behaviour))
+            fields.update(changes)
+            self.behaviour = Behaviour(**fields)
+        except (ValueError, TypeError) as exc:
+            await _json(send, 400, {"error": {"message": str(exc), "type": "invalid"}})
+            return
+        await _json(send, 200, asdict(self.behaviour))
+
+    async def _generate(
+        self, scope: Scope, path: str, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        st = self.stats
+        bh = self.behaviour
+        st.requests += 1
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        rec: dict[str, Any] = {
+            "path": path,
+            "request_id": headers.get("x-request-id"),
+            "authorization": headers.get("authorization"),
+            "headers": headers,
+            "model": None,
+            "tokens": 0,
+            "aborted": False,
+            "started_at": time.time(),
+            "disconnected_at": None,
+            "query": scope.get("query_string", b"").decode("latin-1"),
+        }
+        st.recent.append(rec)
+        try:
+            req = json.loads(body)
+        except ValueError:
+            await _json(send, 400, {"error": {"message": "bad json", "type": "invalid"}})
+            return
+        rec["model"] = model = req.get("model", "mock-model")
+        if bh.fail_status and bh.fail_count != 0:
+            if bh.fail_count > 0:
+                bh.fail_count -= 1
+            extra = [(b"retry-after", str(bh.retry_after).encode())] if bh.retry_after else []
+            await _json(
+                send,
+                bh.fail_status,
+                {
+                    "error": {
+                        "message": f"{self.name} failing on purpose",
+                        "type": "server_error",
+                        "code": bh.fail_status,
+                    }
+                },
+                extra,
+            )
+            st.completed += 1
+            return
+
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(_watch(receive, gone, rec))
+        st.running += 1
+        try:
+            if bh.hang:
+                await gone.wait()
+                return
+            n = int(req.get("max_tokens") or bh.tokens)
+            if path == "/v1/embeddings":
+                await self._sleep(bh.ttft_ms, gone)
+                await _json(
+                    send,
+                    200,
+                    {
+                        "object": "list",
+                        "model": model,
+                        "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 0.5, 1.0]}],
+                        "usage": {"prompt_tokens": 1, "total_tokens": 1},
+                    },
+                )
+                st.completed += 1
+                return
+            chat = path == "/v1/chat/completions"
+            if req.get("stream") is True:
+                await self._stream(send, rec, model, chat, n, gone)
+            else:
+                await self._whole(send, rec, model, chat, n, gone)
+        finally:
+            st.running -= 1
+            if gone.is_set():
+                rec["aborted"] = True
+                st.aborted += 1
+            else:
+                st.completed += 1
+            watcher.cancel()
+
+    async def _sleep(self, ms: float, gone: asyncio.Event) -> None:
+        if ms > 0 and not gone.is_set():
+            try:
+                await asyncio.wait_for(gone.wait(), ms / 1000)
+            except TimeoutError:
+                pass
+
+    def _count_token(self, rec: dict[str, Any], gone: asyncio.Event) -> None:
+        rec["tokens"] += 1
+        self.stats.tokens_generated += 1
+        if gone.is_set():
+            self.stats.tokens_after_disconnect += 1
+
+    async def _stream(
+        self, send: Send, rec: dict[str, Any], model: str, chat: bool, n: int, gone: asyncio.Event
+    ) -> None:
+        bh = self.behaviour
+        rid = rec["request_id"] or "0"
+        pre = ((self._chat_pre if chat else self._cmpl_pre) % (rid, model)).encode()
+        headers = list(_SSE)
+        compressor = None
+        if bh.gzip:
+            headers.append((b"content-encoding", b"gzip"))
+            compressor = gzip.GzipFile  # marker: compress the whole stream at the end
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self._sleep(bh.ttft_ms, gone)
+        parts: list[bytes] = []
+        for i in range(n):
+            if gone.is_set():
+                return
+            if i and bh.itl_ms:
+                await self._sleep(bh.itl_ms, gone)
+                if gone.is_set():
+                    return
+            self._count_token(rec, gone)
+            chunk = b"data: " + pre + token_text(i).encode() + b'"}}]}\n\n'
+            if bh.half_event_after == i:
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": chunk[: len(chunk) // 2],
+                        "more_body": True,
+                    }
+                )
+                raise ConnectionAbortedError("half event on purpose")
+            if bh.die_after == i:
+                raise ConnectionAbortedError("dying on purpose")
+            if compressor is not None:
+                parts.append(chunk)
+                continue
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        tail = (
+            b"data: " + pre + b'"},"finish_reason":"length"}]}\n\n'
+            if chat
+            else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
+        )
+        tail = tail.replace(b'"delta":{"content":""}', b'"delta":{}')
+        tail += b"data: [DONE]\n\n"
+        if compressor is not None:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": gzip.compress(b"".join(parts) + tail),
+                    "more_body": False,
+                }
+            )
+            return
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _whole(
+        self, send: Send, rec: dict[str, Any], model: str, chat: bool, n: int, gone: asyncio.Event
+    ) -> None:
+        bh = self.behaviour
+        await self._sleep(bh.ttft_ms, gone)
+        text = []
+        for i in range(n):
+            if gone.is_set():
+                return
+            if i and bh.itl_ms:
+                await self._sleep(bh.itl_ms, gone)
+                if gone.is_set():
+                    return
+            self._count_token(rec, gone)
+            text.append(token_text(i))
+        content = "".join(text)
+        rid = rec["request_id"] or "0"
+        usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+        if chat:
+            payload = {
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "length",
+                        "message": {"role": "assistant", "content": content},
+                    }
+                ],
+                "usage": usage,
+            }
+        else:
+            payload = {
+                "id": f"cmpl-{rid}",
+                "object": "text_completion",
+                "created": 0,
+                "model": model,
+                "choices": [{"index": 0, "text": content, "finish_reason": "length"}],
+                "usage": usage,
+            }
+        await _json(send, 200, payload, gzip_body=bh.gzip)
+
+
+async def _watch(receive: Receive, gone: asyncio.Event, rec: dict[str, Any]) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            rec["disconnected_at"] = time.time()
+            gone.set()
+            return
+
+
+async def _read_body(receive: Receive) -> bytes:
+    parts = []
+    while True:
+        msg: Message = await receive()
+        if msg["type"] != "http.request":
+            break
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            break
+    return b"".join(parts)
+
+
+async def _json(
+    send: Send,
+    status: int,
+    obj: Any,
+    extra: list[tuple[bytes, bytes]] | None = None,
+    gzip_body: bool = False,
+) -> None:
+    body = json.dumps(obj).encode()
+    headers = [*_JSON, *(extra or [])]
+    if gzip_body:
+        body = gzip.compress(body)
+        headers.append((b"content-encoding", b"gzip"))
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def run(
+    host: str,
+    port: int,
+    name: str,
+    ttft_ms: float,
+    itl_ms: float,
+    tokens: int,
+    log_level: str = "warning",
+) -> None:
+    import uvicorn
+
+    app = MockUpstream(name, Behaviour(ttft_ms=ttft_ms, itl_ms=itl_ms, tokens=tokens))
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+    )

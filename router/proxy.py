@@ -1,0 +1,459 @@
+"""The one request lifecycle: pick -> acquire -> open upstream -> stream -> release.
+
+`Proxy.prepare()` validates the request and returns a `ProxyCall`, an ASGI response that runs the
+lifecycle under a watcher of the client's connection: when the client leaves, the lifecycle task
+is cancelled wherever it is (waiting for the first byte, between chunks, mid-write), which closes
+the upstream connection, so the backend stops generating. The lease is released in `finally`.
+Failures before the first byte reached the client are retried on another backend; never after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from balancers.inflight.base import InflightStore, Lease
+from health.state import HealthBook
+from router.errors import (
+    NoCapacity,
+    ProxyError,
+    UpstreamConnectError,
+    UpstreamTimeout,
+    error_response,
+    sse_error_event,
+)
+from router.headers import downstream_response_headers, upstream_request_headers
+from router.registry import Registry
+from router.settings import Settings
+from router.upstreams import Backend, Pools
+
+log = logging.getLogger("sluicegate.request")
+
+_RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class Lifecycle:
+    """Draining state and the count of calls in progress, for graceful shutdown."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.active += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle.set()
+
+    async def wait_idle(self, grace: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except TimeoutError:
+            return False
+        return True
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the one log line per request says."""
+
+    request_id: str
+    model: str
+    path: str
+    stream: bool
+    started: float
+    backend: str | None = None
+    status: int = 0
+    attempts: int = 0
+    ttfb_ms: float | None = None
+    bytes_out: int = 0
+    disconnected: bool = False
+    error: str | None = None
+
+    def emit(self) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        log.info(
+            "request",
+            extra={
+                "fields": {
+                    "request_id": self.request_id,
+                    "model": self.model,
+                    "path": self.path,
+                    "stream": self.stream,
+                    "backend": self.backend,
+                    "status": self.status,
+                    "attempts": self.attempts,
+                    "ttfb_ms": self.ttfb_ms,
+                    "duration_ms": round((time.perf_counter() - self.started) * 1000, 2),
+                    "bytes": self.bytes_out,
+                    "disconnected": self.disconnected,
+                    "error": self.error,
+                }
+            },
+        )
+
+
+class _Retry(Exception):
+    """An attempt failed before anything reached the client; another backend may serve it."""
+
+    def __init__(
+        self,
+        error: ProxyError,
+        response: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None,
+    ) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.response = response  # the upstream's own error answer, forwarded if none is left
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        pools: Pools,
+        store: InflightStore,
+        health: HealthBook,
+        lifecycle: Lifecycle,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.pools = pools
+        self.store = store
+        self.health = health
+        self.lifecycle = lifecycle
+
+    async def prepare(self, request: Request, path: str) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if not _valid_request_id(request_id):
+            request_id = uuid.uuid4().hex
+        rid = {"x-request-id": request_id}
+        if self.lifecycle.draining:
+            return error_response(
+                503,
+                "The router is shutting down; retry.",
+                "service_unavailable",
+                "shutting_down",
+                {**rid, "retry-after": "1"},
+            )
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            body.headers.update(rid)
+            return body
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError):
+            return error_response(
+                400,
+                "The request body is not valid JSON.",
+                "invalid_request_error",
+                "invalid_json",
+                rid,
+            )
+        if not isinstance(payload, dict):
+            return error_response(
+                400,
+                "The request body must be a JSON object.",
+                "invalid_request_error",
+                "invalid_body",
+                rid,
+            )
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            return error_response(
+                400,
+                "You must provide a model parameter.",
+                "invalid_request_error",
+                "missing_model",
+                rid,
+            )
+        snapshot = self.registry.snapshot
+        backends = snapshot.by_model.get(model)
+        if not backends:
+            return error_response(
+                404,
+                f"The model `{model[:200]}` does not exist.",
+                "invalid_request_error",
+                "model_not_found",
+                rid,
+            )
+        stream = payload.get("stream") is True
+        record = RequestRecord(request_id, model, path, stream, time.perf_counter())
+        return ProxyCall(self, request, path, body, payload, model, backends, stream, record)
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        limit = self.settings.max_body_bytes
+        too_big = error_response(
+            413,
+            f"The request body exceeds {limit} bytes.",
+            "invalid_request_error",
+            "request_too_large",
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return too_big
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return too_big
+                chunks.append(chunk)
+        except ClientDisconnect:
+            return error_response(400, "Client disconnected.", "invalid_request_error", None)
+        return b"".join(chunks)
+
+
+def _valid_request_id(value: str) -> bool:
+    return 0 < len(value) <= 128 and value.isascii() and value.isprintable()
+
+
+class ProxyCall(Response):
+    """An ASGI response that runs the upstream lifecycle under a client-disconnect watcher."""
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        request: Request,
+        path: str,
+        body: bytes,
+        payload: dict[str, Any],
+        model: str,
+        backends: Sequence[Backend],
+        stream: bool,
+        record: RequestRecord,
+    ) -> None:
+        self.background = None
+        self.status_code = 200
+        self._proxy = proxy
+        self._path = path
+        self._body = body
+        self._payload = payload
+        self._model = model
+        self._backends = backends
+        self._stream = stream
+        self._record = record
+        self._client_headers = request.headers.raw
+        self._started = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lifecycle = self._proxy.lifecycle
+        lifecycle.enter()
+        run = asyncio.ensure_future(self._run(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((run, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                # The client left: stop the upstream now, wherever the lifecycle is waiting.
+                self._record.disconnected = True
+                run.cancel()
+            await asyncio.wait((run,))
+            if not run.cancelled():
+                run.result()
+        finally:
+            if not watch.done():
+                watch.cancel()
+            if not run.done():  # we ourselves were cancelled (server shutdown)
+                run.cancel()
+                await asyncio.wait((run,))
+            lifecycle.leave()
+            self._record.emit()
+
+    def _body_for(self, backend: Backend) -> bytes:
+        target = backend.models.get(self._model, self._model)
+        if target == self._model:
+            return self._body
+        return json.dumps({**self._payload, "model": target}).encode()
+
+    async def _run(self, send: Send) -> None:
+        proxy = self._proxy
+        rec = self._record
+        request_id = rec.request_id
+        retries = proxy.settings.retries
+        deadline = time.monotonic() + retries.deadline
+        exclude: set[str] = set()
+        balancer = proxy.registry.balancer_for(self._model)
+        last: _Retry | None = None
+        try:
+            for _ in range(retries.attempts):
+                eligible = proxy.health.eligible(self._backends)
+                lease = await proxy.store.acquire(eligible, balancer, exclude)
+                if lease is None:
+                    break
+                rec.attempts += 1
+                try:
+                    await self._attempt(send, lease)
+                    return
+                except _Retry as retry:
+                    last = retry
+                    exclude.add(lease.backend)
+                    if time.monotonic() >= deadline:
+                        break
+            if last is None:
+                raise NoCapacity(
+                    f"Every backend serving `{self._model}` is busy or unavailable; retry later.",
+                    retry_after=1,
+                )
+            if last.response is not None:
+                status, headers, body = last.response
+                rec.status = status
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+            raise last.error
+        except ProxyError as exc:
+            rec.status = exc.status
+            rec.error = exc.code
+            await exc.response(request_id)({"type": "http"}, _no_receive, send)
+
+    async def _attempt(self, send: Send, lease: Lease) -> None:
+        proxy = self._proxy
+        rec = self._record
+        backend = proxy.registry.snapshot.by_name.get(lease.backend)
+        if backend is None:
+            backend = next(b for b in self._backends if b.name == lease.backend)
+        rec.backend = backend.name
+        client = proxy.pools.get(backend)
+        response: httpx.Response | None = None
+        try:
+            request = client.build_request(
+                "POST",
+                self._path,
+                content=self._body_for(backend),
+                headers=upstream_request_headers(
+                    self._client_headers, rec.request_id, list(backend.auth_headers)
+                ),
+            )
+            try:
+                response = await client.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                proxy.health.on_failure(backend.name, "connect")
+                raise _Retry(
+                    UpstreamConnectError(f"Could not connect to backend `{backend.name}`.")
+                ) from exc
+            except httpx.TimeoutException as exc:
+                proxy.health.on_failure(backend.name, "timeout")
+                raise _Retry(
+                    UpstreamTimeout(f"Backend `{backend.name}` did not answer in time.")
+                ) from exc
+            except httpx.TransportError as exc:
+                proxy.health.on_failure(backend.name, "connect")
+                raise _Retry(
+                    UpstreamConnectError(
+                        f"Backend `{backend.name}` closed the connection before answering."
+                    )
+                ) from exc
+
+            status = response.status_code
+            if status in _RETRYABLE_STATUS:
+                await self._retryable_status(backend, response)
+            streaming = self._stream and status < 400
+            headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
+            rec.status = status
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            self._started = True
+            if status < 400:
+                proxy.health.on_success(backend.name)
+            await self._pump(send, response, backend, streaming)
+        finally:
+            if response is not None:
+                await response.aclose()
+            proxy.store.release(lease)
+
+    async def _retryable_status(self, backend: Backend, response: httpx.Response) -> None:
+        """Read the (small) error answer, note it, and hand it to the retry loop."""
+        proxy = self._proxy
+        limit = proxy.settings.max_error_body_bytes
+        body = b""
+        try:
+            async for chunk in response.aiter_raw():
+                body += chunk
+                if len(body) > limit:
+                    body = body[:limit]
+                    break
+        except httpx.HTTPError:
+            pass
+        status = response.status_code
+        retry_after = _retry_after(response.headers.get("retry-after"))
+        if retry_after is not None and status in (429, 503):
+            proxy.health.cool_down(backend.name, retry_after)
+        if status >= 500:
+            proxy.health.on_failure(backend.name, f"status_{status}")
+        headers = downstream_response_headers(response.headers.raw, self._record.request_id, False)
+        if len(body) >= limit:
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
+        err = ProxyError(f"Backend `{backend.name}` answered {status}.")
+        raise _Retry(err, (status, headers, body))
+
+    async def _pump(
+        self, send: Send, response: httpx.Response, backend: Backend, streaming: bool
+    ) -> None:
+        rec = self._record
+        sent = 0
+        tail = b"\n\n"
+        try:
+            async for chunk in response.aiter_raw():
+                if sent == 0:
+                    rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
+                sent += len(chunk)
+                tail = chunk[-2:]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (httpx.TimeoutException, httpx.TransportError) as exc:
+            rec.bytes_out = sent
+            kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "mid_stream"
+            rec.error = kind
+            self._proxy.health.on_failure(backend.name, kind)
+            if not streaming or response.headers.get("content-encoding", "identity") != "identity":
+                # A plain body can't carry an error event: abort so the client sees it incomplete.
+                raise
+            message = (
+                f"Backend `{backend.name}` timed out mid-stream."
+                if kind == "timeout"
+                else f"Backend `{backend.name}` failed mid-stream."
+            )
+            event = sse_error_event(message, "upstream_error", f"upstream_{kind}")
+            if tail != b"\n\n":
+                event = b"\n\n" + event  # end the half event so the error parses on its own
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+            return
+        rec.bytes_out = sent
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # HTTP-date form: rare from model servers; not worth a parser
+    return seconds if 0 <= seconds <= 3600 else None

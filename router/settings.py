@@ -1,0 +1,246 @@
+"""Settings: environment (SLUICEGATE_*) over a YAML file over defaults.
+
+    backends:
+      - name: vllm-a
+        url: http://vllm-a.models.svc:8000
+        models: [meta-llama/Llama-3.1-8B-Instruct]     # or {public-name: backend-model-id}
+    timeouts: {connect: 5, read: 120, write: 5, pool: 10}
+
+`load_settings(path)` raises `ConfigError` with one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+
+class ConfigError(Exception):
+    """A configuration that cannot start the router; str() is the one-line message."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Timeouts(_Strict):
+    connect: float = Field(5.0, gt=0)
+    read: float = Field(120.0, gt=0)
+    write: float = Field(5.0, gt=0)
+    pool: float = Field(10.0, gt=0)
+
+
+class PoolLimits(_Strict):
+    """Per-backend connection pool size (one pool per backend)."""
+
+    max_connections: int = Field(512, ge=1)
+    max_keepalive: int = Field(128, ge=0)
+    keepalive_expiry: float = Field(30.0, ge=0)
+
+
+class HealthConfig(_Strict):
+    interval: float = Field(5.0, gt=0)
+    timeout: float = Field(2.0, gt=0)
+    unhealthy_threshold: int = Field(3, ge=1)
+    healthy_threshold: int = Field(2, ge=1)
+    path: str | None = None
+    enabled: bool = True
+
+
+class OutlierConfig(_Strict):
+    consecutive_failures: int = Field(5, ge=1)
+    base_ejection: float = Field(30.0, gt=0)
+    max_ejection: float = Field(300.0, gt=0)
+    max_ejection_percent: float = Field(50.0, ge=0, le=100)
+
+
+class RetryConfig(_Strict):
+    attempts: int = Field(3, ge=1, le=10)
+    budget_percent: float = Field(20.0, ge=0, le=100)
+    min_retries: int = Field(3, ge=0)
+    deadline: float = Field(30.0, gt=0)
+
+
+class BackendConfig(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    url: str
+    kind: Literal["vllm", "openai"] = "vllm"
+    models: dict[str, str]
+    api_key_env: str | None = None
+    api_key: SecretStr | None = None
+    key_header: str = "Authorization"
+    headers: dict[str, str] = Field(default_factory=dict)
+    query: dict[str, str] = Field(default_factory=dict)
+    weight: float = Field(1.0, gt=0, le=1000)
+    max_inflight: int | None = Field(None, ge=1)
+    health: HealthConfig | None = None
+    outlier: OutlierConfig | None = None
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_list_or_map(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            return {str(m): str(m) for m in v}
+        return v
+
+    @field_validator("models")
+    @classmethod
+    def _models_not_empty(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("must name at least one model")
+        for public, target in v.items():
+            if not public or not target:
+                raise ValueError("model names must be non-empty")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parsed = urlsplit(v)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parsed.query or parsed.fragment:
+            raise ValueError("must not carry a query or fragment (use `query:`)")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _key_source(self) -> BackendConfig:
+        if self.api_key is not None and self.api_key_env:
+            raise ValueError("give api_key or api_key_env, not both")
+        return self
+
+    def resolved_key(self) -> str | None:
+        """The backend's key: the value given, or the named variable's value at startup."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or None
+        return None
+
+
+_FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "sluicegate_file_data", default=None
+)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_FILE_DATA.get() or {})
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SLUICEGATE_", extra="forbid", frozen=True)
+
+    config: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=64)
+    redis_url: SecretStr | None = None
+    admin_token: SecretStr | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    backends: list[BackendConfig] = Field(default_factory=list)
+    balancer: str = "least_inflight"
+    model_balancers: dict[str, str] = Field(default_factory=dict)
+    timeouts: Timeouts = Timeouts()
+    limits: PoolLimits = PoolLimits()
+    health: HealthConfig = HealthConfig()
+    outlier: OutlierConfig = OutlierConfig()
+    retries: RetryConfig = RetryConfig()
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_error_body_bytes: int = Field(64 * 1024, ge=1024)
+    drain_grace: float = Field(30.0, ge=0)
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_names(cls, v: list[BackendConfig]) -> list[BackendConfig]:
+        seen: set[str] = set()
+        for b in v:
+            if b.name in seen:
+                raise ValueError(f"duplicate backend name {b.name!r}")
+            seen.add(b.name)
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSource(settings_cls)
+
+
+def _describe(exc: ValidationError, data: dict[str, Any]) -> str:
+    err = exc.errors()[0]
+    parts: list[str] = []
+    node: Any = data
+    for loc in err["loc"]:
+        if isinstance(loc, int) and isinstance(node, list) and loc < len(node):
+            node = node[loc]
+            name = node.get("name") if isinstance(node, dict) else None
+            parts.append(f"[{loc}]" + (f"({name})" if name else ""))
+            continue
+        node = node.get(loc) if isinstance(node, dict) else None
+        parts.append(f".{loc}" if parts else str(loc))
+    where = "".join(parts) or "(top level)"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{where}: {err['msg']}{more}"
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {p}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {p}:{where}: not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping")
+    return data
+
+
+def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build Settings: explicit overrides > SLUICEGATE_* env > YAML file > defaults."""
+    path = str(config) if config else os.environ.get("SLUICEGATE_CONFIG")
+    data = read_config_file(path) if path else {}
+    token = _FILE_DATA.set(data)
+    try:
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if path:
+            overrides["config"] = path
+        return Settings(**overrides)
+    except ValidationError as exc:
+        origin = f"config file {path}" if path else "settings"
+        raise ConfigError(f"{origin}: {_describe(exc, data)}") from None
+    finally:
+        _FILE_DATA.reset(token)

@@ -1,0 +1,135 @@
+"""A backend as a frozen value, and the one httpx connection pool each backend gets.
+
+One `httpx.AsyncClient` per backend keeps each pool small (pool bookkeeping grows with its size),
+reuses keep-alive connections across requests, and closes them all at shutdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import httpx
+
+from router.settings import BackendConfig, HealthConfig, OutlierConfig, PoolLimits, Timeouts
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    url: str
+    kind: str
+    models: MappingProxyType[str, str]  # public name -> the backend's own model id
+    weight: float = 1.0
+    max_inflight: int | None = None
+    # Secret-bearing: never shown by repr, never serialised by `public()`.
+    auth_headers: tuple[tuple[bytes, bytes], ...] = field(default=(), repr=False)
+    query: tuple[tuple[str, str], ...] = ()
+    has_key: bool = False
+    health: HealthConfig | None = None
+    outlier: OutlierConfig | None = None
+    source: str = "file"
+    draining: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: BackendConfig, source: str = "file") -> Backend:
+        key = cfg.resolved_key()
+        headers: list[tuple[bytes, bytes]] = [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in cfg.headers.items()
+        ]
+        if key:
+            hname = cfg.key_header.lower()
+            value = f"Bearer {key}" if hname == "authorization" else key
+            headers.append((hname.encode("latin-1"), value.encode("latin-1")))
+        return cls(
+            name=cfg.name,
+            url=cfg.url,
+            kind=cfg.kind,
+            models=MappingProxyType(dict(cfg.models)),
+            weight=cfg.weight,
+            max_inflight=cfg.max_inflight,
+            auth_headers=tuple(headers),
+            query=tuple(cfg.query.items()),
+            has_key=bool(key),
+            health=cfg.health,
+            outlier=cfg.outlier,
+            source=source,
+        )
+
+    def public(self) -> dict[str, Any]:
+        """What the admin API may show: everything but secrets."""
+        return {
+            "name": self.name,
+            "url": self.url,
+            "kind": self.kind,
+            "models": dict(self.models),
+            "weight": self.weight,
+            "max_inflight": self.max_inflight,
+            "api_key": "***" if self.has_key else None,
+            "source": self.source,
+            "draining": self.draining,
+        }
+
+
+class NoCookies(httpx.Cookies):
+    """A jar that stores nothing: a proxy must not carry one client's cookies to another, and
+    skipping the jar saves work on every request."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+    def set_cookie_header(self, request: httpx.Request) -> None:
+        return None
+
+
+def make_client(backend: Backend, timeouts: Timeouts, limits: PoolLimits) -> httpx.AsyncClient:
+    client = httpx.AsyncClient(
+        base_url=backend.url,
+        timeout=httpx.Timeout(
+            connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=timeouts.pool
+        ),
+        limits=httpx.Limits(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive,
+            keepalive_expiry=limits.keepalive_expiry,
+        ),
+        params=dict(backend.query) or None,
+        trust_env=False,
+        follow_redirects=False,
+    )
+    client._cookies = NoCookies()  # httpx has no public switch for "no jar"
+    return client
+
+
+class Pools:
+    """Backend name -> its client. Clients outlive config swaps that keep the same URL."""
+
+    def __init__(self, timeouts: Timeouts, limits: PoolLimits) -> None:
+        self._timeouts = timeouts
+        self._limits = limits
+        self._clients: dict[str, tuple[str, tuple[tuple[str, str], ...], httpx.AsyncClient]] = {}
+        self._retired: list[httpx.AsyncClient] = []
+
+    def get(self, backend: Backend) -> httpx.AsyncClient:
+        entry = self._clients.get(backend.name)
+        if entry is not None and entry[0] == backend.url and entry[1] == backend.query:
+            return entry[2]
+        client = make_client(backend, self._timeouts, self._limits)
+        self._clients[backend.name] = (backend.url, backend.query, client)
+        if entry is not None:
+            # The URL changed: the old pool serves its streams in flight and is then dropped.
+            self._retired.append(entry[2])
+        return client
+
+    async def discard(self, name: str) -> None:
+        entry = self._clients.pop(name, None)
+        if entry is not None:
+            await entry[2].aclose()
+
+    async def aclose(self) -> None:
+        clients = [e[2] for e in self._clients.values()] + self._retired
+        self._clients.clear()
+        self._retired = []
+        for c in clients:
+            await c.aclose()
