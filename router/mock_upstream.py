@@ -261,6 +261,7 @@ class MockUpstream:
         bh = self.behaviour
         rid = rec["request_id"] or "0"
         pre = ((self._chat_pre if chat else self._cmpl_pre) % (rid, model)).encode()
+        post = b'"}}]}\n\n' if chat else b'"}]}\n\n'
         headers = list(_SSE)
         compressor = None
         if bh.gzip:
@@ -277,7 +278,7 @@ class MockUpstream:
                 if gone.is_set():
                     return
             self._count_token(rec, gone)
-            chunk = b"data: " + pre + token_text(i).encode() + b'"}}]}\n\n'
+            chunk = b"data: " + pre + token_text(i).encode() + post
             if bh.half_event_after == i:
                 await send(
                     {
