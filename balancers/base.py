@@ -2,6 +2,8 @@
 
 A balancer is pure: no I/O, no health, no clock. Health filters candidates before it is asked;
 the in-flight store supplies the loads; the request's retry context supplies `exclude`.
+A balancer whose choice ignores loads sets `needs_counts = False`, which lets a shared store
+skip reading them (one Redis round trip instead of two); absent, it is taken as True.
 """
 
 from __future__ import annotations
@@ -27,3 +29,7 @@ class Balancer(Protocol):
     ) -> Candidate | None:
         """One of `candidates` not in `exclude`, or None when none is left."""
         ...
+
+
+def needs_counts(balancer: Balancer) -> bool:
+    return bool(getattr(balancer, "needs_counts", True))

@@ -1,5 +1,7 @@
 """Least in flight relative to weight: an exact scan for small sets, power of two choices for
-large ones; ties go to a random one of the tied, never to the first listed."""
+large ones. Ties go to a random one of the tied, drawn in proportion to weight, never to the
+first listed: so an idle fleet still gets traffic in the ratio of its weights, and equal weights
+spread evenly."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ EXACT_SCAN_MAX = 16
 
 class LeastInflight:
     name: ClassVar[str] = "least_inflight"
+    needs_counts: ClassVar[bool] = True
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
@@ -24,12 +27,22 @@ class LeastInflight:
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
         if not pool:
             return None
+        if len(pool) == 1:
+            return pool[0]
         if len(pool) > EXACT_SCAN_MAX:
-            a, b = self._rng.sample(pool, 2)
-            sa, sb = a.inflight / a.weight, b.inflight / b.weight
-            if sa == sb:
-                return a if self._rng.random() < 0.5 else b
-            return a if sa < sb else b
+            pool = self._rng.sample(pool, 2)
         best_score = min(c.inflight / c.weight for c in pool)
         tied = [c for c in pool if c.inflight / c.weight == best_score]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        if len(tied) == 1:
+            return tied[0]
+        return weighted_choice(tied, self._rng.random())
+
+
+def weighted_choice(tied: Sequence[Candidate], u: float) -> Candidate:
+    """The candidate whose share of the total weight covers `u` in [0, 1)."""
+    point = u * sum(c.weight for c in tied)
+    for c in tied:
+        point -= c.weight
+        if point < 0:
+            return c
+    return tied[-1]

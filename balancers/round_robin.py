@@ -10,6 +10,7 @@ from balancers.base import Candidate
 
 class RoundRobin:
     name: ClassVar[str] = "round_robin"
+    needs_counts: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._current: dict[str, float] = {}

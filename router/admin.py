@@ -23,6 +23,7 @@ def admin_routes(registry: Registry, store: InflightStore, health: HealthBook) -
                 **b.public(),
                 "in_flight": counts.get(b.name, 0),
                 "inflight_store": store.kind,
+                "inflight_shared": store.kind != "local" and not store.degraded,
                 **health.describe(b.name),
             }
             for b in snap.backends

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from balancers.inflight.base import InflightStore
 from balancers.inflight.local import LocalInflight
 from health.state import HealthBook
 from router.admin import admin_routes
@@ -35,11 +36,25 @@ _STATUS_TYPES = {
 }
 
 
+def make_store(settings: Settings) -> InflightStore:
+    """Local counts unless a Redis URL is set; then one count shared by every replica."""
+    if settings.redis_url is None:
+        return LocalInflight()
+    from balancers.inflight.redis import RedisInflight
+
+    return RedisInflight(
+        settings.redis_url.get_secret_value(),
+        timeout=settings.redis_timeout,
+        lease_ttl=settings.redis_lease_ttl,
+        prefix=settings.redis_prefix,
+    )
+
+
 def create_app(settings: Settings) -> FastAPI:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
     registry = Registry(backends, settings.balancer, settings.model_balancers)
-    store = LocalInflight()
+    store = make_store(settings)
     health = HealthBook()
     lifecycle = Lifecycle()
     proxy = Proxy(settings, registry, pools, store, health, lifecycle)
@@ -48,6 +63,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for b in registry.snapshot.backends:
             pools.get(b)
+        await store.start()
         log.info(
             "started",
             extra={"fields": {"backends": len(backends), "models": len(registry.snapshot.models)}},

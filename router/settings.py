@@ -156,6 +156,11 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535)
     workers: int = Field(1, ge=1, le=64)
     redis_url: SecretStr | None = None
+    # Shared in-flight counts: give up on Redis after this long (then count locally); a dead
+    # replica's leases stop counting this long after its last heartbeat.
+    redis_timeout: float = Field(0.05, gt=0, le=5)
+    redis_lease_ttl: float = Field(10.0, ge=1, le=3600)
+    redis_prefix: str = Field("sluicegate", pattern=r"^[A-Za-z0-9._:-]{1,64}$")
     admin_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

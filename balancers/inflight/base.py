@@ -3,7 +3,7 @@
 `acquire` asks the balancer for one of the backends that still have capacity and counts the new
 request against it (atomically for shared stores). `release` is synchronous and never raises, so
 the proxy can call it from a `finally` that is being cancelled; a shared store hands the network
-call to a task it owns.
+call to a task it owns. `degraded` is True while a shared store has fallen back to local counts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class Lease:
 
 class InflightStore(Protocol):
     kind: str
+    degraded: bool
+
+    async def start(self) -> None: ...
 
     async def acquire(
         self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]

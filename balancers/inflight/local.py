@@ -11,9 +11,13 @@ from router.upstreams import Backend
 
 class LocalInflight:
     kind = "local"
+    degraded = False
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
+
+    async def start(self) -> None:
+        return None
 
     def candidates(self, backends: Sequence[Backend], exclude: Set[str]) -> list[Candidate]:
         counts = self._counts

@@ -1,0 +1,415 @@
+"""Shared in-flight counts in Redis: one count per backend across every replica and worker.
+
+Each backend has a sorted set `{prefix}:inflight:<backend>` of lease ids scored by expiry (ms);
+its count is the number of unexpired ids. Lease ids are `<replica id>:<seq>`.
+
+- acquire, one round trip: a Lua script purges expired ids on the candidates, picks the least
+  loaded relative to weight among those below `max_inflight` (ties drawn by weight) and adds the
+  lease, atomically. Balancers that ignore loads (round robin) pick locally and the same script
+  only checks capacity and adds; other (plugin) balancers read counts first: two round trips.
+- release, one round trip: decrements the local view at once and hands ZREM to a task this store
+  owns, with a timeout, so neither the client's cancellation nor an error can lose it.
+- crash safety: a heartbeat re-stamps this replica's live leases every ttl/3 (re-adding any Redis
+  lost, e.g. after a restart); a killed replica's leases expire `lease_ttl` after its last beat.
+- Redis slow or down: calls give up after `timeout`; the store then counts locally (`degraded`,
+  one warning, `fallbacks` += 1 per request so served) and the heartbeat probes Redis until it
+  answers, re-registers the live leases and switches back to shared counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import uuid
+from collections.abc import Callable, Sequence, Set
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from balancers.base import Balancer, Candidate, needs_counts
+from balancers.inflight.base import Lease
+from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight
+from router.upstreams import Backend
+
+log = logging.getLogger("sluicegate.inflight")
+
+# Every script takes now_ms first: 0 means "Redis's own clock" (one clock for every replica);
+# tests pass an injected clock instead.
+_NOW = """
+local now = tonumber(ARGV[1])
+if now == 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# ARGV: now_ms, ttl_ms, lease id, seed, then (weight, max_inflight or 0) per key.
+_ACQUIRE = (
+    _NOW
+    + """
+local ttl = tonumber(ARGV[2])
+math.randomseed(tonumber(ARGV[4]))
+local n = #KEYS
+local function scan(idx)
+  local best, tied, total = nil, {}, 0
+  for _, i in ipairs(idx) do
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+    local c = redis.call('ZCARD', KEYS[i])
+    local w = tonumber(ARGV[3 + 2 * i])
+    local cap = tonumber(ARGV[4 + 2 * i])
+    if cap == 0 or c < cap then
+      local s = c / w
+      if best == nil or s < best then
+        best, tied, total = s, {i}, w
+      elseif s == best then
+        tied[#tied + 1] = i
+        total = total + w
+      end
+    end
+  end
+  return tied, total
+end
+local all = {}
+for i = 1, n do all[i] = i end
+local tied, total
+if n > EXACT_SCAN_MAX then
+  local a = math.random(n)
+  local b = math.random(n - 1)
+  if b >= a then b = b + 1 end
+  tied, total = scan({a, b})
+  if #tied == 0 then tied, total = scan(all) end
+else
+  tied, total = scan(all)
+end
+if #tied == 0 then return 0 end
+local pick = tied[1]
+if #tied > 1 then
+  local point = math.random() * total
+  for _, i in ipairs(tied) do
+    point = point - tonumber(ARGV[3 + 2 * i])
+    if point < 0 then pick = i break end
+  end
+end
+redis.call('ZADD', KEYS[pick], now + ttl, ARGV[3])
+redis.call('PEXPIRE', KEYS[pick], ttl * 3)
+return pick
+""".replace("EXACT_SCAN_MAX", str(EXACT_SCAN_MAX))
+)
+
+# ARGV: now_ms. Returns the count of each key.
+_COUNTS = (
+    _NOW
+    + """
+local out = {}
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  out[i] = redis.call('ZCARD', key)
+end
+return out
+"""
+)
+
+# ARGV: now_ms, ttl_ms, then per key: how many ids follow, the ids. Adds or re-stamps each.
+_REFRESH = (
+    _NOW
+    + """
+local ttl = tonumber(ARGV[2])
+local at = 3
+for _, key in ipairs(KEYS) do
+  local n = tonumber(ARGV[at])
+  for j = at + 1, at + n do
+    redis.call('ZADD', key, now + ttl, ARGV[j])
+  end
+  at = at + n + 1
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  redis.call('PEXPIRE', key, ttl * 3)
+end
+return 1
+"""
+)
+
+_ORPHANS_MAX = 100_000  # ids whose removal failed; past this they are left to expire
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer in time or refused; the caller falls back to local counts."""
+
+
+class RedisInflight:
+    kind = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 0.05,
+        lease_ttl: float = 10.0,
+        prefix: str = "sluicegate",
+        clock: Callable[[], float] | None = None,
+        heartbeat: bool = True,
+    ) -> None:
+        self._redis: Redis = Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            max_connections=256,
+        )
+        self._timeout = timeout
+        self._ttl_ms = int(lease_ttl * 1000)
+        self._beat_every = lease_ttl / 3
+        self._prefix = "{" + prefix + "}:inflight:"  # one hash slot: scripts work on Cluster
+        self._clock = clock
+        self._run_heartbeat = heartbeat
+        self.replica_id = uuid.uuid4().hex[:12]
+        self._seq = itertools.count(1)
+        self._rng = random.Random()
+        self._acquire_script = self._redis.register_script(_ACQUIRE)
+        self._counts_script = self._redis.register_script(_COUNTS)
+        self._refresh_script = self._redis.register_script(_REFRESH)
+        self._live: dict[str, str] = {}  # lease id -> backend, for this replica
+        self._local: dict[str, int] = {}  # this replica's own counts: the fallback view
+        self._orphans: set[tuple[str, str]] = set()  # (backend, lease id) removals still owed
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._beat_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self.degraded = False
+        self.fallbacks = 0  # requests placed on local counts because Redis was unavailable
+
+    def key(self, backend: str) -> str:
+        return self._prefix + backend
+
+    def _now_ms(self) -> int:
+        return 0 if self._clock is None else int(self._clock() * 1000)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await fn()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise RedisUnavailable(type(exc).__name__) from exc
+
+    def _degrade(self, reason: str) -> None:
+        if not self.degraded:
+            self.degraded = True
+            log.warning(
+                "redis in-flight store unavailable; counting locally until it answers",
+                extra={"fields": {"error": reason, "replica": self.replica_id}},
+            )
+            self._wake.set()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.heartbeat()
+        if self._run_heartbeat and self._beat_task is None:
+            self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
+
+    async def _beat_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            # While degraded, probe often so shared counts come back quickly.
+            wait = 0.5 if self.degraded else self._beat_every
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+            await self.heartbeat()
+
+    async def heartbeat(self) -> bool:
+        """Re-stamp (or re-add) this replica's live leases and settle owed removals; True when
+        Redis answered."""
+        by_backend: dict[str, list[str]] = {}
+        for token, backend in self._live.items():
+            by_backend.setdefault(backend, []).append(token)
+        snapshot = dict(self._live)
+        orphans = set(self._orphans)
+        owed: dict[str, list[str]] = {}
+        for backend, token in orphans:
+            owed.setdefault(backend, []).append(token)
+        keys = [self.key(b) for b in by_backend]
+        args: list[Any] = [self._now_ms(), self._ttl_ms]
+        for tokens in by_backend.values():
+            args.append(len(tokens))
+            args.extend(tokens)
+        try:
+            if keys:
+                await self._call(lambda: self._refresh_script(keys=keys, args=args))
+            else:
+                await self._call(self._redis.ping)
+            for backend, tokens in owed.items():
+                await self._call(lambda b=backend, t=tokens: self._redis.zrem(self.key(b), *t))
+        except RedisUnavailable as exc:
+            self._degrade(str(exc))
+            return False
+        self._orphans -= orphans
+        # A lease released while the beat was on the wire may have been re-added by it.
+        for token, backend in snapshot.items():
+            if token not in self._live:
+                self._remove_later(token, backend)
+        if self.degraded:
+            self.degraded = False
+            log.info(
+                "redis in-flight store answers again; counts are shared",
+                extra={"fields": {"replica": self.replica_id, "live": len(self._live)}},
+            )
+        return True
+
+    async def aclose(self) -> None:
+        if self._beat_task is not None:
+            self._beat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat_task
+            self._beat_task = None
+        for token, backend in list(self._live.items()):
+            self.release(Lease(backend, token))
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=max(1.0, self._timeout * 4))
+        await self._redis.aclose()
+
+    # --- the hot path ----------------------------------------------------------------------
+
+    async def acquire(
+        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+    ) -> Lease | None:
+        cands = [b for b in backends if b.name not in exclude] if exclude else list(backends)
+        if not cands:
+            return None
+        if self.degraded:
+            self.fallbacks += 1
+            return self._acquire_local(cands, balancer)
+        token = f"{self.replica_id}:{next(self._seq)}"
+        try:
+            if type(balancer) is LeastInflight:
+                picked = await self._acquire_atomic(cands, token)
+            else:
+                picked = await self._acquire_picked(cands, balancer, token)
+        except RedisUnavailable as exc:
+            # The script may have run after we stopped waiting: remove the id wherever it landed.
+            for b in cands:
+                self._owe(token, b.name)
+            self._degrade(str(exc))
+            self.fallbacks += 1
+            return self._acquire_local(cands, balancer)
+        except BaseException:
+            for b in cands:  # cancelled mid-call (the client left): same doubt, Redis is fine
+                self._remove_later(token, b.name)
+            raise
+        if picked is None:
+            return None
+        return self._hold(picked, token)
+
+    async def _acquire_atomic(self, cands: Sequence[Backend], token: str) -> str | None:
+        args: list[Any] = [self._now_ms(), self._ttl_ms, token, self._rng.getrandbits(31)]
+        for b in cands:
+            args += (b.weight, b.max_inflight or 0)
+        keys = [self.key(b.name) for b in cands]
+        index = await self._call(lambda: self._acquire_script(keys=keys, args=args))
+        return cands[int(index) - 1].name if index else None
+
+    async def _acquire_picked(
+        self, cands: Sequence[Backend], balancer: Balancer, token: str
+    ) -> str | None:
+        """Let the balancer pick, then add the lease only if that backend still has room."""
+        if needs_counts(balancer):
+            names = [b.name for b in cands]
+            counts = await self._shared_counts(names)
+        else:
+            counts = self._local
+        offered = [
+            Candidate(b.name, b.weight, counts.get(b.name, 0))
+            for b in cands
+            if b.max_inflight is None or counts.get(b.name, 0) < b.max_inflight
+        ]
+        by_name = {b.name: b for b in cands}
+        tried: set[str] = set()
+        for _ in range(len(offered)):
+            picked = balancer.pick(offered, tried)
+            if picked is None:
+                return None
+            b = by_name[picked.name]
+            args = [self._now_ms(), self._ttl_ms, token, 0, b.weight, b.max_inflight or 0]
+            keys = [self.key(b.name)]
+            if await self._call(lambda k=keys, a=args: self._acquire_script(keys=k, args=a)):
+                return b.name
+            tried.add(b.name)  # filled up since we looked
+        return None
+
+    def _hold(self, backend: str, token: str) -> Lease:
+        self._live[token] = backend
+        self._local[backend] = self._local.get(backend, 0) + 1
+        return Lease(backend, token)
+
+    def _acquire_local(self, cands: Sequence[Backend], balancer: Balancer) -> Lease | None:
+        local = self._local
+        offered = [
+            Candidate(b.name, b.weight, local.get(b.name, 0))
+            for b in cands
+            if b.max_inflight is None or local.get(b.name, 0) < b.max_inflight
+        ]
+        picked = balancer.pick(offered)
+        if picked is None:
+            return None
+        return self._hold(picked.name, f"{self.replica_id}:{next(self._seq)}")
+
+    def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        if self._live.pop(lease.token, None) is None:
+            return
+        n = self._local.get(lease.backend, 0) - 1
+        if n > 0:
+            self._local[lease.backend] = n
+        else:
+            self._local.pop(lease.backend, None)
+        if self.degraded:
+            self._owe(lease.token, lease.backend)
+        else:
+            self._remove_later(lease.token, lease.backend)
+
+    def _owe(self, token: str, backend: str) -> None:
+        if len(self._orphans) < _ORPHANS_MAX:
+            self._orphans.add((backend, token))
+
+    def _remove_later(self, token: str, backend: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._owe(token, backend)
+            return
+        task = loop.create_task(self._remove(token, backend))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _remove(self, token: str, backend: str) -> None:
+        try:
+            await self._call(lambda: self._redis.zrem(self.key(backend), token))
+        except RedisUnavailable as exc:
+            self._owe(token, backend)  # the heartbeat settles it; failing that, it expires
+            self._degrade(str(exc))
+        except Exception:
+            log.exception("releasing an in-flight lease failed")
+            self._owe(token, backend)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def _shared_counts(self, names: Sequence[str]) -> dict[str, int]:
+        keys = [self.key(n) for n in names]
+        now = self._now_ms()
+        values = await self._call(lambda: self._counts_script(keys=keys, args=[now]))
+        return {n: int(v) for n, v in zip(names, values, strict=True)}
+
+    async def counts(self, names: Sequence[str]) -> dict[str, int]:
+        """Every replica's count per backend; this replica's own while Redis is unavailable."""
+        if not self.degraded and names:
+            try:
+                return await self._shared_counts(names)
+            except RedisUnavailable as exc:
+                self._degrade(str(exc))
+        return {n: self._local.get(n, 0) for n in names}
