@@ -207,6 +207,11 @@ class RedisInflight:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        scripts = (self._acquire_script, self._counts_script, self._refresh_script)
+        with contextlib.suppress(RedisUnavailable):
+            # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
+            for script in scripts:
+                await self._call(lambda s=script: self._redis.script_load(s.script))
         await self.heartbeat()
         if self._run_heartbeat and self._beat_task is None:
             self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
