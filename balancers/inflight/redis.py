@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Sequence, Set
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -134,6 +134,7 @@ return 1
 """
 )
 
+POOL_SIZE = 16
 _ORPHANS_MAX = 100_000  # ids whose removal failed; past this they are left to expire
 
 
@@ -154,13 +155,17 @@ class RedisInflight:
         clock: Callable[[], float] | None = None,
         heartbeat: bool = True,
     ) -> None:
-        self._redis: Redis = Redis.from_url(
+        # A few connections shared by every request: a burst queues for one (within `timeout`)
+        # instead of opening hundreds, each with its own handshake round trips.
+        pool = BlockingConnectionPool.from_url(
             url,
+            max_connections=POOL_SIZE,
+            timeout=timeout,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
-            max_connections=256,
         )
+        self._redis: Redis = Redis.from_pool(pool)
         self._timeout = timeout
         self._ttl_ms = int(lease_ttl * 1000)
         self._beat_every = lease_ttl / 3
@@ -265,6 +270,11 @@ class RedisInflight:
             )
         return True
 
+    async def flush(self, within: float = 5.0) -> None:
+        """Wait (bounded) for the removals already handed to tasks."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=within)
+
     async def aclose(self) -> None:
         if self._beat_task is not None:
             self._beat_task.cancel()
@@ -273,8 +283,7 @@ class RedisInflight:
             self._beat_task = None
         for token, backend in list(self._live.items()):
             self.release(Lease(backend, token))
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=max(1.0, self._timeout * 4))
+        await self.flush(max(1.0, self._timeout * 4))
         await self._redis.aclose()
 
     # --- the hot path ----------------------------------------------------------------------
