@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
@@ -89,7 +90,12 @@ def serve(settings: Settings) -> None:
         from uvicorn.supervisors import Multiprocess
 
         sock = config.bind_socket()
-        Multiprocess(config, target=server.run, sockets=[sock]).run()
+        if "target" in inspect.signature(Multiprocess.__init__).parameters:
+            Multiprocess(config, target=server.run, sockets=[sock]).run()
+        else:
+            # Newer uvicorn builds a plain Server in each worker (no target hook): the drain
+            # then rests on the app's lifespan shutdown and uvicorn's graceful timeout.
+            Multiprocess(config, sockets=[sock]).run()
     else:
         server.run()
 
