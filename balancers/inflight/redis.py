@@ -11,9 +11,10 @@ its count is the number of unexpired ids. Lease ids are `<replica id>:<seq>`.
   owns, with a timeout, so neither the client's cancellation nor an error can lose it.
 - crash safety: a heartbeat re-stamps this replica's live leases every ttl/3 (re-adding any Redis
   lost, e.g. after a restart); a killed replica's leases expire `lease_ttl` after its last beat.
-- Redis slow or down: calls give up after `timeout`; the store then counts locally (`degraded`,
-  one warning, `fallbacks` += 1 per request so served) and the heartbeat probes Redis until it
-  answers, re-registers the live leases and switches back to shared counts.
+- Redis slow or down: calls give up after `timeout` and that request is counted locally
+  (`fallbacks` += 1); after a few failures in a row the store switches to local counts
+  (`degraded`, one warning) and the heartbeat probes Redis until it answers, re-registers the
+  live leases and switches back to shared counts.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ return 1
 )
 
 POOL_SIZE = 16
+DEGRADE_AFTER = 3
 _ORPHANS_MAX = 100_000  # ids whose removal failed; past this they are left to expire
 
 
@@ -184,6 +186,7 @@ class RedisInflight:
         self._tasks: set[asyncio.Task[None]] = set()
         self._beat_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._failures = 0  # Redis calls failed in a row
         self.degraded = False
         self.fallbacks = 0  # requests placed on local counts because Redis was unavailable
 
@@ -196,12 +199,17 @@ class RedisInflight:
     async def _call(self, fn: Callable[[], Any]) -> Any:
         try:
             async with asyncio.timeout(self._timeout):
-                return await fn()
+                result = await fn()
         except (RedisError, OSError, TimeoutError) as exc:
+            self._failures += 1
             raise RedisUnavailable(type(exc).__name__) from exc
+        self._failures = 0
+        return result
 
     def _degrade(self, reason: str) -> None:
-        if not self.degraded:
+        # One late answer (a busy event loop, a GC pause) only sends its own request to local
+        # counts; the whole store switches after a few failures in a row.
+        if not self.degraded and self._failures >= DEGRADE_AFTER:
             self.degraded = True
             log.warning(
                 "redis in-flight store unavailable; counting locally until it answers",
