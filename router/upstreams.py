@@ -115,6 +115,24 @@ class Pools:
         self._limits = limits
         self._clients: dict[str, tuple[str, tuple[tuple[str, str], ...], httpx.AsyncClient]] = {}
         self._retired: list[httpx.AsyncClient] = []
+        self._urls: dict[tuple[str, str, str], httpx.URL] = {}
+        self._timeout = httpx.Timeout(
+            connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=timeouts.pool
+        ).as_dict()
+
+    def request(
+        self, backend: Backend, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[httpx.AsyncClient, httpx.Request]:
+        """The client for `backend` and a POST to `path` on it, built without re-parsing URLs."""
+        client = self.get(backend)
+        key = (backend.name, backend.url, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = client.build_request("POST", path).url
+        request = httpx.Request(
+            "POST", url, headers=headers, content=body, extensions={"timeout": self._timeout}
+        )
+        return client, request
 
     def get(self, backend: Backend) -> httpx.AsyncClient:
         entry = self._clients.get(backend.name)
