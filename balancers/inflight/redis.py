@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 
 from balancers.base import Balancer, Candidate, needs_counts
 from balancers.inflight.base import Lease
+from balancers.inflight.batch import Batcher
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight
 from router.upstreams import Backend
 
@@ -135,7 +136,7 @@ return 1
 """
 )
 
-POOL_SIZE = 16
+POOL_SIZE = 8
 DEGRADE_AFTER = 3
 _ORPHANS_MAX = 100_000  # ids whose removal failed; past this they are left to expire
 
@@ -157,8 +158,8 @@ class RedisInflight:
         clock: Callable[[], float] | None = None,
         heartbeat: bool = True,
     ) -> None:
-        # A few connections shared by every request: a burst queues for one (within `timeout`)
-        # instead of opening hundreds, each with its own handshake round trips.
+        # Hot-path commands go pipelined through one connection (see batch.py); the heartbeat
+        # and script loading take others.
         pool = BlockingConnectionPool.from_url(
             url,
             max_connections=POOL_SIZE,
@@ -180,6 +181,8 @@ class RedisInflight:
         self._acquire_script = self._redis.register_script(_ACQUIRE)
         self._counts_script = self._redis.register_script(_COUNTS)
         self._refresh_script = self._redis.register_script(_REFRESH)
+        scripts = (self._acquire_script, self._counts_script, self._refresh_script)
+        self._batch = Batcher(self._redis, {s.sha: s.script for s in scripts}, timeout)
         self._live: dict[str, str] = {}  # lease id -> backend, for this replica
         self._local: dict[str, int] = {}  # this replica's own counts: the fallback view
         self._orphans: set[tuple[str, str]] = set()  # (backend, lease id) removals still owed
@@ -331,7 +334,8 @@ class RedisInflight:
         for b in cands:
             args += (b.weight, b.max_inflight or 0)
         keys = [self.key(b.name) for b in cands]
-        index = await self._call(lambda: self._acquire_script(keys=keys, args=args))
+        sha = self._acquire_script.sha
+        index = await self._call(lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, *args))
         return cands[int(index) - 1].name if index else None
 
     async def _acquire_picked(
@@ -356,8 +360,8 @@ class RedisInflight:
                 return None
             b = by_name[picked.name]
             args = [self._now_ms(), self._ttl_ms, token, 0, b.weight, b.max_inflight or 0]
-            keys = [self.key(b.name)]
-            if await self._call(lambda k=keys, a=args: self._acquire_script(keys=k, args=a)):
+            cmd = ("EVALSHA", self._acquire_script.sha, 1, self.key(b.name), *args)
+            if await self._call(lambda c=cmd: self._batch.call(*c)):
                 return b.name
             tried.add(b.name)  # filled up since we looked
         return None
@@ -411,7 +415,7 @@ class RedisInflight:
 
     async def _remove(self, token: str, backend: str) -> None:
         try:
-            await self._call(lambda: self._redis.zrem(self.key(backend), token))
+            await self._call(lambda: self._batch.call("ZREM", self.key(backend), token))
         except RedisUnavailable as exc:
             self._owe(token, backend)  # the heartbeat settles it; failing that, it expires
             self._degrade(str(exc))
@@ -424,7 +428,8 @@ class RedisInflight:
     async def _shared_counts(self, names: Sequence[str]) -> dict[str, int]:
         keys = [self.key(n) for n in names]
         now = self._now_ms()
-        values = await self._call(lambda: self._counts_script(keys=keys, args=[now]))
+        sha = self._counts_script.sha
+        values = await self._call(lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, now))
         return {n: int(v) for n, v in zip(names, values, strict=True)}
 
     async def counts(self, names: Sequence[str]) -> dict[str, int]:
