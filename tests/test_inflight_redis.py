@@ -388,3 +388,24 @@ def test_no_secret_in_logs_when_redis_is_unreachable(caplog: pytest.LogCaptureFi
     text = caplog.text + "".join(str(getattr(r, "fields", "")) for r in caplog.records)
     assert "counting locally" in text
     assert "s3cretpw" not in text
+
+
+def test_scripts_reloaded_after_redis_forgets_them(rds: Proc) -> None:
+    prefix = uuid.uuid4().hex
+    bs = [mk("a"), mk("b")]
+
+    async def body() -> None:
+        s = store(rds.url, prefix, timeout=0.5)
+        await s.start()
+        with redis.Redis.from_url(rds.url) as r:
+            r.script_flush()  # what a restarted or failed-over Redis looks like to a client
+        leases = await asyncio.gather(*(s.acquire(bs, LeastInflight(), set()) for _ in range(6)))
+        assert not s.degraded and s.fallbacks == 0
+        assert await s.counts(["a", "b"]) == {"a": 3, "b": 3}
+        for lease in leases:
+            s.release(lease)  # type: ignore[arg-type]
+        await s.flush()
+        assert await s.counts(["a", "b"]) == {"a": 0, "b": 0}
+        await s.aclose()
+
+    run(body)
