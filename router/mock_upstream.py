@@ -4,7 +4,7 @@ Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running
 and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
-tokens, half_event, gzip, retry_after) so fault tests need no second implementation.
+tokens, half_event, gzip, retry_after, max_running) so fault tests need no second implementation.
 A raw ASGI app: no framework on the hot path.
 """
 
@@ -36,6 +36,7 @@ class Behaviour:
     half_event_after: int = -1  # send this many tokens, then half an event, then close
     die_after: int = -1  # send this many tokens, then drop the connection
     gzip: bool = False
+    max_running: int = 0  # batch slots (vLLM's max_num_seqs); more requests queue; 0 = no limit
     pad_bytes: int = 0  # pad each token's text, to move megabytes (backpressure tests)
 
 
@@ -72,6 +73,7 @@ class MockUpstream:
         self.name = name
         self.behaviour = behaviour or Behaviour()
         self.stats = Stats()
+        self._queue: deque[asyncio.Future[None]] = deque()  # requests waiting for a batch slot
         # Chunks differ only by the token text: pre-split templates keep per-token work small.
         self._chat_pre = (
             '{"id":"chatcmpl-%s","object":"chat.completion.chunk","created":0,"model":"%s",'
@@ -135,7 +137,7 @@ class MockUpstream:
                 "# TYPE vllm:num_requests_running gauge\n"
                 f'vllm:num_requests_running{{model_name="mock-model"}} {self.stats.running}\n'
                 "# TYPE vllm:num_requests_waiting gauge\n"
-                'vllm:num_requests_waiting{model_name="mock-model"} 0\n'
+                f'vllm:num_requests_waiting{{model_name="mock-model"}} {len(self._queue)}\n'
             ).encode()
             await send(
                 {
@@ -209,6 +211,7 @@ class MockUpstream:
 
         gone = asyncio.Event()
         watcher = asyncio.ensure_future(_watch(receive, gone, rec))
+        await self._admit(gone)
         st.running += 1
         try:
             if bh.hang:
@@ -236,12 +239,36 @@ class MockUpstream:
                 await self._whole(send, rec, model, chat, n, gone)
         finally:
             st.running -= 1
+            self._wake_one()
             if gone.is_set():
                 rec["aborted"] = True
                 st.aborted += 1
             else:
                 st.completed += 1
             watcher.cancel()
+
+    async def _admit(self, gone: asyncio.Event) -> None:
+        """Wait for a batch slot when `max_running` is set, so time to first token grows with
+        load the way a real server's does."""
+        while 0 < self.behaviour.max_running <= self.stats.running and not gone.is_set():
+            slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._queue.append(slot)
+            left = asyncio.ensure_future(gone.wait())
+            try:
+                await asyncio.wait((slot, left), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                left.cancel()
+                if not slot.done():
+                    slot.cancel()
+                elif gone.is_set():
+                    self._wake_one()  # pass the slot on
+
+    def _wake_one(self) -> None:
+        while self._queue:
+            slot = self._queue.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                return
 
     async def _sleep(self, ms: float, gone: asyncio.Event) -> None:
         if ms > 0 and not gone.is_set():

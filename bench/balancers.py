@@ -1,0 +1,106 @@
+"""Balancer and in-flight store figures, on loopback with real processes.
+
+1. One backend three times slower (inter-token latency) among four, each with a fixed number of
+   batch slots (requests beyond it queue, as on a real server): the share of requests each
+   backend gets and the p50/p99 time to first token, round robin vs least in flight.
+2. Requests/s through one router with the Redis in-flight store, as a ratio to the local store.
+
+    python -m bench.balancers [--seconds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from bench.loadgen import run_load
+from tests.harness import Cluster, Proc, backend, control, stats
+
+CHAT = "/v1/chat/completions"
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def load(router: Proc, body: dict[str, Any], concurrency: int, seconds: float) -> Any:
+    return asyncio.run(
+        run_load("127.0.0.1", router.port, CHAT, json.dumps(body).encode(), concurrency, seconds)
+    )
+
+
+def slow_backend(c: Cluster, seconds: float) -> dict[str, Any]:
+    mocks = {n: c.mock(n, ttft_ms=20, itl_ms=10, tokens=40) for n in ("a", "b", "c", "slow")}
+    for m in mocks.values():
+        control(m, max_running=8)
+    control(mocks["slow"], itl_ms=30)
+    body = {"model": "m", "stream": True, "max_tokens": 40, "messages": [{"role": "user"}]}
+    out: dict[str, Any] = {}
+    for name in ("round_robin", "least_inflight"):
+        router = c.router(
+            {"backends": [backend(n, m) for n, m in mocks.items()], "balancer": name},
+            env={"SLUICEGATE_LOG_LEVEL": "warning"},
+        )
+        load(router, body, 28, 2)  # warm the pools
+        for m in mocks.values():
+            control(m, reset_stats=True)
+        res = load(router, body, 28, seconds)
+        counts = {n: int(stats(m)["requests"]) for n, m in mocks.items()}
+        total = sum(counts.values()) or 1
+        out[name] = {
+            "share": {n: round(v / total, 3) for n, v in counts.items()},
+            "ttft_p50_ms": round(pct(res.ttfb, 0.5) * 1000, 1),
+            "ttft_p99_ms": round(pct(res.ttfb, 0.99) * 1000, 1),
+            "req_s": round(res.ok / res.elapsed, 1),
+            "errors": res.errors,
+        }
+        router.stop()
+    for m in mocks.values():
+        m.stop()
+    return out
+
+
+def store_throughput(c: Cluster, seconds: float) -> dict[str, Any]:
+    mocks = {n: c.mock(n, tokens=16) for n in ("a", "b")}
+    rd = c.redis()
+    body = {"model": "m", "stream": True, "max_tokens": 16, "messages": [{"role": "user"}]}
+    out: dict[str, Any] = {}
+    for store, env in (("local", {}), ("redis", {"SLUICEGATE_REDIS_URL": rd.url})):
+        router = c.router(
+            {"backends": [backend(n, m) for n, m in mocks.items()]},
+            env={"SLUICEGATE_LOG_LEVEL": "warning", **env},
+        )
+        load(router, body, 32, 2)
+        res = load(router, body, 32, seconds)
+        out[store] = {
+            "req_s": round(res.ok / res.elapsed, 1),
+            "ttft_p99_ms": round(pct(res.ttfb, 0.99) * 1000, 2),
+            "errors": res.errors,
+            "fell_back": router.log().count("counting locally"),
+        }
+        router.stop()
+    out["redis_over_local"] = round(out["redis"]["req_s"] / out["local"]["req_s"], 3)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    args = parser.parse_args()
+    c = Cluster()
+    try:
+        result = {
+            "slow_backend": slow_backend(c, args.seconds),
+            "store_throughput": store_throughput(c, args.seconds),
+        }
+    finally:
+        c.close()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
