@@ -9,6 +9,7 @@ one round trip at most behind the batch on the wire.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -18,8 +19,15 @@ MAX_BATCH = 512
 
 
 class Batcher:
-    def __init__(self, redis: Redis, scripts: dict[str, str], timeout: float) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        scripts: dict[str, str],
+        timeout: float,
+        on_round_trip: Callable[[bool], None],
+    ) -> None:
         self._redis = redis
+        self._on_round_trip = on_round_trip  # told whether each pipeline got its answer
         self._scripts = scripts  # sha -> source, reloaded when Redis answers NOSCRIPT
         self._timeout = timeout
         self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
@@ -61,10 +69,12 @@ class Batcher:
                     pipe.execute_command(*cmd)
                 replies = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError, TimeoutError) as exc:
+            self._on_round_trip(False)
             for _, fut in live:
                 if not fut.done():
                     fut.set_exception(exc)
             return []
+        self._on_round_trip(True)
         retry = []
         for (cmd, fut), reply in zip(live, replies, strict=True):
             if fut.done():

@@ -182,7 +182,9 @@ class RedisInflight:
         self._counts_script = self._redis.register_script(_COUNTS)
         self._refresh_script = self._redis.register_script(_REFRESH)
         scripts = (self._acquire_script, self._counts_script, self._refresh_script)
-        self._batch = Batcher(self._redis, {s.sha: s.script for s in scripts}, timeout)
+        self._batch = Batcher(
+            self._redis, {s.sha: s.script for s in scripts}, timeout, self._round_trip
+        )
         self._live: dict[str, str] = {}  # lease id -> backend, for this replica
         self._local: dict[str, int] = {}  # this replica's own counts: the fallback view
         self._orphans: set[tuple[str, str]] = set()  # (backend, lease id) removals still owed
@@ -199,19 +201,26 @@ class RedisInflight:
     def _now_ms(self) -> int:
         return 0 if self._clock is None else int(self._clock() * 1000)
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
+    async def _call(self, fn: Callable[[], Any], batched: bool = False) -> Any:
+        """`fn()` within the timeout. Round trips are judged where they happen: a batched call
+        that outwaits its timeout only sends its own request to local counts."""
         try:
             async with asyncio.timeout(self._timeout):
                 result = await fn()
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failures += 1
+            if not batched:
+                self._failures += 1
             raise RedisUnavailable(type(exc).__name__) from exc
-        self._failures = 0
+        if not batched:
+            self._failures = 0
         return result
+
+    def _round_trip(self, ok: bool) -> None:
+        self._failures = 0 if ok else self._failures + 1
 
     def _degrade(self, reason: str) -> None:
         # One late answer (a busy event loop, a GC pause) only sends its own request to local
-        # counts; the whole store switches after a few failures in a row.
+        # counts; the whole store switches after a few failed round trips in a row.
         if not self.degraded and self._failures >= DEGRADE_AFTER:
             self.degraded = True
             log.warning(
@@ -335,7 +344,9 @@ class RedisInflight:
             args += (b.weight, b.max_inflight or 0)
         keys = [self.key(b.name) for b in cands]
         sha = self._acquire_script.sha
-        index = await self._call(lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, *args))
+        index = await self._call(
+            lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, *args), batched=True
+        )
         return cands[int(index) - 1].name if index else None
 
     async def _acquire_picked(
@@ -361,7 +372,7 @@ class RedisInflight:
             b = by_name[picked.name]
             args = [self._now_ms(), self._ttl_ms, token, 0, b.weight, b.max_inflight or 0]
             cmd = ("EVALSHA", self._acquire_script.sha, 1, self.key(b.name), *args)
-            if await self._call(lambda c=cmd: self._batch.call(*c)):
+            if await self._call(lambda c=cmd: self._batch.call(*c), batched=True):
                 return b.name
             tried.add(b.name)  # filled up since we looked
         return None
@@ -415,7 +426,9 @@ class RedisInflight:
 
     async def _remove(self, token: str, backend: str) -> None:
         try:
-            await self._call(lambda: self._batch.call("ZREM", self.key(backend), token))
+            await self._call(
+                lambda: self._batch.call("ZREM", self.key(backend), token), batched=True
+            )
         except RedisUnavailable as exc:
             self._owe(token, backend)  # the heartbeat settles it; failing that, it expires
             self._degrade(str(exc))
@@ -429,7 +442,9 @@ class RedisInflight:
         keys = [self.key(n) for n in names]
         now = self._now_ms()
         sha = self._counts_script.sha
-        values = await self._call(lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, now))
+        values = await self._call(
+            lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, now), batched=True
+        )
         return {n: int(v) for n, v in zip(names, values, strict=True)}
 
     async def counts(self, names: Sequence[str]) -> dict[str, int]:
