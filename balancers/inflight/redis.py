@@ -188,7 +188,6 @@ class RedisInflight:
         self._live: dict[str, str] = {}  # lease id -> backend, for this replica
         self._local: dict[str, int] = {}  # this replica's own counts: the fallback view
         self._orphans: set[tuple[str, str]] = set()  # (backend, lease id) removals still owed
-        self._tasks: set[asyncio.Task[None]] = set()
         self._beat_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._failures = 0  # Redis calls failed in a row
@@ -291,9 +290,8 @@ class RedisInflight:
         return True
 
     async def flush(self, within: float = 5.0) -> None:
-        """Wait (bounded) for the removals already handed to tasks."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=within)
+        """Wait (bounded) for the commands already queued (releases) to be answered."""
+        await self._batch.drain(within)
 
     async def aclose(self) -> None:
         if self._beat_task is not None:
@@ -415,26 +413,19 @@ class RedisInflight:
             self._orphans.add((backend, token))
 
     def _remove_later(self, token: str, backend: str) -> None:
+        """ZREM on the next pipeline; no task, no wait. If it is lost, the heartbeat retries it
+        (and failing that the lease expires)."""
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:
             self._owe(token, backend)
             return
-        task = loop.create_task(self._remove(token, backend))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
-    async def _remove(self, token: str, backend: str) -> None:
-        try:
-            await self._call(
-                lambda: self._batch.call("ZREM", self.key(backend), token), batched=True
-            )
-        except RedisUnavailable as exc:
-            self._owe(token, backend)  # the heartbeat settles it; failing that, it expires
-            self._degrade(str(exc))
-        except Exception:
-            log.exception("releasing an in-flight lease failed")
+        def lost() -> None:
             self._owe(token, backend)
+            self._degrade("release lost")
+
+        self._batch.post(("ZREM", self.key(backend), token), lost)
 
     # --- reading ---------------------------------------------------------------------------
 
