@@ -130,3 +130,23 @@ def test_router_routes_through_the_plugin(
     rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
     assert {r["inflight_store"] for r in rows} == {store}
     client.close()
+
+
+def test_unknown_balancer_stops_startup_naming_the_field(procs: Cluster) -> None:
+    path = procs.write_config(
+        {
+            "backends": [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}],
+            "model_balancers": {"m": "priority"},  # not installed in this environment
+        }
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model_balancers" in lines[0]
+    assert "unknown balancer 'priority'" in lines[0] and "least_inflight" in lines[0]

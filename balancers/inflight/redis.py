@@ -248,7 +248,10 @@ class RedisInflight:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await self._wake.wait()
-            await self.heartbeat()
+            try:
+                await self.heartbeat()
+            except Exception:  # a bug here must not end the beats that keep leases alive
+                log.exception("in-flight heartbeat failed")
 
     async def heartbeat(self) -> bool:
         """Re-stamp (or re-add) this replica's live leases and settle owed removals; True when
