@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
@@ -89,7 +90,11 @@ def serve(settings: Settings) -> None:
         from uvicorn.supervisors import Multiprocess
 
         sock = config.bind_socket()
-        Multiprocess(config, target=server.run, sockets=[sock]).run()
+        if "target" in inspect.signature(Multiprocess).parameters:
+            Multiprocess(config, target=server.run, sockets=[sock]).run()  # type: ignore[call-arg]
+        else:
+            # Newer uvicorn runs its own Server in each worker (no DrainingServer there).
+            Multiprocess(config, sockets=[sock]).run()
     else:
         server.run()
 

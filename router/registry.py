@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -219,7 +220,19 @@ class Fleet:
         if not force and records == self._records:
             return
         self._records = dict(records)
-        self.registry.swap(self._compose())
+        snap = self.registry.swap(self._compose())
+        if not force:
+            log.info(
+                "registry changed",
+                extra={
+                    "fields": {
+                        "version": snap.version,
+                        "backends": [b.name for b in snap.backends],
+                        "draining": [b.name for b in snap.backends if b.draining],
+                        "pid": os.getpid(),
+                    }
+                },
+            )
 
     def _compose(self) -> list[Backend]:
         out: list[Backend] = []

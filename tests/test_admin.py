@@ -39,9 +39,20 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
     return str(err["message"])
 
 
-def test_every_admin_route_needs_the_token(procs: Cluster) -> None:
-    a = procs.mock("a")
-    b = procs.mock("b")
+@pytest.fixture(scope="module")
+def mocks(module_procs: Cluster) -> dict[str, Proc]:
+    return {"a": module_procs.mock("a", tokens=6), "b": module_procs.mock("b", tokens=6)}
+
+
+@pytest.fixture(autouse=True)
+def _reset(request: pytest.FixtureRequest) -> None:
+    if "mocks" in request.fixturenames or "two" in request.fixturenames:
+        for mock in request.getfixturevalue("mocks").values():
+            control(mock, reset_stats=True, tokens=6, itl_ms=0, ttft_ms=0)
+
+
+def test_every_admin_route_needs_the_token(procs: Cluster, mocks: dict[str, Proc]) -> None:
+    a, b = mocks["a"], mocks["b"]
     router = procs.router({"backends": [backend("a", a)]}, env={"SLUICEGATE_ADMIN_TOKEN": TOKEN})
     new = backend("n1", b, {"n": "mock-model"})
     calls: list[tuple[str, str, dict[str, Any], int]] = [
@@ -67,8 +78,10 @@ def test_every_admin_route_needs_the_token(procs: Cluster) -> None:
     assert [b["name"] for b in admin(router, "GET").json()] == ["a"]
 
 
-def test_without_a_token_changes_are_off_and_reads_on(procs: Cluster) -> None:
-    a = procs.mock("a")
+def test_without_a_token_changes_are_off_and_reads_on(
+    procs: Cluster, mocks: dict[str, Proc]
+) -> None:
+    a = mocks["a"]
     router = procs.router({"backends": [backend("a", a)]})
     assert admin(router, "GET", headers={}).status_code == 200
     assert admin(router, "GET", "/a", headers={}).status_code == 200
@@ -85,9 +98,8 @@ def test_without_a_token_changes_are_off_and_reads_on(procs: Cluster) -> None:
 
 
 @pytest.fixture
-def two(procs: Cluster) -> dict[str, Proc]:
-    a = procs.mock("a", tokens=6)
-    b = procs.mock("b", tokens=6)
+def two(procs: Cluster, mocks: dict[str, Proc]) -> dict[str, Proc]:
+    a, b = mocks["a"], mocks["b"]
     router = procs.router(
         {"backends": [backend("a", a, {"m": "mock-model"})], "balancer": "round_robin"},
         env={"SLUICEGATE_ADMIN_TOKEN": TOKEN},
@@ -247,9 +259,10 @@ def test_drain_and_delete_with_a_stream_in_flight(two: dict[str, Proc]) -> None:
     assert stats(b)["requests"] == 1
 
 
-def test_deleting_a_file_entry_without_redis_lasts_until_restart(procs: Cluster) -> None:
-    a = procs.mock("a")
-    b = procs.mock("b")
+def test_deleting_a_file_entry_without_redis_lasts_until_restart(
+    procs: Cluster, mocks: dict[str, Proc]
+) -> None:
+    a, b = mocks["a"], mocks["b"]
     config = {"backends": [backend("a", a), backend("b", b)]}
     env = {"SLUICEGATE_ADMIN_TOKEN": TOKEN}
     router = procs.router(config, env=env)
