@@ -17,13 +17,16 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.registry import Record, StoreUnavailable
 
 log = logging.getLogger("sluicegate.registry")
 
 _MAX_TXN_RETRIES = 20
+_STALE = (RedisConnectionError, RedisTimeoutError, ConnectionError)
 
 
 def _parse(raw: Any) -> Record | None:
@@ -34,6 +37,11 @@ def _parse(raw: Any) -> Record | None:
     except ValueError:
         return None
     return rec if isinstance(rec, dict) else None
+
+
+def _unavailable(exc: BaseException) -> str:
+    # The exception's own text may carry the Redis address; its type name is enough.
+    return f"The shared registry (Redis) is unavailable ({type(exc).__name__}); retry."
 
 
 class RedisRecords:
@@ -71,41 +79,56 @@ class RedisRecords:
             records[name] = rec
         return version, records
 
-    async def load(self) -> dict[str, Record]:
+    async def _read_retrying(self) -> dict[str, Record]:
         try:
             return (await self._read())[1]
+        except _STALE:
+            # A pooled connection may have died with a Redis restart: reading again is safe.
+            return (await self._read())[1]
+
+    async def load(self) -> dict[str, Record]:
+        try:
+            return await self._read_retrying()
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(
-                f"The shared registry (Redis) is unavailable ({type(exc).__name__}); retry."
-            ) from None
+            raise StoreUnavailable(_unavailable(exc)) from None
 
     async def change(
         self, name: str, edit: Callable[[Record | None], Record | None]
     ) -> dict[str, Record]:
+        sent = [False]
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                for _ in range(_MAX_TXN_RETRIES):
-                    try:
-                        await pipe.watch(self._hash)
-                        new = edit(_parse(await pipe.hget(self._hash, name)))
-                        pipe.multi()
-                        if new is None:
-                            pipe.hdel(self._hash, name)
-                        else:
-                            pipe.hset(self._hash, name, json.dumps(new, separators=(",", ":")))
-                        pipe.incr(self._version)
-                        pipe.publish(self._channel, name)
-                        await pipe.execute()
-                        break
-                    except WatchError:
-                        continue  # someone changed the registry between our read and write
-                else:
-                    raise StoreUnavailable("The shared registry is too busy; retry.")
-            return (await self._read())[1]
+            try:
+                await self._transaction(name, edit, sent)
+            except _STALE:
+                if sent[0]:
+                    raise  # EXEC went out: it may have been applied, so never apply it twice
+                await self._transaction(name, edit, sent)
+            return await self._read_retrying()
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(
-                f"The shared registry (Redis) is unavailable ({type(exc).__name__}); retry."
-            ) from None
+            raise StoreUnavailable(_unavailable(exc)) from None
+
+    async def _transaction(
+        self, name: str, edit: Callable[[Record | None], Record | None], sent: list[bool]
+    ) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for _ in range(_MAX_TXN_RETRIES):
+                try:
+                    await pipe.watch(self._hash)
+                    new = edit(_parse(await pipe.hget(self._hash, name)))
+                    pipe.multi()
+                    if new is None:
+                        pipe.hdel(self._hash, name)
+                    else:
+                        pipe.hset(self._hash, name, json.dumps(new, separators=(",", ":")))
+                    pipe.incr(self._version)
+                    pipe.publish(self._channel, name)
+                    sent[0] = True
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    sent[0] = False  # EXEC was refused: nothing applied
+                    continue  # someone changed the registry between our read and write
+        raise StoreUnavailable("The shared registry is too busy; retry.")
 
     async def watch(self, on_records: Callable[[dict[str, Record]], None]) -> None:
         backoff = 0.1

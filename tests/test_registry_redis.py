@@ -135,6 +135,20 @@ def test_a_lost_message_heals_within_two_seconds(procs: Cluster, shared: dict[st
     print(f"healed after {lag:.3f}s")
 
 
+def test_a_change_never_published_is_picked_up_by_the_resync(
+    procs: Cluster, shared: dict[str, Any]
+) -> None:
+    r1 = start_router(procs, shared)
+    r2 = start_router(procs, shared)
+    # A change whose message nobody got: written and counted, never published.
+    record = {"config": backend("quiet", shared["b"])}
+    with redis.Redis.from_url(shared["redis"].url) as client:
+        client.hset("sluicegate:registry:records", "quiet", json.dumps(record))
+        client.incr("sluicegate:registry:version")
+    lags = [seen_within(lambda r=r: "quiet" in names(r)) for r in (r1, r2)]
+    print(f"resync picked it up after {[round(x, 3) for x in lags]}s")
+
+
 def test_every_worker_sees_a_change(procs: Cluster, shared: dict[str, Any]) -> None:
     r1 = start_router(procs, shared)
     many = start_router(procs, shared, workers=2)
