@@ -204,6 +204,18 @@ def _stream_in_thread(router: Proc, out: dict[str, Any]) -> threading.Thread:
     return t
 
 
+def established_to(port: int) -> int:
+    """Open TCP connections to a loopback port, as the kernel lists them (IPv4)."""
+    count = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            remote, state = fields[2], fields[3]
+            if state == "01" and int(remote.split(":")[1], 16) == port:
+                count += 1
+    return count
+
+
 def _wait_running(mock: Proc, n: int, deadline: float = 10.0) -> None:
     end = time.monotonic() + deadline
     while stats(mock)["running"] != n:
@@ -223,6 +235,7 @@ def test_drain_and_delete_with_a_stream_in_flight(two: dict[str, Proc]) -> None:
     out: dict[str, Any] = {}
     t = _stream_in_thread(router, out)
     _wait_running(b, 1)
+    assert established_to(b.port) >= 1
 
     # Put a back and delete b while its stream runs.
     admin(router, "PATCH", "/a", json={"draining": False})
@@ -257,6 +270,11 @@ def test_drain_and_delete_with_a_stream_in_flight(two: dict[str, Proc]) -> None:
     assert [x["name"] for x in admin(router, "GET").json()] == ["a"]
     assert sdk(router).completions.create(model="m", prompt="x", max_tokens=1)
     assert stats(b)["requests"] == 1
+    # The deleted backend's pool is closed once its stream ended (checked every second).
+    end = time.monotonic() + 5
+    while established_to(b.port):
+        assert time.monotonic() < end, "the deleted backend's connections stayed open"
+        time.sleep(0.05)
 
 
 def test_deleting_a_file_entry_without_redis_lasts_until_restart(
