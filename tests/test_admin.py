@@ -196,6 +196,7 @@ def _stream_in_thread(router: Proc, out: dict[str, Any]) -> threading.Thread:
         try:
             stream = sdk(router).chat.completions.create(model="m", messages=[], stream=True)
             out["text"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            out["ended"] = time.monotonic()
         except Exception as exc:  # reported by the assertion on out["text"]
             out["error"] = repr(exc)
 
@@ -270,8 +271,9 @@ def test_drain_and_delete_with_a_stream_in_flight(two: dict[str, Proc]) -> None:
     assert [x["name"] for x in admin(router, "GET").json()] == ["a"]
     assert sdk(router).completions.create(model="m", prompt="x", max_tokens=1)
     assert stats(b)["requests"] == 1
-    # The deleted backend's pool is closed once its stream ended (checked every second).
-    end = time.monotonic() + 5
+    # The deleted backend's pool is closed once its stream ended (swept every second); sooner
+    # than the mock's own 5 s keep-alive timeout would close it.
+    end = out["ended"] + 3
     while established_to(b.port):
         assert time.monotonic() < end, "the deleted backend's connections stayed open"
         time.sleep(0.05)
