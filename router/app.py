@@ -94,6 +94,10 @@ def create_app(settings: Settings) -> FastAPI:
         ]
         if settings.api_keys_file:
             chores.append(asyncio.create_task(_every(5.0, reload_keys, "reloading client keys")))
+        if settings.workers > 1 and fleet.store.kind == "local" and admin_auth.configured:
+            log.warning(
+                "admin changes reach only the worker that takes them: set SLUICEGATE_REDIS_URL"
+            )
         snap = registry.snapshot
         log.info(
             "started",
