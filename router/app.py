@@ -12,12 +12,13 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from balancers.inflight.local import LocalInflight
+from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.admin import admin_routes
 from router.api import openai_routes
 from router.errors import error_response
 from router.proxy import Lifecycle, Proxy
-from router.registry import Registry
+from router.registry import Registry, Snapshot
 from router.settings import Settings
 from router.upstreams import Backend, Pools
 
@@ -38,9 +39,15 @@ _STATUS_TYPES = {
 def create_app(settings: Settings) -> FastAPI:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
-    registry = Registry(backends, settings.balancer, settings.model_balancers)
+    health = HealthBook(settings.health, settings.outlier)
+    monitor = HealthMonitor(health)
+
+    def on_swap(snapshot: Snapshot) -> None:
+        health.sync(snapshot.backends)
+        monitor.sync(snapshot.backends)  # new or changed backends are probed at once
+
+    registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
     store = LocalInflight()
-    health = HealthBook()
     lifecycle = Lifecycle()
     proxy = Proxy(settings, registry, pools, store, health, lifecycle)
 
@@ -52,11 +59,13 @@ def create_app(settings: Settings) -> FastAPI:
             "started",
             extra={"fields": {"backends": len(backends), "models": len(registry.snapshot.models)}},
         )
+        await monitor.start()
         try:
             yield
         finally:
             lifecycle.draining = True
             await lifecycle.wait_idle(settings.drain_grace)
+            await monitor.aclose()
             await pools.aclose()
             await store.aclose()
 

@@ -31,7 +31,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, deadline_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_http(
+    url: str, deadline_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     end = time.monotonic() + deadline_s
     last: Exception | None = None
     while time.monotonic() < end:
@@ -97,7 +99,7 @@ class Cluster:
     def _spawn(self, args: list[str], port: int, name: str, env: dict[str, str] | None) -> Proc:
         log_path = self.tmp / f"{name}-{port}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        fh = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        fh = open(log_path, "wb")
         popen = subprocess.Popen(
             args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
             stdin=subprocess.DEVNULL,

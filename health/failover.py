@@ -1,0 +1,82 @@
+"""Failover policy for one request: which failures move on to another backend, how many times,
+until when, and the retry budget shared by every request of this process.
+
+Built on tenacity. The proxy raises its own "retry elsewhere" exception only before any byte
+reached the client, so a started stream is never replayed. A retry is refused when retries
+already in progress are `budget_percent` of the requests in flight (at least `min_retries`
+may always run): a fleet that is failing gets its normal load, not load x attempts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_none,
+)
+
+from router.settings import RetryConfig
+
+T = TypeVar("T")
+
+
+class RetryBudget:
+    def __init__(self, percent: float, minimum: int) -> None:
+        self.percent = percent
+        self.minimum = minimum
+        self.active = 0  # retries in progress
+        self.refused = 0
+
+    def allows(self, in_flight: int) -> bool:
+        return self.active < max(self.minimum, in_flight * self.percent / 100)
+
+    @contextmanager
+    def spend(self, is_retry: bool) -> Iterator[None]:
+        if not is_retry:
+            yield
+            return
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+
+class Failover:
+    def __init__(
+        self,
+        cfg: RetryConfig,
+        in_flight: Callable[[], int],
+        retry_on: type[BaseException],
+    ) -> None:
+        self.budget = RetryBudget(cfg.budget_percent, cfg.min_retries)
+        self._in_flight = in_flight
+        self._retry = retry_if_exception_type(retry_on)
+        self._stop = stop_after_attempt(cfg.attempts) | stop_after_delay(cfg.deadline) | self._broke
+
+    def _broke(self, state: RetryCallState) -> bool:
+        if self.budget.allows(self._in_flight()):
+            return False
+        self.budget.refused += 1
+        return True
+
+    async def run(self, attempt: Callable[[int], Awaitable[T]]) -> T:
+        """Call `attempt(n)` (n = 1, 2, ...) until it returns, raises something not retryable,
+        or the attempts, the deadline or the budget run out (then its last error is raised)."""
+        retrying = AsyncRetrying(stop=self._stop, retry=self._retry, wait=wait_none(), reraise=True)
+        number = 0
+
+        async def once() -> T:
+            nonlocal number
+            number += 1
+            with self.budget.spend(number > 1):
+                return await attempt(number)
+
+        return await retrying(once)
