@@ -9,8 +9,7 @@ may always run): a fleet that is failing gets its normal load, not load x attemp
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from tenacity import (
@@ -28,25 +27,37 @@ T = TypeVar("T")
 
 
 class RetryBudget:
+    """Retries count from their start until their response starts (or they fail): a retry that
+    is streaming an answer is ordinary load again, one still waiting on a backend is not."""
+
     def __init__(self, percent: float, minimum: int) -> None:
         self.percent = percent
         self.minimum = minimum
-        self.active = 0  # retries in progress
+        self.active = 0  # retries not yet answered
         self.refused = 0
 
     def allows(self, in_flight: int) -> bool:
         return self.active < max(self.minimum, in_flight * self.percent / 100)
 
-    @contextmanager
-    def spend(self, is_retry: bool) -> Iterator[None]:
+    def slot(self, is_retry: bool) -> Callable[[], None]:
+        """Count one retry; the returned release is idempotent (call it as soon as it's answered
+        and again in `finally`)."""
         if not is_retry:
-            yield
-            return
+            return _nothing
         self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.active -= 1
+
+        return release
+
+
+def _nothing() -> None:
+    return None
 
 
 class Failover:
@@ -67,16 +78,20 @@ class Failover:
         self.budget.refused += 1
         return True
 
-    async def run(self, attempt: Callable[[int], Awaitable[T]]) -> T:
-        """Call `attempt(n)` (n = 1, 2, ...) until it returns, raises something not retryable,
-        or the attempts, the deadline or the budget run out (then its last error is raised)."""
+    async def run(self, attempt: Callable[[int, Callable[[], None]], Awaitable[T]]) -> T:
+        """Call `attempt(n, answered)` (n = 1, 2, ...) until it returns, raises something not
+        retryable, or the attempts, the deadline or the budget run out (then its last error is
+        raised). The attempt calls `answered()` once its response has started."""
         retrying = AsyncRetrying(stop=self._stop, retry=self._retry, wait=wait_none(), reraise=True)
         number = 0
 
         async def once() -> T:
             nonlocal number
             number += 1
-            with self.budget.spend(number > 1):
-                return await attempt(number)
+            release = self.budget.slot(number > 1)
+            try:
+                return await attempt(number, release)
+            finally:
+                release()
 
         return await retrying(once)

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,7 +294,7 @@ class ProxyCall(Response):
         balancer = proxy.registry.balancer_for(self._model)
         last: _Retry | None = None
 
-        async def attempt(number: int) -> None:
+        async def attempt(number: int, answered: Callable[[], None]) -> None:
             nonlocal last
             eligible = proxy.health.eligible(self._backends, self._model)
             lease = await proxy.store.acquire(eligible, balancer, exclude)
@@ -302,7 +302,7 @@ class ProxyCall(Response):
                 raise _NoneLeft
             rec.attempts = number
             try:
-                await self._attempt(send, lease)
+                await self._attempt(send, lease, answered)
             except _Retry as retry:
                 last = retry
                 exclude.add(lease.backend)  # the next attempt goes elsewhere
@@ -331,7 +331,7 @@ class ProxyCall(Response):
             rec.error = exc.code
             await exc.response(rec.request_id)({"type": "http"}, _no_receive, send)
 
-    async def _attempt(self, send: Send, lease: Lease) -> None:
+    async def _attempt(self, send: Send, lease: Lease, answered: Callable[[], None]) -> None:
         proxy = self._proxy
         rec = self._record
         backend = proxy.registry.snapshot.by_name.get(lease.backend)
@@ -382,6 +382,7 @@ class ProxyCall(Response):
             rec.status = status
             await send({"type": "http.response.start", "status": status, "headers": headers})
             self._started = True
+            answered()
             if status < 400:
                 proxy.health.on_success(backend.name)
             await self._pump(send, response, backend, streaming)

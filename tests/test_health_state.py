@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -285,14 +286,17 @@ def test_failover_retries_then_succeeds_and_releases_the_budget() -> None:
     fo = Failover(RetryConfig(attempts=3), lambda: 1, Boom)
     seen: list[tuple[int, int]] = []
 
-    async def attempt(n: int) -> str:
+    async def attempt(n: int, answered: Callable[[], None]) -> str:
         seen.append((n, fo.budget.active))
         if n < 3:
             raise Boom
+        answered()  # the response started: this retry no longer counts
+        seen.append((n, fo.budget.active))
+        answered()
         return "done"
 
     assert asyncio.run(fo.run(attempt)) == "done"
-    assert seen == [(1, 0), (2, 1), (3, 1)]
+    assert seen == [(1, 0), (2, 1), (3, 1), (3, 0)]
     assert fo.budget.active == 0
 
 
@@ -300,7 +304,7 @@ def test_failover_stops_at_attempts_and_raises_the_last_error() -> None:
     fo = Failover(RetryConfig(attempts=2), lambda: 1, Boom)
     calls: list[int] = []
 
-    async def attempt(n: int) -> None:
+    async def attempt(n: int, answered: Callable[[], None]) -> None:
         calls.append(n)
         raise Boom(str(n))
 
@@ -314,7 +318,7 @@ def test_failover_respects_the_budget_and_other_errors_pass_through() -> None:
     fo.budget.active = 3  # other requests already use the whole budget
     calls: list[int] = []
 
-    async def attempt(n: int) -> None:
+    async def attempt(n: int, answered: Callable[[], None]) -> None:
         calls.append(n)
         raise Boom
 
@@ -322,7 +326,7 @@ def test_failover_respects_the_budget_and_other_errors_pass_through() -> None:
         asyncio.run(fo.run(attempt))
     assert calls == [1] and fo.budget.refused == 1
 
-    async def broken(n: int) -> None:
+    async def broken(n: int, answered: Callable[[], None]) -> None:
         calls.append(n)
         raise ValueError("a bug is not a backend failure")
 
@@ -340,7 +344,7 @@ def test_failover_cancellation_is_not_retried_and_frees_the_budget() -> None:
     async def main() -> None:
         second = asyncio.Event()
 
-        async def attempt(n: int) -> None:
+        async def attempt(n: int, answered: Callable[[], None]) -> None:
             calls.append(n)
             if n == 1:
                 raise Boom
