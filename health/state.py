@@ -75,6 +75,7 @@ class HealthBook:
         self._outlier_cfg: dict[str, OutlierConfig] = {}
         self._groups: dict[str, tuple[str, ...]] = {}  # model -> backend names
         self._models_of: dict[str, tuple[str, ...]] = {}  # backend name -> models
+        self._urls: dict[str, str] = {}
         self._panicking: set[str] = set()
 
     # -- the backend set --------------------------------------------------------------------
@@ -82,6 +83,10 @@ class HealthBook:
     def sync(self, backends: Sequence[Backend]) -> None:
         """Adopt a new backend set: per-backend settings, model groups; forget removed ones."""
         names = {b.name for b in backends}
+        for b in backends:
+            if self._urls.get(b.name, b.url) != b.url:
+                self._state.pop(b.name, None)  # another server under the same name
+        self._urls = {b.name: b.url for b in backends}
         self._health_cfg = {b.name: merged(self._health, b.health) for b in backends}
         self._outlier_cfg = {b.name: merged(self._outlier, b.outlier) for b in backends}
         groups: dict[str, list[str]] = {}

@@ -241,9 +241,15 @@ def test_per_backend_overrides_merge_over_the_global_sections() -> None:
     clock = Clock()
     a = make("a", outlier={"consecutive_failures": 2}, health={"unhealthy_threshold": 1})
     b, c = make("b"), make("c")
-    hb = book([a, b, c], clock, outlier=OutlierConfig(base_ejection=7))
+    hb = book(
+        [a, b, c],
+        clock,
+        health=HealthConfig(healthy_threshold=4),
+        outlier=OutlierConfig(base_ejection=7),
+    )
     assert hb.outlier_config("a").base_ejection == 7
-    assert hb.health_config("a").healthy_threshold == 2
+    assert hb.health_config("a").healthy_threshold == 4
+    assert hb.health_config("a").unhealthy_threshold == 1
     hb.on_failure("a", "connect")
     hb.on_failure("a", "connect")
     assert hb.describe("a")["ejected_until"] == 5000.0 + clock.now + 7
@@ -254,15 +260,20 @@ def test_per_backend_overrides_merge_over_the_global_sections() -> None:
     assert hb.describe("a")["reason"] == "probe failed (connect)"
 
 
-def test_removed_backends_are_forgotten() -> None:
+def test_removed_or_moved_backends_are_forgotten() -> None:
     clock = Clock()
     a, b = make("a"), make("b")
     hb = book([a, b], clock)
     for _ in range(3):
         hb.on_probe("a", FAIL)
+        hb.on_probe("b", FAIL)
     hb.sync([b])
     hb.sync([a, b])
     assert hb.describe("a")["healthy"] is True
+    assert hb.describe("b")["healthy"] is False
+    moved = Backend.from_config(BackendConfig(name="b", url="http://127.0.0.1:8", models=["m"]))
+    hb.sync([a, moved])
+    assert hb.describe("b")["healthy"] is True
 
 
 # -- failover policy ---------------------------------------------------------------------------
