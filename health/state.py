@@ -5,7 +5,8 @@ active probes (`on_probe`: flips after `unhealthy_threshold` / `healthy_threshol
 row), passive outlier detection (`on_failure` / `on_success` from real traffic: ejection with
 backoff, never more than `max_ejection_percent` of a model's backends), and cooldowns
 (`cool_down`, from a 429/503 Retry-After). A backend is routable when no flag is set and it is not
-draining; when none of a model's backends is, `eligible` returns all of them (panic mode).
+draining; when none of a model's backends is, `eligible` returns all of them (panic mode) but
+those cooling down.
 Time comes from an injected clock; every transition is logged once on `sluicegate.health`.
 """
 
@@ -140,11 +141,26 @@ class HealthBook:
                 self._panicking.discard(model)
                 _transition("panic mode over", None, model=model, healthy=len(ok))
             return ok
-        # Panic mode: when nothing looks healthy, try them all rather than fail everything.
+        # Panic mode: when nothing looks healthy, try them all rather than fail everything;
+        # except those that asked for a pause (Retry-After): they are left alone as asked.
         if model not in self._panicking:
             self._panicking.add(model)
             _transition("panic mode", None, model=model, backends=len(backends))
-        return [b for b in backends if not b.draining]
+        return [b for b in backends if not b.draining and not self._cooling(b.name, now)]
+
+    def _cooling(self, name: str, now: float) -> bool:
+        st = self._state.get(name)
+        return st is not None and st.cooldown_until > now
+
+    def retry_after(self, backends: Sequence[Backend]) -> float | None:
+        """Seconds until the first of `backends` ends its cooldown, if any is cooling."""
+        now = self._clock()
+        waits = [
+            st.cooldown_until - now
+            for b in backends
+            if (st := self._state.get(b.name)) is not None and st.cooldown_until > now
+        ]
+        return min(waits) if waits else None
 
     # -- passive detection ------------------------------------------------------------------
 

@@ -317,7 +317,7 @@ class ProxyCall(Response):
             if last is None:
                 raise NoCapacity(
                     f"Every backend serving `{self._model}` is busy or unavailable; retry later.",
-                    retry_after=1,
+                    retry_after=proxy.health.retry_after(self._backends) or 1,
                 )
             if last.response is not None:
                 status, headers, body = last.response

@@ -198,6 +198,22 @@ def test_panic_mode_routes_to_all_and_logs_once(caplog: pytest.LogCaptureFixture
     assert len(events(caplog, "panic mode over")) == 1
 
 
+def test_panic_mode_still_leaves_cooling_backends_alone() -> None:
+    clock = Clock()
+    a, b = make("a"), make("b")
+    hb = book([a, b], clock)
+    for _ in range(3):
+        hb.on_probe("a", FAIL)
+    hb.cool_down("b", 5)
+    assert names(hb.eligible([a, b], "m")) == ["a"]
+    hb.cool_down("a", 3)
+    assert hb.eligible([a, b], "m") == []
+    assert hb.retry_after([a, b]) == 3
+    clock.advance(3)
+    assert names(hb.eligible([a, b], "m")) == ["a"]
+    assert hb.retry_after([a, b]) == 2
+
+
 def test_cooldown_until_retry_after_expires(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "sluicegate.health")
     clock = Clock()
