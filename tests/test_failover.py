@@ -140,7 +140,10 @@ def test_hanging_backend_times_out_moves_on_and_is_ejected(procs: Cluster) -> No
 def test_retry_after_cools_the_backend_down(procs: Cluster) -> None:
     a, b = procs.mock("a", tokens=3), procs.mock("b", tokens=3)
     router = procs.router(
-        {"backends": [backend("a", a), backend("b", b)], "balancer": "round_robin"}
+        {
+            "backends": [backend("a", a), backend("b", b), backend("a-solo", a, ["solo"])],
+            "balancer": "round_robin",
+        }
     )
     control(a, fail_status=429, retry_after=30)
     client = sdk(router)
@@ -152,6 +155,56 @@ def test_retry_after_cools_the_backend_down(procs: Cluster) -> None:
     assert row["healthy"] is False and row["cooldown_until"] is not None
     assert row["cooldown_until"] - time.time() > 25
     assert row["consecutive_failures"] == 0  # a 429 is not a failure of the backend
+
+    # With nowhere else to go the backend's own 429 is forwarded; then it is left alone even
+    # though no backend of the model is healthy (no panic-mode hammering of a 429).
+    url = router.url + "/v1/chat/completions"
+    first = httpx.post(url, json={"model": "solo"}, timeout=10)
+    assert first.status_code == 429 and first.headers["retry-after"] == "30"
+    second = httpx.post(url, json={"model": "solo"}, timeout=10)
+    assert second.status_code == 503
+    assert second.json()["error"]["code"] == "no_capacity"
+    assert 25 <= int(second.headers["retry-after"]) <= 30
+    assert stats(a)["requests"] == 2
+
+
+def test_retry_budget_and_attempts_bound_the_retries(procs: Cluster) -> None:
+    mocks = [procs.mock(n, tokens=3) for n in "abcd"]
+    fleet = [backend(m_name, m) for m_name, m in zip("abcd", mocks, strict=True)]
+    generous = procs.router({"backends": fleet, "outlier": {"consecutive_failures": 100}})
+    broke = procs.router(
+        {
+            "backends": fleet,
+            "outlier": {"consecutive_failures": 100},
+            "retries": {"budget_percent": 0, "min_retries": 0},
+        }
+    )
+    for m in mocks:
+        control(m, fail_status=500)
+
+    def upstream_requests() -> int:
+        return sum(stats(m)["requests"] for m in mocks)
+
+    r = httpx.post(generous.url + "/v1/chat/completions", json={"model": "m"}, timeout=10)
+    assert r.status_code == 500 and upstream_requests() == 3  # attempts: 3 of the 4
+    r = httpx.post(broke.url + "/v1/chat/completions", json={"model": "m"}, timeout=10)
+    assert r.status_code == 500 and upstream_requests() == 4  # no budget: no retry
+
+
+def test_deadline_stops_failover(procs: Cluster) -> None:
+    a, b = procs.mock("a"), procs.mock("b")
+    router = procs.router(
+        {
+            "backends": [backend("a", a), backend("b", b)],
+            "balancer": "round_robin",  # a first
+            "timeouts": {"read": 1.0},
+            "retries": {"deadline": 0.5},
+        }
+    )
+    control(a, hang=True)
+    r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m"}, timeout=10)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+    assert stats(a)["requests"] == 1 and stats(b)["requests"] == 0
 
 
 def test_probes_take_a_loading_backend_out_and_back(procs: Cluster) -> None:
@@ -258,6 +311,9 @@ def test_kill9_under_load_ejects_and_restart_readmits(procs: Cluster) -> None:
         f"{outcomes['wrong_text']} wrong texts; ejected after {figures['ejected_s']:.2f}s "
         f"(bound 1.5s), traffic again {figures['back_s']:.2f}s after restart (bound 2.0s)"
     )
+    log = router.log()
+    assert log.count('"msg": "ejected", "event": "ejected", "backend": "c"') == 1
+    assert log.count('"msg": "ejection over", "event": "ejection over", "backend": "c"') == 1
     assert outcomes["failed"] == 0, outcomes
     assert outcomes["wrong_text"] == 0, outcomes
     assert outcomes["ended_mid_stream"] <= workers, outcomes
