@@ -36,6 +36,7 @@ class Behaviour:
     half_event_after: int = -1  # send this many tokens, then half an event, then close
     die_after: int = -1  # send this many tokens, then drop the connection
     gzip: bool = False
+    pad_bytes: int = 0  # pad each token's text, to move megabytes (backpressure tests)
     health_status: int = 200  # what GET /health answers (503: a vLLM still loading weights)
 
 
@@ -288,7 +289,10 @@ class MockUpstream:
                 if gone.is_set():
                     return
             self._count_token(rec, gone)
-            chunk = b"data: " + pre + token_text(i).encode() + post
+            text = token_text(i).encode()
+            if bh.pad_bytes:
+                text += b"." * bh.pad_bytes
+            chunk = b"data: " + pre + text + post
             if bh.half_event_after == i:
                 await send(
                     {

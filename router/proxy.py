@@ -334,20 +334,18 @@ class ProxyCall(Response):
     async def _attempt(self, send: Send, lease: Lease, answered: Callable[[], None]) -> None:
         proxy = self._proxy
         rec = self._record
-        backend = proxy.registry.snapshot.by_name.get(lease.backend)
-        if backend is None:
-            backend = next(b for b in self._backends if b.name == lease.backend)
+        # The request routes within the snapshot it started with.
+        backend = next(b for b in self._backends if b.name == lease.backend)
         rec.backend = backend.name
-        client = proxy.pools.get(backend)
         response: httpx.Response | None = None
         try:
-            request = client.build_request(
-                "POST",
+            client, request = proxy.pools.request(
+                backend,
                 self._path,
-                content=self._body_for(backend),
-                headers=upstream_request_headers(
+                upstream_request_headers(
                     self._client_headers, rec.request_id, list(backend.auth_headers)
                 ),
+                self._body_for(backend),
             )
             try:
                 response = await client.send(request, stream=True)
