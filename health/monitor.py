@@ -79,4 +79,7 @@ class HealthMonitor:
             except Exception:
                 # A bug here must not stop this backend's probes for good.
                 log.exception("probe loop error", extra={"fields": {"backend": backend.name}})
-            await asyncio.sleep(cfg.interval * self._rng.uniform(1 - JITTER, 1 + JITTER))
+            await asyncio.sleep(self.next_delay(cfg.interval))
+
+    def next_delay(self, interval: float) -> float:
+        return interval * self._rng.uniform(1 - JITTER, 1 + JITTER)

@@ -322,3 +322,38 @@ def test_kill9_under_load_ejects_and_restart_readmits(procs: Cluster) -> None:
     # shared 2-core machine (the measured figures are printed above).
     assert figures["ejected_s"] <= 0.5 * 3 + 1.0
     assert figures["back_s"] <= 2 * 0.5 + 1 + 1.0
+
+
+def test_monitor_probes_added_backends_at_once_and_stops_for_removed(procs: Cluster) -> None:
+    from health.monitor import HealthMonitor
+    from health.state import HealthBook
+    from router.settings import BackendConfig, HealthConfig
+    from router.upstreams import Backend
+
+    a, b = procs.mock("a"), procs.mock("b")
+    for m in (a, b):
+        control(m, reset_stats=True)
+    ba, bb = (Backend.from_config(BackendConfig(**backend(n, m))) for n, m in (("a", a), ("b", b)))
+
+    async def main() -> None:
+        book = HealthBook(HealthConfig(interval=2.0))
+        monitor = HealthMonitor(book)
+        book.sync([ba])
+        monitor.sync([ba])
+        await monitor.start()
+        try:
+            await asyncio.to_thread(wait_for, lambda: stats(a)["probes"] >= 1, 5)
+            assert stats(b)["probes"] == 0
+            book.sync([bb])
+            monitor.sync([bb])  # b added, a removed
+            took = await asyncio.to_thread(wait_for, lambda: stats(b)["probes"] >= 1, 5)
+            assert took < 1.0  # at once, not after the 2 s interval
+            after = stats(a)["probes"]
+            await asyncio.sleep(2.5)
+            assert stats(a)["probes"] == after  # its task is gone
+            assert stats(b)["probes"] >= 2
+            assert book.describe("b")["last_probe_latency_ms"] is not None
+        finally:
+            await monitor.aclose()
+
+    asyncio.run(main())

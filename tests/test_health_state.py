@@ -387,3 +387,14 @@ def test_failover_cancellation_is_not_retried_and_frees_the_budget() -> None:
 
     asyncio.run(main())
     assert calls == [1, 2] and fo.budget.active == 0
+
+
+def test_probe_intervals_are_jittered_within_ten_percent() -> None:
+    import random
+
+    from health.monitor import HealthMonitor
+
+    mon = HealthMonitor(HealthBook(), rng=random.Random(7))
+    delays = [mon.next_delay(5.0) for _ in range(1000)]
+    assert all(4.5 <= d <= 5.5 for d in delays)
+    assert max(delays) - min(delays) > 0.9  # spread out, not one fixed period
