@@ -1,10 +1,11 @@
 """Failover policy for one request: which failures move on to another backend, how many times,
 until when, and the retry budget shared by every request of this process.
 
-Built on tenacity. The proxy raises its own "retry elsewhere" exception only before any byte
-reached the client, so a started stream is never replayed. A retry is refused when retries
-already in progress are `budget_percent` of the requests in flight (at least `min_retries`
-may always run): a fleet that is failing gets its normal load, not load x attempts.
+Retries are driven by tenacity (the first attempt runs bare, see `Failover.run`). The proxy
+raises its own "retry elsewhere" exception only before any byte reached the client, so a started
+stream is never replayed. A retry is refused when retries still waiting for an answer are
+`budget_percent` of the requests in flight (at least `min_retries` may always run): a fleet that
+is failing gets its normal load, not load x attempts.
 """
 
 from __future__ import annotations
