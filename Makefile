@@ -27,6 +27,17 @@ test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider
 
+$(VENV)/.bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(VENV)/.bench
+
+# Starts its own mock upstreams, router(s), nginx (when installed) and redis-server on 127.0.0.1.
+bench: $(VENV)/.bench redis-server
+	$(PY) -m bench.run
+
+bench-quick: $(VENV)/.bench redis-server
+	$(PY) -m bench.run --quick
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

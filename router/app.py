@@ -14,13 +14,14 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from balancers.inflight.local import LocalInflight
+from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.admin import admin_routes
 from router.api import openai_routes
 from router.auth import AdminAuth, ClientKeys
 from router.errors import error_response
 from router.proxy import Lifecycle, Proxy
-from router.registry import Fleet, LocalRecords, RecordStore, Registry, RegistryError
+from router.registry import Fleet, LocalRecords, RecordStore, Registry, RegistryError, Snapshot
 from router.settings import Settings
 from router.upstreams import Backend, Pools
 
@@ -58,12 +59,18 @@ def _record_store(settings: Settings) -> RecordStore:
 def create_app(settings: Settings) -> FastAPI:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
-    registry = Registry(backends, settings.balancer, settings.model_balancers)
+    health = HealthBook(settings.health, settings.outlier)
+    monitor = HealthMonitor(health)
+
+    def on_swap(snapshot: Snapshot) -> None:
+        health.sync(snapshot.backends)
+        monitor.sync(snapshot.backends)  # new or changed backends are probed at once
+
+    registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
     fleet = Fleet(registry, settings.backends, _record_store(settings))
     admin_auth = AdminAuth(settings.admin_token)
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
     store = LocalInflight()
-    health = HealthBook()
     lifecycle = Lifecycle()
     proxy = Proxy(settings, registry, pools, store, health, lifecycle)
 
@@ -111,6 +118,7 @@ def create_app(settings: Settings) -> FastAPI:
                 }
             },
         )
+        await monitor.start()
         try:
             yield
         finally:
@@ -122,6 +130,7 @@ def create_app(settings: Settings) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await fleet.store.aclose()
+            await monitor.aclose()
             await pools.aclose()
             await store.aclose()
 

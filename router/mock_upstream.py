@@ -4,7 +4,7 @@ Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running
 and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
-tokens, half_event, gzip, retry_after) so fault tests need no second implementation.
+tokens, half_event, gzip, retry_after, health_status) so fault tests need no second implementation.
 A raw ASGI app: no framework on the hot path.
 """
 
@@ -36,6 +36,8 @@ class Behaviour:
     half_event_after: int = -1  # send this many tokens, then half an event, then close
     die_after: int = -1  # send this many tokens, then drop the connection
     gzip: bool = False
+    pad_bytes: int = 0  # pad each token's text, to move megabytes (backpressure tests)
+    health_status: int = 200  # what GET /health answers (503: a vLLM still loading weights)
 
 
 @dataclass
@@ -46,6 +48,8 @@ class Stats:
     tokens_generated: int = 0
     tokens_after_disconnect: int = 0
     running: int = 0
+    probes: int = 0  # GET /health and GET /v1/models
+    last_probe_authorization: str | None = None
     connections: set[tuple[str, int]] = field(default_factory=set)
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
 
@@ -57,6 +61,8 @@ class Stats:
             "tokens_generated": self.tokens_generated,
             "tokens_after_disconnect": self.tokens_after_disconnect,
             "running": self.running,
+            "probes": self.probes,
+            "last_probe_authorization": self.last_probe_authorization,
             "connections_opened": len(self.connections),
             "recent": list(self.recent),
         }
@@ -98,6 +104,11 @@ class MockUpstream:
         path: str = scope["path"]
         method: str = scope["method"]
         if method == "GET":
+            if path in ("/health", "/v1/models"):
+                self.stats.probes += 1
+                for k, v in scope["headers"]:
+                    if k == b"authorization":
+                        self.stats.last_probe_authorization = v.decode("latin-1")
             await self._get(path, send)
             return
         body = await _read_body(receive)
@@ -113,7 +124,7 @@ class MockUpstream:
 
     async def _get(self, path: str, send: Send) -> None:
         if path == "/health":
-            await _json(send, 200, {})
+            await _json(send, self.behaviour.health_status, {})
         elif path == "/v1/models":
             await _json(
                 send,
@@ -278,7 +289,10 @@ class MockUpstream:
                 if gone.is_set():
                     return
             self._count_token(rec, gone)
-            chunk = b"data: " + pre + token_text(i).encode() + post
+            text = token_text(i).encode()
+            if bh.pad_bytes:
+                text += b"." * bh.pad_bytes
+            chunk = b"data: " + pre + text + post
             if bh.half_event_after == i:
                 await send(
                     {

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from balancers.inflight.base import InflightStore, Lease
+from health.failover import Failover
 from health.state import HealthBook
 from router.errors import (
     NoCapacity,
@@ -39,8 +40,6 @@ from router.settings import Settings
 from router.upstreams import Backend, Pools
 
 log = logging.getLogger("sluicegate.request")
-
-_RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 class Lifecycle:
@@ -123,6 +122,10 @@ class _Retry(Exception):
         self.response = response  # the upstream's own error answer, forwarded if none is left
 
 
+class _NoneLeft(Exception):
+    """No backend is left to try (all excluded, full or unhealthy)."""
+
+
 class Proxy:
     def __init__(
         self,
@@ -139,6 +142,7 @@ class Proxy:
         self.store = store
         self.health = health
         self.lifecycle = lifecycle
+        self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
     async def prepare(
         self, request: Request, path: str, allowed_models: Set[str] | None = None
@@ -297,31 +301,34 @@ class ProxyCall(Response):
     async def _run(self, send: Send) -> None:
         proxy = self._proxy
         rec = self._record
-        request_id = rec.request_id
-        retries = proxy.settings.retries
-        deadline = time.monotonic() + retries.deadline
         exclude: set[str] = set()
         balancer = proxy.registry.balancer_for(self._model)
         last: _Retry | None = None
+
+        async def attempt(number: int, answered: Callable[[], None]) -> None:
+            nonlocal last
+            eligible = proxy.health.eligible(self._backends, self._model)
+            lease = await proxy.store.acquire(eligible, balancer, exclude)
+            if lease is None:
+                raise _NoneLeft
+            rec.attempts = number
+            try:
+                await self._attempt(send, lease, answered)
+            except _Retry as retry:
+                last = retry
+                exclude.add(lease.backend)  # the next attempt goes elsewhere
+                raise
+
         try:
-            for _ in range(retries.attempts):
-                eligible = proxy.health.eligible(self._backends)
-                lease = await proxy.store.acquire(eligible, balancer, exclude)
-                if lease is None:
-                    break
-                rec.attempts += 1
-                try:
-                    await self._attempt(send, lease)
-                    return
-                except _Retry as retry:
-                    last = retry
-                    exclude.add(lease.backend)
-                    if time.monotonic() >= deadline:
-                        break
+            try:
+                await proxy.failover.run(attempt)
+                return
+            except (_Retry, _NoneLeft):  # attempts, deadline, budget or backends ran out
+                pass
             if last is None:
                 raise NoCapacity(
                     f"Every backend serving `{self._model}` is busy or unavailable; retry later.",
-                    retry_after=1,
+                    retry_after=proxy.health.retry_after(self._backends) or 1,
                 )
             if last.response is not None:
                 status, headers, body = last.response
@@ -333,29 +340,32 @@ class ProxyCall(Response):
         except ProxyError as exc:
             rec.status = exc.status
             rec.error = exc.code
-            await exc.response(request_id)({"type": "http"}, _no_receive, send)
+            await exc.response(rec.request_id)({"type": "http"}, _no_receive, send)
 
-    async def _attempt(self, send: Send, lease: Lease) -> None:
+    async def _attempt(self, send: Send, lease: Lease, answered: Callable[[], None]) -> None:
         proxy = self._proxy
         rec = self._record
-        backend = proxy.registry.snapshot.by_name.get(lease.backend)
-        if backend is None:
-            backend = next(b for b in self._backends if b.name == lease.backend)
+        # The request routes within the snapshot it started with.
+        backend = next(b for b in self._backends if b.name == lease.backend)
         rec.backend = backend.name
-        client = proxy.pools.get(backend)
         response: httpx.Response | None = None
         try:
-            request = client.build_request(
-                "POST",
+            client, request = proxy.pools.request(
+                backend,
                 self._path,
-                content=self._body_for(backend),
-                headers=upstream_request_headers(
+                upstream_request_headers(
                     self._client_headers, rec.request_id, list(backend.auth_headers)
                 ),
+                self._body_for(backend),
             )
             try:
                 response = await client.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            except httpx.PoolTimeout as exc:
+                # Our own pool to it is full: not the backend's failure, so no health mark.
+                raise _Retry(
+                    UpstreamConnectError(f"No connection to backend `{backend.name}` is free.")
+                ) from exc
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 proxy.health.on_failure(backend.name, "connect")
                 raise _Retry(
                     UpstreamConnectError(f"Could not connect to backend `{backend.name}`.")
@@ -374,13 +384,14 @@ class ProxyCall(Response):
                 ) from exc
 
             status = response.status_code
-            if status in _RETRYABLE_STATUS:
+            if status >= 500 or status == 429:
                 await self._retryable_status(backend, response)
             streaming = self._stream and status < 400
             headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
             rec.status = status
             await send({"type": "http.response.start", "status": status, "headers": headers})
             self._started = True
+            answered()
             if status < 400:
                 proxy.health.on_success(backend.name)
             await self._pump(send, response, backend, streaming)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from router.settings import BackendConfig, HealthConfig, OutlierConfig, PoolLimits, Timeouts
+from router.transport import LeanTransport
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,21 +96,25 @@ class NoCookies(httpx.Cookies):
 
 
 def make_client(backend: Backend, timeouts: Timeouts, limits: PoolLimits) -> httpx.AsyncClient:
+    pool_limits = httpx.Limits(
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive,
+        keepalive_expiry=limits.keepalive_expiry,
+    )
     client = httpx.AsyncClient(
         base_url=backend.url,
         timeout=httpx.Timeout(
             connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=timeouts.pool
         ),
-        limits=httpx.Limits(
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive,
-            keepalive_expiry=limits.keepalive_expiry,
-        ),
+        transport=LeanTransport(pool_limits),
         params=dict(backend.query) or None,
         trust_env=False,
         follow_redirects=False,
     )
     client._cookies = NoCookies()  # httpx has no public switch for "no jar"
+    # No default Accept-Encoding (httpx asks for gzip): the backend compresses only when the
+    # client asked, since the body is forwarded as is.
+    client.headers = httpx.Headers({})
     return client
 
 
@@ -121,6 +126,24 @@ class Pools:
         self._limits = limits
         self._clients: dict[str, tuple[str, tuple[tuple[str, str], ...], httpx.AsyncClient]] = {}
         self._retired: list[httpx.AsyncClient] = []
+        self._urls: dict[tuple[str, str, str], httpx.URL] = {}
+        self._timeout = httpx.Timeout(
+            connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=timeouts.pool
+        ).as_dict()
+
+    def request(
+        self, backend: Backend, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[httpx.AsyncClient, httpx.Request]:
+        """The client for `backend` and a POST to `path` on it, built without re-parsing URLs."""
+        client = self.get(backend)
+        key = (backend.name, backend.url, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = client.build_request("POST", path).url
+        request = httpx.Request(
+            "POST", url, headers=headers, content=body, extensions={"timeout": self._timeout}
+        )
+        return client, request
 
     def get(self, backend: Backend) -> httpx.AsyncClient:
         entry = self._clients.get(backend.name)

@@ -99,9 +99,13 @@ class Cluster:
     def _spawn(self, args: list[str], port: int, name: str, env: dict[str, str] | None) -> Proc:
         log_path = self.tmp / f"{name}-{port}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        fh = open(log_path, "wb")  # lives as long as the process
+        fh = open(log_path, "wb")
         popen = subprocess.Popen(
-            args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
+            args,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=ROOT,
             stdin=subprocess.DEVNULL,
         )
         fh.close()
@@ -110,15 +114,34 @@ class Cluster:
         return proc
 
     def mock(
-        self, name: str = "mock", port: int | None = None, ttft_ms: float = 0, itl_ms: float = 0,
+        self,
+        name: str = "mock",
+        port: int | None = None,
+        ttft_ms: float = 0,
+        itl_ms: float = 0,
         tokens: int = 16,
     ) -> Proc:
         port = port or free_port()
         proc = self._spawn(
-            [sys.executable, "-m", "router.cli", "mock-upstream", "--port", str(port),
-             "--name", name, "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
-             "--tokens", str(tokens)],
-            port, f"mock-{name}", None,
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "mock-upstream",
+                "--port",
+                str(port),
+                "--name",
+                name,
+                "--ttft-ms",
+                str(ttft_ms),
+                "--itl-ms",
+                str(itl_ms),
+                "--tokens",
+                str(tokens),
+            ],
+            port,
+            f"mock-{name}",
+            None,
         )
         wait_http(proc.url + "/health", proc=proc.popen)
         return proc
@@ -129,16 +152,34 @@ class Cluster:
         return path
 
     def router(
-        self, config: dict[str, Any], env: dict[str, str] | None = None, workers: int = 1,
-        port: int | None = None, wait: bool = True,
+        self,
+        config: dict[str, Any],
+        env: dict[str, str] | None = None,
+        workers: int = 1,
+        port: int | None = None,
+        wait: bool = True,
     ) -> Proc:
         port = port or free_port()
         path = self.write_config(config)
         env = {"SLUICEGATE_LOG_LEVEL": "info", **(env or {})}
         proc = self._spawn(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port",
-             str(port), "--host", "127.0.0.1", "--workers", str(workers)],
-            port, "router", env,
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "serve",
+                "--config",
+                str(path),
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+                "--workers",
+                str(workers),
+            ],
+            port,
+            "router",
+            env,
         )
         if wait:
             wait_http(proc.url + "/healthz", proc=proc.popen)
@@ -150,9 +191,22 @@ class Cluster:
             raise RuntimeError("redis-server is not installed: `make test` installs it")
         port = port or free_port()
         proc = self._spawn(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "yes"],
-            port, "redis", None,
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ],
+            port,
+            "redis",
+            None,
         )
         end = time.monotonic() + 10
         while time.monotonic() < end:

@@ -37,8 +37,16 @@ def _reset(request: pytest.FixtureRequest) -> None:
     if "fleet" in request.fixturenames:
         fleet = request.getfixturevalue("fleet")
         for name in ("a", "b"):
-            control(fleet[name], reset_stats=True, tokens=12, itl_ms=0, ttft_ms=0, fail_status=0,
-                    hang=False, gzip=False)
+            control(
+                fleet[name],
+                reset_stats=True,
+                tokens=12,
+                itl_ms=0,
+                ttft_ms=0,
+                fail_status=0,
+                hang=False,
+                gzip=False,
+            )
 
 
 def client(fleet: dict[str, Proc]) -> openai.OpenAI:
@@ -104,10 +112,12 @@ def test_alias_rewrites_model_and_nothing_else(fleet: dict[str, Proc]) -> None:
 
 def test_stream_bytes_are_forwarded_unchanged(fleet: dict[str, Proc]) -> None:
     body = {"model": "m", "stream": True, "max_tokens": 5}
-    direct = httpx.post(fleet["a"].url + "/v1/chat/completions", json=body,
-                        headers={"x-request-id": "same-id"})
-    via = httpx.post(fleet["router"].url + "/v1/chat/completions", json=body,
-                     headers={"x-request-id": "same-id"})
+    direct = httpx.post(
+        fleet["a"].url + "/v1/chat/completions", json=body, headers={"x-request-id": "same-id"}
+    )
+    via = httpx.post(
+        fleet["router"].url + "/v1/chat/completions", json=body, headers={"x-request-id": "same-id"}
+    )
     assert via.content == direct.content
     assert via.headers["content-type"] == "text/event-stream"
     assert via.headers["cache-control"] == "no-cache"
@@ -118,8 +128,12 @@ def test_gzip_upstream_is_passed_through_byte_exact(fleet: dict[str, Proc]) -> N
     for name in ("a", "b"):
         control(fleet[name], gzip=True)
     body = {"model": "m", "stream": True, "max_tokens": 4}
-    with httpx.stream("POST", fleet["router"].url + "/v1/chat/completions", json=body,
-                      headers={"accept-encoding": "gzip"}) as r:
+    with httpx.stream(
+        "POST",
+        fleet["router"].url + "/v1/chat/completions",
+        json=body,
+        headers={"accept-encoding": "gzip"},
+    ) as r:
         raw = b"".join(r.iter_raw())
         assert r.headers["content-encoding"] == "gzip"
     import gzip
@@ -168,6 +182,7 @@ def test_pool_reuses_connections(fleet: dict[str, Proc]) -> None:
 
     async def main() -> None:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency)) as c:
+
             async def one(i: int) -> None:
                 r = await c.post(url, json={"model": "m", "stream": i % 2 == 0, "max_tokens": 3})
                 assert r.status_code == 200
@@ -249,8 +264,9 @@ def test_upstream_5xx_everywhere_forwards_the_status(fleet: dict[str, Proc]) -> 
 def test_mid_stream_failure_ends_with_error_event(fleet: dict[str, Proc]) -> None:
     for name in ("a", "b"):
         control(fleet[name], die_after=3, tokens=10)
-    with httpx.stream("POST", fleet["router"].url + "/v1/chat/completions",
-                      json={"model": "m", "stream": True}) as r:
+    with httpx.stream(
+        "POST", fleet["router"].url + "/v1/chat/completions", json={"model": "m", "stream": True}
+    ) as r:
         assert r.status_code == 200
         text = r.read().decode()
     assert text.count("tok") == 3
@@ -263,8 +279,9 @@ def test_mid_stream_failure_ends_with_error_event(fleet: dict[str, Proc]) -> Non
 def test_half_event_then_close_gets_a_parseable_error(fleet: dict[str, Proc]) -> None:
     for name in ("a", "b"):
         control(fleet[name], half_event_after=2, tokens=10)
-    with httpx.stream("POST", fleet["router"].url + "/v1/chat/completions",
-                      json={"model": "m", "stream": True}) as r:
+    with httpx.stream(
+        "POST", fleet["router"].url + "/v1/chat/completions", json={"model": "m", "stream": True}
+    ) as r:
         text = r.read().decode()
     for name in ("a", "b"):
         control(fleet[name], half_event_after=-1)

@@ -1,0 +1,139 @@
+"""Turn a benchmark run into docs/benchmarks.md tables and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    head, *body = rows
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def plots(samples: dict[str, list[float]], docs: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    ttfb = {k: v for k, v in samples.items() if not k.endswith("_rss") and v}
+    if ttfb:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for k, v in sorted(ttfb.items()):
+            xs = sorted(x * 1000 for x in v)
+            ax.plot(xs, [i / len(xs) for i in range(len(xs))], label=k)
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first chunk (ms, log)")
+        ax.set_ylabel("fraction of requests")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(docs / "bench-ttfc.png", dpi=100)
+        plt.close(fig)
+        made.append("bench-ttfc.png")
+    rss = {k: v for k, v in samples.items() if k.endswith("_rss") and v}
+    if rss:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for k, v in sorted(rss.items()):
+            ax.plot(range(len(v)), v, label=k)
+        ax.set_xlabel("sample")
+        ax.set_ylabel("router RSS (MB)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(docs / "bench-rss.png", dpi=100)
+        plt.close(fig)
+        made.append("bench-rss.png")
+    return made
+
+
+def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: Path) -> None:
+    docs.mkdir(parents=True, exist_ok=True)
+    r = report["results"]
+    m = report["machine"]
+    out = [
+        "# Benchmarks",
+        "",
+        "Produced by `make bench` (`python -m bench.run`"
+        + (" --quick" if report["quick"] else "")
+        + f"), {m['date']}.",
+        f"Machine: {m['cpu']}, {m['cores']} cores shared by the load generator, the mock "
+        f"upstreams and the router; Python {m['python']}; {m['nginx']}.",
+        "All figures come from one run; compare ratios, not absolute numbers.",
+        "",
+    ]
+    if "overhead" in r:
+        out += ["## Overhead (64-token streams, no token delay)", ""]
+        rows = [
+            (
+                "concurrency",
+                "target",
+                "req/s",
+                "TTFC p50 ms",
+                "TTFC p99 ms",
+                "hop CPU ms/req",
+                "loadgen CPU share",
+            )
+        ]
+        for c, row in r["overhead"].items():
+            for k in ("direct", "nginx", "router"):
+                if k in row:
+                    v = row[k]
+                    rows.append(
+                        (
+                            c[1:],
+                            k,
+                            _fmt(v["rps"]),
+                            _fmt(v["ttfb_p50_ms"]),
+                            _fmt(v["ttfb_p99_ms"]),
+                            _fmt(v["cpu_ms_per_req"]),
+                            _fmt(v["loadgen_cpu_share"]),
+                        )
+                    )
+        out += [_table(rows), ""]
+        rows = [
+            (
+                "concurrency",
+                "router/direct req/s",
+                "router/nginx req/s",
+                "added TTFC p50 ms",
+                "added TTFC p99 ms",
+            )
+        ]
+        for c, row in r["overhead"].items():
+            rows.append(
+                (
+                    c[1:],
+                    _fmt(row["router_vs_direct_rps"]),
+                    _fmt(row.get("router_vs_nginx_rps")),
+                    _fmt(row["router_added_ttfb_p50_ms"]),
+                    _fmt(row["router_added_ttfb_p99_ms"]),
+                )
+            )
+        out += [_table(rows), ""]
+    for key, title in (
+        ("streaming", "Realistic streaming (500 streams, 20 ms/token, 256 tokens)"),
+        ("storm", "Disconnect storm (500 users, close after the 5th chunk)"),
+        ("soak", "Soak (mixed streams, disconnects, non-streaming)"),
+        ("multi_replica", "Multi-replica (Redis in-flight store)"),
+    ):
+        if key in r:
+            out += [f"## {title}", "", "```json", json.dumps(r[key], indent=2), "```", ""]
+    for png in plots(samples, docs):
+        out += [f"![{png}]({png})", ""]
+    (docs / "benchmarks.md").write_text("\n".join(out))

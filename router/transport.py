@@ -1,0 +1,409 @@
+"""A lean HTTP/1.1 transport for httpx: asyncio protocols, httptools parsing, an O(1) idle stack.
+
+The proxy keeps httpx's client API (requests, responses, timeouts, the exception tree); this
+replaces only what sits under it. httpcore's pool re-scans every connection several times per
+request (quadratic in the pool size) and polls each idle socket, and every body chunk climbs
+about eight async-generator layers through httpcore, h11 and anyio: in profiles that was most of
+the router's CPU. Here a body chunk is one parser callback, and everything the parser produced
+from one socket read reaches the proxy as one piece (so it becomes one client write).
+
+Semantics kept from httpx: `Timeout(connect, read, write, pool)` (read = longest silence),
+`Limits(max_connections, max_keepalive_connections, keepalive_expiry)`, and the exceptions
+(ConnectError, ConnectTimeout, ReadTimeout, WriteTimeout, PoolTimeout, RemoteProtocolError,
+ReadError). Closing a response before its end closes the connection, so the backend sees the
+client leave; a completed response returns its connection to the pool. Reading pauses while
+more than `HIGH_WATER` bytes wait for a slow consumer, so backpressure reaches the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections import deque
+
+import httptools
+import httpx
+
+HIGH_WATER = 256 * 1024
+
+
+class _Conn(asyncio.Protocol):
+    """One upstream connection; at most one exchange at a time."""
+
+    def __init__(self, transport_owner: LeanTransport) -> None:
+        self.owner = transport_owner
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.reused = False
+        self.counted = True  # still counted against the owner's connection cap
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.status = 0
+        self.reusable = False
+        self.headers_done: asyncio.Future[None] | None = None
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.complete = False
+        self.got_bytes = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused = False
+        self.write_waiter: asyncio.Future[None] | None = None
+        self.write_paused = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"malformed upstream response: {exc}"))
+            self.close()
+            return
+        self._wake()
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete and exc is None and self.status and self._delimited_by_close():
+            self.complete = True
+        if not self.complete:
+            if exc is not None:
+                self._fail(httpx.ReadError("connection to the backend was reset"))
+            elif self.status:
+                self._fail(
+                    httpx.RemoteProtocolError(
+                        "backend closed the connection before the response ended"
+                    )
+                )
+            else:
+                self._fail(httpx.RemoteProtocolError("backend closed the connection"))
+        self._wake()
+        if self.write_waiter is not None and not self.write_waiter.done():
+            self.write_waiter.set_result(None)
+        self.owner._lost(self)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.write_waiter is not None and not self.write_waiter.done():
+            self.write_waiter.set_result(None)
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status < 200:  # 1xx: informational, the real answer follows
+            self.status = 0
+            self.headers = []
+            return
+        # Read here: the parser's answer is only meaningful while this message is current.
+        self.reusable = self.parser.should_keep_alive()
+        if self.headers_done is not None and not self.headers_done.done():
+            self.headers_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.status:
+            self.complete = True
+
+    # helpers
+    def _fail(self, exc: Exception) -> None:
+        if self.error is None:
+            self.error = exc
+        if self.headers_done is not None and not self.headers_done.done():
+            self.headers_done.set_exception(exc)
+            self.headers_done.exception()  # mark retrieved: the caller may be gone
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    def _delimited_by_close(self) -> bool:
+        """A body with neither length nor chunking ends when the backend closes (HTTP/1.0)."""
+        names = {k.lower() for k, _ in self.headers}
+        return b"content-length" not in names and b"transfer-encoding" not in names
+
+    def keep_alive(self) -> bool:
+        return self.complete and not self.closed and self.reusable
+
+
+class _Body(httpx.AsyncByteStream):
+    """The response body: each step returns everything buffered since the last one."""
+
+    def __init__(self, conn: _Conn, read_timeout: float | None) -> None:
+        self._conn = conn
+        self._timeout = read_timeout
+        self._done = False
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        conn = self._conn
+        while True:
+            if conn.chunks:
+                chunks = conn.chunks
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                conn.chunks = []
+                conn.buffered = 0
+                if conn.paused and conn.transport is not None:
+                    conn.paused = False
+                    conn.transport.resume_reading()
+                return data
+            if conn.complete:
+                self._finish()
+                raise StopAsyncIteration
+            if conn.error is not None:
+                self._finish()
+                raise conn.error
+            if self._done:
+                raise StopAsyncIteration
+            loop = asyncio.get_running_loop()
+            waiter = conn.waiter = loop.create_future()
+            timer = (
+                loop.call_later(self._timeout, _expire, waiter)
+                if self._timeout is not None
+                else None
+            )
+            try:
+                await waiter
+            except httpx.ReadTimeout:
+                conn.close()
+                self._finish()
+                raise
+            finally:
+                conn.waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._conn.owner._release(self._conn)
+
+    async def aclose(self) -> None:
+        if not self._done:
+            if not self._conn.complete:
+                self._conn.close()  # the consumer left early: stop the backend
+            self._finish()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout("backend sent nothing within the read timeout"))
+
+
+class LeanTransport(httpx.AsyncBaseTransport):
+    """One host's connections: a LIFO stack of idle ones and a cap on how many exist."""
+
+    def __init__(self, limits: httpx.Limits, verify: ssl.SSLContext | bool = True) -> None:
+        self._max = limits.max_connections or 10**9
+        self._max_idle = (
+            limits.max_keepalive_connections
+            if limits.max_keepalive_connections is not None
+            else self._max
+        )
+        self._expiry = limits.keepalive_expiry
+        self._idle: list[_Conn] = []
+        self._count = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._ssl: ssl.SSLContext | None = None
+        self._verify = verify
+        self._closed = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        head = _request_head(request)
+        body = (
+            request.content
+            if isinstance(request.stream, httpx.ByteStream)
+            else (await request.aread())
+        )
+        for attempt in (0, 1):
+            conn = await self._acquire(request.url, timeouts)
+            try:
+                await self._exchange(conn, head, body, timeouts)
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                # A kept-alive connection the backend had already closed: it never saw this
+                # request, so one fresh connection may carry it.
+                if attempt == 0 and conn.reused and not conn.got_bytes:
+                    self._release(conn)
+                    continue
+                conn.close()
+                self._release(conn)
+                raise
+            except BaseException:
+                conn.close()
+                self._release(conn)
+                raise
+            return httpx.Response(
+                conn.status,
+                headers=conn.headers,
+                stream=_Body(conn, timeouts.get("read")),
+                extensions={"http_version": b"HTTP/1.1"},
+            )
+        raise AssertionError("unreachable")
+
+    async def _exchange(
+        self, conn: _Conn, head: bytes, body: bytes, timeouts: dict[str, float | None]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        conn._reset()
+        conn.headers_done = loop.create_future()
+        assert conn.transport is not None
+        conn.transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            conn.transport.write(body)
+        if conn.write_paused:
+            conn.write_waiter = loop.create_future()
+            try:
+                async with asyncio.timeout(timeouts.get("write")):
+                    await conn.write_waiter
+            except TimeoutError:
+                raise httpx.WriteTimeout("could not send the request in time") from None
+        if conn.error is not None:
+            raise conn.error
+        try:
+            async with asyncio.timeout(timeouts.get("read")):
+                await conn.headers_done
+        except TimeoutError:
+            raise httpx.ReadTimeout("backend sent no response headers in time") from None
+
+    async def _acquire(self, url: httpx.URL, timeouts: dict[str, float | None]) -> _Conn:
+        now = time.monotonic()
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if conn.closed:
+                continue
+            if self._expiry is not None and now - conn.idle_since > self._expiry:
+                conn.close()
+                continue
+            conn.reused = True
+            return conn
+        if self._count >= self._max:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout(timeouts.get("pool")):
+                    await waiter
+            except TimeoutError:
+                raise httpx.PoolTimeout("no upstream connection free in time") from None
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            return await self._acquire(url, timeouts)
+        self._count += 1
+        try:
+            return await self._connect(url, timeouts.get("connect"))
+        except BaseException:
+            self._count -= 1
+            self._notify()
+            raise
+
+    async def _connect(self, url: httpx.URL, connect_timeout: float | None) -> _Conn:
+        loop = asyncio.get_running_loop()
+        secure = url.scheme == "https"
+        if secure and self._ssl is None:
+            self._ssl = (
+                self._verify
+                if isinstance(self._verify, ssl.SSLContext)
+                else ssl.create_default_context()
+            )
+            if self._verify is False:
+                self._ssl.check_hostname = False
+                self._ssl.verify_mode = ssl.CERT_NONE
+        port = url.port or (443 if secure else 80)
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(self),
+                    url.host,
+                    port,
+                    ssl=self._ssl if secure else None,
+                    server_hostname=url.host if secure else None,
+                )
+        except TimeoutError:
+            raise httpx.ConnectTimeout("could not connect to the backend in time") from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"could not connect to the backend: {exc.strerror}") from None
+        return conn
+
+    def _release(self, conn: _Conn) -> None:
+        """The exchange on `conn` is over: keep it for the next request, or let it go."""
+        if conn.keep_alive() and not self._closed and len(self._idle) < self._max_idle:
+            conn.idle_since = time.monotonic()
+            conn.headers_done = None
+            self._idle.append(conn)
+            self._notify()
+            return
+        conn.close()
+        self._forget(conn)
+
+    def _forget(self, conn: _Conn) -> None:
+        if conn.counted:
+            conn.counted = False
+            self._count -= 1
+            self._notify()
+
+    def _lost(self, conn: _Conn) -> None:
+        if conn in self._idle:
+            self._idle.remove(conn)
+        if conn.headers_done is None or conn.complete or conn.error is not None:
+            # Not in an exchange any more (idle, or the exchange already failed/finished).
+            self._forget(conn)
+
+    def _notify(self) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+
+def _request_head(request: httpx.Request) -> bytes:
+    target = request.url.raw_path
+    lines = [request.method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
+    has_length = False
+    for k, v in request.headers.raw:
+        lk = k.lower()
+        if lk == b"content-length":
+            has_length = True
+        if lk == b"transfer-encoding":
+            continue
+        lines += [k, b": ", v, b"\r\n"]
+    if not has_length:
+        lines.append(b"content-length: %d\r\n" % len(request.content))
+    lines.append(b"\r\n")
+    return b"".join(lines)
