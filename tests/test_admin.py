@@ -101,7 +101,12 @@ def test_without_a_token_changes_are_off_and_reads_on(
 def two(procs: Cluster, mocks: dict[str, Proc]) -> dict[str, Proc]:
     a, b = mocks["a"], mocks["b"]
     router = procs.router(
-        {"backends": [backend("a", a, {"m": "mock-model"})], "balancer": "round_robin"},
+        {
+            "backends": [backend("a", a, {"m": "mock-model"})],
+            "balancer": "round_robin",
+            # No probes: their client's connections would blur the pool checks below.
+            "health": {"enabled": False},
+        },
         env={"SLUICEGATE_ADMIN_TOKEN": TOKEN},
     )
     return {"a": a, "b": b, "router": router}
