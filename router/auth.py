@@ -44,7 +44,8 @@ def _digest(value: str) -> bytes:
 class AdminAuth:
     def __init__(self, token: SecretStr | None) -> None:
         # Compare digests: equal length always, so the compare leaks nothing, not even length.
-        self._digest = _digest(token.get_secret_value()) if token is not None else None
+        value = token.get_secret_value() if token is not None else ""
+        self._digest = _digest(value) if value else None  # an empty token is no token
 
     @property
     def configured(self) -> bool:
@@ -155,4 +156,3 @@ class ClientKeys:
                 401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key"
             )
         return key
-

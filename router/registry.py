@@ -253,6 +253,11 @@ class Fleet:
                         "skipping an invalid stored backend", extra={"fields": {"name": name}}
                     )
                     continue
+                if cfg.api_key_env and cfg.resolved_key() is None:
+                    log.warning(
+                        "backend key variable not set here; sending no key",
+                        extra={"fields": {"name": name, "api_key_env": cfg.api_key_env}},
+                    )
                 out.append(Backend.from_config(cfg, "api", bool(rec.get("draining"))))
         return out
 

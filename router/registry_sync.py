@@ -44,6 +44,15 @@ def _unavailable(exc: BaseException) -> str:
     return f"The shared registry (Redis) is unavailable ({type(exc).__name__}); retry."
 
 
+def _deliver(on_records: Callable[[dict[str, Record]], None], records: dict[str, Record]) -> None:
+    try:
+        on_records(records)
+    except Exception as exc:  # a bad rebuild must not end the sync for good
+        log.error(
+            "applying registry records failed", extra={"fields": {"error": type(exc).__name__}}
+        )
+
+
 class RedisRecords:
     kind = "redis"
 
@@ -139,7 +148,7 @@ class RedisRecords:
                 await pubsub.subscribe(self._channel)
                 # Anything published while we were not subscribed is in the hash: read it now.
                 seen, records = await self._read()
-                on_records(records)
+                _deliver(on_records, records)
                 backoff = 0.1
                 next_check = time.monotonic() + self._resync
                 while True:
@@ -150,12 +159,12 @@ class RedisRecords:
                         while await pubsub.get_message(ignore_subscribe_messages=True, timeout=0):
                             pass
                         seen, records = await self._read()
-                        on_records(records)
+                        _deliver(on_records, records)
                     elif time.monotonic() >= next_check:
                         version = await self._redis.get(self._version)
                         if version != seen:
                             seen, records = await self._read()
-                            on_records(records)
+                            _deliver(on_records, records)
                         next_check = time.monotonic() + self._resync
             except (RedisError, OSError) as exc:
                 log.warning(

@@ -78,11 +78,12 @@ def test_every_admin_route_needs_the_token(procs: Cluster, mocks: dict[str, Proc
     assert [b["name"] for b in admin(router, "GET").json()] == ["a"]
 
 
+@pytest.mark.parametrize("env", [{}, {"SLUICEGATE_ADMIN_TOKEN": ""}], ids=["unset", "empty"])
 def test_without_a_token_changes_are_off_and_reads_on(
-    procs: Cluster, mocks: dict[str, Proc]
+    procs: Cluster, mocks: dict[str, Proc], env: dict[str, str]
 ) -> None:
     a = mocks["a"]
-    router = procs.router({"backends": [backend("a", a)]})
+    router = procs.router({"backends": [backend("a", a)]}, env=env)
     assert admin(router, "GET", headers={}).status_code == 200
     assert admin(router, "GET", "/a", headers={}).status_code == 200
     for method, path, kw in (
