@@ -17,6 +17,7 @@ entries with every record applied:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -147,25 +148,29 @@ class RecordStore(Protocol):
 
 
 class LocalRecords:
-    """In-process records: changes reach neither other replicas nor other workers, nor a restart."""
+    """In-process records: changes reach neither other replicas nor other workers, nor a restart.
+
+    Records pass through JSON as they would through Redis: nobody shares a nested dict, and a
+    record that would not survive storage fails here too."""
 
     kind = "local"
 
     def __init__(self) -> None:
-        self._records: dict[str, Record] = {}
+        self._records: dict[str, str] = {}
 
     async def load(self) -> dict[str, Record]:
-        return dict(self._records)
+        return {name: json.loads(raw) for name, raw in self._records.items()}
 
     async def change(
         self, name: str, edit: Callable[[Record | None], Record | None]
     ) -> dict[str, Record]:
-        new = edit(self._records.get(name))
+        raw = self._records.get(name)
+        new = edit(json.loads(raw) if raw is not None else None)
         if new is None:
             self._records.pop(name, None)
         else:
-            self._records[name] = new
-        return dict(self._records)
+            self._records[name] = json.dumps(new)
+        return await self.load()
 
     async def watch(self, on_records: Callable[[dict[str, Record]], None]) -> None:
         return None
