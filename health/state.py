@@ -1,31 +1,110 @@
 """Per-backend health as seen by this process, and the filter the proxy routes through.
 
-Each writer owns its own flag (active probes, passive outlier detection, cooldowns); a backend
-is routable when none is set and it is not draining.
+Three writers, each with its own flag, like Envoy's FAILED_ACTIVE_HC / FAILED_OUTLIER_CHECK:
+active probes (`on_probe`: flips after `unhealthy_threshold` / `healthy_threshold` results in a
+row), passive outlier detection (`on_failure` / `on_success` from real traffic: ejection with
+backoff, never more than `max_ejection_percent` of a model's backends), and cooldowns
+(`cool_down`, from a 429/503 Retry-After). A backend is routable when no flag is set and it is not
+draining; when none of a model's backends is, `eligible` returns all of them (panic mode) but
+those cooling down.
+Time comes from an injected clock; every transition is logged once on `sluicegate.health`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from health import outlier
+from router.settings import HealthConfig, OutlierConfig
 from router.upstreams import Backend
+
+log = logging.getLogger("sluicegate.health")
+
+
+@dataclass(slots=True)
+class ProbeResult:
+    ok: bool
+    latency_ms: float | None = None
+    reason: str | None = None  # why it failed: "connect", "timeout", "status_503", ...
 
 
 @dataclass(slots=True)
 class BackendHealth:
-    failed_probe: bool = False
-    cooldown_until: float = 0.0
+    # Active probes.
+    probe_failed: bool = False
+    probe_successes: int = 0  # in a row
+    probe_failures: int = 0  # in a row
+    probe_reason: str | None = None
+    last_probe_latency_ms: float | None = None
+    # Passive outlier detection.
     consecutive_failures: int = 0
     last_error: str | None = None
+    ejected_until: float = 0.0  # 0: not ejected
+    times_ejected: int = 0
+    last_ejection_end: float | None = None
+    eject_reason: str | None = None
+    probe_failed_while_ejected: bool = False
+    # Cooldown asked for by the backend (Retry-After).
+    cooldown_until: float = 0.0
+
+
+def merged(default: Any, override: Any) -> Any:
+    """A per-backend section over the global one: only the keys the backend set win."""
+    if override is None:
+        return default
+    return default.model_copy(update=override.model_dump(exclude_unset=True))
 
 
 class HealthBook:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        health: HealthConfig | None = None,
+        outlier_cfg: OutlierConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._health = health or HealthConfig()
+        self._outlier = outlier_cfg or OutlierConfig()
         self._clock = clock
+        self._wall = wall
         self._state: dict[str, BackendHealth] = {}
+        self._health_cfg: dict[str, HealthConfig] = {}
+        self._outlier_cfg: dict[str, OutlierConfig] = {}
+        self._groups: dict[str, tuple[str, ...]] = {}  # model -> backend names
+        self._models_of: dict[str, tuple[str, ...]] = {}  # backend name -> models
+        self._urls: dict[str, str] = {}
+        self._panicking: set[str] = set()
+
+    # -- the backend set --------------------------------------------------------------------
+
+    def sync(self, backends: Sequence[Backend]) -> None:
+        """Adopt a new backend set: per-backend settings, model groups; forget removed ones."""
+        names = {b.name for b in backends}
+        for b in backends:
+            if self._urls.get(b.name, b.url) != b.url:
+                self._state.pop(b.name, None)  # another server under the same name
+        self._urls = {b.name: b.url for b in backends}
+        self._health_cfg = {b.name: merged(self._health, b.health) for b in backends}
+        self._outlier_cfg = {b.name: merged(self._outlier, b.outlier) for b in backends}
+        groups: dict[str, list[str]] = {}
+        for b in backends:
+            for model in b.models:
+                groups.setdefault(model, []).append(b.name)
+        self._groups = {m: tuple(ns) for m, ns in groups.items()}
+        self._models_of = {b.name: tuple(b.models) for b in backends}
+        for gone in set(self._state) - names:
+            del self._state[gone]
+        self._panicking &= set(self._groups)
+
+    def health_config(self, name: str) -> HealthConfig:
+        return self._health_cfg.get(name, self._health)
+
+    def outlier_config(self, name: str) -> OutlierConfig:
+        return self._outlier_cfg.get(name, self._outlier)
 
     def _get(self, name: str) -> BackendHealth:
         st = self._state.get(name)
@@ -33,19 +112,57 @@ class HealthBook:
             st = self._state[name] = BackendHealth()
         return st
 
+    # -- routing ----------------------------------------------------------------------------
+
     def routable(self, backend: Backend, now: float) -> bool:
-        st = self._state.get(backend.name)
         if backend.draining:
             return False
-        return st is None or (not st.failed_probe and st.cooldown_until <= now)
+        st = self._state.get(backend.name)
+        if st is None:
+            return True
+        if st.probe_failed:
+            return False
+        if st.ejected_until:
+            if st.ejected_until > now:
+                return False
+            self._end_ejection(backend.name, st, now, "expired")
+        if st.cooldown_until:
+            if st.cooldown_until > now:
+                return False
+            st.cooldown_until = 0.0
+            _transition("cooldown over", backend.name)
+        return True
 
-    def eligible(self, backends: Sequence[Backend]) -> list[Backend]:
+    def eligible(self, backends: Sequence[Backend], model: str = "") -> list[Backend]:
         now = self._clock()
         ok = [b for b in backends if self.routable(b, now)]
         if ok:
+            if model in self._panicking:
+                self._panicking.discard(model)
+                _transition("panic mode over", None, model=model, healthy=len(ok))
             return ok
-        # Panic mode: when nothing looks healthy, try them all rather than fail everything.
-        return [b for b in backends if not b.draining]
+        # Panic mode: when nothing looks healthy, try them all rather than fail everything;
+        # except those that asked for a pause (Retry-After): they are left alone as asked.
+        if model not in self._panicking:
+            self._panicking.add(model)
+            _transition("panic mode", None, model=model, backends=len(backends))
+        return [b for b in backends if not b.draining and not self._cooling(b.name, now)]
+
+    def _cooling(self, name: str, now: float) -> bool:
+        st = self._state.get(name)
+        return st is not None and st.cooldown_until > now
+
+    def retry_after(self, backends: Sequence[Backend]) -> float | None:
+        """Seconds until the first of `backends` ends its cooldown, if any is cooling."""
+        now = self._clock()
+        waits = [
+            st.cooldown_until - now
+            for b in backends
+            if (st := self._state.get(b.name)) is not None and st.cooldown_until > now
+        ]
+        return min(waits) if waits else None
+
+    # -- passive detection ------------------------------------------------------------------
 
     def on_success(self, name: str) -> None:
         st = self._state.get(name)
@@ -53,20 +170,143 @@ class HealthBook:
             st.consecutive_failures = 0
 
     def on_failure(self, name: str, kind: str) -> None:
+        if not outlier.counts_as_failure(kind):
+            return
         st = self._get(name)
         st.consecutive_failures += 1
         st.last_error = kind
+        now = self._clock()
+        if st.ejected_until > now:
+            return  # requests that were already in flight when it was ejected
+        cfg = self.outlier_config(name)
+        if outlier.should_eject(cfg, st.consecutive_failures):
+            self._eject(name, st, cfg, now, kind)
+
+    def _eject(
+        self, name: str, st: BackendHealth, cfg: OutlierConfig, now: float, kind: str
+    ) -> None:
+        for model in self._models_of.get(name, ()):
+            group = self._groups.get(model, ())
+            ejected = sum(
+                1
+                for other in group
+                if other != name
+                and (o := self._state.get(other)) is not None
+                and o.ejected_until > now
+            )
+            if not outlier.within_share(cfg, ejected, len(group)):
+                if st.consecutive_failures == cfg.consecutive_failures:  # log the first refusal
+                    _transition(
+                        "ejection refused",
+                        name,
+                        reason=kind,
+                        model=model,
+                        ejected=ejected,
+                        backends=len(group),
+                        max_ejection_percent=cfg.max_ejection_percent,
+                    )
+                return
+        times = outlier.times_ejected_after_rest(cfg, st.times_ejected, st.last_ejection_end, now)
+        st.times_ejected = times + 1
+        seconds = outlier.ejection_seconds(cfg, st.times_ejected)
+        st.ejected_until = now + seconds
+        st.eject_reason = f"{st.consecutive_failures} consecutive failures ({kind})"
+        st.probe_failed_while_ejected = False
+        _transition(
+            "ejected",
+            name,
+            reason=kind,
+            consecutive_failures=st.consecutive_failures,
+            times_ejected=st.times_ejected,
+            seconds=seconds,
+        )
+
+    def _end_ejection(self, name: str, st: BackendHealth, now: float, why: str) -> None:
+        st.ejected_until = 0.0
+        st.last_ejection_end = now
+        st.consecutive_failures = 0
+        st.eject_reason = None
+        st.probe_failed_while_ejected = False
+        _transition("ejection over", name, why=why, times_ejected=st.times_ejected)
+
+    # -- cooldowns --------------------------------------------------------------------------
 
     def cool_down(self, name: str, seconds: float) -> None:
         st = self._get(name)
-        st.cooldown_until = max(st.cooldown_until, self._clock() + seconds)
+        now = self._clock()
+        until = now + seconds
+        if until <= st.cooldown_until:
+            return
+        fresh = st.cooldown_until <= now
+        st.cooldown_until = until
+        if fresh:
+            _transition("cooling down", name, seconds=seconds)
+
+    # -- active probes ----------------------------------------------------------------------
+
+    def on_probe(self, name: str, result: ProbeResult) -> None:
+        st = self._get(name)
+        cfg = self.health_config(name)
+        now = self._clock()
+        if result.latency_ms is not None:
+            st.last_probe_latency_ms = result.latency_ms
+        ejected = st.ejected_until > now
+        if not result.ok:
+            st.probe_successes = 0
+            st.probe_failures += 1
+            st.probe_reason = result.reason
+            if ejected:
+                st.probe_failed_while_ejected = True
+            if not st.probe_failed and st.probe_failures >= cfg.unhealthy_threshold:
+                st.probe_failed = True
+                _transition(
+                    "unhealthy", name, reason=result.reason, probe_failures=st.probe_failures
+                )
+            return
+        st.probe_failures = 0
+        st.probe_successes += 1
+        if st.probe_successes < cfg.healthy_threshold:
+            return
+        if st.probe_failed:
+            st.probe_failed = False
+            st.probe_reason = None
+            _transition("healthy", name, probe_successes=st.probe_successes)
+        # Probes readmit only an ejection they saw fail and then recover: a /health that
+        # answers while completions fail (a hung engine) must not undo the ejection.
+        if ejected and st.probe_failed_while_ejected:
+            self._end_ejection(name, st, now, "probe")
+
+    # -- reporting --------------------------------------------------------------------------
 
     def describe(self, name: str) -> dict[str, Any]:
         st = self._state.get(name) or BackendHealth()
         now = self._clock()
+        wall = self._wall()
+        ejected = st.ejected_until > now
+        cooling = st.cooldown_until > now
+        if st.probe_failed:
+            reason: str | None = f"probe failed ({st.probe_reason})"
+        elif ejected:
+            reason = f"ejected: {st.eject_reason}"
+        elif cooling:
+            reason = "cooling down (Retry-After)"
+        else:
+            reason = None
         return {
-            "healthy": not st.failed_probe and st.cooldown_until <= now,
+            "healthy": not (st.probe_failed or ejected or cooling),
+            "ejected_until": round(wall + st.ejected_until - now, 3) if ejected else None,
+            "cooldown_until": round(wall + st.cooldown_until - now, 3) if cooling else None,
+            "reason": reason,
             "consecutive_failures": st.consecutive_failures,
-            "cooldown_remaining": max(0.0, round(st.cooldown_until - now, 3)),
+            "times_ejected": st.times_ejected,
             "last_error": st.last_error,
+            "last_probe_latency_ms": st.last_probe_latency_ms,
         }
+
+
+_RECOVERIES = frozenset({"healthy", "ejection over", "cooldown over", "panic mode over"})
+
+
+def _transition(event: str, backend: str | None, **fields: Any) -> None:
+    level = logging.INFO if event in _RECOVERIES else logging.WARNING
+    log.log(level, event, extra={"fields": {"event": event, "backend": backend, **fields}})

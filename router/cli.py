@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import os
 import signal
 import subprocess
@@ -20,38 +19,43 @@ import uvicorn
 from router.settings import ConfigError, Settings, load_settings
 
 
-class DrainingServer(uvicorn.Server):
+def drain_on_signal(lifecycle: Any, grace: float) -> None:
     """On the first SIGTERM/SIGINT: fail /readyz, answer new requests 503, let streams in flight
-    finish (up to drain_grace), then stop. A second signal stops at once."""
+    finish (up to `grace` seconds), then hand the signal to the server. A second one stops at once.
 
-    def __init__(self, config: uvicorn.Config, drain_grace: float) -> None:
-        super().__init__(config)
-        self._drain_grace = drain_grace
-        self._draining = False
+    uvicorn installs its handlers before it loads the app, in every worker, so wrapping them here
+    works the same with one worker or several.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return  # not under a server (e.g. the app built directly in a test)
+    tasks: set[asyncio.Task[None]] = set()
 
-    def _lifecycle(self) -> Any:
-        app: Any = getattr(self.config, "loaded_app", None)
-        for _ in range(10):
-            state = getattr(app, "state", None)
-            if state is not None and hasattr(state, "lifecycle"):
-                return state.lifecycle
-            app = getattr(app, "app", None)
-        return None
+    async def finish(original: Any, signum: int) -> None:
+        await lifecycle.wait_idle(grace)
+        original(signum, None)
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        lifecycle = self._lifecycle()
-        if self._draining or lifecycle is None:
-            super().handle_exit(sig, frame)
-            return
-        self._draining = True
-        lifecycle.draining = True
-        # A signal handler runs between bytecodes of whatever the loop was doing: schedule.
-        loop = asyncio.get_event_loop()
-        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(lifecycle)))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        original = signal.getsignal(sig)
+        if not callable(original):
+            continue
 
-    async def _drain(self, lifecycle: Any) -> None:
-        await lifecycle.wait_idle(self._drain_grace)
-        self.should_exit = True
+        def handler(signum: int, frame: FrameType | None, original: Any = original) -> None:
+            if lifecycle.draining:
+                original(signum, frame)
+                return
+            lifecycle.draining = True
+
+            def start() -> None:
+                task = loop.create_task(finish(original, signum))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+            # A signal handler runs between bytecodes of whatever the loop was doing: schedule.
+            loop.call_soon_threadsafe(start)
+
+        signal.signal(sig, handler)
 
 
 def _app_factory() -> Any:
@@ -60,7 +64,9 @@ def _app_factory() -> Any:
 
     settings = load_settings()
     configure(settings.log_level)
-    return create_app(settings)
+    app = create_app(settings)
+    drain_on_signal(app.state.lifecycle, settings.drain_grace)
+    return app
 
 
 def serve(settings: Settings) -> None:
@@ -70,7 +76,10 @@ def serve(settings: Settings) -> None:
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
     if settings.config:
         os.environ["SLUICEGATE_CONFIG"] = settings.config
-    config = uvicorn.Config(
+    # uvicorn re-raises the SIGTERM it handled once it has stopped; after a completed drain that
+    # is a clean exit, not a death by signal.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(
         "router.cli:_app_factory",
         factory=True,
         host=settings.host,
@@ -85,19 +94,6 @@ def serve(settings: Settings) -> None:
         timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
         timeout_keep_alive=30,
     )
-    server = DrainingServer(config, settings.drain_grace)
-    if settings.workers > 1:
-        from uvicorn.supervisors import Multiprocess
-
-        sock = config.bind_socket()
-        if "target" in inspect.signature(Multiprocess.__init__).parameters:
-            Multiprocess(config, target=server.run, sockets=[sock]).run()
-        else:
-            # Newer uvicorn builds a plain Server in each worker (no target hook): the drain
-            # then rests on the app's lifespan shutdown and uvicorn's graceful timeout.
-            Multiprocess(config, sockets=[sock]).run()
-    else:
-        server.run()
 
 
 def _demo_config(ports: Sequence[int]) -> str:

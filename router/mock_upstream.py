@@ -4,7 +4,8 @@ Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running
 and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
-tokens, half_event, gzip, retry_after, max_running) so fault tests need no second implementation.
+tokens, half_event, gzip, retry_after, health_status, max_running) so fault tests need no second
+implementation.
 A raw ASGI app: no framework on the hot path.
 """
 
@@ -38,6 +39,7 @@ class Behaviour:
     gzip: bool = False
     max_running: int = 0  # batch slots (vLLM's max_num_seqs); more requests queue; 0 = no limit
     pad_bytes: int = 0  # pad each token's text, to move megabytes (backpressure tests)
+    health_status: int = 200  # what GET /health answers (503: a vLLM still loading weights)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Stats:
     tokens_generated: int = 0
     tokens_after_disconnect: int = 0
     running: int = 0
+    probes: int = 0  # GET /health and GET /v1/models
+    last_probe_authorization: str | None = None
     connections: set[tuple[str, int]] = field(default_factory=set)
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
 
@@ -59,6 +63,8 @@ class Stats:
             "tokens_generated": self.tokens_generated,
             "tokens_after_disconnect": self.tokens_after_disconnect,
             "running": self.running,
+            "probes": self.probes,
+            "last_probe_authorization": self.last_probe_authorization,
             "connections_opened": len(self.connections),
             "recent": list(self.recent),
         }
@@ -101,6 +107,11 @@ class MockUpstream:
         path: str = scope["path"]
         method: str = scope["method"]
         if method == "GET":
+            if path in ("/health", "/v1/models"):
+                self.stats.probes += 1
+                for k, v in scope["headers"]:
+                    if k == b"authorization":
+                        self.stats.last_probe_authorization = v.decode("latin-1")
             await self._get(path, send)
             return
         body = await _read_body(receive)
@@ -116,7 +127,7 @@ class MockUpstream:
 
     async def _get(self, path: str, send: Send) -> None:
         if path == "/health":
-            await _json(send, 200, {})
+            await _json(send, self.behaviour.health_status, {})
         elif path == "/v1/models":
             await _json(
                 send,
@@ -217,7 +228,21 @@ class MockUpstream:
             if bh.hang:
                 await gone.wait()
                 return
-            n = int(req.get("max_tokens") or bh.tokens)
+            n = req.get("max_tokens") or bh.tokens
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 100_000:
+                # As vLLM does for a bad value or one beyond the context length.
+                await _json(
+                    send,
+                    400,
+                    {
+                        "error": {
+                            "message": "max_tokens must be 0..100000",
+                            "type": "BadRequestError",
+                            "code": 400,
+                        }
+                    },
+                )
+                return
             if path == "/v1/embeddings":
                 await self._sleep(bh.ttft_ms, gone)
                 await _json(

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from balancers.inflight.base import InflightStore, Lease
+from health.failover import Failover
 from health.state import HealthBook
 from router.errors import (
     NoCapacity,
@@ -39,8 +40,6 @@ from router.settings import Settings
 from router.upstreams import Backend, Pools
 
 log = logging.getLogger("sluicegate.request")
-
-_RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 class Lifecycle:
@@ -123,6 +122,10 @@ class _Retry(Exception):
         self.response = response  # the upstream's own error answer, forwarded if none is left
 
 
+class _NoneLeft(Exception):
+    """No backend is left to try (all excluded, full or unhealthy)."""
+
+
 class Proxy:
     def __init__(
         self,
@@ -139,8 +142,12 @@ class Proxy:
         self.store = store
         self.health = health
         self.lifecycle = lifecycle
+        self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
-    async def prepare(self, request: Request, path: str) -> Response:
+    async def prepare(
+        self, request: Request, path: str, allowed_models: Set[str] | None = None
+    ) -> Response:
+        """`allowed_models`: the public names the client's key may use (None: any)."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         if not _valid_request_id(request_id):
             request_id = uuid.uuid4().hex
@@ -182,6 +189,14 @@ class Proxy:
                 "You must provide a model parameter.",
                 "invalid_request_error",
                 "missing_model",
+                rid,
+            )
+        if allowed_models is not None and model not in allowed_models:
+            return error_response(
+                403,
+                f"This API key may not use the model `{model[:200]}`.",
+                "permission_error",
+                "model_not_allowed",
                 rid,
             )
         snapshot = self.registry.snapshot
@@ -286,31 +301,34 @@ class ProxyCall(Response):
     async def _run(self, send: Send) -> None:
         proxy = self._proxy
         rec = self._record
-        request_id = rec.request_id
-        retries = proxy.settings.retries
-        deadline = time.monotonic() + retries.deadline
         exclude: set[str] = set()
         balancer = proxy.registry.balancer_for(self._model)
         last: _Retry | None = None
+
+        async def attempt(number: int, answered: Callable[[], None]) -> None:
+            nonlocal last
+            eligible = proxy.health.eligible(self._backends, self._model)
+            lease = await proxy.store.acquire(eligible, balancer, exclude)
+            if lease is None:
+                raise _NoneLeft
+            rec.attempts = number
+            try:
+                await self._attempt(send, lease, answered)
+            except _Retry as retry:
+                last = retry
+                exclude.add(lease.backend)  # the next attempt goes elsewhere
+                raise
+
         try:
-            for _ in range(retries.attempts):
-                eligible = proxy.health.eligible(self._backends)
-                lease = await proxy.store.acquire(eligible, balancer, exclude)
-                if lease is None:
-                    break
-                rec.attempts += 1
-                try:
-                    await self._attempt(send, lease)
-                    return
-                except _Retry as retry:
-                    last = retry
-                    exclude.add(lease.backend)
-                    if time.monotonic() >= deadline:
-                        break
+            try:
+                await proxy.failover.run(attempt)
+                return
+            except (_Retry, _NoneLeft):  # attempts, deadline, budget or backends ran out
+                pass
             if last is None:
                 raise NoCapacity(
                     f"Every backend serving `{self._model}` is busy or unavailable; retry later.",
-                    retry_after=1,
+                    retry_after=proxy.health.retry_after(self._backends) or 1,
                 )
             if last.response is not None:
                 status, headers, body = last.response
@@ -322,9 +340,9 @@ class ProxyCall(Response):
         except ProxyError as exc:
             rec.status = exc.status
             rec.error = exc.code
-            await exc.response(request_id)({"type": "http"}, _no_receive, send)
+            await exc.response(rec.request_id)({"type": "http"}, _no_receive, send)
 
-    async def _attempt(self, send: Send, lease: Lease) -> None:
+    async def _attempt(self, send: Send, lease: Lease, answered: Callable[[], None]) -> None:
         proxy = self._proxy
         rec = self._record
         # The request routes within the snapshot it started with.
@@ -342,7 +360,12 @@ class ProxyCall(Response):
             )
             try:
                 response = await client.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            except httpx.PoolTimeout as exc:
+                # Our own pool to it is full: not the backend's failure, so no health mark.
+                raise _Retry(
+                    UpstreamConnectError(f"No connection to backend `{backend.name}` is free.")
+                ) from exc
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 proxy.health.on_failure(backend.name, "connect")
                 raise _Retry(
                     UpstreamConnectError(f"Could not connect to backend `{backend.name}`.")
@@ -361,13 +384,14 @@ class ProxyCall(Response):
                 ) from exc
 
             status = response.status_code
-            if status in _RETRYABLE_STATUS:
+            if status >= 500 or status == 429:
                 await self._retryable_status(backend, response)
             streaming = self._stream and status < 400
             headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
             rec.status = status
             await send({"type": "http.response.start", "status": status, "headers": headers})
             self._started = True
+            answered()
             if status < 400:
                 proxy.health.on_success(backend.name)
             await self._pump(send, response, backend, streaming)

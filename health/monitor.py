@@ -1,0 +1,85 @@
+"""Background scheduling of active probes, and nothing else.
+
+One task per backend: probe at once (a new backend is checked before it has to prove itself on
+traffic), then every `interval` seconds with +-10 % jitter so replicas drift apart instead of
+probing in lockstep. A semaphore bounds how many probes run at once. Results go to the HealthBook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+
+import httpx
+
+from health.probes import probe, probe_client
+from health.state import HealthBook
+from router.upstreams import Backend
+
+log = logging.getLogger("sluicegate.health")
+
+JITTER = 0.1
+
+
+class HealthMonitor:
+    def __init__(
+        self, book: HealthBook, concurrency: int = 32, rng: random.Random | None = None
+    ) -> None:
+        self._book = book
+        self._rng = rng or random.Random()
+        self._sem = asyncio.Semaphore(concurrency)
+        self._concurrency = concurrency
+        self._backends: dict[str, Backend] = {}
+        self._tasks: dict[str, tuple[Backend, asyncio.Task[None]]] = {}
+        self._client: httpx.AsyncClient | None = None
+
+    def sync(self, backends: Sequence[Backend]) -> None:
+        """Adopt a backend set; once started, probe new or changed backends at once."""
+        self._backends = {b.name: b for b in backends}
+        if self._client is not None:
+            self._reconcile()
+
+    async def start(self) -> None:
+        self._client = probe_client(self._concurrency)
+        self._reconcile()
+
+    async def aclose(self) -> None:
+        tasks = [t for _, t in self._tasks.values()]
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def _reconcile(self) -> None:
+        for name, (backend, task) in list(self._tasks.items()):
+            if self._backends.get(name) != backend:
+                task.cancel()
+                del self._tasks[name]
+        for name, backend in self._backends.items():
+            if name in self._tasks or not self._book.health_config(name).enabled:
+                continue
+            task = asyncio.get_running_loop().create_task(self._loop(backend))
+            self._tasks[name] = (backend, task)
+
+    async def _loop(self, backend: Backend) -> None:
+        cfg = self._book.health_config(backend.name)
+        client = self._client
+        assert client is not None
+        while True:
+            try:
+                async with self._sem:
+                    result = await probe(client, backend, cfg)
+                self._book.on_probe(backend.name, result)
+            except Exception:
+                # A bug here must not stop this backend's probes for good.
+                log.exception("probe loop error", extra={"fields": {"backend": backend.name}})
+            await asyncio.sleep(self.next_delay(cfg.interval))
+
+    def next_delay(self, interval: float) -> float:
+        return interval * self._rng.uniform(1 - JITTER, 1 + JITTER)
