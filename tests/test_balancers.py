@@ -319,10 +319,11 @@ def test_slow_backend_least_inflight_sends_fewer_and_keeps_ttft_low(procs: Clust
     """Four backends with 8 batch slots each, one with 3x the inter-token latency, under a
     closed loop of 28 streams: round robin gives the slow one a quarter and a queue; least in
     flight gives it about its capacity's share, and the tail of time to first token stays low."""
-    mocks = {n: procs.mock(n, ttft_ms=20, itl_ms=10, tokens=30) for n in ("a", "b", "c", "slow")}
+    # Few tokens, long gaps: the same 3x, at a chunk rate the SDK client can parse unhurried.
+    mocks = {n: procs.mock(n, ttft_ms=20, itl_ms=30, tokens=12) for n in ("a", "b", "c", "slow")}
     for m in mocks.values():
         control(m, max_running=8)
-    control(mocks["slow"], itl_ms=30)
+    control(mocks["slow"], itl_ms=90)
     figures: dict[str, tuple[float, float, float]] = {}
     for name in ("round_robin", "least_inflight"):
         router = procs.router(
@@ -341,10 +342,10 @@ def test_slow_backend_least_inflight_sends_fewer_and_keeps_ttft_low(procs: Clust
     li_share, li_p95, li_p99 = figures["least_inflight"]
     assert rr_share == pytest.approx(0.25, abs=0.03)
     assert li_share < 0.18  # capacity share is ~0.10; a quarter would be 0.25
-    # The SDK client shares these 2 cores, so its own tail is noisy: the queue the slow backend
-    # builds under round robin shows from p95 on. bench/balancers.py measures p99 with a lean
-    # load generator.
+    # Margins are loose because the SDK client shares these 2 cores (its own lag lands in the
+    # tail); bench/balancers.py measures the same with a lean load generator.
     assert li_p95 < rr_p95 * 0.75, figures
+    assert li_p99 < rr_p99, figures
     print(
         f"\nslow backend share, p95/p99 TTFT: round robin {rr_share:.3f}, "
         f"{rr_p95 * 1000:.0f}/{rr_p99 * 1000:.0f} ms; least in flight {li_share:.3f}, "
