@@ -17,6 +17,7 @@ from health.state import HealthBook
 from router.admin import admin_routes
 from router.api import openai_routes
 from router.errors import error_response
+from router.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.proxy import Lifecycle, Proxy
 from router.registry import Registry, Snapshot
 from router.settings import Settings
@@ -47,9 +48,11 @@ def create_app(settings: Settings) -> FastAPI:
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
 
     registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
-    store = LocalInflight()
+    metrics = Metrics()
+    metrics.backends_known([b.name for b in backends])
+    store = MeteredInflight(LocalInflight(), metrics)
     lifecycle = Lifecycle()
-    proxy = Proxy(settings, registry, pools, store, health, lifecycle)
+    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,6 +82,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:

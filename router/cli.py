@@ -1,20 +1,24 @@
-"""`sluicegate serve | demo | mock-upstream`: the console entry point."""
+"""`sluicegate serve | status | demo | mock-upstream`: the console entry point."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.supervisors import multiprocess
 
 from router.settings import ConfigError, Settings, load_settings
 
@@ -55,17 +59,82 @@ class DrainingServer(uvicorn.Server):
 
 def _app_factory() -> Any:
     from router.app import create_app
-    from router.logs import configure
+    from router.logs import configure, secrets_of
 
     settings = load_settings()
-    configure(settings.log_level)
+    configure(settings.log_level, secrets_of(settings))
     return create_app(settings)
 
 
-def serve(settings: Settings) -> None:
-    from router.logs import configure
+_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-    configure(settings.log_level)
+
+@contextlib.contextmanager
+def _metrics_dir() -> Iterator[None]:
+    """Where the workers' metric files live: the operator's directory (e.g. an emptyDir) emptied
+    of a previous run's files, or a temporary one removed at exit. Must be set before any worker
+    imports prometheus_client."""
+    given = os.environ.get(_MULTIPROC_ENV)
+    if given:
+        os.makedirs(given, exist_ok=True)
+        for stale in glob.glob(os.path.join(given, "*.db")):
+            os.remove(stale)
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="sluicegate-metrics-")
+    os.environ[_MULTIPROC_ENV] = path
+    try:
+        yield
+    finally:
+        os.environ.pop(_MULTIPROC_ENV, None)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class _WorkerProcess(multiprocess.Process):
+    """A uvicorn worker that drains like the single-process server does."""
+
+    @property
+    def server(self) -> uvicorn.Server:
+        if self._server is None:
+            # Runs in the worker, which reads the same settings the parent did.
+            self._server = DrainingServer(self.config, load_settings().drain_grace)
+        return self._server
+
+
+class _Supervisor(multiprocess.Multiprocess):
+    """uvicorn's supervisor; a worker that dies or is retired has its live gauges dropped."""
+
+    def _pids(self) -> set[int]:
+        return {p.pid for p in self.processes if p.pid is not None}
+
+    def _reap(self, before: set[int]) -> None:
+        from router.metrics import worker_exited  # after PROMETHEUS_MULTIPROC_DIR is set
+
+        for pid in before - self._pids():
+            worker_exited(pid)
+
+    def keep_subprocess_alive(self) -> None:
+        before = self._pids()
+        super().keep_subprocess_alive()
+        self._reap(before)
+
+    def handle_signals(self) -> None:
+        before = self._pids()
+        super().handle_signals()
+        self._reap(before)
+
+
+def _supervise(config: uvicorn.Config) -> None:
+    # uvicorn builds workers (first start and restarts) from its module-level `Process` name.
+    multiprocess.Process = _WorkerProcess  # type: ignore[misc]
+    sock = config.bind_socket()
+    _Supervisor(config, sockets=[sock]).run()
+
+
+def serve(settings: Settings) -> None:
+    from router.logs import configure, secrets_of
+
+    configure(settings.log_level, secrets_of(settings))
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
     if settings.config:
         os.environ["SLUICEGATE_CONFIG"] = settings.config
@@ -80,18 +149,16 @@ def serve(settings: Settings) -> None:
         lifespan="on",
         access_log=False,
         server_header=False,
+        log_config=None,  # ours (router.logs): JSON lines with secrets redacted
         log_level=settings.log_level,
         timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
         timeout_keep_alive=30,
     )
-    server = DrainingServer(config, settings.drain_grace)
     if settings.workers > 1:
-        from uvicorn.supervisors import Multiprocess
-
-        sock = config.bind_socket()
-        Multiprocess(config, target=server.run, sockets=[sock]).run()
+        with _metrics_dir():
+            _supervise(config)
     else:
-        server.run()
+        DrainingServer(config, settings.drain_grace).run()
 
 
 def _demo_config(ports: Sequence[int]) -> str:
