@@ -49,6 +49,7 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
+            "pid": record.process,  # which worker, when there are several
             "msg": record.getMessage(),
         }
         fields = getattr(record, "fields", None)
