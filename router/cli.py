@@ -230,6 +230,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--workers", type=int)
     p_serve.add_argument("--config", help="YAML file (default: $SLUICEGATE_CONFIG)")
 
+    p_status = sub.add_parser("status", help="a table of the backends of a running router")
+    p_status.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8080")
+    p_status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p_status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p_status.add_argument("--count", type=int, help="with --watch: stop after this many refreshes")
+
     p_demo = sub.add_parser("demo", help="router + two mock upstreams on 127.0.0.1, no Redis")
     p_demo.add_argument("--host", default="127.0.0.1")
     p_demo.add_argument("--port", type=int, default=8080)
@@ -243,6 +249,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_mock.add_argument("--tokens", type=int, default=16)
 
     args = parser.parse_args(argv)
+    if args.command == "status":
+        from router.status import run as status
+
+        try:
+            return status(args.url, args.watch, max(0.1, args.interval), args.count)
+        except KeyboardInterrupt:
+            return 0
     if args.command == "mock-upstream":
         from router.mock_upstream import run
 
