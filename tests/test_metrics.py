@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from types import MappingProxyType
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from balancers.inflight.local import LocalInflight
+from balancers.round_robin import RoundRobin
+from router.metrics import MeteredInflight, Metrics
+from router.upstreams import Backend
 from tests.harness import Cluster, Proc, backend, control, free_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -234,3 +240,58 @@ def test_killed_workers_stop_counting_in_flight(fleet: dict[str, Proc]) -> None:
     # The dead worker's stream no longer counts; what the dead workers served still does.
     assert value(after, "sluicegate_backend_in_flight", backend="slow") == 0
     assert value(after, "sluicegate_requests_total", model="m") == served_before
+
+
+def _samples(text: bytes) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_state_hooks_move_gauges_and_log_transitions(caplog: pytest.LogCaptureFixture) -> None:
+    m = Metrics()
+    m.backends_known(["a", "b"])
+    start = _samples(m.render())
+    assert value(start, "sluicegate_backend_healthy", backend="a") == 1
+    with caplog.at_level(logging.INFO, logger="sluicegate.state"):
+        m.health_changed("a", False, "probe_failed")
+        m.ejected("b", "consecutive_5xx", 30)
+        m.redis_fallback(True)
+    s = _samples(m.render())
+    assert value(s, "sluicegate_backend_healthy", backend="a") == 0
+    assert value(s, "sluicegate_backend_healthy", backend="b") == 0
+    ejections = "sluicegate_backend_ejections_total"
+    assert value(s, ejections, backend="a", reason="probe_failed") == 1
+    assert value(s, ejections, backend="b", reason="consecutive_5xx") == 1
+    assert value(s, "sluicegate_redis_fallback") == 1
+    m.health_changed("a", True, "probe_ok")
+    m.redis_fallback(False)
+    s = _samples(m.render())
+    assert value(s, "sluicegate_backend_healthy", backend="a") == 1
+    assert value(s, ejections, backend="a") == 1  # recovering is not an ejection
+    assert value(s, "sluicegate_redis_fallback") == 0
+    fields = [r.fields for r in caplog.records]  # type: ignore[attr-defined]
+    assert fields[0] == {"backend": "a", "healthy": False, "reason": "probe_failed"}
+    assert fields[2] == {"redis_fallback": True}
+
+
+def test_metered_store_counts_a_lease_once() -> None:
+    m = Metrics()
+    store = MeteredInflight(LocalInflight(), m)
+    b = Backend("a", "http://a", "vllm", MappingProxyType({"m": "m"}))
+
+    async def main() -> None:
+        lease = await store.acquire([b], RoundRobin(), frozenset())
+        assert lease is not None
+        assert value(_samples(m.render()), "sluicegate_backend_in_flight", backend="a") == 1
+        store.release(lease)
+        store.release(lease)  # a second release (finally after finally) must not go negative
+        s = _samples(m.render())
+        assert value(s, "sluicegate_backend_in_flight", backend="a") == 0
+        assert value(s, "sluicegate_upstream_attempts_total", backend="a") == 1
+        assert await store.counts(["a"]) == {"a": 0}
+        assert store.kind == "local"
+
+    asyncio.run(main())
