@@ -8,6 +8,7 @@ collected by `secrets_of(settings)`), values under secret-looking field names, `
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -24,10 +25,20 @@ _SECRET_FIELD = re.compile(
     r"(?i)^(authorization|proxy-authorization|cookie|set-cookie"
     r"|(.*[_-])?(api[_-]?key|token|secret|password|credentials?))$"
 )
+
+
+@functools.lru_cache(maxsize=1024)  # field names come from code: a small, fixed set
+def _secret_field(name: str) -> bool:
+    return _SECRET_FIELD.match(name) is not None
+
+
+# (cheap substring that must be present, pattern, replacement): the substring test keeps the
+# regex off the ordinary line, which has none of these.
 _PATTERNS = (
-    (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{4,}"), r"\1 " + REDACTED),
-    (re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), REDACTED),
-    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s:@]*:[^/\s@]+@"), r"\1" + REDACTED + "@"),
+    ("bearer", re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]{4,}"), r"\1 " + REDACTED),
+    ("basic", re.compile(r"(?i)\b(basic)\s+[A-Za-z0-9._~+/=-]{4,}"), r"\1 " + REDACTED),
+    ("sk-", re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), REDACTED),
+    ("@", re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s:@]*:[^/\s@]+@"), r"\1" + REDACTED + "@"),
 )
 # Short values (e.g. "1", "true") would shred ordinary text; real keys are longer than this.
 _MIN_SECRET_LEN = 6
@@ -40,9 +51,11 @@ _OWN_LOGGERS = ("sluicegate", "uvicorn", "uvicorn.error")
 class JsonFormatter(logging.Formatter):
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         super().__init__()
-        self.secrets = sorted(
+        known = sorted(
             {s for s in secrets if s and len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True
         )
+        # json.dumps escapes some characters; look for the escaped form too.
+        self.secrets = [*known, *(e for s in known if (e := json.dumps(s)[1:-1]) != s)]
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {
@@ -55,7 +68,7 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             for key, value in fields.items():
-                out[key] = REDACTED if _SECRET_FIELD.match(str(key)) and value else value
+                out[key] = REDACTED if value and _secret_field(str(key)) else value
         if record.exc_info and record.exc_info[0] is not None:
             # The type only: exception text can carry URLs, headers or bodies.
             out["exc_type"] = record.exc_info[0].__name__
@@ -65,12 +78,10 @@ class JsonFormatter(logging.Formatter):
         for secret in self.secrets:
             if secret in line:
                 line = line.replace(secret, REDACTED)
-            # json.dumps escapes some characters; look for the escaped form too.
-            escaped = json.dumps(secret)[1:-1]
-            if escaped != secret and escaped in line:
-                line = line.replace(escaped, REDACTED)
-        for pattern, repl in _PATTERNS:
-            line = pattern.sub(repl, line)
+        lower = line.lower()
+        for needle, pattern, repl in _PATTERNS:
+            if needle in lower:
+                line = pattern.sub(repl, line)
         return line
 
 
