@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import MappingProxyType
 
 import httpx
@@ -295,3 +296,26 @@ def test_metered_store_counts_a_lease_once() -> None:
         assert store.kind == "local"
 
     asyncio.run(main())
+
+
+def test_serve_drains_workers_and_removes_its_metrics_dir(procs: Cluster, tmp_path: Path) -> None:
+    up = procs.mock("up", itl_ms=20, tokens=60)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    router = procs.router({"backends": [backend("up", up)]}, workers=2, env={"TMPDIR": str(tmp)})
+    (metrics_dir,) = tmp.glob("sluicegate-metrics-*")
+    with (
+        httpx.Client(timeout=20) as c,
+        c.stream(
+            "POST", router.url + "/v1/chat/completions", json={"model": "m", "stream": True}
+        ) as r,
+    ):
+        lines = r.iter_lines()
+        assert read_events(lines, 1) == 1
+        router.signal(signal.SIGTERM)
+        rest = list(lines)  # the stream in flight finishes although the router is stopping
+    text = "\n".join(rest)
+    assert all(f"tok{i} " in text for i in range(1, 60))
+    assert [ln for ln in rest if ln][-1] == "data: [DONE]"
+    assert router.popen.wait(20) == 0
+    assert not metrics_dir.exists()
