@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-COLUMNS = ("BACKEND", "HEALTH", "IN FLIGHT", "WEIGHT", "EJECTED UNTIL", "ERROR RATE", "LAST ERROR")
+COLUMNS = ("BACKEND", "HEALTH", "IN FLIGHT", "WEIGHT", "EJECTED UNTIL", "ERROR RATE", "DETAIL")
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -95,32 +95,48 @@ def fetch_error_counters(client: httpx.Client, url: str) -> dict[str, tuple[floa
     return {b: (a, errors.get(b, 0.0)) for b, a in attempts.items()}
 
 
-def _health(row: dict[str, Any]) -> str:
+def _future(value: Any, now: float) -> float | None:
+    return float(value) if isinstance(value, int | float) and value > now else None
+
+
+def _health(row: dict[str, Any], now: float) -> str:
     if row.get("draining"):
         return "draining"
-    state = row.get("state") or row.get("health")
+    state = row.get("state")
     if isinstance(state, str):
         return state
-    if (row.get("cooldown_remaining") or 0) > 0:
-        return "cooling"  # told to back off (429/503 with Retry-After)
-    if row.get("healthy") is False:
-        return "unhealthy"
-    return "healthy" if row.get("healthy", True) else "unhealthy"
+    reason = str(row.get("reason") or "")
+    if reason.startswith("probe failed"):
+        return "probe failed"
+    if _future(row.get("ejected_until"), now):
+        return "ejected"
+    if _future(row.get("cooldown_until"), now) or (row.get("cooldown_remaining") or 0) > 0:
+        return "cooling"  # the backend asked for a pause (429/503 with Retry-After)
+    return "unhealthy" if row.get("healthy") is False else "healthy"
 
 
 def _ejected_until(row: dict[str, Any], now: float) -> str:
-    until = row.get("ejected_until")
-    if isinstance(until, str) and until:
-        return until
-    if isinstance(until, int | float) and until > now:
-        stamp = until
-    else:
-        remaining = row.get("ejection_remaining") or row.get("cooldown_remaining") or 0
+    """Until when it takes no traffic: an ejection's end, else a cooldown's (wall-clock epoch
+    seconds from the router; ISO strings shown as given)."""
+    for key in ("ejected_until", "cooldown_until"):
+        if isinstance(row.get(key), str) and row[key]:
+            return str(row[key])
+    stamp = _future(row.get("ejected_until"), now) or _future(row.get("cooldown_until"), now)
+    if stamp is None:
+        remaining = row.get("cooldown_remaining") or 0
         if not isinstance(remaining, int | float) or remaining <= 0:
             return "-"
         stamp = now + remaining
     when = datetime.fromtimestamp(stamp, UTC).strftime("%H:%M:%SZ")
     return f"{when} (in {max(1, round(stamp - now))}s)"
+
+
+def _detail(row: dict[str, Any]) -> str:
+    if row.get("reason"):
+        return str(row["reason"])
+    if row.get("last_error"):
+        return f"last error: {row['last_error']}"
+    return "-"
 
 
 def _rate(row: dict[str, Any], rates: dict[str, float | None]) -> str:
@@ -143,12 +159,12 @@ def render_table(
     cells = [
         (
             str(row.get("name", "?")),
-            _health(row),
+            _health(row, now),
             _num(row.get("in_flight", 0)),
             _num(row.get("weight")),
             _ejected_until(row, now),
             _rate(row, rates),
-            str(row.get("last_error") or "-"),
+            _detail(row),
         )
         for row in rows
     ]

@@ -25,7 +25,9 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
                 backend("good", good, {"m": "mock-model"}, weight=3),
                 backend("cool", cool, {"c": "mock-model"}),
                 {"name": "dead", "url": dead, "models": ["d"]},
-            ]
+            ],
+            # `dead` is its model's only backend: let the outlier detector eject it anyway.
+            "outlier": {"max_ejection_percent": 100},
         },
         env={"SLUICEGATE_ADMIN_TOKEN": "status-admin-token-123"},
     )
@@ -57,7 +59,7 @@ def table(text: str) -> dict[str, dict[str, str]]:
         "WEIGHT",
         "EJECTED UNTIL",
         "ERROR RATE",
-        "LAST ERROR",
+        "DETAIL",
     ]
     starts = [head.index(n) for n in names]
     rows = {}
@@ -100,7 +102,7 @@ def test_table_shows_in_flight_weight_health_and_error_rate(
     assert rows["good"]["WEIGHT"] == "3"
     assert rows["good"]["HEALTH"] == "healthy"
     assert rows["dead"]["ERROR RATE"] == "100.0%"
-    assert rows["dead"]["LAST ERROR"] == "connect"
+    assert rows["dead"]["DETAIL"] == "last error: connect"
     assert rows["good"]["ERROR RATE"] == "0.0%"
     assert rows["cool"]["ERROR RATE"] == "-"  # no attempts yet
     assert "status-admin-token-123" not in done.stdout + done.stderr
@@ -132,6 +134,17 @@ def test_watch_refreshes_and_stops_after_count(fleet: dict[str, Proc]) -> None:
     assert time.monotonic() - started >= 0.4
 
 
+def test_ejected_backend_shows_reason_and_until_when(fleet: dict[str, Proc]) -> None:
+    router = fleet["router"]
+    for _ in range(6):  # the outlier detector ejects after 5 failures in a row
+        assert httpx.post(router.url + "/v1/completions", json={"model": "d"}).status_code == 502
+    rows = table(status("--url", router.url).stdout)
+    assert rows["dead"]["HEALTH"] == "ejected"
+    assert rows["dead"]["DETAIL"].startswith("ejected: 5 consecutive failures")
+    seconds = int(rows["dead"]["EJECTED UNTIL"].split("(in ")[1].rstrip("s)"))
+    assert 20 <= seconds <= 30
+
+
 def test_unreachable_router_is_one_line_and_exit_1() -> None:
     done = status("--url", f"http://127.0.0.1:{free_port()}")
     assert done.returncode == 1
@@ -152,12 +165,19 @@ def test_fields_a_newer_router_reports_are_used() -> None:
         },
         {"name": "y", "state": "probing", "in_flight": 0, "weight": 1.0},
     ]
+    rows.append({"name": "z", "healthy": False, "reason": "probe failed (timeout)"})
+    rows.append({"name": "w", "healthy": False, "ejected_until": 999.0})  # already over
     out = table(render_table(rows, {}, now=1000.0))
-    assert out["x"]["HEALTH"] == "unhealthy"
+    assert out["x"]["HEALTH"] == "ejected"
     assert out["x"]["EJECTED UNTIL"] == "00:17:40Z (in 60s)"
     assert out["x"]["ERROR RATE"] == "25.0%"
+    assert out["x"]["DETAIL"] == "last error: status_503"
     assert out["y"]["HEALTH"] == "probing"
     assert out["y"]["EJECTED UNTIL"] == "-"
+    assert out["z"]["HEALTH"] == "probe failed"
+    assert out["z"]["DETAIL"] == "probe failed (timeout)"
+    assert out["w"]["HEALTH"] == "unhealthy"
+    assert out["w"]["EJECTED UNTIL"] == "-"
 
 
 def test_error_rate_is_over_the_last_window() -> None:
