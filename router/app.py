@@ -85,6 +85,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        store.check_fallback()
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")

@@ -6,13 +6,13 @@ Nothing here runs per chunk: the proxy calls `observe(record)` when a request en
 `PROMETHEUS_MULTIPROC_DIR` before any worker starts; each worker then writes its values to files
 there and `/metrics`, whichever worker answers it, merges every worker's files.
 
-Hooks for the health and Redis work (call them on transitions, not on every request):
-`health_changed(backend, healthy, reason)`, `ejected(backend, reason)`, `redis_fallback(active)`.
+Hooks for health (call on transitions, not per request): `health_changed(backend, healthy,
+reason)`, `ejected(backend, reason, seconds)`. Redis fallback follows the store's `degraded` flag
+(`MeteredInflight.check_fallback`, on each acquire and each scrape) or `redis_fallback(active)`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Sequence, Set
@@ -35,8 +35,6 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60,
 
 FAILURE_KINDS = ("connect", "timeout", "status", "mid_stream")
 NO_BACKEND = "none"
-
-log = logging.getLogger("sluicegate.state")
 
 
 def multiprocess_dir() -> str | None:
@@ -192,32 +190,21 @@ class Metrics:
         return children
 
     # -- state transitions (health, ejection, Redis) -------------------------------------------
+    # The writers of that state log their own transitions; these only move the metrics.
 
     def health_changed(self, backend: str, healthy: bool, reason: str) -> None:
-        """A backend became routable or not; an unhealthy turn counts as an ejection."""
+        """A backend became routable or not; turning unroutable counts as an ejection."""
         self.healthy.labels(backend).set(1 if healthy else 0)
         if not healthy:
             self.ejections.labels(backend, reason).inc()
-        log.info(
-            "backend health changed",
-            extra={"fields": {"backend": backend, "healthy": healthy, "reason": reason}},
-        )
 
     def ejected(self, backend: str, reason: str, seconds: float | None = None) -> None:
-        """Passive ejection (outlier detection) for `seconds`; health_changed() for its end."""
+        """Passive ejection (outlier detection); health_changed(backend, True, ...) ends it."""
         self.healthy.labels(backend).set(0)
         self.ejections.labels(backend, reason).inc()
-        log.info(
-            "backend ejected",
-            extra={"fields": {"backend": backend, "reason": reason, "seconds": seconds}},
-        )
 
     def redis_fallback(self, active: bool) -> None:
         self.fallback.set(1 if active else 0)
-        log.warning(
-            "redis fallback " + ("on: counting in-process" if active else "off: shared again"),
-            extra={"fields": {"redis_fallback": active}},
-        )
 
     def backends_known(self, names: Sequence[str]) -> None:
         """Export every configured backend at 1 healthy / 0 in flight before any traffic."""
@@ -235,6 +222,14 @@ class MeteredInflight:
     def __init__(self, store: InflightStore, metrics: Metrics) -> None:
         self._store = store
         self._metrics = metrics
+        self._degraded: bool | None = None
+
+    def check_fallback(self) -> None:
+        """Mirror a shared store's `degraded` flag (counting locally) into the fallback gauge."""
+        degraded = getattr(self._store, "degraded", None)
+        if isinstance(degraded, bool) and degraded is not self._degraded:
+            self._degraded = degraded
+            self._metrics.redis_fallback(degraded)
 
     @property
     def kind(self) -> str:
@@ -248,6 +243,7 @@ class MeteredInflight:
         self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
     ) -> Lease | None:
         lease = await self._store.acquire(backends, balancer, exclude)
+        self.check_fallback()
         if lease is not None:
             in_flight, attempts = self._metrics.for_backend(lease.backend)
             in_flight.inc()
