@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from router.metrics import Metrics
-from router.settings import load_settings
+from router.settings import BackendConfig, Settings, load_settings
 from tests.harness import ROOT, Cluster, stats
 
 CHART = ROOT / "helm" / "sluicegate"
@@ -280,3 +280,12 @@ def test_dashboard_covers_every_metric_and_only_real_ones() -> None:
         defined.add(family.name + ("_total" if family.type == "counter" else ""))
     assert used <= defined, used - defined
     assert defined <= used, defined - used
+
+
+def test_schema_names_only_settings_the_router_knows() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    config_keys = set(schema["properties"]["config"]["properties"])
+    assert config_keys <= set(Settings.model_fields), config_keys - set(Settings.model_fields)
+    backend_keys = set(schema["properties"]["backends"]["items"]["properties"]) - {"apiKeySecret"}
+    assert backend_keys <= set(BackendConfig.model_fields)
+    assert "api_key" not in backend_keys  # keys only through Secrets
