@@ -11,9 +11,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import sys
 import time
+import traceback
 from collections.abc import Iterable
 from typing import Any
 
@@ -70,8 +72,12 @@ class JsonFormatter(logging.Formatter):
             for key, value in fields.items():
                 out[key] = REDACTED if value and _secret_field(str(key)) else value
         if record.exc_info and record.exc_info[0] is not None:
-            # The type only: exception text can carry URLs, headers or bodies.
+            # Type and where, never the message: exception text can carry URLs, headers, bodies.
             out["exc_type"] = record.exc_info[0].__name__
+            out["exc_at"] = [
+                f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                for f in traceback.extract_tb(record.exc_info[2], limit=-6)
+            ]
         return self.redact(json.dumps(out, default=str))
 
     def redact(self, line: str) -> str:
