@@ -70,15 +70,18 @@ _MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 @contextlib.contextmanager
-def _metrics_dir() -> Iterator[None]:
-    """Where the workers' metric files live: the operator's directory (e.g. an emptyDir) emptied
-    of a previous run's files, or a temporary one removed at exit. Must be set before any worker
-    imports prometheus_client."""
+def _metrics_dir(workers: int) -> Iterator[None]:
+    """Where the workers' metric files live: the operator's directory (e.g. an emptyDir, which
+    outlives a container restart) emptied of a previous run's files, or with several workers a
+    temporary one removed at exit. Set before any worker imports prometheus_client."""
     given = os.environ.get(_MULTIPROC_ENV)
     if given:
         os.makedirs(given, exist_ok=True)
         for stale in glob.glob(os.path.join(given, "*.db")):
             os.remove(stale)
+        yield
+        return
+    if workers < 2:
         yield
         return
     path = tempfile.mkdtemp(prefix="sluicegate-metrics-")
@@ -96,8 +99,13 @@ class _WorkerProcess(multiprocess.Process):
     @property
     def server(self) -> uvicorn.Server:
         if self._server is None:
-            # Runs in the worker, which reads the same settings the parent did.
-            self._server = DrainingServer(self.config, load_settings().drain_grace)
+            from router.logs import configure, secrets_of
+
+            # Runs in the worker, which reads the same settings the parent did; its log lines
+            # are JSON from the first one on.
+            settings = load_settings()
+            configure(settings.log_level, secrets_of(settings))
+            self._server = DrainingServer(self.config, settings.drain_grace)
         return self._server
 
 
@@ -154,11 +162,11 @@ def serve(settings: Settings) -> None:
         timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
         timeout_keep_alive=30,
     )
-    if settings.workers > 1:
-        with _metrics_dir():
+    with _metrics_dir(settings.workers):
+        if settings.workers > 1:
             _supervise(config)
-    else:
-        DrainingServer(config, settings.drain_grace).run()
+        else:
+            DrainingServer(config, settings.drain_grace).run()
 
 
 def _demo_config(ports: Sequence[int]) -> str:
