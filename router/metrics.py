@@ -33,7 +33,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # LLM latencies run from a cached 10 ms answer to a two-minute reasoning stream.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 
-FAILURE_KINDS = ("connect", "timeout", "status", "mid_stream")
 NO_BACKEND = "none"
 
 
