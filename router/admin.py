@@ -1,35 +1,145 @@
-"""Admin routes: the backend set as the router sees it (no secrets, ever)."""
+"""Admin routes: read and change the backend set (never showing a secret).
+
+    GET    /admin/backends            every backend, with in-flight count and health
+    GET    /admin/backends/{name}
+    POST   /admin/backends            register (the YAML file's fields)        201 | 409 | 422
+    PATCH  /admin/backends/{name}     weight, models, max_inflight, draining   200 | 404 | 422
+    DELETE /admin/backends/{name}     drain, wait for streams in flight, remove 200 | 404
+
+Reads need the admin token when one is configured; changes always need it (403 without one).
+"""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
-from fastapi import APIRouter
-from starlette.responses import JSONResponse
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.responses import JSONResponse, Response
 
 from balancers.inflight.base import InflightStore
 from health.state import HealthBook
-from router.registry import Registry
+from router.auth import AdminAuth
+from router.errors import error_response
+from router.registry import Fleet, Invalid, RegistryError, describe_validation
+from router.settings import BackendConfig
+from router.upstreams import Backend
+
+_MAX_ADMIN_BODY = 64 * 1024
 
 
-def admin_routes(registry: Registry, store: InflightStore, health: HealthBook) -> APIRouter:
+def _fail(exc: RegistryError) -> Response:
+    type_ = "invalid_request_error" if exc.status < 500 else "api_error"
+    if exc.status == 404:
+        type_ = "not_found_error"
+    elif exc.status == 409:
+        type_ = "conflict_error"
+    return error_response(exc.status, str(exc), type_, exc.code)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if len(body) > _MAX_ADMIN_BODY:
+        raise Invalid(f"body: larger than {_MAX_ADMIN_BODY} bytes")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        raise Invalid("body: not valid JSON") from None
+    if not isinstance(data, dict):
+        raise Invalid("body: must be a JSON object")
+    return data
+
+
+def _registration(data: dict[str, Any]) -> BackendConfig:
+    try:
+        cfg = BackendConfig.model_validate(data)
+    except ValidationError as exc:
+        raise Invalid(describe_validation(exc)) from None
+    if cfg.api_key_env:
+        # The admin API must not become a way to send the router's own secrets to a URL of
+        # the caller's choosing.
+        if cfg.api_key_env.upper().startswith("SLUICEGATE_"):
+            raise Invalid("api_key_env: may not name a SLUICEGATE_* variable")
+        if not os.environ.get(cfg.api_key_env):
+            raise Invalid(
+                f"api_key_env: `{cfg.api_key_env}` is not set in the router's environment"
+            )
+    return cfg
+
+
+def admin_routes(
+    fleet: Fleet,
+    store: InflightStore,
+    health: HealthBook,
+    auth: AdminAuth,
+    drain_grace: float,
+) -> APIRouter:
     router = APIRouter(prefix="/admin")
+    registry = fleet.registry
 
-    async def describe() -> list[dict[str, Any]]:
-        snap = registry.snapshot
-        counts = await store.counts([b.name for b in snap.backends])
+    async def describe(backends: tuple[Backend, ...]) -> list[dict[str, Any]]:
+        counts = await store.counts([b.name for b in backends])
         return [
             {
                 **b.public(),
                 "in_flight": counts.get(b.name, 0),
                 "inflight_store": store.kind,
+                "registry_store": fleet.store.kind,
                 **health.describe(b.name),
             }
-            for b in snap.backends
+            for b in backends
         ]
 
+    async def in_flight(name: str) -> int:
+        return (await store.counts([name])).get(name, 0)
+
     @router.get("/backends")
-    async def list_backends() -> JSONResponse:
-        return JSONResponse(await describe())
+    async def list_backends(request: Request) -> Response:
+        if denied := auth.check(request, mutating=False):
+            return denied
+        return JSONResponse(await describe(registry.snapshot.backends))
+
+    @router.get("/backends/{name}")
+    async def get_backend(request: Request, name: str) -> Response:
+        if denied := auth.check(request, mutating=False):
+            return denied
+        b = registry.snapshot.by_name.get(name)
+        if b is None:
+            return error_response(
+                404, f"No backend named `{name[:100]}`.", "not_found_error", "backend_not_found"
+            )
+        return JSONResponse((await describe((b,)))[0])
+
+    @router.post("/backends")
+    async def register(request: Request) -> Response:
+        if denied := auth.check(request, mutating=True):
+            return denied
+        try:
+            b = await fleet.register(_registration(await _json_object(request)))
+        except RegistryError as exc:
+            return _fail(exc)
+        return JSONResponse((await describe((b,)))[0], status_code=201)
+
+    @router.patch("/backends/{name}")
+    async def update(request: Request, name: str) -> Response:
+        if denied := auth.check(request, mutating=True):
+            return denied
+        try:
+            b = await fleet.update(name, await _json_object(request))
+        except RegistryError as exc:
+            return _fail(exc)
+        return JSONResponse((await describe((b,)))[0])
+
+    @router.delete("/backends/{name}")
+    async def delete(request: Request, name: str) -> Response:
+        if denied := auth.check(request, mutating=True):
+            return denied
+        try:
+            result = await fleet.remove(name, lambda: in_flight(name), drain_grace)
+        except RegistryError as exc:
+            return _fail(exc)
+        return JSONResponse(result)
 
     return router

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -16,10 +18,11 @@ from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.admin import admin_routes
 from router.api import openai_routes
+from router.auth import AdminAuth, ClientKeys
 from router.errors import error_response
 from router.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.proxy import Lifecycle, Proxy
-from router.registry import Registry, Snapshot
+from router.registry import Fleet, LocalRecords, RecordStore, Registry, RegistryError, Snapshot
 from router.settings import Settings
 from router.upstreams import Backend, Pools
 
@@ -37,6 +40,23 @@ _STATUS_TYPES = {
 }
 
 
+async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await step()
+        except Exception as exc:  # a background chore must outlive one bad round
+            log.warning(f"{what} failed", extra={"fields": {"error": type(exc).__name__}})
+
+
+def _record_store(settings: Settings) -> RecordStore:
+    if settings.redis_url is None:
+        return LocalRecords()
+    from router.registry_sync import RedisRecords
+
+    return RedisRecords(settings.redis_url.get_secret_value(), resync=settings.registry_resync)
+
+
 def create_app(settings: Settings) -> FastAPI:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
@@ -48,19 +68,58 @@ def create_app(settings: Settings) -> FastAPI:
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
 
     registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
+    fleet = Fleet(registry, settings.backends, _record_store(settings))
+    admin_auth = AdminAuth(settings.admin_token)
+    client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
     metrics = Metrics()
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(LocalInflight(), metrics)
     lifecycle = Lifecycle()
     proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics)
 
+    async def close_removed_pools() -> None:
+        # A removed backend's pool stays open while its streams run, then closes.
+        gone = pools.names() - set(registry.snapshot.by_name)
+        if gone:
+            counts = await store.counts(sorted(gone))
+            for name in gone:
+                if not counts.get(name) and name not in registry.snapshot.by_name:
+                    await pools.discard(name)
+
+    async def reload_keys() -> None:
+        client_keys.reload_if_changed()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            fleet.apply(await fleet.store.load())
+        except RegistryError:
+            # Serve the file's entries meanwhile; the watch below keeps trying and catches up.
+            log.warning("shared registry unavailable at start; serving the file's backends")
         for b in registry.snapshot.backends:
             pools.get(b)
+        chores = [
+            asyncio.create_task(fleet.store.watch(fleet.apply)),
+            asyncio.create_task(_every(1.0, close_removed_pools, "closing removed pools")),
+        ]
+        if settings.api_keys_file:
+            chores.append(asyncio.create_task(_every(5.0, reload_keys, "reloading client keys")))
+        if settings.workers > 1 and fleet.store.kind == "local" and admin_auth.configured:
+            log.warning(
+                "admin changes reach only the worker that takes them: set SLUICEGATE_REDIS_URL"
+            )
+        snap = registry.snapshot
         log.info(
             "started",
-            extra={"fields": {"backends": len(backends), "models": len(registry.snapshot.models)}},
+            extra={
+                "fields": {
+                    "backends": len(snap.backends),
+                    "models": len(snap.models),
+                    "registry_store": fleet.store.kind,
+                    "admin_api": "on" if admin_auth.configured else "read-only",
+                    "client_keys": client_keys.enabled,
+                }
+            },
         )
         await monitor.start()
         try:
@@ -68,6 +127,12 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             lifecycle.draining = True
             await lifecycle.wait_idle(settings.drain_grace)
+            for task in chores:
+                task.cancel()
+            for task in chores:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await fleet.store.aclose()
             await monitor.aclose()
             await pools.aclose()
             await store.aclose()
@@ -76,8 +141,8 @@ def create_app(settings: Settings) -> FastAPI:
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.lifecycle = lifecycle
-    app.include_router(openai_routes(proxy, registry))
-    app.include_router(admin_routes(registry, store, health))
+    app.include_router(openai_routes(proxy, registry, client_keys))
+    app.include_router(admin_routes(fleet, store, health, admin_auth, settings.drain_grace))
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:

@@ -18,43 +18,47 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from uvicorn.supervisors import multiprocess
 
 from router.settings import ConfigError, Settings, load_settings
 
 
-class DrainingServer(uvicorn.Server):
+def drain_on_signal(lifecycle: Any, grace: float) -> None:
     """On the first SIGTERM/SIGINT: fail /readyz, answer new requests 503, let streams in flight
-    finish (up to drain_grace), then stop. A second signal stops at once."""
+    finish (up to `grace` seconds), then hand the signal to the server. A second one stops at once.
 
-    def __init__(self, config: uvicorn.Config, drain_grace: float) -> None:
-        super().__init__(config)
-        self._drain_grace = drain_grace
-        self._draining = False
+    uvicorn installs its handlers before it loads the app, in every worker, so wrapping them here
+    works the same with one worker or several.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return  # not under a server (e.g. the app built directly in a test)
+    tasks: set[asyncio.Task[None]] = set()
 
-    def _lifecycle(self) -> Any:
-        app: Any = getattr(self.config, "loaded_app", None)
-        for _ in range(10):
-            state = getattr(app, "state", None)
-            if state is not None and hasattr(state, "lifecycle"):
-                return state.lifecycle
-            app = getattr(app, "app", None)
-        return None
+    async def finish(original: Any, signum: int) -> None:
+        await lifecycle.wait_idle(grace)
+        original(signum, None)
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        lifecycle = self._lifecycle()
-        if self._draining or lifecycle is None:
-            super().handle_exit(sig, frame)
-            return
-        self._draining = True
-        lifecycle.draining = True
-        # A signal handler runs between bytecodes of whatever the loop was doing: schedule.
-        loop = asyncio.get_event_loop()
-        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(lifecycle)))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        original = signal.getsignal(sig)
+        if not callable(original):
+            continue
 
-    async def _drain(self, lifecycle: Any) -> None:
-        await lifecycle.wait_idle(self._drain_grace)
-        self.should_exit = True
+        def handler(signum: int, frame: FrameType | None, original: Any = original) -> None:
+            if lifecycle.draining:
+                original(signum, frame)
+                return
+            lifecycle.draining = True
+
+            def start() -> None:
+                task = loop.create_task(finish(original, signum))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+            # A signal handler runs between bytecodes of whatever the loop was doing: schedule.
+            loop.call_soon_threadsafe(start)
+
+        signal.signal(sig, handler)
 
 
 def _app_factory() -> Any:
@@ -63,7 +67,9 @@ def _app_factory() -> Any:
 
     settings = load_settings()
     configure(settings.log_level, secrets_of(settings))
-    return create_app(settings)
+    app = create_app(settings)
+    drain_on_signal(app.state.lifecycle, settings.drain_grace)
+    return app
 
 
 _MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -93,52 +99,6 @@ def _metrics_dir(workers: int) -> Iterator[None]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-class _WorkerProcess(multiprocess.Process):
-    """A uvicorn worker that drains like the single-process server does."""
-
-    @property
-    def server(self) -> uvicorn.Server:
-        if self._server is None:
-            from router.logs import configure, secrets_of
-
-            # Runs in the worker, which reads the same settings the parent did; its log lines
-            # are JSON from the first one on.
-            settings = load_settings()
-            configure(settings.log_level, secrets_of(settings))
-            self._server = DrainingServer(self.config, settings.drain_grace)
-        return self._server
-
-
-class _Supervisor(multiprocess.Multiprocess):
-    """uvicorn's supervisor; a worker that dies or is retired has its live gauges dropped."""
-
-    def _pids(self) -> set[int]:
-        return {p.pid for p in self.processes if p.pid is not None}
-
-    def _reap(self, before: set[int]) -> None:
-        from router.metrics import worker_exited  # after PROMETHEUS_MULTIPROC_DIR is set
-
-        for pid in before - self._pids():
-            worker_exited(pid)
-
-    def keep_subprocess_alive(self) -> None:
-        before = self._pids()
-        super().keep_subprocess_alive()
-        self._reap(before)
-
-    def handle_signals(self) -> None:
-        before = self._pids()
-        super().handle_signals()
-        self._reap(before)
-
-
-def _supervise(config: uvicorn.Config) -> None:
-    # uvicorn builds workers (first start and restarts) from its module-level `Process` name.
-    multiprocess.Process = _WorkerProcess  # type: ignore[misc]
-    sock = config.bind_socket()
-    _Supervisor(config, sockets=[sock]).run()
-
-
 def serve(settings: Settings) -> None:
     from router.logs import configure, secrets_of
 
@@ -146,27 +106,26 @@ def serve(settings: Settings) -> None:
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
     if settings.config:
         os.environ["SLUICEGATE_CONFIG"] = settings.config
-    config = uvicorn.Config(
-        "router.cli:_app_factory",
-        factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        server_header=False,
-        log_config=None,  # ours (router.logs): JSON lines with secrets redacted
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
-        timeout_keep_alive=30,
-    )
+    # uvicorn re-raises the SIGTERM it handled once it has stopped; after a completed drain that
+    # is a clean exit, not a death by signal.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with _metrics_dir(settings.workers):
-        if settings.workers > 1:
-            _supervise(config)
-        else:
-            DrainingServer(config, settings.drain_grace).run()
+        uvicorn.run(
+            "router.cli:_app_factory",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            server_header=False,
+            log_config=None,  # ours (router.logs): JSON lines with secrets redacted
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
+            timeout_keep_alive=30,
+        )
 
 
 def _demo_config(ports: Sequence[int]) -> str:

@@ -14,6 +14,7 @@ reason)`, `ejected(backend, reason, seconds)`. Redis fallback follows the store'
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING, Any
@@ -41,11 +42,33 @@ def multiprocess_dir() -> str | None:
     return path if path and os.path.isdir(path) else None
 
 
-def worker_exited(pid: int) -> None:
-    """Drop a dead worker's live gauges (in flight, health) so they stop counting."""
-    path = multiprocess_dir()
-    if path:
+def reap_dead_workers(path: str) -> list[int]:
+    """Drop the live gauges (in flight, health) of workers that are gone, however they went
+    (a crash or SIGKILL included), so they stop counting; their counters keep counting."""
+    dead = []
+    for name in os.listdir(path):
+        match = _LIVE_FILE.match(name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid in dead or _alive(pid):
+            continue
+        dead.append(pid)
         mark_process_dead(pid, path)
+    return dead
+
+
+_LIVE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Metrics:
@@ -140,6 +163,7 @@ class Metrics:
     def render(self) -> bytes:
         if self._multiproc is None:
             return generate_latest(self.registry)
+        reap_dead_workers(self._multiproc)
         merged = CollectorRegistry()
         MultiProcessCollector(merged, self._multiproc)
         return generate_latest(merged)

@@ -224,7 +224,21 @@ class MockUpstream:
             if bh.hang:
                 await gone.wait()
                 return
-            n = int(req.get("max_tokens") or bh.tokens)
+            n = req.get("max_tokens") or bh.tokens
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 100_000:
+                # As vLLM does for a bad value or one beyond the context length.
+                await _json(
+                    send,
+                    400,
+                    {
+                        "error": {
+                            "message": "max_tokens must be 0..100000",
+                            "type": "BadRequestError",
+                            "code": 400,
+                        }
+                    },
+                )
+                return
             if path == "/v1/embeddings":
                 await self._sleep(bh.ttft_ms, gone)
                 await _json(

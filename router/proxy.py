@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,7 +154,10 @@ class Proxy:
         self.lifecycle = lifecycle
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
-    async def prepare(self, request: Request, path: str) -> Response:
+    async def prepare(
+        self, request: Request, path: str, allowed_models: Set[str] | None = None
+    ) -> Response:
+        """`allowed_models`: the public names the client's key may use (None: any)."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         if not _valid_request_id(request_id):
             request_id = uuid.uuid4().hex
@@ -196,6 +199,14 @@ class Proxy:
                 "You must provide a model parameter.",
                 "invalid_request_error",
                 "missing_model",
+                rid,
+            )
+        if allowed_models is not None and model not in allowed_models:
+            return error_response(
+                403,
+                f"This API key may not use the model `{model[:200]}`.",
+                "permission_error",
+                "model_not_allowed",
                 rid,
             )
         snapshot = self.registry.snapshot

@@ -1,17 +1,41 @@
-"""The backend set: an immutable snapshot swapped whole when the set changes.
+"""The backend set: the YAML file's entries plus admin changes, as one immutable snapshot.
 
 A request takes the snapshot once and routes within it, so a change never mutates what a
-request in flight is looking at.
+request in flight is looking at: every change rebuilds the snapshot and swaps it whole.
+
+Admin changes are *records*, one per backend name, kept in a `RecordStore` (in-process here, or
+Redis in `registry_sync.py`, shared by every replica and worker). The snapshot is always the file
+entries with every record applied:
+
+    no record                    the file entry as written
+    {"patch": {...}}             the file entry with those fields changed (weight, models, ...)
+    {"config": {...}}            an entry registered over the API (wins over a same-named file one)
+    {"deleted": true}            the file entry removed; stays removed while the record exists
+    any record + "draining"      true: the backend takes no new requests
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, Protocol
+
+from pydantic import ValidationError
 
 from balancers import Balancer, balancer_class
+from router.settings import BackendConfig
 from router.upstreams import Backend
+
+log = logging.getLogger("sluicegate.registry")
+
+Record = dict[str, Any]
+PATCHABLE = ("weight", "models", "max_inflight", "draining")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +96,253 @@ class Registry:
         if self._on_swap:
             self._on_swap(snap)
         return snap
+
+
+class RegistryError(Exception):
+    """An admin change that cannot be made; str() is safe to show (never holds a secret)."""
+
+    status = 400
+    code = "invalid_request"
+
+
+class NotFound(RegistryError):
+    status = 404
+    code = "backend_not_found"
+
+
+class Conflict(RegistryError):
+    status = 409
+    code = "backend_exists"
+
+
+class Invalid(RegistryError):
+    status = 422
+    code = "invalid_field"
+
+
+class StoreUnavailable(RegistryError):
+    status = 503
+    code = "registry_unavailable"
+
+
+class RecordStore(Protocol):
+    """Where admin changes live. `change` is atomic per name across everyone sharing the store."""
+
+    kind: str
+
+    async def load(self) -> dict[str, Record]: ...
+
+    async def change(
+        self, name: str, edit: Callable[[Record | None], Record | None]
+    ) -> dict[str, Record]:
+        """Replace `name`'s record with edit(current) (None removes it; edit may raise);
+        return every record afterwards."""
+        ...
+
+    async def watch(self, on_records: Callable[[dict[str, Record]], None]) -> None:
+        """Call on_records with every record whenever someone else changes them; runs until
+        cancelled."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalRecords:
+    """In-process records: changes reach neither other replicas nor other workers, nor a restart.
+
+    Records pass through JSON as they would through Redis: nobody shares a nested dict, and a
+    record that would not survive storage fails here too."""
+
+    kind = "local"
+
+    def __init__(self) -> None:
+        self._records: dict[str, str] = {}
+
+    async def load(self) -> dict[str, Record]:
+        return {name: json.loads(raw) for name, raw in self._records.items()}
+
+    async def change(
+        self, name: str, edit: Callable[[Record | None], Record | None]
+    ) -> dict[str, Record]:
+        raw = self._records.get(name)
+        new = edit(json.loads(raw) if raw is not None else None)
+        if new is None:
+            self._records.pop(name, None)
+        else:
+            self._records[name] = json.dumps(new)
+        return await self.load()
+
+    async def watch(self, on_records: Callable[[dict[str, Record]], None]) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def config_to_json(cfg: BackendConfig) -> dict[str, Any]:
+    """The whole config as JSON, key included: records must rebuild the backend exactly."""
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    if cfg.api_key is not None:
+        data["api_key"] = cfg.api_key.get_secret_value()
+    return data
+
+
+def describe_validation(exc: ValidationError) -> str:
+    """`field: problem` for the first error; pydantic messages never quote the input."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "body"
+    return f"{where}: {err['msg']}"
+
+
+def _validate(data: Mapping[str, Any]) -> BackendConfig:
+    try:
+        return BackendConfig.model_validate(data)
+    except ValidationError as exc:
+        raise Invalid(describe_validation(exc)) from None
+
+
+class Fleet:
+    """File entries + records -> the registry's snapshot, and the admin operations on them."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        file_configs: Sequence[BackendConfig],
+        store: RecordStore,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self._file = {c.name: c for c in file_configs}
+        self._records: dict[str, Record] = {}
+        self._clock = clock
+        self.apply({}, force=True)
+
+    # -- rebuilding ------------------------------------------------------------------------
+
+    def apply(self, records: Mapping[str, Record], force: bool = False) -> None:
+        """Rebuild and swap the snapshot, unless the records are what we already run on."""
+        if not force and records == self._records:
+            return
+        self._records = dict(records)
+        snap = self.registry.swap(self._compose())
+        if not force:
+            log.info(
+                "registry changed",
+                extra={
+                    "fields": {
+                        "version": snap.version,
+                        "backends": [b.name for b in snap.backends],
+                        "draining": [b.name for b in snap.backends if b.draining],
+                        "pid": os.getpid(),
+                    }
+                },
+            )
+
+    def _compose(self) -> list[Backend]:
+        out: list[Backend] = []
+        for name, cfg in self._file.items():
+            rec = self._records.get(name)
+            if rec is None:
+                out.append(Backend.from_config(cfg))
+            elif "config" not in rec and not rec.get("deleted"):
+                patched = self._patched(name, cfg, rec.get("patch") or {})
+                out.append(Backend.from_config(patched, "file", bool(rec.get("draining"))))
+        for name in sorted(self._records):
+            rec = self._records[name]
+            if "config" in rec:
+                try:
+                    cfg = BackendConfig.model_validate(rec["config"])
+                except ValidationError:
+                    log.warning(
+                        "skipping an invalid stored backend", extra={"fields": {"name": name}}
+                    )
+                    continue
+                if cfg.api_key_env and cfg.resolved_key() is None:
+                    log.warning(
+                        "backend key variable not set here; sending no key",
+                        extra={"fields": {"name": name, "api_key_env": cfg.api_key_env}},
+                    )
+                out.append(Backend.from_config(cfg, "api", bool(rec.get("draining"))))
+        return out
+
+    def _patched(self, name: str, cfg: BackendConfig, patch: Mapping[str, Any]) -> BackendConfig:
+        if not patch:
+            return cfg
+        try:
+            return BackendConfig.model_validate({**config_to_json(cfg), **patch})
+        except ValidationError:
+            # The file changed under a stored patch so they no longer fit: the file wins.
+            log.warning(
+                "stored patch no longer fits the file entry", extra={"fields": {"name": name}}
+            )
+            return cfg
+
+    def _live(self, name: str, rec: Record | None) -> bool:
+        if rec is None:
+            return name in self._file
+        if "config" in rec:
+            return True
+        return not rec.get("deleted") and name in self._file
+
+    async def _change(self, name: str, edit: Callable[[Record | None], Record | None]) -> None:
+        self.apply(await self.store.change(name, edit))
+
+    # -- admin operations ------------------------------------------------------------------
+
+    async def register(self, cfg: BackendConfig) -> Backend:
+        def edit(cur: Record | None) -> Record:
+            if self._live(cfg.name, cur):
+                raise Conflict(f"A backend named `{cfg.name}` already exists.")
+            return {"config": config_to_json(cfg)}
+
+        await self._change(cfg.name, edit)
+        return self.registry.snapshot.by_name[cfg.name]
+
+    async def update(self, name: str, changes: Mapping[str, Any]) -> Backend:
+        for key in changes:
+            if key not in PATCHABLE:
+                raise Invalid(f"{key}: cannot be changed; PATCH takes {', '.join(PATCHABLE)}")
+        draining = changes.get("draining")
+        if "draining" in changes and not isinstance(draining, bool):
+            raise Invalid("draining: must be true or false")
+        fields = {k: v for k, v in changes.items() if k != "draining"}
+
+        def edit(cur: Record | None) -> Record:
+            if not self._live(name, cur):
+                raise NotFound(f"No backend named `{name}`.")
+            rec = dict(cur or {})
+            if "config" in rec:
+                rec["config"] = config_to_json(_validate({**rec["config"], **fields}))
+            elif fields:
+                patch = {**(rec.get("patch") or {}), **fields}
+                merged = _validate({**config_to_json(self._file[name]), **patch})
+                # Store normalised values (a models list becomes its map) for every replica.
+                rec["patch"] = {k: config_to_json(merged).get(k) for k in patch}
+            if "draining" in changes:
+                rec["draining"] = draining
+            return rec
+
+        await self._change(name, edit)
+        return self.registry.snapshot.by_name[name]
+
+    async def remove(
+        self, name: str, in_flight: Callable[[], Awaitable[int]], grace: float
+    ) -> dict[str, Any]:
+        """Drain (no new requests anywhere), wait up to `grace` for streams in flight, remove.
+
+        Streams still running after `grace` are not cut: their pool is closed once they end."""
+        await self.update(name, {"draining": True})
+        deadline = self._clock() + grace
+        left = await in_flight()
+        while left and self._clock() < deadline:
+            await asyncio.sleep(0.05)
+            left = await in_flight()
+
+        def edit(cur: Record | None) -> Record | None:
+            if not self._live(name, cur):
+                raise NotFound(f"No backend named `{name}`.")
+            return {"deleted": True} if name in self._file else None
+
+        await self._change(name, edit)
+        return {"name": name, "deleted": True, "in_flight_at_removal": left}

@@ -135,6 +135,43 @@ class BackendConfig(_Strict):
         return None
 
 
+class ClientKeyConfig(_Strict):
+    """A client key by its sha256 (hex), optionally limited to some public model names."""
+
+    sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
+    name: str | None = None
+    models: list[str] | None = None  # None: every model
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_hash(cls, v: Any) -> Any:
+        return {"sha256": v} if isinstance(v, str) else v
+
+    @field_validator("sha256")
+    @classmethod
+    def _lower(cls, v: str) -> str:
+        return v.lower()
+
+
+def read_api_keys_file(path: str | Path) -> list[Any]:
+    """Entries of a client-key file (YAML or JSON: a list, or a mapping with `api_keys:`), as
+    mounted from a Secret. Error messages name the file, never its content."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"api_keys_file {p}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError:
+        raise ValueError(f"api_keys_file {p}: not valid YAML or JSON") from None
+    if isinstance(data, dict):
+        data = data.get("api_keys")
+    if data is None:
+        return []
+    if not isinstance(data, list):
+        raise ValueError(f"api_keys_file {p}: must be a list of keys or `api_keys: [...]`")
+    return data
+
+
 _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "sluicegate_file_data", default=None
 )
@@ -170,6 +207,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_error_body_bytes: int = Field(64 * 1024, ge=1024)
     drain_grace: float = Field(30.0, ge=0)
+    # Client keys: set either (or both) and /v1/* requires `Authorization: Bearer <key>`.
+    api_keys: list[ClientKeyConfig] = Field(default_factory=list)
+    api_keys_file: str | None = None
+    # Seconds between full registry reloads from Redis, which heal a missed pub/sub message.
+    registry_resync: float = Field(1.0, gt=0, le=60)
 
     @field_validator("backends")
     @classmethod
@@ -180,6 +222,19 @@ class Settings(BaseSettings):
                 raise ValueError(f"duplicate backend name {b.name!r}")
             seen.add(b.name)
         return v
+
+    @model_validator(mode="after")
+    def _keys_file_readable(self) -> Settings:
+        # Read once here so a bad file stops startup with one line; auth.py reads it for use.
+        if self.api_keys_file:
+            for i, entry in enumerate(read_api_keys_file(self.api_keys_file)):
+                try:
+                    ClientKeyConfig.model_validate(entry)
+                except ValidationError as exc:
+                    err = exc.errors()[0]
+                    where = ".".join(str(p) for p in err["loc"]) or "entry"
+                    raise ValueError(f"api_keys_file entry [{i}] {where}: {err['msg']}") from None
+        return self
 
     @classmethod
     def settings_customise_sources(

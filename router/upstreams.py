@@ -30,11 +30,15 @@ class Backend:
     has_key: bool = False
     health: HealthConfig | None = None
     outlier: OutlierConfig | None = None
-    source: str = "file"
+    source: str = "file"  # "file" (the YAML file, maybe patched over the API) or "api"
     draining: bool = False
+    key_header: str = "authorization"
+    header_names: tuple[str, ...] = ()  # extra headers' names; their values may be secrets
 
     @classmethod
-    def from_config(cls, cfg: BackendConfig, source: str = "file") -> Backend:
+    def from_config(
+        cls, cfg: BackendConfig, source: str = "file", draining: bool = False
+    ) -> Backend:
         key = cfg.resolved_key()
         headers: list[tuple[bytes, bytes]] = [
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in cfg.headers.items()
@@ -56,6 +60,9 @@ class Backend:
             health=cfg.health,
             outlier=cfg.outlier,
             source=source,
+            draining=draining,
+            key_header=cfg.key_header.lower(),
+            header_names=tuple(k.lower() for k in cfg.headers),
         )
 
     def public(self) -> dict[str, Any]:
@@ -68,6 +75,10 @@ class Backend:
             "weight": self.weight,
             "max_inflight": self.max_inflight,
             "api_key": "***" if self.has_key else None,
+            "key_header": self.key_header,
+            # Values masked: extra headers and query parameters can carry credentials too.
+            "headers": dict.fromkeys(self.header_names, "***"),
+            "query": {k: "***" for k, _ in self.query},
             "source": self.source,
             "draining": self.draining,
         }
@@ -144,6 +155,9 @@ class Pools:
             # The URL changed: the old pool serves its streams in flight and is then dropped.
             self._retired.append(entry[2])
         return client
+
+    def names(self) -> set[str]:
+        return set(self._clients)
 
     async def discard(self, name: str) -> None:
         entry = self._clients.pop(name, None)
