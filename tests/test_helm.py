@@ -4,6 +4,7 @@ accepted by the router that reads it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from copy import deepcopy
@@ -41,7 +42,12 @@ ALL_ON: dict[str, Any] = {
         },
     ],
     "adminToken": {"existingSecret": "sg-admin", "key": "token"},
-    "clientKeys": {"existingSecret": "sg-clients", "key": "keys"},
+    "clientKeys": {"existingSecret": "sg-clients", "key": "api_keys.yaml"},
+    "config": {"api_keys": [{"sha256": "ab" * 32, "name": "ci"}]},
+    "extraEnv": [
+        {"name": "LATER_KEY", "valueFrom": {"secretKeyRef": {"name": "later", "key": "k"}}}
+    ],
+    "extraEnvFrom": [{"secretRef": {"name": "more-backend-keys"}}],
     "redis": {"enabled": True},
     "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
     "podDisruptionBudget": {"enabled": True},
@@ -153,14 +159,21 @@ def test_deployment_drains_safely_and_runs_locked_down() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/etc/sluicegate", "/tmp"}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert set(mounts) == {"/etc/sluicegate", "/tmp", "/etc/sluicegate/client-keys"}
+    (keys_volume,) = [
+        v for v in pod["volumes"] if v["name"] == mounts["/etc/sluicegate/client-keys"]
+    ]
+    assert keys_volume["secret"]["secretName"] == "sg-clients"
+    assert c["envFrom"] == [{"secretRef": {"name": "more-backend-keys"}}]
     env = {e["name"]: e for e in c["env"]}
     refs = {n: e["valueFrom"]["secretKeyRef"] for n, e in env.items() if "valueFrom" in e}
     assert refs == {
         "BACKEND_API_KEY_1": {"name": "openai-credentials", "key": "api-key"},
         "SLUICEGATE_ADMIN_TOKEN": {"name": "sg-admin", "key": "token"},
-        "SLUICEGATE_CLIENT_KEYS": {"name": "sg-clients", "key": "keys"},
+        "LATER_KEY": {"name": "later", "key": "k"},
     }
+    assert env["SLUICEGATE_API_KEYS_FILE"]["value"] == "/etc/sluicegate/client-keys/api_keys.yaml"
     assert env["SLUICEGATE_REDIS_URL"]["value"] == "redis://sg-sluicegate-redis:6379/0"
     redis = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-redis")]
     assert redis[0]["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -228,10 +241,14 @@ def test_rendered_config_serves_traffic(procs: Cluster) -> None:
             "apiKeySecret": {"name": "s", "key": "k"},
         },
     ]
+    values["config"] = {"api_keys": [hashlib.sha256(b"client-key-for-chart").hexdigest()]}
     config = yaml.safe_load(_rendered_config(values))
     router = procs.router(config, env={"BACKEND_API_KEY_0": "key-from-secret-env"})
     assert httpx.get(router.url + "/readyz").status_code == 200
-    r = httpx.post(router.url + "/v1/completions", json={"model": "m", "max_tokens": 2})
+    body = {"model": "m", "max_tokens": 2}
+    url = router.url + "/v1/completions"
+    assert httpx.post(url, json=body).status_code == 401  # the chart's client keys apply
+    r = httpx.post(url, json=body, headers={"authorization": "Bearer client-key-for-chart"})
     assert r.status_code == 200
     assert stats(mock)["recent"][-1]["authorization"] == "Bearer key-from-secret-env"
 
