@@ -53,11 +53,14 @@ _OWN_LOGGERS = ("sluicegate", "uvicorn", "uvicorn.error")
 class JsonFormatter(logging.Formatter):
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         super().__init__()
-        known = sorted(
-            {s for s in secrets if s and len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True
-        )
+        self.secrets: list[str] = []
+        self.add(*secrets)
+
+    def add(self, *secrets: str) -> None:
+        known = {*self.secrets, *(s for s in secrets if s and len(s) >= _MIN_SECRET_LEN)}
         # json.dumps escapes some characters; look for the escaped form too.
-        self.secrets = [*known, *(e for s in known if (e := json.dumps(s)[1:-1]) != s)]
+        known |= {e for s in known if (e := json.dumps(s)[1:-1]) != s}
+        self.secrets = sorted(known, key=len, reverse=True)  # longest first: no partial hits
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {
@@ -123,6 +126,13 @@ def secrets_of(settings: BaseModel) -> list[str]:
 
     walk(settings)
     return [s for s in found if s]
+
+
+def register_secret(value: str) -> None:
+    """Redact a secret learned at run time too (e.g. a backend key given to the admin API)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler.formatter, JsonFormatter):
+            handler.formatter.add(value)
 
 
 def configure(level: str, secrets: Iterable[str] = ()) -> None:

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from router.logs import REDACTED, JsonFormatter, secrets_of
+from router.logs import REDACTED, JsonFormatter, configure, register_secret, secrets_of
 from router.settings import load_settings
 from tests.harness import Cluster, backend, control, free_port, stats
 
@@ -221,3 +221,20 @@ def test_formatter_redacts_known_values_fields_and_patterns(
     ):
         assert leaked not in line
     assert json.loads(line)["max_tokens"] == 7  # ordinary fields are left alone
+
+
+def test_secret_learned_at_run_time_is_redacted() -> None:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure("info", [BACKEND_KEY])
+        late = "late-admin-added-key-5150"
+        formatter = root.handlers[0].formatter
+        assert isinstance(formatter, JsonFormatter)
+        assert late in _format(formatter, f"key {late}")
+        register_secret(late)
+        line = _format(formatter, f"key {late} and {BACKEND_KEY}")
+        assert late not in line and BACKEND_KEY not in line
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
