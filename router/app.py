@@ -20,6 +20,7 @@ from router.admin import admin_routes
 from router.api import openai_routes
 from router.auth import AdminAuth, ClientKeys
 from router.errors import error_response
+from router.logs import register_secret
 from router.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.proxy import Lifecycle, Proxy
 from router.registry import Fleet, LocalRecords, RecordStore, Registry, RegistryError, Snapshot
@@ -64,6 +65,14 @@ def create_app(settings: Settings) -> FastAPI:
     monitor = HealthMonitor(health)
 
     def on_swap(snapshot: Snapshot) -> None:
+        # Keys of backends added through the admin API are secrets from now on, in logs too.
+        register_secret(
+            *(
+                v.decode("latin-1").split(" ")[-1]
+                for b in snapshot.backends
+                for _, v in b.auth_headers
+            )
+        )
         health.sync(snapshot.backends)
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
 

@@ -128,11 +128,11 @@ def secrets_of(settings: BaseModel) -> list[str]:
     return [s for s in found if s]
 
 
-def register_secret(value: str) -> None:
-    """Redact a secret learned at run time too (e.g. a backend key given to the admin API)."""
+def register_secret(*values: str) -> None:
+    """Redact secrets learned at run time too (e.g. a backend key given to the admin API)."""
     for handler in logging.getLogger().handlers:
         if isinstance(handler.formatter, JsonFormatter):
-            handler.formatter.add(value)
+            handler.formatter.add(*values)
 
 
 def configure(level: str, secrets: Iterable[str] = ()) -> None:
