@@ -61,7 +61,8 @@ def _record_store(settings: Settings) -> RecordStore:
 def create_app(settings: Settings) -> FastAPI:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
-    health = HealthBook(settings.health, settings.outlier)
+    metrics = Metrics()
+    health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
     monitor = HealthMonitor(health)
 
     def on_swap(snapshot: Snapshot) -> None:
@@ -80,7 +81,6 @@ def create_app(settings: Settings) -> FastAPI:
     fleet = Fleet(registry, settings.backends, _record_store(settings))
     admin_auth = AdminAuth(settings.admin_token)
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
-    metrics = Metrics()
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(LocalInflight(), metrics)
     lifecycle = Lifecycle()

@@ -324,3 +324,29 @@ def test_serve_drains_workers_and_removes_its_metrics_dir(procs: Cluster, tmp_pa
     assert [ln for ln in rest if ln][-1] == "data: [DONE]"
     assert router.popen.wait(20) == 0
     assert not metrics_dir.exists()
+
+
+def test_ejection_moves_health_metrics(procs: Cluster) -> None:
+    """A backend ejected by passive detection shows as unhealthy with an ejection counted."""
+    bad = procs.mock("bad")
+    good = procs.mock("good")
+    control(bad, fail_status=500)
+    router = procs.router(
+        {
+            "backends": [backend("bad", bad), backend("good", good)],
+            "balancer": "round_robin",
+            "outlier": {"consecutive_failures": 2, "max_ejection_percent": 50},
+            "health": {"interval": 60},
+        }
+    )
+    for _ in range(6):
+        assert httpx.post(router.url + "/v1/completions", json={"model": "m"}).status_code == 200
+    text = httpx.get(router.url + "/metrics").text
+    assert 'sluicegate_backend_healthy{backend="bad"} 0.0' in text
+    assert 'sluicegate_backend_healthy{backend="good"} 1.0' in text
+    ejections = [
+        line
+        for line in text.splitlines()
+        if line.startswith("sluicegate_backend_ejections_total{") and '"bad"' in line
+    ]
+    assert ejections and float(ejections[0].rsplit(" ", 1)[1]) >= 1, ejections
