@@ -66,7 +66,9 @@ class HealthBook:
         outlier_cfg: OutlierConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        on_change: Callable[[str, bool, str], None] | None = None,
     ) -> None:
+        self._on_change = on_change  # (backend, routable, reason): e.g. the metrics
         self._health = health or HealthConfig()
         self._outlier = outlier_cfg or OutlierConfig()
         self._clock = clock
@@ -130,7 +132,7 @@ class HealthBook:
             if st.cooldown_until > now:
                 return False
             st.cooldown_until = 0.0
-            _transition("cooldown over", backend.name)
+            self._transition("cooldown over", backend.name)
         return True
 
     def eligible(self, backends: Sequence[Backend], model: str = "") -> list[Backend]:
@@ -139,13 +141,13 @@ class HealthBook:
         if ok:
             if model in self._panicking:
                 self._panicking.discard(model)
-                _transition("panic mode over", None, model=model, healthy=len(ok))
+                self._transition("panic mode over", None, model=model, healthy=len(ok))
             return ok
         # Panic mode: when nothing looks healthy, try them all rather than fail everything;
         # except those that asked for a pause (Retry-After): they are left alone as asked.
         if model not in self._panicking:
             self._panicking.add(model)
-            _transition("panic mode", None, model=model, backends=len(backends))
+            self._transition("panic mode", None, model=model, backends=len(backends))
         return [b for b in backends if not b.draining and not self._cooling(b.name, now)]
 
     def _cooling(self, name: str, now: float) -> bool:
@@ -196,7 +198,7 @@ class HealthBook:
             )
             if not outlier.within_share(cfg, ejected, len(group)):
                 if st.consecutive_failures == cfg.consecutive_failures:  # log the first refusal
-                    _transition(
+                    self._transition(
                         "ejection refused",
                         name,
                         reason=kind,
@@ -212,7 +214,7 @@ class HealthBook:
         st.ejected_until = now + seconds
         st.eject_reason = f"{st.consecutive_failures} consecutive failures ({kind})"
         st.probe_failed_while_ejected = False
-        _transition(
+        self._transition(
             "ejected",
             name,
             reason=kind,
@@ -227,7 +229,7 @@ class HealthBook:
         st.consecutive_failures = 0
         st.eject_reason = None
         st.probe_failed_while_ejected = False
-        _transition("ejection over", name, why=why, times_ejected=st.times_ejected)
+        self._transition("ejection over", name, why=why, times_ejected=st.times_ejected)
 
     # -- cooldowns --------------------------------------------------------------------------
 
@@ -240,7 +242,7 @@ class HealthBook:
         fresh = st.cooldown_until <= now
         st.cooldown_until = until
         if fresh:
-            _transition("cooling down", name, seconds=seconds)
+            self._transition("cooling down", name, seconds=seconds)
 
     # -- active probes ----------------------------------------------------------------------
 
@@ -259,7 +261,7 @@ class HealthBook:
                 st.probe_failed_while_ejected = True
             if not st.probe_failed and st.probe_failures >= cfg.unhealthy_threshold:
                 st.probe_failed = True
-                _transition(
+                self._transition(
                     "unhealthy", name, reason=result.reason, probe_failures=st.probe_failures
                 )
             return
@@ -270,7 +272,7 @@ class HealthBook:
         if st.probe_failed:
             st.probe_failed = False
             st.probe_reason = None
-            _transition("healthy", name, probe_successes=st.probe_successes)
+            self._transition("healthy", name, probe_successes=st.probe_successes)
         # Probes readmit only an ejection they saw fail and then recover: a /health that
         # answers while completions fail (a hung engine) must not undo the ejection.
         if ejected and st.probe_failed_while_ejected:
@@ -303,10 +305,23 @@ class HealthBook:
             "last_probe_latency_ms": st.last_probe_latency_ms,
         }
 
+    def _transition(self, event: str, backend: str | None, **fields: Any) -> None:
+        _log_transition(event, backend, **fields)
+        if backend is None or self._on_change is None:
+            return
+        if event in _RECOVERIES:
+            self._on_change(backend, bool(self.describe(backend)["healthy"]), event)
+        elif event in _LOSSES:
+            reason = _LOSSES[event] or f"outlier_{fields.get('reason', 'failure')}"
+            self._on_change(backend, False, reason)
+
 
 _RECOVERIES = frozenset({"healthy", "ejection over", "cooldown over", "panic mode over"})
 
 
-def _transition(event: str, backend: str | None, **fields: Any) -> None:
+_LOSSES = {"ejected": "", "unhealthy": "probe", "cooling down": "retry_after"}
+
+
+def _log_transition(event: str, backend: str | None, **fields: Any) -> None:
     level = logging.INFO if event in _RECOVERIES else logging.WARNING
     log.log(level, event, extra={"fields": {"event": event, "backend": backend, **fields}})

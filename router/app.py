@@ -21,6 +21,8 @@ from router.admin import admin_routes
 from router.api import openai_routes
 from router.auth import AdminAuth, ClientKeys
 from router.errors import error_response
+from router.logs import register_secret
+from router.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.proxy import Lifecycle, Proxy
 from router.registry import Fleet, LocalRecords, RecordStore, Registry, RegistryError, Snapshot
 from router.settings import Settings
@@ -74,10 +76,19 @@ def _record_store(settings: Settings) -> RecordStore:
 def create_app(settings: Settings) -> FastAPI:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
-    health = HealthBook(settings.health, settings.outlier)
+    metrics = Metrics()
+    health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
     monitor = HealthMonitor(health)
 
     def on_swap(snapshot: Snapshot) -> None:
+        # Keys of backends added through the admin API are secrets from now on, in logs too.
+        register_secret(
+            *(
+                v.decode("latin-1").split(" ")[-1]
+                for b in snapshot.backends
+                for _, v in b.auth_headers
+            )
+        )
         health.sync(snapshot.backends)
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
 
@@ -85,9 +96,10 @@ def create_app(settings: Settings) -> FastAPI:
     fleet = Fleet(registry, settings.backends, _record_store(settings))
     admin_auth = AdminAuth(settings.admin_token)
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
-    store = make_store(settings)
+    metrics.backends_known([b.name for b in backends])
+    store = MeteredInflight(make_store(settings), metrics)
     lifecycle = Lifecycle()
-    proxy = Proxy(settings, registry, pools, store, health, lifecycle)
+    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics)
 
     async def close_removed_pools() -> None:
         # A removed backend's pool stays open while its streams run, then closes.
@@ -160,6 +172,11 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        store.check_fallback()
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:

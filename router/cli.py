@@ -1,16 +1,19 @@
-"""`sluicegate serve | demo | mock-upstream`: the console entry point."""
+"""`sluicegate serve | status | demo | mock-upstream`: the console entry point."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -60,40 +63,69 @@ def drain_on_signal(lifecycle: Any, grace: float) -> None:
 
 def _app_factory() -> Any:
     from router.app import create_app
-    from router.logs import configure
+    from router.logs import configure, secrets_of
 
     settings = load_settings()
-    configure(settings.log_level)
+    configure(settings.log_level, secrets_of(settings))
     app = create_app(settings)
     drain_on_signal(app.state.lifecycle, settings.drain_grace)
     return app
 
 
-def serve(settings: Settings) -> None:
-    from router.logs import configure
+_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-    configure(settings.log_level)
+
+@contextlib.contextmanager
+def _metrics_dir(workers: int) -> Iterator[None]:
+    """Where the workers' metric files live: the operator's directory (e.g. an emptyDir, which
+    outlives a container restart) emptied of a previous run's files, or with several workers a
+    temporary one removed at exit. Set before any worker imports prometheus_client."""
+    given = os.environ.get(_MULTIPROC_ENV)
+    if given:
+        os.makedirs(given, exist_ok=True)
+        for stale in glob.glob(os.path.join(given, "*.db")):
+            os.remove(stale)
+        yield
+        return
+    if workers < 2:
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="sluicegate-metrics-")
+    os.environ[_MULTIPROC_ENV] = path
+    try:
+        yield
+    finally:
+        os.environ.pop(_MULTIPROC_ENV, None)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def serve(settings: Settings) -> None:
+    from router.logs import configure, secrets_of
+
+    configure(settings.log_level, secrets_of(settings))
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
     if settings.config:
         os.environ["SLUICEGATE_CONFIG"] = settings.config
     # uvicorn re-raises the SIGTERM it handled once it has stopped; after a completed drain that
     # is a clean exit, not a death by signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(
-        "router.cli:_app_factory",
-        factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        server_header=False,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
-        timeout_keep_alive=30,
-    )
+    with _metrics_dir(settings.workers):
+        uvicorn.run(
+            "router.cli:_app_factory",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            server_header=False,
+            log_config=None,  # ours (router.logs): JSON lines with secrets redacted
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
+            timeout_keep_alive=30,
+        )
 
 
 def _demo_config(ports: Sequence[int]) -> str:
@@ -165,6 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--workers", type=int)
     p_serve.add_argument("--config", help="YAML file (default: $SLUICEGATE_CONFIG)")
 
+    p_status = sub.add_parser("status", help="a table of the backends of a running router")
+    p_status.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8080")
+    p_status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p_status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p_status.add_argument("--count", type=int, help="with --watch: stop after this many refreshes")
+
     p_demo = sub.add_parser("demo", help="router + two mock upstreams on 127.0.0.1, no Redis")
     p_demo.add_argument("--host", default="127.0.0.1")
     p_demo.add_argument("--port", type=int, default=8080)
@@ -178,6 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_mock.add_argument("--tokens", type=int, default=16)
 
     args = parser.parse_args(argv)
+    if args.command == "status":
+        from router.status import run as status
+
+        try:
+            return status(args.url, args.watch, max(0.1, args.interval), args.count)
+        except KeyboardInterrupt:
+            return 0
     if args.command == "mock-upstream":
         from router.mock_upstream import run
 

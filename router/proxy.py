@@ -35,6 +35,7 @@ from router.errors import (
     sse_error_event,
 )
 from router.headers import downstream_response_headers, upstream_request_headers
+from router.metrics import Metrics
 from router.registry import Registry
 from router.settings import Settings
 from router.upstreams import Backend, Pools
@@ -121,6 +122,13 @@ class _Retry(Exception):
         self.error = error
         self.response = response  # the upstream's own error answer, forwarded if none is left
 
+    @property
+    def kind(self) -> str:
+        """connect, timeout or status: the failure kind metrics count."""
+        if self.response is not None:
+            return "status"
+        return "timeout" if isinstance(self.error, UpstreamTimeout) else "connect"
+
 
 class _NoneLeft(Exception):
     """No backend is left to try (all excluded, full or unhealthy)."""
@@ -135,7 +143,9 @@ class Proxy:
         store: InflightStore,
         health: HealthBook,
         lifecycle: Lifecycle,
+        metrics: Metrics | None = None,
     ) -> None:
+        self.metrics = metrics or Metrics()
         self.settings = settings
         self.registry = registry
         self.pools = pools
@@ -291,6 +301,7 @@ class ProxyCall(Response):
                 await asyncio.wait((run,))
             lifecycle.leave()
             self._record.emit()
+            self._proxy.metrics.observe(self._record)
 
     def _body_for(self, backend: Backend) -> bytes:
         target = backend.models.get(self._model, self._model)
@@ -316,6 +327,7 @@ class ProxyCall(Response):
                 await self._attempt(send, lease, answered)
             except _Retry as retry:
                 last = retry
+                proxy.metrics.attempt_failed(lease.backend, retry.kind)
                 exclude.add(lease.backend)  # the next attempt goes elsewhere
                 raise
 

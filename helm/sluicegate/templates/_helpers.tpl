@@ -1,0 +1,78 @@
+{{- define "sluicegate.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "sluicegate.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "sluicegate.instanceLabels" -}}
+app.kubernetes.io/name: {{ include "sluicegate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* The router's pods; the bundled Redis has its own component so selectors never overlap. */}}
+{{- define "sluicegate.selectorLabels" -}}
+{{ include "sluicegate.instanceLabels" . }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{- define "sluicegate.redisSelectorLabels" -}}
+{{ include "sluicegate.instanceLabels" . }}
+app.kubernetes.io/component: redis
+{{- end }}
+
+{{- define "sluicegate.commonLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "sluicegate.labels" -}}
+{{ include "sluicegate.commonLabels" . }}
+{{ include "sluicegate.selectorLabels" . }}
+{{- end }}
+
+{{- define "sluicegate.redisLabels" -}}
+{{ include "sluicegate.commonLabels" . }}
+{{ include "sluicegate.redisSelectorLabels" . }}
+{{- end }}
+
+{{- define "sluicegate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "sluicegate.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The router's config file: backends from values, a key's env variable named per backend. */}}
+{{- define "sluicegate.config" -}}
+{{- $backends := list }}
+{{- range $i, $b := .Values.backends }}
+{{- $c := omit $b "apiKeySecret" }}
+{{- if $b.apiKeySecret }}
+{{- $_ := set $c "api_key_env" (printf "BACKEND_API_KEY_%d" $i) }}
+{{- end }}
+{{- $backends = append $backends $c }}
+{{- end }}
+{{- $cfg := deepCopy .Values.config }}
+{{- $_ := set $cfg "backends" $backends }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{- define "sluicegate.redisUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s-redis:6379/0" (include "sluicegate.fullname" .) }}
+{{- else }}
+{{- .Values.redis.url }}
+{{- end }}
+{{- end }}
+
+{{- define "sluicegate.terminationGrace" -}}
+{{- add (int .Values.preStopSleepSeconds) (int (ceil .Values.config.drain_grace)) 15 }}
+{{- end }}

@@ -1,0 +1,289 @@
+"""Prometheus metrics (`sluicegate_*`), fed once per request from its `RequestRecord`.
+
+Nothing here runs per chunk: the proxy calls `observe(record)` when a request ends,
+`attempt_failed()` when an attempt is retried, and the in-flight gauge moves through
+`MeteredInflight` at acquire/release. With several uvicorn workers `sluicegate serve` sets
+`PROMETHEUS_MULTIPROC_DIR` before any worker starts; each worker then writes its values to files
+there and `/metrics`, whichever worker answers it, merges every worker's files.
+
+Hooks for health (call on transitions, not per request): `health_changed(backend, healthy,
+reason)`, `ejected(backend, reason, seconds)`. Redis fallback follows the store's `degraded` flag
+(`MeteredInflight.check_fallback`, on each acquire and each scrape) or `redis_fallback(active)`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Sequence, Set
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+if TYPE_CHECKING:
+    from balancers.base import Balancer
+    from balancers.inflight.base import InflightStore, Lease
+    from router.proxy import RequestRecord
+    from router.upstreams import Backend
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# LLM latencies run from a cached 10 ms answer to a two-minute reasoning stream.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+
+NO_BACKEND = "none"
+
+
+def multiprocess_dir() -> str | None:
+    path = os.environ.get(MULTIPROC_ENV)
+    return path if path and os.path.isdir(path) else None
+
+
+def reap_dead_workers(path: str) -> list[int]:
+    """Drop the live gauges (in flight, health) of workers that are gone, however they went
+    (a crash or SIGKILL included), so they stop counting; their counters keep counting."""
+    dead = []
+    for name in os.listdir(path):
+        match = _LIVE_FILE.match(name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid in dead or _alive(pid):
+            continue
+        dead.append(pid)
+        mark_process_dead(pid, path)
+    return dead
+
+
+_LIVE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Metrics:
+    """Every metric object, created once per app on a registry of its own (no module globals)."""
+
+    def __init__(self) -> None:
+        reg = self.registry = CollectorRegistry(auto_describe=True)
+        self._multiproc = multiprocess_dir()
+        self.requests = Counter(
+            "sluicegate_requests_total",
+            "Requests answered, by public model, the backend that answered last, and status.",
+            ("model", "backend", "status"),
+            registry=reg,
+        )
+        self.duration = Histogram(
+            "sluicegate_request_duration_seconds",
+            "Whole request time, arrival to last byte (or disconnect).",
+            ("model", "backend"),
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "sluicegate_time_to_first_token_seconds",
+            "Streams only: arrival to the first body byte from the backend (the first token).",
+            ("model", "backend"),
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.bytes_out = Counter(
+            "sluicegate_response_bytes_total",
+            "Response body bytes relayed from backends to clients.",
+            ("model", "backend"),
+            registry=reg,
+        )
+        self.disconnects = Counter(
+            "sluicegate_client_disconnects_total",
+            "Requests whose client left before the answer ended (upstream cancelled).",
+            ("model", "backend"),
+            registry=reg,
+        )
+        self.retries = Counter(
+            "sluicegate_retries_total",
+            "Extra attempts made on another backend after a failure before the first byte.",
+            ("model",),
+            registry=reg,
+        )
+        self.attempts = Counter(
+            "sluicegate_upstream_attempts_total",
+            "Attempts sent to each backend (the denominator of its error rate).",
+            ("backend",),
+            registry=reg,
+        )
+        self.upstream_errors = Counter(
+            "sluicegate_upstream_errors_total",
+            "Failed attempts by backend and kind: connect, timeout, status (5xx/429), mid_stream.",
+            ("backend", "kind"),
+            registry=reg,
+        )
+        self.in_flight = Gauge(
+            "sluicegate_backend_in_flight",
+            "Requests in flight to each backend from this router (summed over live workers).",
+            ("backend",),
+            multiprocess_mode="livesum",
+            registry=reg,
+        )
+        self.healthy = Gauge(
+            "sluicegate_backend_healthy",
+            "1 when the backend takes traffic, 0 when ejected or failing probes "
+            "(min over live workers).",
+            ("backend",),
+            multiprocess_mode="livemin",
+            registry=reg,
+        )
+        self.ejections = Counter(
+            "sluicegate_backend_ejections_total",
+            "Times a backend was taken out of rotation, by reason.",
+            ("backend", "reason"),
+            registry=reg,
+        )
+        self.fallback = Gauge(
+            "sluicegate_redis_fallback",
+            "1 while the shared Redis store is unreachable and counts are kept in-process.",
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
+        # Label lookups take a lock and validate; resolve each combination once.
+        self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
+        self._by_backend: dict[str, tuple[Any, Any]] = {}
+
+    # -- exposition ---------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        if self._multiproc is None:
+            return generate_latest(self.registry)
+        reap_dead_workers(self._multiproc)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self._multiproc)
+        return generate_latest(merged)
+
+    # -- per request (end of request; never per chunk) -----------------------------------------
+
+    def observe(self, rec: RequestRecord) -> None:
+        backend = rec.backend or NO_BACKEND
+        status = rec.status or (499 if rec.disconnected else 500)
+        key = (rec.model, backend, status)
+        children = self._by_request.get(key)
+        if children is None:
+            labels = (rec.model, backend)
+            children = self._by_request[key] = (
+                self.requests.labels(rec.model, backend, str(status)),
+                self.duration.labels(*labels),
+                self.ttft.labels(*labels),
+                self.bytes_out.labels(*labels),
+                self.disconnects.labels(*labels),
+                self.retries.labels(rec.model),
+            )
+        requests, duration, ttft, bytes_out, disconnects, retries = children
+        requests.inc()
+        duration.observe(time.perf_counter() - rec.started)
+        if rec.stream and rec.ttfb_ms is not None:
+            ttft.observe(rec.ttfb_ms / 1000)
+        if rec.bytes_out:
+            bytes_out.inc(rec.bytes_out)
+        if rec.disconnected:
+            disconnects.inc()
+        if rec.attempts > 1:
+            retries.inc(rec.attempts - 1)
+        if rec.error in ("mid_stream", "timeout") and rec.backend:
+            # Failures after the first byte; those before it went through attempt_failed().
+            self.upstream_errors.labels(rec.backend, rec.error).inc()
+
+    def attempt_failed(self, backend: str, kind: str) -> None:
+        self.upstream_errors.labels(backend, kind).inc()
+
+    def for_backend(self, name: str) -> tuple[Any, Any]:
+        children = self._by_backend.get(name)
+        if children is None:
+            children = self._by_backend[name] = (
+                self.in_flight.labels(name),
+                self.attempts.labels(name),
+            )
+        return children
+
+    # -- state transitions (health, ejection, Redis) -------------------------------------------
+    # The writers of that state log their own transitions; these only move the metrics.
+
+    def health_changed(self, backend: str, healthy: bool, reason: str) -> None:
+        """A backend became routable or not; turning unroutable counts as an ejection."""
+        self.healthy.labels(backend).set(1 if healthy else 0)
+        if not healthy:
+            self.ejections.labels(backend, reason).inc()
+
+    def ejected(self, backend: str, reason: str, seconds: float | None = None) -> None:
+        """Passive ejection (outlier detection); health_changed(backend, True, ...) ends it."""
+        self.healthy.labels(backend).set(0)
+        self.ejections.labels(backend, reason).inc()
+
+    def redis_fallback(self, active: bool) -> None:
+        self.fallback.set(1 if active else 0)
+
+    def backends_known(self, names: Sequence[str]) -> None:
+        """Export every configured backend at 1 healthy / 0 in flight before any traffic."""
+        for name in names:
+            self.for_backend(name)
+            self.healthy.labels(name).set(1)
+
+
+class MeteredInflight:
+    """An InflightStore that moves the in-flight gauge and attempt counter with each lease.
+
+    Wraps any store (local or Redis) without changing it; unknown attributes pass through.
+    """
+
+    def __init__(self, store: InflightStore, metrics: Metrics) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._degraded: bool | None = None
+
+    def check_fallback(self) -> None:
+        """Mirror a shared store's `degraded` flag (counting locally) into the fallback gauge."""
+        degraded = getattr(self._store, "degraded", None)
+        if isinstance(degraded, bool) and degraded is not self._degraded:
+            self._degraded = degraded
+            self._metrics.redis_fallback(degraded)
+
+    @property
+    def kind(self) -> str:
+        return self._store.kind
+
+    @property
+    def inner(self) -> InflightStore:
+        return self._store
+
+    async def acquire(
+        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+    ) -> Lease | None:
+        lease = await self._store.acquire(backends, balancer, exclude)
+        self.check_fallback()
+        if lease is not None:
+            in_flight, attempts = self._metrics.for_backend(lease.backend)
+            in_flight.inc()
+            attempts.inc()
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        counted = not lease.released
+        self._store.release(lease)
+        if counted:
+            self._metrics.for_backend(lease.backend)[0].dec()
+
+    async def counts(self, names: Sequence[str]) -> dict[str, int]:
+        return await self._store.counts(names)
+
+    async def aclose(self) -> None:
+        await self._store.aclose()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
