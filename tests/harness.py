@@ -232,6 +232,13 @@ def control(mock: Proc, **changes: Any) -> dict[str, Any]:
     return dict(r.json())
 
 
+def in_flight(router: Proc) -> int:
+    """The router's in-flight count over all its backends, as its admin API reports it."""
+    r = httpx.get(router.url + "/admin/backends", timeout=5)
+    r.raise_for_status()
+    return sum(int(b["in_flight"]) for b in r.json())
+
+
 def stats(mock: Proc) -> dict[str, Any]:
     r = httpx.get(mock.url + "/stats", timeout=5)
     r.raise_for_status()

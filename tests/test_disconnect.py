@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Cluster, Proc, backend, control, stats
+from tests.harness import Cluster, Proc, backend, control, in_flight, stats
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,6 @@ def _wait_record(up: Proc, request_id: str, key: str, deadline: float = 3.0) -> 
                 return dict(rec)
         time.sleep(0.02)
     raise AssertionError(f"upstream never recorded {key} for {request_id}")
-
-
-def _in_flight(router: Proc) -> int:
-    return sum(b["in_flight"] for b in httpx.get(router.url + "/admin/backends").json())
 
 
 def test_close_after_five_chunks_stops_generation(fleet: dict[str, Proc]) -> None:
@@ -58,9 +54,9 @@ def test_close_after_five_chunks_stops_generation(fleet: dict[str, Proc]) -> Non
     assert rec["tokens"] <= received + 1, rec
     assert stats(fleet["up"])["tokens_after_disconnect"] == 0
     deadline = time.monotonic() + 2
-    while _in_flight(fleet["router"]) and time.monotonic() < deadline:
+    while in_flight(fleet["router"]) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _in_flight(fleet["router"]) == 0
+    assert in_flight(fleet["router"]) == 0
 
 
 def _raw_request(port: int, body: bytes, rid: str) -> socket.socket:
@@ -89,9 +85,9 @@ def test_leaving_during_silent_prefill_closes_upstream_fast(
     assert rec["disconnected_at"] - closed_at < 0.2, rec["disconnected_at"] - closed_at
     assert rec["tokens"] == 0
     deadline = time.monotonic() + 2
-    while _in_flight(fleet["router"]) and time.monotonic() < deadline:
+    while in_flight(fleet["router"]) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _in_flight(fleet["router"]) == 0
+    assert in_flight(fleet["router"]) == 0
 
 
 def test_many_disconnects_leave_nothing_counted(fleet: dict[str, Proc]) -> None:
@@ -109,9 +105,9 @@ def test_many_disconnects_leave_nothing_counted(fleet: dict[str, Proc]) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         st = stats(fleet["up"])
-        if st["running"] == 0 and _in_flight(fleet["router"]) == 0:
+        if st["running"] == 0 and in_flight(fleet["router"]) == 0:
             break
         time.sleep(0.05)
     st = stats(fleet["up"])
     assert st["running"] == 0 and st["aborted"] == 30
-    assert _in_flight(fleet["router"]) == 0
+    assert in_flight(fleet["router"]) == 0

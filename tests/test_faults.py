@@ -14,11 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.procstat import rss_mb
-from tests.harness import Cluster, Proc, backend, control, stats
-
-
-def _in_flight(router: Proc) -> int:
-    return sum(b["in_flight"] for b in httpx.get(router.url + "/admin/backends").json())
+from tests.harness import Cluster, Proc, backend, control, in_flight, stats
 
 
 def test_upstream_killed_mid_stream(procs: Cluster) -> None:
@@ -39,7 +35,7 @@ def test_upstream_killed_mid_stream(procs: Cluster) -> None:
     assert events[-1] == "data: [DONE]"
     err = json.loads(events[-2].removeprefix("data: "))
     assert err["error"]["code"] == "upstream_mid_stream"
-    assert _in_flight(router) == 0
+    assert in_flight(router) == 0
 
 
 def test_sigterm_with_200_streams_in_flight(procs: Cluster) -> None:
@@ -99,7 +95,7 @@ def test_slow_client_memory_stays_bounded(procs: Cluster) -> None:
     while stats(up)["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stats(up)["running"] == 0
-    assert _in_flight(router) == 0
+    assert in_flight(router) == 0
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +156,7 @@ def test_fuzzed_requests_never_500_or_leak(
 
 
 def test_fuzzing_left_nothing_in_flight(fuzz_target: Proc) -> None:
-    assert _in_flight(fuzz_target) == 0
+    assert in_flight(fuzz_target) == 0
 
 
 def test_huge_body_is_413_not_memory(fuzz_target: Proc) -> None:

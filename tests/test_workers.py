@@ -17,9 +17,12 @@ def test_two_workers_drain_on_sigterm(procs: Cluster) -> None:
     started = threading.Barrier(5)
 
     def consume() -> None:
-        with httpx.Client(timeout=30) as c, c.stream(
-            "POST", router.url + "/v1/chat/completions", json={"model": "m", "stream": True}
-        ) as r:
+        with (
+            httpx.Client(timeout=30) as c,
+            c.stream(
+                "POST", router.url + "/v1/chat/completions", json={"model": "m", "stream": True}
+            ) as r,
+        ):
             lines = r.iter_lines()
             first = next(lines)
             started.wait(10)
