@@ -1,4 +1,4 @@
-"""create_app(settings) -> FastAPI: builds every object once, owns their lifetimes; no globals."""
+"""create_app(settings) -> ASGI app: builds every object once, owns their lifetimes; no globals."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from balancers.inflight.local import LocalInflight
 from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.admin import admin_routes
-from router.api import openai_routes
+from router.api import FastPath, openai_routes, proxy_endpoints
 from router.auth import AdminAuth, ClientKeys
 from router.errors import error_response
 from router.logs import register_secret
@@ -73,7 +73,7 @@ def _record_store(settings: Settings) -> RecordStore:
     return RedisRecords(settings.redis_url.get_secret_value(), resync=settings.registry_resync)
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings) -> FastPath:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
     metrics = Metrics()
@@ -209,4 +209,5 @@ def create_app(settings: Settings) -> FastAPI:
         log.error("unhandled error", exc_info=exc)
         return error_response(500, "Internal router error.", "api_error", "internal_error")
 
-    return app
+    # Proxied POSTs skip FastAPI's layers; everything else (and the lifespan) goes through it.
+    return FastPath(app, proxy_endpoints(proxy, client_keys))
