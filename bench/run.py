@@ -79,8 +79,9 @@ http {{
 
 
 class Bench:
-    def __init__(self, quick: bool) -> None:
+    def __init__(self, quick: bool, soak_seconds: float | None = None) -> None:
         self.quick = quick
+        self.soak_seconds = soak_seconds
         self.cluster = Cluster()
         self.results: dict[str, Any] = {}
         self.samples: dict[str, list[float]] = {}
@@ -295,7 +296,7 @@ class Bench:
         up.stop()
 
     def soak(self) -> None:
-        duration = 30.0 if self.quick else 240.0
+        duration = self.soak_seconds or (30.0 if self.quick else 240.0)
         up = self.mock("soak", itl_ms=5, tokens=64)
         router = self.router([up])
         fds0 = open_fds(router.pid)
@@ -371,6 +372,12 @@ class Bench:
         two = self.cluster.router(cfg, workers=2, env=env)
         r2 = run([one.port, two.port])
         counts = [httpx.get(u.url + "/stats").json()["requests"] for u in ups]
+        shared = [
+            all(
+                b.get("inflight_shared", False) for b in httpx.get(p.url + "/admin/backends").json()
+            )
+            for p in (one, two)
+        ]
         res = {
             "one_router_rps": r1.ok / r1.elapsed,
             "two_routers_rps": r2.ok / r2.elapsed,
@@ -378,6 +385,7 @@ class Bench:
             "errors": r1.errors + r2.errors,
             "requests_per_backend": counts,
             "balance_spread": (max(counts) - min(counts)) / statistics.mean(counts),
+            "counts_shared_at_end": shared,
             "note": "2 routers x 2 workers share 2 cores with the load generator and mocks",
         }
         self.results["multi_replica"] = res
@@ -469,9 +477,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", action="append", choices=sorted(SCENARIOS))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--soak-seconds", type=float, help="soak length (default 240; 30 with --quick)")
     args = ap.parse_args()
     uvloop.install()
-    bench = Bench(args.quick)
+    bench = Bench(args.quick, args.soak_seconds)
     started = time.monotonic()
     try:
         for name in args.only or list(SCENARIOS):
