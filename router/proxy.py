@@ -362,7 +362,7 @@ class ProxyCall(Response):
         rec.backend = backend.name
         response: httpx.Response | None = None
         try:
-            client, request = proxy.pools.request(
+            transport, request = proxy.pools.request(
                 backend,
                 self._path,
                 upstream_request_headers(
@@ -371,7 +371,7 @@ class ProxyCall(Response):
                 self._body_for(backend),
             )
             try:
-                response = await client.send(request, stream=True)
+                response = await transport.handle_async_request(request)
             except httpx.PoolTimeout as exc:
                 # Our own pool to it is full: not the backend's failure, so no health mark.
                 raise _Retry(
@@ -444,7 +444,7 @@ class ProxyCall(Response):
         sent = 0
         tail = b"\n\n"
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.stream:  # type: ignore[union-attr]
                 if sent == 0:
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
                 sent += len(chunk)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
+import struct
 import time
 from collections import deque
 
@@ -27,6 +29,7 @@ import httptools
 import httpx
 
 HIGH_WATER = 256 * 1024
+_LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 class _Conn(asyncio.Protocol):
@@ -40,6 +43,7 @@ class _Conn(asyncio.Protocol):
         self.reused = False
         self.counted = True  # still counted against the owner's connection cap
         self.idle_since = 0.0
+        self.last_rx = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -63,6 +67,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self.last_rx = time.monotonic()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -143,6 +148,18 @@ class _Conn(asyncio.Protocol):
             self.closed = True
             self.transport.close()
 
+    def abort(self) -> None:
+        """Drop the connection with a reset: the backend learns at once that nobody reads, and
+        no TIME_WAIT is left behind on our side for every stream a client abandoned."""
+        if self.transport is None or self.closed:
+            return
+        self.closed = True
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, AttributeError, NotImplementedError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        self.transport.abort()
+
     def _delimited_by_close(self) -> bool:
         """A body with neither length nor chunking ends when the backend closes (HTTP/1.0)."""
         names = {k.lower() for k, _ in self.headers}
@@ -159,6 +176,7 @@ class _Body(httpx.AsyncByteStream):
         self._conn = conn
         self._timeout = read_timeout
         self._done = False
+        self._timer: asyncio.TimerHandle | None = None
 
     def __aiter__(self) -> _Body:
         return self
@@ -183,13 +201,9 @@ class _Body(httpx.AsyncByteStream):
                 raise conn.error
             if self._done:
                 raise StopAsyncIteration
-            loop = asyncio.get_running_loop()
-            waiter = conn.waiter = loop.create_future()
-            timer = (
-                loop.call_later(self._timeout, _expire, waiter)
-                if self._timeout is not None
-                else None
-            )
+            waiter = conn.waiter = asyncio.get_running_loop().create_future()
+            if self._timeout is not None and self._timer is None:
+                self._arm(self._timeout)
             try:
                 await waiter
             except httpx.ReadTimeout:
@@ -198,24 +212,38 @@ class _Body(httpx.AsyncByteStream):
                 raise
             finally:
                 conn.waiter = None
-                if timer is not None:
-                    timer.cancel()
+
+    def _arm(self, delay: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(delay, self._check_silence)
+
+    def _check_silence(self) -> None:
+        """One timer per response, re-armed only when it fires: no timer work per chunk."""
+        self._timer = None
+        if self._done or self._timeout is None:
+            return
+        silent = time.monotonic() - self._conn.last_rx
+        if silent < self._timeout:
+            self._arm(self._timeout - silent)
+            return
+        waiter = self._conn.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(httpx.ReadTimeout("backend sent nothing within the read timeout"))
+        else:
+            self._arm(self._timeout)
 
     def _finish(self) -> None:
         if not self._done:
             self._done = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             self._conn.owner._release(self._conn)
 
     async def aclose(self) -> None:
         if not self._done:
             if not self._conn.complete:
-                self._conn.close()  # the consumer left early: stop the backend
+                self._conn.abort()  # the consumer left early: stop the backend
             self._finish()
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(httpx.ReadTimeout("backend sent nothing within the read timeout"))
 
 
 class LeanTransport(httpx.AsyncBaseTransport):
@@ -258,7 +286,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 self._release(conn)
                 raise
             except BaseException:
-                conn.close()
+                conn.abort()  # cancelled (the client left) or failed mid-exchange
                 self._release(conn)
                 raise
             return httpx.Response(

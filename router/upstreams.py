@@ -133,8 +133,12 @@ class Pools:
 
     def request(
         self, backend: Backend, path: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> tuple[httpx.AsyncClient, httpx.Request]:
-        """The client for `backend` and a POST to `path` on it, built without re-parsing URLs."""
+    ) -> tuple[httpx.AsyncBaseTransport, httpx.Request]:
+        """The pool for `backend` and a POST to `path` on it, built without re-parsing URLs.
+
+        The proxy sends through the pool's transport directly: the client's own layers (auth,
+        redirects, cookies, event hooks, stream wrappers) are all off for a proxy, and each of
+        them costs time on every request and every body chunk."""
         client = self.get(backend)
         key = (backend.name, backend.url, path)
         url = self._urls.get(key)
@@ -143,7 +147,7 @@ class Pools:
         request = httpx.Request(
             "POST", url, headers=headers, content=body, extensions={"timeout": self._timeout}
         )
-        return client, request
+        return client._transport, request  # the LeanTransport make_client gave it
 
     def get(self, backend: Backend) -> httpx.AsyncClient:
         entry = self._clients.get(backend.name)
