@@ -54,7 +54,7 @@ def open_fds(pid: int) -> int:
 
 
 def socket_states(ports: list[int]) -> dict[str, int]:
-    """TIME-WAIT and CLOSE-WAIT sockets touching the given local ports (router side)."""
+    """TIME-WAIT and CLOSE-WAIT sockets with one end on one of `ports` (either side)."""
     out = {"time_wait": 0, "close_wait": 0}
     try:
         text = subprocess.run(
