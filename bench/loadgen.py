@@ -124,6 +124,7 @@ async def run_load(
     requests: int = 0,
     abort_after_chunks: int = 0,
     request_timeout: float = 120.0,
+    ramp: float = 0.0,
 ) -> Result:
     """`concurrency` users until `requests` are done or `duration` seconds pass (bounded)."""
     if not ipaddress.ip_address(host).is_loopback:
@@ -137,7 +138,10 @@ async def run_load(
     budget = [requests or 10**9]
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
 
-    async def user() -> None:
+    async def user(i: int) -> None:
+        if ramp:
+            # Users join over `ramp` seconds: a steady state, not one burst of connects.
+            await asyncio.sleep(ramp * i / concurrency)
         conn: _Conn | None = None
         while budget[0] > 0 and time.perf_counter() < stop_at:
             budget[0] -= 1
@@ -175,7 +179,7 @@ async def run_load(
             conn.transport.close()
 
     t_start = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(concurrency)))
+    await asyncio.gather(*(user(i) for i in range(concurrency)))
     res.elapsed = time.perf_counter() - t_start
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     res.cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)

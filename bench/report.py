@@ -62,6 +62,55 @@ def plots(samples: dict[str, list[float]], docs: Path) -> list[str]:
     return made
 
 
+def targets(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Issue targets beside what this run measured."""
+    rows: list[tuple[str, str, str, str]] = []
+
+    def add(name: str, goal: str, value: Any, ok: bool | None) -> None:
+        rows.append((name, goal, _fmt(value), "-" if ok is None else ("yes" if ok else "no")))
+
+    o = r.get("overhead", {}).get("c32")
+    if o:
+        vs_nginx = o.get("router_vs_nginx_rps")
+        add(
+            "overhead c=32: req/s vs nginx",
+            ">= 0.5",
+            vs_nginx,
+            None if vs_nginx is None else vs_nginx >= 0.5,
+        )
+        cpu = o["router"]["cpu_ms_per_req"]
+        add("overhead c=32: router CPU ms/request", "<= 1", cpu, cpu <= 1)
+        added = o["router_added_ttfb_p50_ms"]
+        add("overhead c=32: added TTFC p50 ms", "<= 2", added, added <= 2)
+    st = r.get("streaming")
+    if st:
+        add(
+            "streaming: added TTFC p99 ms",
+            "<= 10",
+            st["added_ttfb_p99_ms"],
+            st["added_ttfb_p99_ms"] <= 10,
+        )
+        rss = st["router"]["peak_rss_mb"]
+        add("streaming: router peak RSS MB", "<= 150", rss, rss <= 150)
+    sm = r.get("storm")
+    if sm:
+        w = sm["waste_percent"]
+        add("storm: waste %", "<= 1", w, w is not None and w <= 1)
+        add("storm: in flight afterwards", "0", sm["inflight_after"], sm["inflight_after"] == 0)
+        grow = (sm["rss_second_half_mean_mb"] or 0) - (sm["rss_first_half_mean_mb"] or 0)
+        add("storm: RSS growth, 2nd half vs 1st (MB)", "~0", grow, grow < 5)
+        add(
+            "storm: open fds before -> after",
+            "no growth",
+            f"{sm['fds_before']} -> {sm['fds_after']}",
+            sm["fds_after"] <= sm["fds_before"] + 2,
+        )
+    mr = r.get("multi_replica")
+    if mr:
+        add("multi-replica: 2 routers vs 1 (req/s)", ">= 1.7", mr["ratio"], mr["ratio"] >= 1.7)
+    return rows
+
+
 def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: Path) -> None:
     docs.mkdir(parents=True, exist_ok=True)
     r = report["results"]
@@ -77,6 +126,9 @@ def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: 
         "All figures come from one run; compare ratios, not absolute numbers.",
         "",
     ]
+    rows = targets(r)
+    if rows:
+        out += ["## Targets", "", _table([("target", "goal", "measured", "met"), *rows]), ""]
     if "overhead" in r:
         out += ["## Overhead (64-token streams, no token delay)", ""]
         rows = [

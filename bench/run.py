@@ -225,6 +225,7 @@ class Bench:
                 streams,
                 requests=streams * (1 if self.quick else 2),
                 request_timeout=60,
+                ramp=2.0,
             )
             cpu1 = cpu_seconds(router.pid)
             if sampler:
