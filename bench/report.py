@@ -188,4 +188,7 @@ def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: 
             out += [f"## {title}", "", "```json", json.dumps(r[key], indent=2), "```", ""]
     for png in plots(samples, docs):
         out += [f"![{png}]({png})", ""]
+    reading = Path(__file__).with_name("reading.md")
+    if reading.exists():
+        out += [reading.read_text()]
     (docs / "benchmarks.md").write_text("\n".join(out))
