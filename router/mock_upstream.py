@@ -101,11 +101,13 @@ class MockUpstream:
                     return
         if scope["type"] != "http":
             return
-        client = scope.get("client")
-        if client:
-            self.stats.connections.add((client[0], client[1]))
         path: str = scope["path"]
         method: str = scope["method"]
+        client = scope.get("client")
+        if client and method == "POST" and path.startswith("/v1/"):
+            # Only connections that carried generation requests: probes and test calls to
+            # /stats or /control would blur what pool-reuse tests look at.
+            self.stats.connections.add((client[0], client[1]))
         if method == "GET":
             if path in ("/health", "/v1/models"):
                 self.stats.probes += 1

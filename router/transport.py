@@ -340,8 +340,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
             try:
                 async with asyncio.timeout(timeouts.get("pool")):
                     await waiter
-            except TimeoutError:
-                raise httpx.PoolTimeout("no upstream connection free in time") from None
+            except BaseException as exc:
+                if waiter.done() and not waiter.cancelled():
+                    self._notify()  # handed a free slot we won't use: pass it on
+                if isinstance(exc, TimeoutError):
+                    raise httpx.PoolTimeout("no upstream connection free in time") from None
+                raise
             finally:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
