@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,12 +242,3 @@ def stats(mock: Proc) -> dict[str, Any]:
     r = httpx.get(mock.url + "/stats", timeout=5)
     r.raise_for_status()
     return dict(r.json())
-
-
-@contextlib.contextmanager
-def cluster() -> Iterator[Cluster]:
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        c.close()
