@@ -417,11 +417,15 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 w.set_result(None)
                 return
 
-    async def aclose(self) -> None:
+    def retire(self) -> None:
+        """Take no new requests: idle connections close now, busy ones when their stream ends."""
         self._closed = True
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+    async def aclose(self) -> None:
+        self.retire()
 
 
 def _request_head(request: httpx.Request) -> bytes:

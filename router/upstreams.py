@@ -95,18 +95,21 @@ class NoCookies(httpx.Cookies):
         return None
 
 
-def make_client(backend: Backend, timeouts: Timeouts, limits: PoolLimits) -> httpx.AsyncClient:
+def make_client(
+    backend: Backend, timeouts: Timeouts, limits: PoolLimits
+) -> tuple[httpx.AsyncClient, LeanTransport]:
     pool_limits = httpx.Limits(
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive,
         keepalive_expiry=limits.keepalive_expiry,
     )
+    transport = LeanTransport(pool_limits)
     client = httpx.AsyncClient(
         base_url=backend.url,
         timeout=httpx.Timeout(
             connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=timeouts.pool
         ),
-        transport=LeanTransport(pool_limits),
+        transport=transport,
         params=dict(backend.query) or None,
         trust_env=False,
         follow_redirects=False,
@@ -115,62 +118,70 @@ def make_client(backend: Backend, timeouts: Timeouts, limits: PoolLimits) -> htt
     # No default Accept-Encoding (httpx asks for gzip): the backend compresses only when the
     # client asked, since the body is forwarded as is.
     client.headers = httpx.Headers({})
-    return client
+    return client, transport
 
 
 class Pools:
-    """Backend name -> its client. Clients outlive config swaps that keep the same URL."""
+    """Backend name -> its client and transport. They outlive config swaps that keep the URL."""
 
     def __init__(self, timeouts: Timeouts, limits: PoolLimits) -> None:
         self._timeouts = timeouts
         self._limits = limits
-        self._clients: dict[str, tuple[str, tuple[tuple[str, str], ...], httpx.AsyncClient]] = {}
-        self._retired: list[httpx.AsyncClient] = []
-        self._urls: dict[tuple[str, str, str], httpx.URL] = {}
+        self._pools: dict[str, _Pool] = {}
         self._timeout = httpx.Timeout(
             connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=timeouts.pool
         ).as_dict()
 
     def request(
         self, backend: Backend, path: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> tuple[httpx.AsyncBaseTransport, httpx.Request]:
+    ) -> tuple[LeanTransport, httpx.Request]:
         """The pool for `backend` and a POST to `path` on it, built without re-parsing URLs.
 
         The proxy sends through the pool's transport directly: the client's own layers (auth,
         redirects, cookies, event hooks, stream wrappers) are all off for a proxy, and each of
         them costs time on every request and every body chunk."""
-        client = self.get(backend)
-        key = (backend.name, backend.url, path)
-        url = self._urls.get(key)
+        pool = self._get(backend)
+        url = pool.urls.get(path)
         if url is None:
-            url = self._urls[key] = client.build_request("POST", path).url
+            url = pool.urls[path] = pool.client.build_request("POST", path).url
         request = httpx.Request(
             "POST", url, headers=headers, content=body, extensions={"timeout": self._timeout}
         )
-        return client._transport, request  # the LeanTransport make_client gave it
+        return pool.transport, request
 
     def get(self, backend: Backend) -> httpx.AsyncClient:
-        entry = self._clients.get(backend.name)
-        if entry is not None and entry[0] == backend.url and entry[1] == backend.query:
-            return entry[2]
-        client = make_client(backend, self._timeouts, self._limits)
-        self._clients[backend.name] = (backend.url, backend.query, client)
-        if entry is not None:
-            # The URL changed: the old pool serves its streams in flight and is then dropped.
-            self._retired.append(entry[2])
-        return client
+        return self._get(backend).client
+
+    def _get(self, backend: Backend) -> _Pool:
+        pool = self._pools.get(backend.name)
+        if pool is not None and pool.url == backend.url and pool.query == backend.query:
+            return pool
+        if pool is not None:
+            # The URL changed: the old pool finishes its streams in flight, takes nothing new.
+            pool.transport.retire()
+        client, transport = make_client(backend, self._timeouts, self._limits)
+        pool = self._pools[backend.name] = _Pool(backend.url, backend.query, client, transport)
+        return pool
 
     def names(self) -> set[str]:
-        return set(self._clients)
+        return set(self._pools)
 
     async def discard(self, name: str) -> None:
-        entry = self._clients.pop(name, None)
-        if entry is not None:
-            await entry[2].aclose()
+        pool = self._pools.pop(name, None)
+        if pool is not None:
+            await pool.client.aclose()
 
     async def aclose(self) -> None:
-        clients = [e[2] for e in self._clients.values()] + self._retired
-        self._clients.clear()
-        self._retired = []
-        for c in clients:
-            await c.aclose()
+        pools = list(self._pools.values())
+        self._pools.clear()
+        for pool in pools:
+            await pool.client.aclose()
+
+
+@dataclass(slots=True)
+class _Pool:
+    url: str
+    query: tuple[tuple[str, str], ...]
+    client: httpx.AsyncClient
+    transport: LeanTransport
+    urls: dict[str, httpx.URL] = field(default_factory=dict)  # request path -> full URL
