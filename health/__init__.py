@@ -5,5 +5,4 @@ state.py     per-backend flags (probe, ejection, cooldown), thresholds, panic mo
 probes.py    one active probe (GET /health or /v1/models)
 monitor.py   background scheduling of probes (jittered interval, bounded concurrency)
 outlier.py   passive detection policy: ejection backoff, cap, max share of a model's backends
-failover.py  tenacity retry policy for one request and the process-wide retry budget
 """

@@ -16,7 +16,7 @@ import httpx
 
 from health.probes import probe, probe_client
 from health.state import HealthBook
-from router.upstreams import Backend
+from router.core.backend import Backend
 
 log = logging.getLogger("sluicegate.health")
 

@@ -9,7 +9,7 @@ Ejection lasts `base_ejection` x times ejected, capped at `max_ejection` (Envoy'
 
 from __future__ import annotations
 
-from router.settings import OutlierConfig
+from router.core.settings import OutlierConfig
 
 # Failures that count against a backend. A 4xx is the client's doing and a 429 is a polite
 # request to slow down (handled as a cooldown), so neither is listed.

@@ -13,8 +13,9 @@ import time
 import httpx
 
 from health.state import ProbeResult
-from router.settings import HealthConfig
-from router.upstreams import Backend, NoCookies
+from router.core.backend import Backend
+from router.core.settings import HealthConfig
+from router.upstream.pools import NoCookies
 
 DEFAULT_PATHS = {"vllm": "/health", "openai": "/v1/models"}
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from health import outlier
-from router.settings import HealthConfig, OutlierConfig
-from router.upstreams import Backend
+from router.core.backend import Backend
+from router.core.settings import HealthConfig, OutlierConfig
 
 log = logging.getLogger("sluicegate.health")
 

@@ -17,16 +17,24 @@ from balancers.inflight.base import InflightStore
 from balancers.inflight.local import LocalInflight
 from health.monitor import HealthMonitor
 from health.state import HealthBook
-from router.admin import admin_routes
-from router.api import FastPath, openai_routes, proxy_endpoints
-from router.auth import AdminAuth, ClientKeys
-from router.errors import error_response
-from router.logs import register_secret
-from router.metrics import CONTENT_TYPE, MeteredInflight, Metrics
-from router.proxy import Lifecycle, Proxy
-from router.registry import Fleet, LocalRecords, RecordStore, Registry, RegistryError, Snapshot
-from router.settings import Settings
-from router.upstreams import Backend, Pools
+from router.core.backend import Backend
+from router.core.errors import error_response
+from router.core.settings import Settings
+from router.ops.logs import register_secret
+from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
+from router.registry.admin import admin_routes
+from router.registry.fleet import (
+    Fleet,
+    LocalRecords,
+    RecordStore,
+    Registry,
+    RegistryError,
+    Snapshot,
+)
+from router.request.proxy import Lifecycle, Proxy
+from router.upstream.pools import Pools
+from router.web.api import FastPath, openai_routes, proxy_endpoints
+from router.web.auth import AdminAuth, ClientKeys
 
 log = logging.getLogger("sluicegate.app")
 
@@ -68,7 +76,7 @@ def make_store(settings: Settings) -> InflightStore:
 def _record_store(settings: Settings) -> RecordStore:
     if settings.redis_url is None:
         return LocalRecords()
-    from router.registry_sync import RedisRecords
+    from router.registry.sync import RedisRecords
 
     return RedisRecords(settings.redis_url.get_secret_value(), resync=settings.registry_resync)
 

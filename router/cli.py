@@ -19,7 +19,7 @@ from typing import Any
 
 import uvicorn
 
-from router.settings import ConfigError, Settings, load_settings
+from router.core.settings import ConfigError, Settings, load_settings
 
 
 def drain_on_signal(lifecycle: Any, grace: float) -> None:
@@ -63,7 +63,7 @@ def drain_on_signal(lifecycle: Any, grace: float) -> None:
 
 def _app_factory() -> Any:
     from router.app import create_app
-    from router.logs import configure, secrets_of
+    from router.ops.logs import configure, secrets_of
 
     settings = load_settings()
     configure(settings.log_level, secrets_of(settings))
@@ -100,7 +100,7 @@ def _metrics_dir(workers: int) -> Iterator[None]:
 
 
 def serve(settings: Settings) -> None:
-    from router.logs import configure, secrets_of
+    from router.ops.logs import configure, secrets_of
 
     configure(settings.log_level, secrets_of(settings))
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
@@ -121,7 +121,7 @@ def serve(settings: Settings) -> None:
             lifespan="on",
             access_log=False,
             server_header=False,
-            log_config=None,  # ours (router.logs): JSON lines with secrets redacted
+            log_config=None,  # ours (router.ops.logs): JSON lines with secrets redacted
             log_level=settings.log_level,
             timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
             timeout_keep_alive=30,
@@ -217,14 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "status":
-        from router.status import run as status
+        from router.ops.status import run as status
 
         try:
             return status(args.url, args.watch, max(0.1, args.interval), args.count)
         except KeyboardInterrupt:
             return 0
     if args.command == "mock-upstream":
-        from router.mock_upstream import run
+        from router.mock.upstream import run
 
         run(args.host, args.port, args.name, args.ttft_ms, args.itl_ms, args.tokens)
         return 0

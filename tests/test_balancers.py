@@ -20,7 +20,7 @@ from balancers.base import Candidate
 from balancers.inflight.local import LocalInflight
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
 from balancers.round_robin import RoundRobin
-from router.upstreams import Backend
+from router.core.backend import Backend
 from tests.harness import Cluster, Proc, backend, control, stats
 
 N = 10_000

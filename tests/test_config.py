@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from router.settings import ConfigError, load_settings
+from router.core.settings import ConfigError, load_settings
 from tests.harness import ROOT
 
 

@@ -327,8 +327,8 @@ def test_kill9_under_load_ejects_and_restart_readmits(procs: Cluster) -> None:
 def test_monitor_probes_added_backends_at_once_and_stops_for_removed(procs: Cluster) -> None:
     from health.monitor import HealthMonitor
     from health.state import HealthBook
-    from router.settings import BackendConfig, HealthConfig
-    from router.upstreams import Backend
+    from router.core.backend import Backend
+    from router.core.settings import BackendConfig, HealthConfig
 
     a, b = procs.mock("a"), procs.mock("b")
     for m in (a, b):

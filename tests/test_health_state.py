@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from health.failover import Failover, RetryBudget
 from health.state import HealthBook, ProbeResult
-from router.settings import BackendConfig, HealthConfig, OutlierConfig, RetryConfig
-from router.upstreams import Backend
+from router.core.backend import Backend
+from router.core.settings import BackendConfig, HealthConfig, OutlierConfig, RetryConfig
+from router.request.failover import Failover, RetryBudget
 
 
 class Clock:

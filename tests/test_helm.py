@@ -17,8 +17,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.metrics import Metrics
-from router.settings import BackendConfig, Settings, load_settings
+from router.core.settings import BackendConfig, Settings, load_settings
+from router.ops.metrics import Metrics
 from tests.harness import ROOT, Cluster, stats
 
 CHART = ROOT / "helm" / "sluicegate"

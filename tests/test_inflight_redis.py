@@ -19,7 +19,7 @@ from balancers.base import Candidate
 from balancers.inflight.redis import RedisInflight
 from balancers.least_inflight import LeastInflight
 from balancers.round_robin import RoundRobin
-from router.upstreams import Backend
+from router.core.backend import Backend
 from tests.harness import Cluster, Proc, free_port
 
 pytestmark = pytest.mark.redis

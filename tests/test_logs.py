@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from router.logs import REDACTED, JsonFormatter, configure, register_secret, secrets_of
-from router.settings import load_settings
+from router.core.settings import load_settings
+from router.ops.logs import REDACTED, JsonFormatter, configure, register_secret, secrets_of
 from tests.harness import Cluster, backend, control, free_port, stats
 
 BACKEND_KEY = "sk-backend-literal-4f9a2c1e"

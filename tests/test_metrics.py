@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from balancers.inflight.local import LocalInflight
 from balancers.round_robin import RoundRobin
-from router.metrics import MeteredInflight, Metrics
-from router.upstreams import Backend
+from router.core.backend import Backend
+from router.ops.metrics import MeteredInflight, Metrics
 from tests.harness import Cluster, Proc, backend, control, free_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

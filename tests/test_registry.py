@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from router.registry import Conflict, Fleet, Invalid, LocalRecords, NotFound, Registry
-from router.settings import BackendConfig
-from router.upstreams import Backend
+from router.core.backend import Backend
+from router.core.settings import BackendConfig
+from router.registry.fleet import Conflict, Fleet, Invalid, LocalRecords, NotFound, Registry
 
 
 def cfg(name: str, **extra: Any) -> BackendConfig:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from balancers.base import Balancer
-from router.upstreams import Backend
+from router.core.backend import Backend
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from collections.abc import Sequence, Set
 
 from balancers.base import Balancer, Candidate
 from balancers.inflight.base import Lease
-from router.upstreams import Backend
+from router.core.backend import Backend
 
 
 class LocalInflight:

@@ -37,7 +37,7 @@ from balancers.base import Balancer, Candidate, needs_counts
 from balancers.inflight.base import Lease
 from balancers.inflight.batch import Batcher
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight
-from router.upstreams import Backend
+from router.core.backend import Backend
 
 log = logging.getLogger("sluicegate.inflight")
 

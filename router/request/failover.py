@@ -23,7 +23,7 @@ from tenacity import (
     wait_none,
 )
 
-from router.settings import RetryConfig
+from router.core.settings import RetryConfig
 
 T = TypeVar("T")
 

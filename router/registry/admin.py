@@ -21,11 +21,11 @@ from starlette.responses import JSONResponse, Response
 
 from balancers.inflight.base import InflightStore
 from health.state import HealthBook
-from router.auth import AdminAuth
-from router.errors import error_response
-from router.registry import Fleet, Invalid, RegistryError, describe_validation
-from router.settings import BackendConfig
-from router.upstreams import Backend
+from router.core.backend import Backend
+from router.core.errors import error_response
+from router.core.settings import BackendConfig
+from router.registry.fleet import Fleet, Invalid, RegistryError, describe_validation
+from router.web.auth import AdminAuth
 
 _MAX_ADMIN_BODY = 64 * 1024
 

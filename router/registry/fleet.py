@@ -4,8 +4,8 @@ A request takes the snapshot once and routes within it, so a change never mutate
 request in flight is looking at: every change rebuilds the snapshot and swaps it whole.
 
 Admin changes are *records*, one per backend name, kept in a `RecordStore` (in-process here, or
-Redis in `registry_sync.py`, shared by every replica and worker). The snapshot is always the file
-entries with every record applied:
+Redis in `router/registry/sync.py`, shared by every replica and worker). The snapshot is always
+the file entries with every record applied:
 
     no record                    the file entry as written
     {"patch": {...}}             the file entry with those fields changed (weight, models, ...)
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from balancers import Balancer, balancer_class
-from router.settings import BackendConfig
-from router.upstreams import Backend
+from router.core.backend import Backend
+from router.core.settings import BackendConfig
 
 log = logging.getLogger("sluicegate.registry")
 

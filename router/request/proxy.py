@@ -24,9 +24,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from balancers.inflight.base import InflightStore, Lease
-from health.failover import Failover
 from health.state import HealthBook
-from router.errors import (
+from router.core.backend import Backend
+from router.core.errors import (
     NoCapacity,
     ProxyError,
     UpstreamConnectError,
@@ -34,11 +34,12 @@ from router.errors import (
     error_response,
     sse_error_event,
 )
-from router.headers import downstream_response_headers, upstream_request_headers
-from router.metrics import Metrics
-from router.registry import Registry
-from router.settings import Settings
-from router.upstreams import Backend, Pools
+from router.core.settings import Settings
+from router.ops.metrics import Metrics
+from router.registry.fleet import Registry
+from router.request.failover import Failover
+from router.request.headers import downstream_response_headers, upstream_request_headers
+from router.upstream.pools import Pools
 
 log = logging.getLogger("sluicegate.request")
 

@@ -20,8 +20,8 @@ from pydantic import SecretStr, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.errors import error_response
-from router.settings import ClientKeyConfig, read_api_keys_file
+from router.core.errors import error_response
+from router.core.settings import ClientKeyConfig, read_api_keys_file
 
 log = logging.getLogger("sluicegate.auth")
 

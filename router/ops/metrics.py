@@ -25,8 +25,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 if TYPE_CHECKING:
     from balancers.base import Balancer
     from balancers.inflight.base import InflightStore, Lease
-    from router.proxy import RequestRecord
-    from router.upstreams import Backend
+    from router.core.backend import Backend
+    from router.request.proxy import RequestRecord
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

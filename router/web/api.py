@@ -13,10 +13,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.auth import ClientKeys
-from router.errors import error_response
-from router.proxy import Proxy
-from router.registry import Registry
+from router.core.errors import error_response
+from router.registry.fleet import Registry
+from router.request.proxy import Proxy
+from router.web.auth import ClientKeys
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 

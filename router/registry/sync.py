@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.registry import Record, StoreUnavailable
+from router.registry.fleet import Record, StoreUnavailable
 
 log = logging.getLogger("sluicegate.registry")
 

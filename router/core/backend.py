@@ -1,0 +1,81 @@
+"""A backend as a frozen value: what every layer (balancers, health, the request path) sees.
+
+Built from a `BackendConfig` once per registry snapshot; never mutated (a change is a new value).
+Secret-bearing fields stay out of `repr` and `public()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from router.core.settings import BackendConfig, HealthConfig, OutlierConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    url: str
+    kind: str
+    models: MappingProxyType[str, str]  # public name -> the backend's own model id
+    weight: float = 1.0
+    max_inflight: int | None = None
+    # Secret-bearing: never shown by repr, never serialised by `public()`.
+    auth_headers: tuple[tuple[bytes, bytes], ...] = field(default=(), repr=False)
+    query: tuple[tuple[str, str], ...] = ()
+    has_key: bool = False
+    health: HealthConfig | None = None
+    outlier: OutlierConfig | None = None
+    source: str = "file"  # "file" (the YAML file, maybe patched over the API) or "api"
+    draining: bool = False
+    key_header: str = "authorization"
+    header_names: tuple[str, ...] = ()  # extra headers' names; their values may be secrets
+
+    @classmethod
+    def from_config(
+        cls, cfg: BackendConfig, source: str = "file", draining: bool = False
+    ) -> Backend:
+        key = cfg.resolved_key()
+        headers: list[tuple[bytes, bytes]] = [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in cfg.headers.items()
+        ]
+        if key:
+            hname = cfg.key_header.lower()
+            value = f"Bearer {key}" if hname == "authorization" else key
+            headers.append((hname.encode("latin-1"), value.encode("latin-1")))
+        return cls(
+            name=cfg.name,
+            url=cfg.url,
+            kind=cfg.kind,
+            models=MappingProxyType(dict(cfg.models)),
+            weight=cfg.weight,
+            max_inflight=cfg.max_inflight,
+            auth_headers=tuple(headers),
+            query=tuple(cfg.query.items()),
+            has_key=bool(key),
+            health=cfg.health,
+            outlier=cfg.outlier,
+            source=source,
+            draining=draining,
+            key_header=cfg.key_header.lower(),
+            header_names=tuple(k.lower() for k in cfg.headers),
+        )
+
+    def public(self) -> dict[str, Any]:
+        """What the admin API may show: everything but secrets."""
+        return {
+            "name": self.name,
+            "url": self.url,
+            "kind": self.kind,
+            "models": dict(self.models),
+            "weight": self.weight,
+            "max_inflight": self.max_inflight,
+            "api_key": "***" if self.has_key else None,
+            "key_header": self.key_header,
+            # Values masked: extra headers and query parameters can carry credentials too.
+            "headers": dict.fromkeys(self.header_names, "***"),
+            "query": {k: "***" for k, _ in self.query},
+            "source": self.source,
+            "draining": self.draining,
+        }

@@ -1,0 +1,1 @@
+"""Operating it: Prometheus metrics, JSON logs, the `sluicegate status` table."""

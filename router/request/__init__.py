@@ -1,0 +1,3 @@
+"""The request path: validation, the lifecycle (pick -> acquire -> stream -> release),
+retries and failover.
+"""

@@ -1,0 +1,1 @@
+"""The HTTP face: OpenAI-compatible routes and who may call them."""
