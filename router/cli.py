@@ -214,6 +214,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_mock.add_argument("--ttft-ms", type=float, default=0.0)
     p_mock.add_argument("--itl-ms", type=float, default=0.0)
     p_mock.add_argument("--tokens", type=int, default=16)
+    eng = p_mock.add_argument_group("engine model (router/mock/engine.py): behave like a vLLM")
+    eng.add_argument("--engine", action="store_true", help="simulate a vLLM scheduler")
+    eng.add_argument("--max-num-seqs", type=int, default=32)
+    eng.add_argument("--kv-tokens", type=int, default=65536, help="KV capacity in tokens")
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--prefill-ms-per-1k", type=float, default=20.0)
+    eng.add_argument("--decode-ms", type=float, default=10.0, help="step time, empty batch")
+    eng.add_argument("--decode-ms-per-seq", type=float, default=0.5, help="added per sequence")
+    eng.add_argument("--background", type=int, default=0, help="hidden sequences kept running")
+    eng.add_argument("--background-prompt", type=int, default=1000)
+    eng.add_argument("--background-tokens", type=int, default=200)
+    eng.add_argument("--old-kv-metric", action="store_true", help="vllm:gpu_cache_usage_perc")
+    eng.add_argument("--sglang-metrics", action="store_true", help="export SGLang's names")
 
     args = parser.parse_args(argv)
     if args.command == "status":
@@ -226,7 +239,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "mock-upstream":
         from router.mock.upstream import run
 
-        run(args.host, args.port, args.name, args.ttft_ms, args.itl_ms, args.tokens)
+        engine = None
+        if args.engine:
+            from router.mock.engine import EngineConfig
+
+            engine = EngineConfig(
+                max_num_seqs=args.max_num_seqs,
+                kv_tokens=args.kv_tokens,
+                block_size=args.block_size,
+                prefill_ms_per_1k=args.prefill_ms_per_1k,
+                decode_ms=args.decode_ms,
+                decode_ms_per_seq=args.decode_ms_per_seq,
+                background=args.background,
+                background_prompt=args.background_prompt,
+                background_tokens=args.background_tokens,
+                kv_metric="vllm:gpu_cache_usage_perc"
+                if args.old_kv_metric
+                else "vllm:kv_cache_usage_perc",
+                flavor="sglang" if args.sglang_metrics else "vllm",
+            )
+        run(args.host, args.port, args.name, args.ttft_ms, args.itl_ms, args.tokens, engine=engine)
         return 0
     try:
         if args.command == "demo":

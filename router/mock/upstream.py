@@ -4,8 +4,12 @@ Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running
 and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
-tokens, half_event, gzip, retry_after, health_status, max_running) so fault tests need no second
-implementation.
+tokens, half_event, gzip, retry_after, health_status, max_running, metrics_status,
+metrics_delay_ms, metrics_body, background) so fault tests need no second implementation.
+With an `EngineConfig` (`--engine` flags) generation runs through a simulated vLLM scheduler
+(`router/mock/engine.py`: batch, queue, KV blocks, background load, vLLM's metric names).
+Responses carry vLLM-like `usage`, and a final usage chunk when a stream asks for it
+(`stream_options.include_usage`).
 A raw ASGI app: no framework on the hot path.
 """
 
@@ -20,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
+
+from router.mock.engine import Engine, EngineConfig
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -40,6 +46,9 @@ class Behaviour:
     max_running: int = 0  # batch slots (vLLM's max_num_seqs); more requests queue; 0 = no limit
     pad_bytes: int = 0  # pad each token's text, to move megabytes (backpressure tests)
     health_status: int = 200  # what GET /health answers (503: a vLLM still loading weights)
+    metrics_status: int = 200  # what GET /metrics answers (404: metrics turned off)
+    metrics_delay_ms: float = 0.0  # a slow /metrics
+    metrics_body: str | None = None  # served instead of the real metrics (malformed, NaN...)
 
 
 @dataclass
@@ -75,9 +84,16 @@ def token_text(i: int) -> str:
 
 
 class MockUpstream:
-    def __init__(self, name: str = "mock", behaviour: Behaviour | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "mock",
+        behaviour: Behaviour | None = None,
+        engine: EngineConfig | None = None,
+    ) -> None:
         self.name = name
         self.behaviour = behaviour or Behaviour()
+        self.engine = Engine(engine) if engine is not None else None
+        self.metrics_scrapes = 0
         self.stats = Stats()
         self._queue: deque[asyncio.Future[None]] = deque()  # requests waiting for a batch slot
         # Chunks differ only by the token text: pre-split templates keep per-token work small.
@@ -95,6 +111,8 @@ class MockUpstream:
             while True:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
+                    if self.engine is not None:  # hidden load runs from the start
+                        self.engine.set_background(self.engine.config.background)
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
@@ -146,17 +164,29 @@ class MockUpstream:
                 {"name": self.name, **self.stats.public(), "behaviour": asdict(self.behaviour)},
             )
         elif path == "/metrics":
-            text = (
-                "# TYPE vllm:num_requests_running gauge\n"
-                f'vllm:num_requests_running{{model_name="mock-model"}} {self.stats.running}\n'
-                "# TYPE vllm:num_requests_waiting gauge\n"
-                f'vllm:num_requests_waiting{{model_name="mock-model"}} {len(self._queue)}\n'
-            ).encode()
+            bh = self.behaviour
+            self.metrics_scrapes += 1
+            if bh.metrics_delay_ms > 0:
+                await asyncio.sleep(bh.metrics_delay_ms / 1000)
+            if bh.metrics_body is not None:
+                text = bh.metrics_body.encode()
+            elif self.engine is not None:
+                text = self.engine.metrics_text()
+            else:
+                text = (
+                    "# TYPE vllm:num_requests_running gauge\n"
+                    f'vllm:num_requests_running{{model_name="mock-model"}} {self.stats.running}\n'
+                    "# TYPE vllm:num_requests_waiting gauge\n"
+                    f'vllm:num_requests_waiting{{model_name="mock-model"}} {len(self._queue)}\n'
+                ).encode()
             await send(
                 {
                     "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/plain; version=0.0.4")],
+                    "status": bh.metrics_status,
+                    "headers": [
+                        (b"content-type", b"text/plain; version=0.0.4"),
+                        (b"content-length", str(len(text)).encode()),
+                    ],
                 }
             )
             await send({"type": "http.response.body", "body": text})
@@ -168,6 +198,11 @@ class MockUpstream:
             changes = json.loads(body or b"{}")
             if changes.pop("reset_stats", False):
                 self.stats = Stats()
+            background = changes.pop("background", None)
+            if background is not None:
+                if self.engine is None:
+                    raise ValueError("background needs the engine model (--engine)")
+                self.engine.set_background(int(background))
             fields = asdict(Behaviour())
             fields.update(asdict(self.behaviour))
             fields.update(changes)
@@ -224,6 +259,19 @@ class MockUpstream:
 
         gone = asyncio.Event()
         watcher = asyncio.ensure_future(_watch(receive, gone, rec))
+        if self.engine is not None and path != "/v1/embeddings":
+            st.running += 1
+            try:
+                await self._engine_generate(send, rec, req, model, path, gone, watcher)
+            finally:
+                st.running -= 1
+                if gone.is_set():
+                    rec["aborted"] = True
+                    st.aborted += 1
+                else:
+                    st.completed += 1
+                watcher.cancel()
+            return
         await self._admit(gone)
         st.running += 1
         try:
@@ -261,7 +309,10 @@ class MockUpstream:
                 return
             chat = path == "/v1/chat/completions"
             if req.get("stream") is True:
-                await self._stream(send, rec, model, chat, n, gone)
+                usage = b""
+                if _wants_usage(req):
+                    usage = _usage_chunk(rec["request_id"] or "0", model, chat, 1, n)
+                await self._stream(send, rec, model, chat, n, gone, usage)
             else:
                 await self._whole(send, rec, model, chat, n, gone)
         finally:
@@ -311,7 +362,14 @@ class MockUpstream:
             self.stats.tokens_after_disconnect += 1
 
     async def _stream(
-        self, send: Send, rec: dict[str, Any], model: str, chat: bool, n: int, gone: asyncio.Event
+        self,
+        send: Send,
+        rec: dict[str, Any],
+        model: str,
+        chat: bool,
+        n: int,
+        gone: asyncio.Event,
+        usage: bytes = b"",
     ) -> None:
         bh = self.behaviour
         rid = rec["request_id"] or "0"
@@ -358,7 +416,7 @@ class MockUpstream:
             else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
         )
         tail = tail.replace(b'"delta":{"content":""}', b'"delta":{}')
-        tail += b"data: [DONE]\n\n"
+        tail += usage + b"data: [DONE]\n\n"
         if compressor is not None:
             await send(
                 {
@@ -415,6 +473,148 @@ class MockUpstream:
         await _json(send, 200, payload, gzip_body=bh.gzip)
 
 
+    async def _engine_generate(
+        self,
+        send: Send,
+        rec: dict[str, Any],
+        req: dict[str, Any],
+        model: str,
+        path: str,
+        gone: asyncio.Event,
+        watcher: asyncio.Future[None],
+    ) -> None:
+        """Generation paced by the engine model: tokens appear as its steps produce them."""
+        engine = self.engine
+        assert engine is not None
+        n = req.get("max_tokens") or self.behaviour.tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 100_000:
+            await _json(
+                send,
+                400,
+                {
+                    "error": {
+                        "message": "max_tokens must be 1..100000",
+                        "type": "BadRequestError",
+                        "code": 400,
+                    }
+                },
+            )
+            return
+        prompt = prompt_tokens(req)
+        seq = engine.submit(prompt, n)
+
+        def left(_: object) -> None:
+            if gone.is_set():
+                engine.cancel(seq)
+                seq.wake.set()
+
+        watcher.add_done_callback(left)
+        chat = path == "/v1/chat/completions"
+        rid = rec["request_id"] or "0"
+        stream = req.get("stream") is True
+        pre = ((self._chat_pre if chat else self._cmpl_pre) % (rid, model)).encode()
+        post = b'"}}]}\n\n' if chat else b'"}]}\n\n'
+        if stream:
+            await send({"type": "http.response.start", "status": 200, "headers": list(_SSE)})
+        sent = 0
+        try:
+            while sent < n:
+                if seq.generated == sent:
+                    await seq.wake.wait()
+                    seq.wake.clear()
+                if gone.is_set():
+                    return
+                upto = seq.generated
+                for i in range(sent, upto):
+                    self._count_token(rec, gone)
+                if stream and upto > sent:
+                    body = b"".join(
+                        b"data: " + pre + token_text(i).encode() + post for i in range(sent, upto)
+                    )
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                sent = upto
+        finally:
+            if not seq.done:
+                engine.cancel(seq)
+        if stream:
+            tail = (
+                b"data: " + pre + b'"},"finish_reason":"length"}]}\n\n'
+                if chat
+                else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
+            ).replace(b'"delta":{"content":""}', b'"delta":{}')
+            if _wants_usage(req):
+                tail += _usage_chunk(rid, model, chat, prompt, n)
+            tail += b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            return
+        content = "".join(token_text(i) for i in range(n))
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n}
+        choice: dict[str, Any] = (
+            {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": content}}
+            if chat
+            else {"index": 0, "text": content, "finish_reason": "length"}
+        )
+        await _json(
+            send,
+            200,
+            {
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": 0,
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            },
+        )
+
+
+def prompt_tokens(req: dict[str, Any]) -> int:
+    """A prompt's length in tokens, estimated as vLLM's tokenizer would roughly count English:
+    four characters a token."""
+    chars = 0
+    messages = req.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+    else:
+        prompt = req.get("prompt")
+        if isinstance(prompt, str):
+            chars = len(prompt)
+    return max(1, chars // 4)
+
+
+def _wants_usage(req: dict[str, Any]) -> bool:
+    opts = req.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+def _usage_chunk(rid: str, model: str, chat: bool, prompt: int, completion: int) -> bytes:
+    """vLLM's last chunk with `include_usage`: no choices, the request's token counts."""
+    return (
+        b"data: "
+        + json.dumps(
+            {
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 0,
+                "model": model,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "total_tokens": prompt + completion,
+                    "completion_tokens": completion,
+                },
+            },
+            separators=(",", ":"),
+        ).encode()
+        + b"\n\n"
+    )
+
+
 async def _watch(receive: Receive, gone: asyncio.Event, rec: dict[str, Any]) -> None:
     while True:
         msg = await receive()
@@ -461,10 +661,11 @@ def run(
     itl_ms: float,
     tokens: int,
     log_level: str = "warning",
+    engine: EngineConfig | None = None,
 ) -> None:
     import uvicorn
 
-    app = MockUpstream(name, Behaviour(ttft_ms=ttft_ms, itl_ms=itl_ms, tokens=tokens))
+    app = MockUpstream(name, Behaviour(ttft_ms=ttft_ms, itl_ms=itl_ms, tokens=tokens), engine)
     uvicorn.run(
         app,
         host=host,

@@ -1,0 +1,276 @@
+"""A simulated vLLM scheduler for the mock upstream: what makes its load look like an engine's.
+
+Models (one step loop per engine, continuous batching):
+- a running batch capped at `max_num_seqs`, and a FIFO waiting queue in front of it;
+- KV capacity in tokens, handed out in blocks of `block_size`: a running sequence holds the blocks
+  for its prompt plus the tokens generated so far; a waiting sequence is admitted only if its
+  prompt fits (no admission past capacity); when a growing batch runs out of blocks, the newest
+  running sequence is preempted (recompute: back to the head of the queue, counted in
+  `vllm:num_preemptions_total`);
+- step time = `decode_ms` + `decode_ms_per_seq` x batch size, plus `prefill_ms_per_1k` per
+  thousand prompt tokens prefilled in that step (so long prompts delay everyone in the batch);
+  each running sequence gains one token per step; the first one ends its prefill step;
+- hidden background load: `background` sequences that occupy slots and KV like any other but
+  never pass through a router (each one finished is replaced at once);
+- vLLM's metric names (`vllm:num_requests_running/waiting`, `vllm:kv_cache_usage_perc` or the
+  old `vllm:gpu_cache_usage_perc`, `vllm:num_preemptions_total`, `vllm:cache_config_info`) with
+  the `model_name`/`engine` labels, plus a few histogram families of the size a real engine
+  exposes, or SGLang's (`sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`).
+
+Does not model: chunked-prefill token budgets, prefix caching, swapping, speculative decoding,
+priorities, tensor parallelism, real tokenisation (a prompt is `len(text) // 4` tokens), or GPU
+noise. Timing comes from the asyncio clock, so a busy host stretches every step alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32
+    kv_tokens: int = 65536  # KV capacity in tokens (num_gpu_blocks x block_size)
+    block_size: int = 16
+    prefill_ms_per_1k: float = 20.0
+    decode_ms: float = 10.0
+    decode_ms_per_seq: float = 0.5
+    background: int = 0  # hidden sequences kept in the engine
+    background_prompt: int = 1000
+    background_tokens: int = 200
+    kv_metric: str = "vllm:kv_cache_usage_perc"  # or the old "vllm:gpu_cache_usage_perc"
+    flavor: str = "vllm"  # "vllm" | "sglang": which metric names /metrics uses
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return max(1, self.kv_tokens // self.block_size)
+
+
+@dataclass(eq=False)
+class Seq:
+    prompt: int
+    max_tokens: int
+    background: bool = False
+    generated: int = 0
+    prefilled: bool = False
+    done: bool = False
+    gone: bool = False
+    blocks: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Engine:
+    """The scheduler state and its step loop; the HTTP side submits sequences and waits."""
+
+    def __init__(self, config: EngineConfig, model: str = "mock-model") -> None:
+        self.config = config
+        self.model = model
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.used_blocks = 0
+        self.preemptions = 0
+        self.steps = 0
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- the HTTP side ---------------------------------------------------------------------
+
+    def submit(self, prompt: int, max_tokens: int, background: bool = False) -> Seq:
+        seq = Seq(max(1, prompt), max(1, max_tokens), background)
+        self.waiting.append(seq)
+        self._ensure_running()
+        return seq
+
+    def cancel(self, seq: Seq) -> None:
+        """The client left: free its slot and blocks at the next step (vLLM aborts it)."""
+        seq.gone = True
+        self._kick.set()
+
+    def set_background(self, n: int) -> None:
+        self.config.background = max(0, n)
+        self._top_up_background()
+        self._ensure_running()
+
+    # --- the scheduler ---------------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._kick.set()
+
+    def _top_up_background(self) -> None:
+        live = sum(1 for s in self.running if s.background) + sum(
+            1 for s in self.waiting if s.background
+        )
+        for _ in range(self.config.background - live):
+            self.waiting.append(
+                Seq(self.config.background_prompt, self.config.background_tokens, True)
+            )
+
+    def _blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.config.block_size)
+
+    def _free(self, seq: Seq) -> None:
+        self.used_blocks -= seq.blocks
+        seq.blocks = 0
+
+    async def _loop(self) -> None:
+        cfg = self.config
+        while True:
+            self._drop_gone()
+            if not self.running and not self.waiting:
+                self._kick.clear()
+                await self._kick.wait()
+                continue
+            prefill_tokens = self._admit()
+            self._grow()
+            step_ms = (
+                cfg.decode_ms
+                + cfg.decode_ms_per_seq * len(self.running)
+                + cfg.prefill_ms_per_1k * prefill_tokens / 1000
+            )
+            await asyncio.sleep(step_ms / 1000)
+            self.steps += 1
+            finished = False
+            for seq in self.running:
+                if seq.gone:
+                    continue
+                seq.prefilled = True
+                seq.generated += 1
+                if seq.generated >= seq.max_tokens:
+                    seq.done = True
+                    finished = True
+                seq.wake.set()
+            if finished:
+                keep = []
+                for seq in self.running:
+                    if seq.done:
+                        self._free(seq)
+                    else:
+                        keep.append(seq)
+                self.running = keep
+                self._top_up_background()
+
+    def _drop_gone(self) -> None:
+        if any(s.gone for s in self.running):
+            for s in self.running:
+                if s.gone:
+                    self._free(s)
+            self.running = [s for s in self.running if not s.gone]
+        if any(s.gone for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not s.gone)
+
+    def _admit(self) -> int:
+        """FIFO admission while a slot and the prompt's blocks are free; returns tokens to
+        prefill in this step (a preempted sequence recomputes its prompt and output)."""
+        cfg = self.config
+        prefill = 0
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            need = self._blocks_for(seq.prompt + seq.generated + 1)
+            if self.used_blocks + need > cfg.num_gpu_blocks:
+                break  # head-of-line: vLLM's FIFO does not skip ahead
+            self.waiting.popleft()
+            seq.blocks = need
+            self.used_blocks += need
+            prefill += seq.prompt + seq.generated
+            self.running.append(seq)
+        return prefill
+
+    def _grow(self) -> None:
+        """Each running sequence's next token may need one more block; preempt the newest
+        ones while the blocks are not there."""
+        total = self.config.num_gpu_blocks
+        for seq in self.running:
+            need = self._blocks_for(seq.prompt + seq.generated + 1)
+            if need > seq.blocks:
+                self.used_blocks += need - seq.blocks
+                seq.blocks = need
+        while self.used_blocks > total and len(self.running) > 1:
+            victim = self.running.pop()
+            self._free(victim)
+            self.waiting.appendleft(victim)
+            self.preemptions += 1
+
+    # --- what /metrics shows ---------------------------------------------------------------
+
+    def kv_usage(self) -> float:
+        return min(1.0, self.used_blocks / self.config.num_gpu_blocks)
+
+    def metrics_text(self) -> bytes:
+        cfg = self.config
+        if cfg.flavor == "sglang":
+            lab = f'{{model_name="{self.model}"}}'
+            return (
+                "# HELP sglang:num_running_reqs The number of running requests.\n"
+                "# TYPE sglang:num_running_reqs gauge\n"
+                f"sglang:num_running_reqs{lab} {float(len(self.running))}\n"
+                "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
+                "# TYPE sglang:num_queue_reqs gauge\n"
+                f"sglang:num_queue_reqs{lab} {float(len(self.waiting))}\n"
+                "# HELP sglang:token_usage The token usage.\n"
+                "# TYPE sglang:token_usage gauge\n"
+                f"sglang:token_usage{lab} {self.kv_usage()}\n" + _filler("sglang", lab)
+            ).encode()
+        lab = f'{{engine="0",model_name="{self.model}"}}'
+        return (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{lab} {float(len(self.running))}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{lab} {float(len(self.waiting))}\n"
+            f"# HELP {cfg.kv_metric} KV-cache usage. 1 means 100 percent usage.\n"
+            f"# TYPE {cfg.kv_metric} gauge\n"
+            f"{cfg.kv_metric}{lab} {self.kv_usage()}\n"
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.\n"
+            "# TYPE vllm:num_preemptions_total counter\n"
+            f"vllm:num_preemptions_total{lab} {float(self.preemptions)}\n"
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{cfg.block_size}",cache_dtype="auto",'
+            f'enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
+            f'num_cpu_blocks="None",num_gpu_blocks="{cfg.num_gpu_blocks}"}} 1.0\n'
+            + _filler("vllm", lab)
+        ).encode()
+
+
+_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
+_HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "iteration_tokens_total",
+    "request_params_n",
+    "request_max_num_generation_tokens",
+)
+_FILLER: dict[tuple[str, str], str] = {}
+
+
+def _filler(prefix: str, lab: str) -> str:
+    """Histogram families like a real engine's (~200 lines): what a scraper must skip over."""
+    key = (prefix, lab)
+    text = _FILLER.get(key)
+    if text is None:
+        inner = lab[1:-1]
+        lines = []
+        for name in _HISTOGRAMS:
+            full = f"{prefix}:{name}"
+            lines.append(f"# HELP {full} Histogram of {name.replace('_', ' ')}.")
+            lines.append(f"# TYPE {full} histogram")
+            for i, le in enumerate(_BUCKETS):
+                lines.append(f'{full}_bucket{{{inner},le="{le}"}} {float(i * 7)}')
+            lines.append(f'{full}_bucket{{{inner},le="+Inf"}} {float(len(_BUCKETS) * 7)}')
+            lines.append(f"{full}_count{lab} {float(len(_BUCKETS) * 7)}")
+            lines.append(f"{full}_sum{lab} 12.5")
+        text = _FILLER[key] = "\n".join(lines) + "\n"
+    return text
