@@ -7,12 +7,14 @@ from importlib.metadata import entry_points
 
 from balancers.base import Balancer, Candidate
 from balancers.least_inflight import LeastInflight
+from balancers.least_load import LeastLoad
 from balancers.round_robin import RoundRobin
 
 ENTRY_POINT_GROUP = "sluicegate.balancers"
 BUILTIN: dict[str, type[Balancer]] = {
     RoundRobin.name: RoundRobin,
     LeastInflight.name: LeastInflight,
+    LeastLoad.name: LeastLoad,
 }
 
 __all__ = ["BUILTIN", "Balancer", "Candidate", "available", "balancer_class"]

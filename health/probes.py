@@ -17,7 +17,7 @@ from router.core.backend import Backend
 from router.core.settings import HealthConfig
 from router.upstream.pools import NoCookies
 
-DEFAULT_PATHS = {"vllm": "/health", "openai": "/v1/models"}
+DEFAULT_PATHS = {"vllm": "/health", "sglang": "/health", "openai": "/v1/models"}
 
 
 def probe_path(backend: Backend, cfg: HealthConfig) -> str:

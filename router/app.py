@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -20,6 +21,7 @@ from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import error_response
 from router.core.settings import Settings
+from router.engine.scraper import EngineScraper
 from router.ops.logs import register_secret
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.registry.admin import admin_routes
@@ -87,6 +89,7 @@ def create_app(settings: Settings) -> FastPath:
     metrics = Metrics()
     health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
     monitor = HealthMonitor(health)
+    engine = EngineScraper(settings.engine_metrics, on_error=metrics.engine_scrape_failed)
 
     def on_swap(snapshot: Snapshot) -> None:
         # Keys of backends added through the admin API are secrets from now on, in logs too.
@@ -99,6 +102,7 @@ def create_app(settings: Settings) -> FastPath:
         )
         health.sync(snapshot.backends)
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
+        engine.sync(snapshot.backends)
 
     registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
     fleet = Fleet(registry, settings.backends, _record_store(settings))
@@ -107,7 +111,9 @@ def create_app(settings: Settings) -> FastPath:
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(make_store(settings), metrics)
     lifecycle = Lifecycle()
-    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics)
+    proxy = Proxy(
+        settings, registry, pools, store, health, lifecycle, metrics, lambda: engine.readings
+    )
 
     async def close_removed_pools() -> None:
         # A removed backend's pool stays open while its streams run, then closes.
@@ -155,6 +161,7 @@ def create_app(settings: Settings) -> FastPath:
             },
         )
         await monitor.start()
+        await engine.start()
         try:
             yield
         finally:
@@ -167,6 +174,7 @@ def create_app(settings: Settings) -> FastPath:
                     await task
             await fleet.store.aclose()
             await monitor.aclose()
+            await engine.aclose()
             await pools.aclose()
             await store.aclose()
 
@@ -175,7 +183,11 @@ def create_app(settings: Settings) -> FastPath:
     )
     app.state.lifecycle = lifecycle
     app.include_router(openai_routes(proxy, registry, client_keys))
-    app.include_router(admin_routes(fleet, store, health, admin_auth, settings.drain_grace))
+    app.include_router(
+        admin_routes(
+            fleet, store, health, admin_auth, settings.drain_grace, lambda: engine.readings
+        )
+    )
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -184,6 +196,7 @@ def create_app(settings: Settings) -> FastPath:
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         store.check_fallback()
+        metrics.engine_readings(engine.readings, time.time())
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")

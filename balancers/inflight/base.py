@@ -8,12 +8,15 @@ call to a task it owns. `degraded` is True while a shared store has fallen back 
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from balancers.base import Balancer
 from router.core.backend import Backend
+from router.core.engine import EngineReading
+
+Readings = Mapping[str, EngineReading]
 
 
 @dataclass(slots=True)
@@ -30,9 +33,14 @@ class InflightStore(Protocol):
     async def start(self) -> None: ...
 
     async def acquire(
-        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+        self,
+        backends: Sequence[Backend],
+        balancer: Balancer,
+        exclude: Set[str],
+        readings: Readings | None = None,
     ) -> Lease | None:
-        """A lease on the picked backend, or None when every candidate is full or excluded."""
+        """A lease on the picked backend, or None when every candidate is full or excluded.
+        `readings` (engine metrics by backend name) ride along on each `Candidate`."""
         ...
 
     def release(self, lease: Lease) -> None: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 
 from balancers.base import Balancer, Candidate
-from balancers.inflight.base import Lease
+from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
 
 
@@ -19,7 +19,9 @@ class LocalInflight:
     async def start(self) -> None:
         return None
 
-    def candidates(self, backends: Sequence[Backend], exclude: Set[str]) -> list[Candidate]:
+    def candidates(
+        self, backends: Sequence[Backend], exclude: Set[str], readings: Readings | None = None
+    ) -> list[Candidate]:
         counts = self._counts
         out = []
         for b in backends:
@@ -28,18 +30,26 @@ class LocalInflight:
             n = counts.get(b.name, 0)
             if b.max_inflight is not None and n >= b.max_inflight:
                 continue
-            out.append(Candidate(b.name, b.weight, n))
+            out.append(Candidate(b.name, b.weight, n, readings.get(b.name) if readings else None))
         return out
 
     async def acquire(
-        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+        self,
+        backends: Sequence[Backend],
+        balancer: Balancer,
+        exclude: Set[str],
+        readings: Readings | None = None,
     ) -> Lease | None:
-        return self.acquire_now(backends, balancer, exclude)
+        return self.acquire_now(backends, balancer, exclude, readings)
 
     def acquire_now(
-        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+        self,
+        backends: Sequence[Backend],
+        balancer: Balancer,
+        exclude: Set[str],
+        readings: Readings | None = None,
     ) -> Lease | None:
-        picked = balancer.pick(self.candidates(backends, exclude), exclude)
+        picked = balancer.pick(self.candidates(backends, exclude, readings), exclude)
         if picked is None:
             return None
         self._counts[picked.name] = self._counts.get(picked.name, 0) + 1

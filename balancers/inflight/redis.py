@@ -34,7 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from balancers.base import Balancer, Candidate, needs_counts
-from balancers.inflight.base import Lease
+from balancers.inflight.base import Lease, Readings
 from balancers.inflight.batch import Batcher
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight
 from router.core.backend import Backend
@@ -310,27 +310,31 @@ class RedisInflight:
     # --- the hot path ----------------------------------------------------------------------
 
     async def acquire(
-        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+        self,
+        backends: Sequence[Backend],
+        balancer: Balancer,
+        exclude: Set[str],
+        readings: Readings | None = None,
     ) -> Lease | None:
         cands = [b for b in backends if b.name not in exclude] if exclude else list(backends)
         if not cands:
             return None
         if self.degraded:
             self.fallbacks += 1
-            return self._acquire_local(cands, balancer)
+            return self._acquire_local(cands, balancer, readings)
         token = f"{self.replica_id}:{next(self._seq)}"
         try:
             if type(balancer) is LeastInflight:
                 picked = await self._acquire_atomic(cands, token)
             else:
-                picked = await self._acquire_picked(cands, balancer, token)
+                picked = await self._acquire_picked(cands, balancer, token, readings)
         except RedisUnavailable as exc:
             # The script may have run after we stopped waiting: remove the id wherever it landed.
             for b in cands:
                 self._owe(token, b.name)
             self._degrade(str(exc))
             self.fallbacks += 1
-            return self._acquire_local(cands, balancer)
+            return self._acquire_local(cands, balancer, readings)
         except BaseException:
             for b in cands:  # cancelled mid-call (the client left): same doubt, Redis is fine
                 self._remove_later(token, b.name)
@@ -351,7 +355,11 @@ class RedisInflight:
         return cands[int(index) - 1].name if index else None
 
     async def _acquire_picked(
-        self, cands: Sequence[Backend], balancer: Balancer, token: str
+        self,
+        cands: Sequence[Backend],
+        balancer: Balancer,
+        token: str,
+        readings: Readings | None = None,
     ) -> str | None:
         """Let the balancer pick, then add the lease only if that backend still has room."""
         if needs_counts(balancer):
@@ -360,7 +368,9 @@ class RedisInflight:
         else:
             counts = self._local
         offered = [
-            Candidate(b.name, b.weight, counts.get(b.name, 0))
+            Candidate(
+                b.name, b.weight, counts.get(b.name, 0), readings.get(b.name) if readings else None
+            )
             for b in cands
             if b.max_inflight is None or counts.get(b.name, 0) < b.max_inflight
         ]
@@ -383,10 +393,14 @@ class RedisInflight:
         self._local[backend] = self._local.get(backend, 0) + 1
         return Lease(backend, token)
 
-    def _acquire_local(self, cands: Sequence[Backend], balancer: Balancer) -> Lease | None:
+    def _acquire_local(
+        self, cands: Sequence[Backend], balancer: Balancer, readings: Readings | None = None
+    ) -> Lease | None:
         local = self._local
         offered = [
-            Candidate(b.name, b.weight, local.get(b.name, 0))
+            Candidate(
+                b.name, b.weight, local.get(b.name, 0), readings.get(b.name) if readings else None
+            )
             for b in cands
             if b.max_inflight is None or local.get(b.name, 0) < b.max_inflight
         ]

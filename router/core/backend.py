@@ -31,6 +31,7 @@ class Backend:
     draining: bool = False
     key_header: str = "authorization"
     header_names: tuple[str, ...] = ()  # extra headers' names; their values may be secrets
+    metrics_path: str | None = None  # engine metrics to scrape; None for openai or when off
 
     @classmethod
     def from_config(
@@ -60,6 +61,7 @@ class Backend:
             draining=draining,
             key_header=cfg.key_header.lower(),
             header_names=tuple(k.lower() for k in cfg.headers),
+            metrics_path=cfg.metrics_path if cfg.kind != "openai" else None,
         )
 
     def public(self) -> dict[str, Any]:
@@ -78,4 +80,5 @@ class Backend:
             "query": {k: "***" for k, _ in self.query},
             "source": self.source,
             "draining": self.draining,
+            "metrics_path": self.metrics_path,
         }

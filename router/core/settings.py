@@ -81,7 +81,9 @@ class RetryConfig(_Strict):
 class BackendConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: str
-    kind: Literal["vllm", "openai"] = "vllm"
+    kind: Literal["vllm", "sglang", "openai"] = "vllm"
+    # Where the engine's Prometheus text is (vllm, sglang); null: not scraped. Never for openai.
+    metrics_path: str | None = Field("/metrics", pattern=r"^/[^\s?#]*$")
     models: dict[str, str]
     api_key_env: str | None = None
     api_key: SecretStr | None = None
@@ -133,6 +135,14 @@ class BackendConfig(_Strict):
         if self.api_key_env:
             return os.environ.get(self.api_key_env) or None
         return None
+
+
+class EngineMetricsConfig(_Strict):
+    """Scraping of each engine's /metrics for `least_load` (seconds)."""
+
+    interval: float = Field(0.25, ge=0.01, le=60)
+    timeout: float = Field(1.0, gt=0, le=60)
+    stale_after: float = Field(1.0, gt=0, le=3600)
 
 
 class ClientKeyConfig(_Strict):
@@ -217,6 +227,9 @@ class Settings(BaseSettings):
     api_keys_file: str | None = None
     # Seconds between full registry reloads from Redis, which heal a missed pub/sub message.
     registry_resync: float = Field(1.0, gt=0, le=60)
+    engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
+    # Adds `x-sluicegate-backend: <name>` to responses; off by default: it reveals topology.
+    expose_backend_header: bool = False
 
     @field_validator("backends")
     @classmethod

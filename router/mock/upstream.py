@@ -472,7 +472,6 @@ class MockUpstream:
             }
         await _json(send, 200, payload, gzip_body=bh.gzip)
 
-
     async def _engine_generate(
         self,
         send: Send,
@@ -525,7 +524,7 @@ class MockUpstream:
                 if gone.is_set():
                     return
                 upto = seq.generated
-                for i in range(sent, upto):
+                for _ in range(sent, upto):
                     self._count_token(rec, gone)
                 if stream and upto > sent:
                     body = b"".join(
@@ -550,7 +549,11 @@ class MockUpstream:
         content = "".join(token_text(i) for i in range(n))
         usage = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n}
         choice: dict[str, Any] = (
-            {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": content}}
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "message": {"role": "assistant", "content": content},
+            }
             if chat
             else {"index": 0, "text": content, "finish_reason": "length"}
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,8 +24,9 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 if TYPE_CHECKING:
     from balancers.base import Balancer
-    from balancers.inflight.base import InflightStore, Lease
+    from balancers.inflight.base import InflightStore, Lease, Readings
     from router.core.backend import Backend
+    from router.core.engine import EngineReading
     from router.request.proxy import RequestRecord
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -154,6 +155,48 @@ class Metrics:
             multiprocess_mode="livemax",
             registry=reg,
         )
+        self.routing_decisions = Counter(
+            "sluicegate_routing_decisions_total",
+            "Backends picked, by public model and balancer (each attempt counts once).",
+            ("model", "balancer", "backend"),
+            registry=reg,
+        )
+        # Engine metrics as this process last read them (each worker scrapes on its own).
+        self.engine_waiting = Gauge(
+            "sluicegate_engine_waiting",
+            "Requests waiting in the engine's queue, as last scraped.",
+            ("backend",),
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
+        self.engine_running = Gauge(
+            "sluicegate_engine_running",
+            "Requests in the engine's running batch, as last scraped.",
+            ("backend",),
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
+        self.engine_kv_usage = Gauge(
+            "sluicegate_engine_kv_usage",
+            "Share of the engine's KV cache in use (0..1), as last scraped.",
+            ("backend",),
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
+        self.engine_scrape_age = Gauge(
+            "sluicegate_engine_scrape_age_seconds",
+            "Seconds since the engine's metrics were last read successfully.",
+            ("backend",),
+            multiprocess_mode="livemin",
+            registry=reg,
+        )
+        self.engine_scrape_errors = Counter(
+            "sluicegate_engine_scrape_errors_total",
+            "Failed scrapes of the engine's metrics (status, timeout, malformed or bad values).",
+            ("backend",),
+            registry=reg,
+        )
+        self._routed: dict[tuple[str, str, str], Any] = {}
         # Label lookups take a lock and validate; resolve each combination once.
         self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
         self._by_backend: dict[str, tuple[Any, Any]] = {}
@@ -212,6 +255,25 @@ class Metrics:
             )
         return children
 
+    def routed(self, model: str, balancer: str, backend: str) -> None:
+        key = (model, balancer, backend)
+        child = self._routed.get(key)
+        if child is None:
+            child = self._routed[key] = self.routing_decisions.labels(model, balancer, backend)
+        child.inc()
+
+    def engine_readings(self, readings: Mapping[str, EngineReading], now: float) -> None:
+        """Move the engine gauges to the scraper's latest readings (called at each /metrics)."""
+        for name, r in readings.items():
+            self.engine_waiting.labels(name).set(r.waiting)
+            self.engine_running.labels(name).set(r.running)
+            self.engine_kv_usage.labels(name).set(r.kv_usage)
+            age = now - r.scraped_at if r.scraped_at else float("inf")
+            self.engine_scrape_age.labels(name).set(age)
+
+    def engine_scrape_failed(self, backend: str) -> None:
+        self.engine_scrape_errors.labels(backend).inc()
+
     # -- state transitions (health, ejection, Redis) -------------------------------------------
     # The writers of that state log their own transitions; these only move the metrics.
 
@@ -263,9 +325,16 @@ class MeteredInflight:
         return self._store
 
     async def acquire(
-        self, backends: Sequence[Backend], balancer: Balancer, exclude: Set[str]
+        self,
+        backends: Sequence[Backend],
+        balancer: Balancer,
+        exclude: Set[str],
+        readings: Readings | None = None,
     ) -> Lease | None:
-        lease = await self._store.acquire(backends, balancer, exclude)
+        if readings is None:  # plugin stores written before readings existed keep working
+            lease = await self._store.acquire(backends, balancer, exclude)
+        else:
+            lease = await self._store.acquire(backends, balancer, exclude, readings)
         self.check_fallback()
         if lease is not None:
             in_flight, attempts = self._metrics.for_backend(lease.backend)

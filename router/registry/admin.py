@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from balancers.inflight.base import InflightStore
 from health.state import HealthBook
 from router.core.backend import Backend
+from router.core.engine import EngineReading
 from router.core.errors import error_response
 from router.core.settings import BackendConfig
 from router.registry.fleet import Fleet, Invalid, RegistryError, describe_validation
@@ -69,18 +71,25 @@ def _registration(data: dict[str, Any]) -> BackendConfig:
     return cfg
 
 
+def _engine_view(reading: EngineReading | None) -> dict[str, Any] | None:
+    """The engine's last reading; None when the backend is not scraped."""
+    return reading.public() if reading is not None else None
+
+
 def admin_routes(
     fleet: Fleet,
     store: InflightStore,
     health: HealthBook,
     auth: AdminAuth,
     drain_grace: float,
+    engine_readings: Callable[[], Mapping[str, EngineReading]] | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix="/admin")
     registry = fleet.registry
 
     async def describe(backends: tuple[Backend, ...]) -> list[dict[str, Any]]:
         counts = await store.counts([b.name for b in backends])
+        readings = engine_readings() if engine_readings else {}
         return [
             {
                 **b.public(),
@@ -89,6 +98,7 @@ def admin_routes(
                 "inflight_shared": store.kind != "local" and not store.degraded,
                 "registry_store": fleet.store.kind,
                 **health.describe(b.name),
+                "engine": _engine_view(readings.get(b.name)),
             }
             for b in backends
         ]

@@ -23,7 +23,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from balancers.inflight.base import InflightStore, Lease
+from balancers.base import needs_engine
+from balancers.inflight.base import InflightStore, Lease, Readings
 from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import (
@@ -145,8 +146,11 @@ class Proxy:
         health: HealthBook,
         lifecycle: Lifecycle,
         metrics: Metrics | None = None,
+        readings: Callable[[], Readings] | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
+        # The engine scraper's latest readings, for balancers that score engine load.
+        self.readings = readings
         self.settings = settings
         self.registry = registry
         self.pools = pools
@@ -320,9 +324,11 @@ class ProxyCall(Response):
         async def attempt(number: int, answered: Callable[[], None]) -> None:
             nonlocal last
             eligible = proxy.health.eligible(self._backends, self._model)
-            lease = await proxy.store.acquire(eligible, balancer, exclude)
+            readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
+            lease = await proxy.store.acquire(eligible, balancer, exclude, readings)
             if lease is None:
                 raise _NoneLeft
+            proxy.metrics.routed(self._model, balancer.name, lease.backend)
             rec.attempts = number
             try:
                 await self._attempt(send, lease, answered)
@@ -401,6 +407,8 @@ class ProxyCall(Response):
                 await self._retryable_status(backend, response)
             streaming = self._stream and status < 400
             headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
+            if proxy.settings.expose_backend_header:
+                headers.append((b"x-sluicegate-backend", backend.name.encode()))
             rec.status = status
             await send({"type": "http.response.start", "status": status, "headers": headers})
             self._started = True

@@ -1,0 +1,98 @@
+"""Least engine load relative to weight, from what each vLLM/SGLang engine reports.
+
+score = (running + dispatched + QUEUE_WEIGHT x waiting + KV_WEIGHT x kv_pressure) / weight
+
+- running, waiting: the engine's own batch and queue (everyone's requests, also those that
+  never passed through this router); a waiting request costs QUEUE_WEIGHT running ones, since a
+  newcomer waits behind all of them before its first token;
+- dispatched: requests this balancer sent to that backend since that reading was taken, so a
+  burst between two scrapes spreads out instead of landing on the engine that looked idle;
+- kv_pressure = max(0, kv_usage - KV_KNEE) / (1 - KV_KNEE): 0 while the KV cache has room, 1
+  when full (a full cache admits nothing and preempts);
+- a backend without a reading (not scraped, `kind: openai`) scores its in-flight count, which is
+  in the same unit (requests); a stale reading ranks after every fresh one ("most loaded"),
+  and among stale ones the in-flight count decides.
+With no reading among the candidates the pick is exactly `least_inflight`'s. Exact scan up to
+16 candidates, power of two choices above; ties drawn at random in proportion to weight.
+Pure: no I/O, no clock; the readings arrive on the candidates (`Candidate.engine`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence, Set
+from typing import ClassVar
+
+from balancers.base import Candidate
+from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
+
+QUEUE_WEIGHT = 4.0
+KV_WEIGHT = 8.0
+KV_KNEE = 0.8
+_STALE = float("inf")
+
+
+class LeastLoad:
+    name: ClassVar[str] = "least_load"
+    needs_counts: ClassVar[bool] = True
+    needs_engine: ClassVar[bool] = True
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+        self._fallback = LeastInflight(self._rng)
+        self._since: dict[str, tuple[int, int]] = {}  # backend -> (reading seq, dispatched)
+
+    def score(self, c: Candidate) -> float:
+        r = c.engine
+        if r is None:
+            return c.inflight / c.weight
+        if r.stale:
+            return _STALE
+        seq, dispatched = self._since.get(c.name, (-1, 0))
+        if seq != r.seq:
+            dispatched = 0
+        kv = r.kv_usage - KV_KNEE
+        load = r.running + dispatched + QUEUE_WEIGHT * r.waiting
+        if kv > 0:
+            load += KV_WEIGHT * kv / (1.0 - KV_KNEE)
+        return load / c.weight
+
+    def pick(
+        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
+    ) -> Candidate | None:
+        pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
+        if not pool:
+            return None
+        for c in pool:
+            if c.engine is not None:
+                break
+        else:
+            return self._fallback.pick(pool)
+        picked = pool[0] if len(pool) == 1 else self._choose(pool)
+        self._count(picked)
+        return picked
+
+    def _choose(self, pool: Sequence[Candidate]) -> Candidate:
+        if len(pool) > EXACT_SCAN_MAX:
+            pair = self._rng.sample(pool, 2)
+            if not all(c.engine is not None and c.engine.stale for c in pair):
+                pool = pair
+        score = self.score
+        scored = [(score(c), c) for c in pool]
+        best = min(s for s, _ in scored)
+        if best == _STALE:  # only stale readings left: least in flight among them
+            scored = [(c.inflight / c.weight, c) for _, c in scored]
+            best = min(s for s, _ in scored)
+        tied = [c for s, c in scored if s == best]
+        if len(tied) == 1:
+            return tied[0]
+        return weighted_choice(tied, self._rng.random())
+
+    def _count(self, c: Candidate) -> None:
+        r = c.engine
+        if r is None or r.stale:
+            return
+        seq, n = self._since.get(c.name, (-1, 0))
+        self._since[c.name] = (r.seq, n + 1 if seq == r.seq else 1)
+        if len(self._since) > 4096:  # backends come and go; keep what is recent
+            self._since.clear()

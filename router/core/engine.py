@@ -1,0 +1,36 @@
+"""What an engine last reported about its load, as a frozen value balancers receive as data.
+
+The scraper (`router/engine/`) builds one `EngineReading` per scraped backend and publishes them
+together as one immutable mapping; a stale one keeps its last figures, marked `stale`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReading:
+    waiting: float  # requests in the engine's queue (vllm:num_requests_waiting, summed)
+    running: float  # requests in its running batch
+    kv_usage: float  # KV cache in use, 0..1
+    kv_capacity_tokens: int | None  # block_size x num_gpu_blocks, when the engine says
+    preemptions: float | None  # cumulative, vLLM only
+    scraped_at: float  # wall clock of the last good scrape (0: never)
+    seq: int  # bumps with every good scrape: "dispatched since this reading" resets on it
+    stale: bool = False  # no good scrape within `engine_metrics.stale_after`
+    scrape_error: str | None = None  # why the last scrape failed, if it did
+
+    def public(self) -> dict[str, object]:
+        return {
+            "waiting": self.waiting,
+            "running": self.running,
+            "kv_usage": self.kv_usage,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "scraped_at": self.scraped_at or None,
+            "stale": self.stale,
+            "scrape_error": self.scrape_error,
+        }
+
+
+NEVER = EngineReading(0.0, 0.0, 0.0, None, None, 0.0, 0, stale=True, scrape_error=None)

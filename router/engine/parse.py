@@ -1,0 +1,131 @@
+"""Read the few families the router needs out of an engine's Prometheus text, fast.
+
+A real engine's `/metrics` is hundreds of lines (histograms with a line per bucket); the router
+needs five or six lines of it. `bytes.find` of "\n<family name>" jumps to those lines in C; the
+rest of the text is never split, decoded or looked at.
+(bench/engine_parse.py measures this against prometheus-client's parser.) Values of series of
+one family are summed across their labels (`model_name`, `engine`, data-parallel ranks); KV
+shares, being shares, are averaged.
+
+Rejected, as `MetricsError` with a short reason: no wanted family at all, a value that is not a
+number, NaN or infinite, negative, or absurd (a queue of a million, a KV share above 1).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+VLLM = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv",
+    "vllm:gpu_cache_usage_perc": "kv",  # the name before vLLM v0.10; same meaning
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:cache_config_info": "cache_config",
+}
+SGLANG = {
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:num_running_reqs": "running",
+    "sglang:token_usage": "kv",
+}
+FAMILIES = {"vllm": VLLM, "sglang": SGLANG}
+
+MAX_REQUESTS = 1_000_000.0  # more waiting or running than this is a broken exporter
+MAX_KV_USAGE = 1.0001  # a share; rounding may overshoot 1 by a hair
+
+
+class MetricsError(ValueError):
+    """The text cannot be trusted; str() is a short reason shown as `scrape_error`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    waiting: float
+    running: float
+    kv_usage: float
+    kv_capacity_tokens: int | None
+    preemptions: float | None
+
+
+_NEEDLES = {
+    kind: tuple((b"\n" + name.encode(), field) for name, field in names.items())
+    for kind, names in FAMILIES.items()
+}
+_LABEL = re.compile(rb'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _lines(text: bytes, needle: bytes) -> list[tuple[bytes, bytes]]:
+    """(labels, value) of each sample line of one family: `bytes.find` skips the rest."""
+    out = []
+    n = len(needle)
+    pos = text.find(needle)
+    while pos >= 0:
+        after = text[pos + n : pos + n + 1]
+        end = text.find(b"\n", pos + n)
+        if end < 0:
+            end = len(text)
+        if after == b"{":  # labels, then the value (and maybe a timestamp)
+            close = text.rfind(b"}", pos + n, end)
+            if close < 0:
+                raise MetricsError("unterminated label set")
+            labels, rest = text[pos + n : close + 1], text[close + 1 : end]
+        elif after in (b" ", b"\t"):
+            labels, rest = b"", text[pos + n : end]
+        else:  # a longer name (`_bucket`, `_created`, ...)
+            pos = text.find(needle, pos + n)
+            continue
+        parts = rest.split()
+        if not parts:
+            raise MetricsError("sample without a value")
+        out.append((labels, parts[0]))
+        pos = text.find(needle, end)
+    return out
+
+
+def _number(raw: bytes) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        raise MetricsError(f"not a number: {raw[:20]!r}") from None
+    if math.isnan(v) or math.isinf(v):
+        raise MetricsError("NaN or infinite value")
+    if v < 0:
+        raise MetricsError("negative value")
+    return v
+
+
+def parse(text: bytes, kind: str) -> Parsed:
+    sums: dict[str, float] = {}
+    kv_series = 0
+    capacity: int | None = None
+    text = b"\n" + text  # so the first line is found like every other
+    for needle, field in _NEEDLES[kind]:
+        for labels, raw in _lines(text, needle):
+            value = _number(raw)
+            if field == "cache_config":
+                found = dict(_LABEL.findall(labels))
+                try:
+                    blocks = int(found[b"num_gpu_blocks"])
+                    size = int(found[b"block_size"])
+                except (KeyError, ValueError):
+                    continue  # vLLM prints num_gpu_blocks="None" before its profile run
+                if blocks < 0 or size <= 0:
+                    raise MetricsError("negative KV capacity")
+                capacity = (capacity or 0) + blocks * size
+                continue
+            if field == "kv":
+                if value > MAX_KV_USAGE:
+                    raise MetricsError("KV usage above 1")
+                kv_series += 1
+            sums[field] = sums.get(field, 0.0) + value
+    if "waiting" not in sums and "running" not in sums:
+        raise MetricsError("no engine metrics in the answer")
+    waiting = sums.get("waiting", 0.0)
+    running = sums.get("running", 0.0)
+    if waiting > MAX_REQUESTS or running > MAX_REQUESTS:
+        raise MetricsError("absurd request count")
+    # A share, not a count: data-parallel ranks each report their own, so take the mean.
+    kv = sums.get("kv", 0.0) / kv_series if kv_series else 0.0
+    return Parsed(waiting, running, min(kv, 1.0), capacity, sums.get("preemptions"))
