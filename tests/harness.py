@@ -119,6 +119,7 @@ class Cluster:
         ttft_ms: float = 0,
         itl_ms: float = 0,
         tokens: int = 16,
+        engine_args: list[str] | None = None,
     ) -> Proc:
         port = port or free_port()
         proc = self._spawn(
@@ -137,6 +138,7 @@ class Cluster:
                 str(itl_ms),
                 "--tokens",
                 str(tokens),
+                *(engine_args or []),
             ],
             port,
             f"mock-{name}",

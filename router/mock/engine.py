@@ -90,7 +90,11 @@ class Engine:
         self._kick.set()
 
     def set_background(self, n: int) -> None:
+        """Keep `n` hidden sequences in the engine: more are queued, extra ones end now."""
         self.config.background = max(0, n)
+        live = [s for s in (*self.waiting, *reversed(self.running)) if s.background and not s.gone]
+        for seq in live[: max(0, len(live) - self.config.background)]:
+            seq.gone = True
         self._top_up_background()
         self._ensure_running()
 
@@ -102,8 +106,8 @@ class Engine:
         self._kick.set()
 
     def _top_up_background(self) -> None:
-        live = sum(1 for s in self.running if s.background) + sum(
-            1 for s in self.waiting if s.background
+        live = sum(1 for s in self.running if s.background and not s.gone) + sum(
+            1 for s in self.waiting if s.background and not s.gone
         )
         for _ in range(self.config.background - live):
             self.waiting.append(

@@ -94,6 +94,8 @@ class MockUpstream:
         self.behaviour = behaviour or Behaviour()
         self.engine = Engine(engine) if engine is not None else None
         self.metrics_scrapes = 0
+        self.metrics_active = 0  # /metrics answers in progress (a scraper must not pile up)
+        self.metrics_active_max = 0
         self.stats = Stats()
         self._queue: deque[asyncio.Future[None]] = deque()  # requests waiting for a batch slot
         # Chunks differ only by the token text: pre-split templates keep per-token work small.
@@ -161,13 +163,24 @@ class MockUpstream:
             await _json(
                 send,
                 200,
-                {"name": self.name, **self.stats.public(), "behaviour": asdict(self.behaviour)},
+                {
+                    "name": self.name,
+                    **self.stats.public(),
+                    "behaviour": asdict(self.behaviour),
+                    "metrics_scrapes": self.metrics_scrapes,
+                    "metrics_active_max": self.metrics_active_max,
+                },
             )
         elif path == "/metrics":
             bh = self.behaviour
             self.metrics_scrapes += 1
-            if bh.metrics_delay_ms > 0:
-                await asyncio.sleep(bh.metrics_delay_ms / 1000)
+            self.metrics_active += 1
+            self.metrics_active_max = max(self.metrics_active_max, self.metrics_active)
+            try:
+                if bh.metrics_delay_ms > 0:
+                    await asyncio.sleep(bh.metrics_delay_ms / 1000)
+            finally:
+                self.metrics_active -= 1
             if bh.metrics_body is not None:
                 text = bh.metrics_body.encode()
             elif self.engine is not None:
