@@ -27,8 +27,7 @@ from balancers.base import Candidate
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
 
 QUEUE_WEIGHT = 4.0
-KV_WEIGHT = 8.0
-KV_KNEE = 0.8
+KV_WEIGHT = 16.0
 _STALE = float("inf")
 
 
@@ -51,10 +50,7 @@ class LeastLoad:
         seq, dispatched = self._since.get(c.name, (-1, 0))
         if seq != r.seq:
             dispatched = 0
-        kv = r.kv_usage - KV_KNEE
-        load = r.running + dispatched + QUEUE_WEIGHT * r.waiting
-        if kv > 0:
-            load += KV_WEIGHT * kv / (1.0 - KV_KNEE)
+        load = r.running + dispatched + QUEUE_WEIGHT * r.waiting + KV_WEIGHT * r.kv_usage
         return load / c.weight
 
     def pick(

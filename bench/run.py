@@ -465,12 +465,24 @@ def machine() -> dict[str, Any]:
     }
 
 
+def engine(bench: Bench) -> None:
+    from bench.engine import run as engine_run
+
+    res = engine_run(bench.cluster, bench.quick)
+    for part in ("hidden", "homogeneous"):
+        for name, r in res.get(part, {}).items():
+            if isinstance(r, dict) and "ttfts" in r:
+                bench.samples[f"engine_{part}_{name}_ttft"] = r.pop("ttfts")
+    bench.results["engine"] = res
+
+
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "overhead": Bench.overhead,
     "streaming": Bench.streaming,
     "storm": Bench.storm,
     "soak": Bench.soak,
     "multi": Bench.multi,
+    "engine": engine,
 }
 
 
