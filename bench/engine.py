@@ -18,6 +18,7 @@ import json
 import math
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -210,6 +211,65 @@ HIDDEN_RATE = 18.0  # requests/s: about 80 % of that fleet
 SAME_RATE = 26.0  # about 80 % of four free engines
 
 
+def pick_cost(n: int = 64, picks: int = 20000) -> dict[str, float]:
+    """CPU per pick, µs, with n candidates each carrying a fresh reading (and without)."""
+    from balancers.base import Candidate
+    from balancers.least_inflight import LeastInflight
+    from balancers.least_load import LeastLoad
+    from router.core.engine import EngineReading
+
+    rng = random.Random(5)
+    with_engine = [
+        Candidate(
+            f"b{i}",
+            1.0,
+            rng.randint(0, 9),
+            EngineReading(rng.randint(0, 4), rng.randint(0, 32), rng.random(), 65536, 0, 1.0, 1),
+        )
+        for i in range(n)
+    ]
+    bare = [Candidate(c.name, c.weight, c.inflight) for c in with_engine]
+    out = {}
+    for label, bal, cands in (
+        ("least_load", LeastLoad(), with_engine),
+        ("least_load_no_readings", LeastLoad(), bare),
+        ("least_inflight", LeastInflight(), bare),
+    ):
+        t0 = time.process_time()
+        for _ in range(picks):
+            bal.pick(cands)
+        out[label] = round((time.process_time() - t0) / picks * 1e6, 2)
+    return out
+
+
+def parse_cost(rounds: int = 300) -> dict[str, Any]:
+    """µs to read one mock engine page (~240 lines, most of them histogram buckets): the
+    find-based filter against prometheus-client's parser over the whole text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.engine.parse import parse
+    from router.mock.engine import Engine, EngineConfig
+
+    async def page() -> bytes:
+        return Engine(EngineConfig()).metrics_text()
+
+    text = asyncio.run(page())
+    t0 = time.process_time()
+    for _ in range(rounds * 10):
+        parse(text, "vllm")
+    ours = (time.process_time() - t0) / (rounds * 10) * 1e6
+    t0 = time.process_time()
+    for _ in range(rounds):
+        list(text_string_to_metric_families(text.decode()))
+    theirs = (time.process_time() - t0) / rounds * 1e6
+    return {
+        "page_bytes": len(text),
+        "page_lines": text.count(b"\n"),
+        "filter_us": round(ours, 1),
+        "prometheus_client_us": round(theirs, 1),
+    }
+
+
 def run(
     c: Cluster,
     quick: bool = False,
@@ -217,7 +277,8 @@ def run(
     balancers: tuple[str, ...] = ("round_robin", "least_inflight", "least_load"),
 ) -> dict[str, Any]:
     secs = 12.0 if quick else 20.0
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"pick_us_64": pick_cost(), "parse": parse_cost()}
+    print("pick", res["pick_us_64"], "parse", res["parse"], flush=True)
     mocks = {
         "plain1": c.mock("plain1", engine_args=[*ENGINE, "--kv-tokens", "16000"]),
         "plain2": c.mock("plain2", engine_args=[*ENGINE, "--kv-tokens", "16000"]),
@@ -239,60 +300,200 @@ def run(
     return res
 
 
-def plot(res: dict[str, Any], samples: dict[str, list[float]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, part in zip(axes, ("hidden", "homogeneous"), strict=True):
-        for name, values in samples.items():
-            if not name.startswith(part + ":"):
-                continue
-            v = sorted(x * 1000 for x in values)
-            ax.plot(v, [i / len(v) for i in range(len(v))], label=name.split(":")[1])
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT ms (log)")
-        ax.set_ylabel("share of requests")
-        ax.set_title(f"{part} fleet")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-
-
-def main() -> None:
-    import sys
-    from pathlib import Path
-
-    import uvloop
-
-    uvloop.install()
-    root = Path(__file__).resolve().parent.parent
-    c = Cluster()
-    try:
-        args = sys.argv[1:]
-        parts = tuple(a.split("=", 1)[1].split(",") for a in args if a.startswith("--parts="))
-        bals = tuple(a.split("=", 1)[1].split(",") for a in args if a.startswith("--balancers="))
-        res = run(
-            c,
-            quick="--quick" in args,
-            **({"parts": tuple(parts[0])} if parts else {}),
-            **({"balancers": tuple(bals[0])} if bals else {}),
-        )
-    finally:
-        c.close()
+def split_samples(res: dict[str, Any]) -> dict[str, list[float]]:
+    """Take the raw TTFT lists out of the results (kept for the plot, not the JSON)."""
     samples = {}
     for part in ("hidden", "homogeneous"):
         for name, r in res.get(part, {}).items():
             if isinstance(r, dict) and "ttfts" in r:
                 samples[f"{part}:{name}"] = r.pop("ttfts")
+    return samples
+
+
+def plot(samples: dict[str, list[float]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, part in zip(axes, ("hidden", "homogeneous"), strict=True):
+        for name, values in sorted(samples.items()):
+            if name.startswith(part + ":") and values:
+                v = sorted(x * 1000 for x in values)
+                ax.plot(v, [i / len(v) for i in range(len(v))], label=name.split(":")[1])
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (ms, log)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title("hidden load + half KV" if part == "hidden" else "homogeneous fleet")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def targets(res: dict[str, Any]) -> list[tuple[str, str, Any, bool]]:
+    rows: list[tuple[str, str, Any, bool]] = []
+    h = res.get("hidden", {})
+    if "least_load" in h and "least_inflight" in h:
+        ratio = h["least_load"]["ttft_p90_ms"] / max(1e-9, h["least_inflight"]["ttft_p90_ms"])
+        rows.append(
+            (
+                "engine hidden: TTFT p90 least_load / least_inflight",
+                "<= 0.5",
+                round(ratio, 3),
+                ratio <= 0.5,
+            )
+        )
+        tps = h["least_load"]["tokens_s"] / max(1e-9, h["least_inflight"]["tokens_s"])
+        rows.append(
+            ("engine hidden: tokens/s least_load / least_inflight", ">= 1", round(tps, 3), tps >= 1)
+        )
+    g = res.get("homogeneous", {})
+    if "least_load" in g and "least_inflight" in g:
+        ratio = g["least_load"]["ttft_p90_ms"] / max(1e-9, g["least_inflight"]["ttft_p90_ms"])
+        rows.append(
+            (
+                "engine homogeneous: TTFT p90 least_load / least_inflight",
+                "<= 1.05",
+                round(ratio, 3),
+                ratio <= 1.05,
+            )
+        )
+    o = res.get("overhead")
+    if o:
+        rows.append(
+            (
+                "engine overhead: router CPU/request least_load / least_inflight",
+                "<= 1.05",
+                o["ratio"],
+                o["ratio"] <= 1.05,
+            )
+        )
+    pk = res.get("pick_us_64")
+    if pk:
+        rows.append(
+            (
+                "least_load pick, 64 candidates (µs)",
+                "<= 20",
+                pk["least_load"],
+                pk["least_load"] <= 20,
+            )
+        )
+    sc = res.get("scrape_cost")
+    if sc:
+        rows.append(
+            (
+                "engine scraping 50 backends at 0.25 s: share of one core",
+                "<= 0.05",
+                sc["scraping_core_share"],
+                sc["scraping_core_share"] <= 0.05,
+            )
+        )
+    return rows
+
+
+def section(res: dict[str, Any], png: str | None) -> list[str]:
+    """The engine-aware routing part of docs/benchmarks.md."""
+    out = ["## Engine-aware routing (`--only engine`)", ""]
+    out += [
+        "Mock vLLM engines (`sluicegate mock-upstream --engine`: 16 slots, 40 ms + 1 ms/sequence",
+        "decode steps, 20 ms per 1k prompt tokens of prefill, 32 output tokens). *hidden*: four",
+        "engines, one carrying 10 hidden background sequences, one with half the KV capacity",
+        f"(8k tokens); Poisson arrivals at {HIDDEN_RATE:g}/s, log-normal prompts (median 300",
+        f"tokens, cap 6000); *homogeneous*: four equal engines at {SAME_RATE:g}/s. Every balancer",
+        "replays the same arrival trace. Scrape interval 0.25 s (the default).",
+        "",
+    ]
+    header = ("balancer", "TTFT p50 ms", "p90 ms", "p99 ms", "tokens/s", "done", "share")
+    for part in ("hidden", "homogeneous"):
+        runs = res.get(part)
+        if not runs:
+            continue
+        rows = [header]
+        for name, r in runs.items():
+            if isinstance(r, dict) and "ttft_p50_ms" in r:
+                share = ", ".join(f"{k} {v:.2f}" for k, v in r["share"].items())
+                rows.append(
+                    (
+                        name,
+                        str(r["ttft_p50_ms"]),
+                        str(r["ttft_p90_ms"]),
+                        str(r["ttft_p99_ms"]),
+                        str(r["tokens_s"]),
+                        str(r["completed"]),
+                        share,
+                    )
+                )
+        out += [f"**{part}**", "", _md(rows), ""]
+    rows2 = [("target", "goal", "measured", "met")]
+    rows2 += [(a, b, str(c), "yes" if d else "no") for a, b, c, d in targets(res)]
+    out += [_md(rows2), ""]
+    if "overhead" in res:
+        out += [f"Overhead: router CPU ms/request {res['overhead']['cpu_ms_per_request']}.", ""]
+    if "scrape_cost" in res:
+        out += [f"Scrape cost: {res['scrape_cost']}.", ""]
+    if "parse" in res:
+        out += [f"Parsing one engine page: {res['parse']}.", ""]
+    if "pick_us_64" in res:
+        out += [f"Pick cost, 64 candidates (µs): {res['pick_us_64']}.", ""]
+    if png:
+        out += [f"![{png}]({png})", ""]
+    return out
+
+
+def _md(rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- engine:begin -->", "<!-- engine:end -->"
+PNG = "bench-engine-ttft.png"
+
+
+def splice(doc: Path, lines: list[str]) -> None:
+    """Replace (or add) the engine section of an existing benchmarks page, keeping the rest."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = "\n".join([BEGIN, *lines, END])
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def main() -> None:
+    import sys
+
+    import uvloop
+
+    uvloop.install()
+    root = Path(__file__).resolve().parent.parent
+    args = sys.argv[1:]
+    opts = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    c = Cluster()
+    try:
+        res = run(
+            c,
+            quick="--quick" in args,
+            **({"parts": tuple(opts["parts"].split(","))} if "parts" in opts else {}),
+            **({"balancers": tuple(opts["balancers"].split(","))} if "balancers" in opts else {}),
+        )
+    finally:
+        c.close()
+    samples = split_samples(res)
     (root / "bench" / "results").mkdir(parents=True, exist_ok=True)
     (root / "bench" / "results" / "engine.json").write_text(json.dumps(res, indent=2))
-    try:
-        plot(res, samples, str(root / "docs" / "engine-ttft.png"))
-    except ImportError:
-        print("matplotlib missing: no plot", flush=True)
+    if "--write-docs" in args:
+        made = plot(samples, root / "docs" / PNG)
+        splice(root / "docs" / "benchmarks.md", section(res, PNG if made else None))
     print(json.dumps(res, indent=2), flush=True)
 
 

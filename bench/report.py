@@ -105,6 +105,11 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"{sm['fds_before']} -> {sm['fds_after']}",
             sm["fds_after"] <= sm["fds_before"] + 2,
         )
+    if "engine" in r:
+        from bench.engine import targets as engine_targets
+
+        for name, goal, value, ok in engine_targets(r["engine"]):
+            add(name, goal, value, ok)
     mr = r.get("multi_replica")
     if mr:
         add("multi-replica: 2 routers vs 1 (req/s)", ">= 1.7", mr["ratio"], mr["ratio"] >= 1.7)
@@ -186,6 +191,10 @@ def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: 
     ):
         if key in r:
             out += [f"## {title}", "", "```json", json.dumps(r[key], indent=2), "```", ""]
+    if "engine" in r:
+        from bench.engine import BEGIN, END, section
+
+        out += [BEGIN, *section(r["engine"], r["engine"].get("plot")), END, ""]
     for png in plots(samples, docs):
         out += [f"![{png}]({png})", ""]
     reading = Path(__file__).with_name("reading.md")

@@ -466,14 +466,12 @@ def machine() -> dict[str, Any]:
 
 
 def engine(bench: Bench) -> None:
+    from bench.engine import PNG, plot, split_samples
     from bench.engine import run as engine_run
 
     res = engine_run(bench.cluster, bench.quick)
-    for part in ("hidden", "homogeneous"):
-        for name, r in res.get(part, {}).items():
-            if isinstance(r, dict) and "ttfts" in r:
-                bench.samples[f"engine_{part}_{name}_ttft"] = r.pop("ttfts")
-    bench.results["engine"] = res
+    made = plot(split_samples(res), ROOT / "docs" / PNG)
+    bench.results["engine"] = {**res, "plot": PNG if made else None}
 
 
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
