@@ -7,6 +7,7 @@ deadline of a few intervals.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from router.ops.status import run as status
 from tests.harness import Cluster, Proc, backend, control, stats
 
 INTERVAL = 0.1
@@ -115,6 +117,14 @@ def test_new_old_and_sglang_names_are_read(fleet: dict[str, Proc]) -> None:
     assert seen["b"]["kv_capacity_tokens"] == 32768
     assert seen["s"]["kv_capacity_tokens"] is None
     assert seen["a"]["scrape_error"] is None and seen["a"]["scraped_at"] > 0
+    # `sluicegate status` shows the engine's own columns.
+    out = io.StringIO()
+    assert status(router.url, out=out) == 0
+    lines = out.getvalue().splitlines()
+    head = lines[0].split()
+    assert head[:8] == ["BACKEND", "HEALTH", "IN", "FLIGHT", "WAITING", "RUNNING", "KV", "WEIGHT"]
+    row = next(ln.split() for ln in lines if ln.startswith("s "))
+    assert row[3:5] == ["0", "3"] and row[5].endswith("%")
 
 
 def test_hidden_load_steers_new_requests_away_within_two_intervals(

@@ -1,6 +1,7 @@
 """`sluicegate status --url URL [--watch]`: the backend table an operator reads at 3 a.m.
 
-Rows come from `GET /admin/backends` (health, in flight, weight, cooldown/ejection); the error
+Rows come from `GET /admin/backends` (health, in flight, the engine's own waiting/running/KV
+use when its metrics are scraped, weight, cooldown/ejection); the error
 rate comes from the admin row when the router reports one, else from `GET /metrics` (failed
 attempts / attempts; over the last refresh interval when watching). The admin token is read from
 `SLUICEGATE_ADMIN_TOKEN` and only ever sent as a header.
@@ -19,7 +20,18 @@ from typing import Any, TextIO
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-COLUMNS = ("BACKEND", "HEALTH", "IN FLIGHT", "WEIGHT", "EJECTED UNTIL", "ERROR RATE", "DETAIL")
+COLUMNS = (
+    "BACKEND",
+    "HEALTH",
+    "IN FLIGHT",
+    "WAITING",
+    "RUNNING",
+    "KV",
+    "WEIGHT",
+    "EJECTED UNTIL",
+    "ERROR RATE",
+    "DETAIL",
+)
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -152,6 +164,20 @@ def _num(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _engine(reading: Any) -> tuple[str, str, str]:
+    """Waiting, running, KV use; `-` when not scraped, `?` suffix when the reading is stale."""
+    if not isinstance(reading, dict) or not reading.get("scraped_at"):
+        return ("-", "-", "-")
+    mark = "?" if reading.get("stale") else ""
+    kv = reading.get("kv_usage")
+    kv_text = f"{kv * 100:.0f}%" if isinstance(kv, int | float) else "-"
+    return (
+        _num(reading.get("waiting")) + mark,
+        _num(reading.get("running")) + mark,
+        kv_text + mark,
+    )
+
+
 def render_table(
     rows: Sequence[dict[str, Any]], rates: dict[str, float | None], now: float | None = None
 ) -> str:
@@ -161,6 +187,7 @@ def render_table(
             str(row.get("name", "?")),
             _health(row, now),
             _num(row.get("in_flight", 0)),
+            *_engine(row.get("engine")),
             _num(row.get("weight")),
             _ejected_until(row, now),
             _rate(row, rates),
