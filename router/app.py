@@ -162,7 +162,6 @@ def create_app(settings: Settings) -> FastPath:
     app = FastAPI(
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
-    app.state.lifecycle = lifecycle
     app.include_router(openai_routes(proxy, registry, client_keys))
     app.include_router(admin_routes(fleet, store, health, admin_auth, settings.drain_grace))
 
@@ -207,4 +206,4 @@ def create_app(settings: Settings) -> FastPath:
         return error_response(500, "Internal router error.", "api_error", "internal_error")
 
     # Proxied POSTs skip FastAPI's layers; everything else (and the lifespan) goes through it.
-    return FastPath(app, proxy_endpoints(proxy, client_keys))
+    return FastPath(app, proxy_endpoints(proxy, client_keys), lifecycle)
