@@ -160,10 +160,10 @@ def overhead(c: Cluster, seconds: float) -> dict[str, Any]:
     body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user"}]}).encode()
     cpu = {k: 0.0 for k in routers}
     reqs = {k: 0 for k in routers}
-    for _ in range(3):  # alternate rounds: noise hits both alike
+    for _ in range(6):  # alternate rounds: noise hits both alike
         for k, r in routers.items():
             c0 = cpu_seconds(r.pid)
-            res = asyncio.run(run_load("127.0.0.1", r.port, CHAT, body, 32, seconds / 3))
+            res = asyncio.run(run_load("127.0.0.1", r.port, CHAT, body, 32, seconds / 6))
             cpu[k] += cpu_seconds(r.pid) - c0
             reqs[k] += res.ok
     ms = {k: 1000 * cpu[k] / max(1, reqs[k]) for k in routers}
