@@ -11,7 +11,7 @@ Models (one step loop per engine, continuous batching):
   thousand prompt tokens prefilled in that step (so long prompts delay everyone in the batch);
   each running sequence gains one token per step; the first one ends its prefill step;
 - hidden background load: `background` sequences that occupy slots and KV like any other but
-  never pass through a router (each one finished is replaced at once);
+  never pass through a router (each one finished is replaced at once; lengths vary 0.5x-1.5x);
 - vLLM's metric names (`vllm:num_requests_running/waiting`, `vllm:kv_cache_usage_perc` or the
   old `vllm:gpu_cache_usage_perc`, `vllm:num_preemptions_total`, `vllm:cache_config_info`) with
   the `model_name`/`engine` labels, plus a few histogram families of the size a real engine
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ class Engine:
         self.used_blocks = 0
         self.preemptions = 0
         self.steps = 0
+        self._rng = random.Random(0)  # same hidden load on every run
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -110,9 +112,10 @@ class Engine:
             1 for s in self.waiting if s.background and not s.gone
         )
         for _ in range(self.config.background - live):
-            self.waiting.append(
-                Seq(self.config.background_prompt, self.config.background_tokens, True)
-            )
+            # Lengths vary (0.5x to 1.5x), as real traffic does: hidden sequences that all end
+            # in the same step would empty the batch at once, then refill it at once.
+            tokens = int(self.config.background_tokens * (0.5 + self._rng.random()))
+            self.waiting.append(Seq(self.config.background_prompt, max(1, tokens), True))
 
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.config.block_size)
