@@ -150,18 +150,24 @@ def fleet_run(
 
 
 def overhead(c: Cluster, seconds: float) -> dict[str, Any]:
+    """Router CPU per request, least_load vs least_inflight, plus an A/A pair (two
+    least_inflight routers) that shows this machine's noise floor; and the in-process cost of
+    one acquire + release through the local store, which is the whole hot-path difference."""
     from bench.loadgen import run_load
 
     mocks = {f"o{i}": c.mock(f"o{i}", tokens=64) for i in range(2)}
     routers = {
         "least_inflight": _router(c, mocks, "least_inflight"),
         "least_load": _router(c, mocks, "least_load"),
+        "least_inflight_again": _router(c, mocks, "least_inflight"),
     }
     body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user"}]}).encode()
     cpu = {k: 0.0 for k in routers}
     reqs = {k: 0 for k in routers}
-    for i in range(6):  # alternate rounds and their order: noise hits both alike
-        for k, r in sorted(routers.items(), reverse=bool(i % 2)):
+    names = list(routers)
+    for i in range(6):  # rotate the order each round: noise and drift hit all alike
+        for k in names[i % 3 :] + names[: i % 3]:
+            r = routers[k]
             c0 = cpu_seconds(r.pid)
             res = asyncio.run(run_load("127.0.0.1", r.port, CHAT, body, 32, seconds / 6))
             cpu[k] += cpu_seconds(r.pid) - c0
@@ -170,7 +176,42 @@ def overhead(c: Cluster, seconds: float) -> dict[str, Any]:
     return {
         "cpu_ms_per_request": {k: round(v, 3) for k, v in ms.items()},
         "ratio": round(ms["least_load"] / ms["least_inflight"], 3),
+        "aa_ratio": round(ms["least_inflight_again"] / ms["least_inflight"], 3),
+        "acquire_us": acquire_cost(),
     }
+
+
+def acquire_cost(n: int = 100_000) -> dict[str, float]:
+    """µs per acquire + release through the local store, two backends, with readings for
+    least_load: what the request path pays for the balancer."""
+    from types import MappingProxyType
+
+    from balancers.inflight.local import LocalInflight
+    from balancers.least_inflight import LeastInflight
+    from balancers.least_load import LeastLoad
+    from router.core.backend import Backend
+    from router.core.engine import EngineReading
+
+    backends = [
+        Backend(f"o{i}", "http://127.0.0.1:1", "vllm", MappingProxyType({"m": "m"}))
+        for i in range(2)
+    ]
+    readings = MappingProxyType(
+        {b.name: EngineReading(0, 3, 0.1, None, None, 1.0, 1) for b in backends}
+    )
+    out = {}
+    for label, bal, rd in (
+        ("least_inflight", LeastInflight(), None),
+        ("least_load", LeastLoad(), readings),
+    ):
+        store = LocalInflight()
+        t0 = time.process_time()
+        for _ in range(n):
+            lease = store.acquire_now(backends, bal, set(), rd)
+            assert lease is not None
+            store.release(lease)
+        out[label] = round((time.process_time() - t0) / n * 1e6, 2)
+    return out
 
 
 def scrape_cost(c: Cluster, seconds: float) -> dict[str, Any]:
@@ -435,7 +476,12 @@ def section(res: dict[str, Any], png: str | None) -> list[str]:
     rows2 += [(a, b, str(c), "yes" if d else "no") for a, b, c, d in targets(res)]
     out += [_md(rows2), ""]
     if "overhead" in res:
-        out += [f"Overhead: router CPU ms/request {res['overhead']['cpu_ms_per_request']}.", ""]
+        o = res["overhead"]
+        out += [
+            f"Overhead (64-token streams, c=32, fast mock): router CPU ms/request "
+            f"{o['cpu_ms_per_request']}; in-process acquire + release µs {o.get('acquire_us')}.",
+            "",
+        ]
     if "scrape_cost" in res:
         out += [f"Scrape cost: {res['scrape_cost']}.", ""]
     if "parse" in res:
@@ -489,10 +535,14 @@ def main() -> None:
     finally:
         c.close()
     samples = split_samples(res)
-    (root / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (root / "bench" / "results" / "engine.json").write_text(json.dumps(res, indent=2))
+    results = root / "bench" / "results" / "engine.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    if "parts" in opts and results.exists():  # a partial run updates the parts it ran
+        res = {**json.loads(results.read_text()), **res}
+    results.write_text(json.dumps(res, indent=2))
     if "--write-docs" in args:
-        made = plot(samples, root / "docs" / PNG)
+        png = root / "docs" / PNG
+        made = plot(samples, png) if samples else png.exists()
         splice(root / "docs" / "benchmarks.md", section(res, PNG if made else None))
     print(json.dumps(res, indent=2), flush=True)
 
