@@ -410,7 +410,8 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, Any, bool]]:
     if o:
         rows.append(
             (
-                "engine overhead: router CPU/request least_load / least_inflight",
+                "engine overhead: router CPU/request least_load / least_inflight "
+                f"(A/A noise on this run: {o.get('aa_ratio')})",
                 "<= 1.05",
                 o["ratio"],
                 o["ratio"] <= 1.05,
