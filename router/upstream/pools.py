@@ -12,6 +12,9 @@ import httpx
 
 from router.core.backend import Backend
 from router.core.settings import PoolLimits, Timeouts
+import os
+
+from router.upstream.aio import AiohttpTransport
 from router.upstream.transport import LeanTransport
 
 
@@ -28,13 +31,17 @@ class NoCookies(httpx.Cookies):
 
 def make_client(
     backend: Backend, timeouts: Timeouts, limits: PoolLimits
-) -> tuple[httpx.AsyncClient, LeanTransport]:
+) -> tuple[httpx.AsyncClient, LeanTransport | AiohttpTransport]:
     pool_limits = httpx.Limits(
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive,
         keepalive_expiry=limits.keepalive_expiry,
     )
-    transport = LeanTransport(pool_limits)
+    transport: LeanTransport | AiohttpTransport
+    if os.environ.get("SLUICEGATE_AB_TRANSPORT") == "lean":
+        transport = LeanTransport(pool_limits)
+    else:
+        transport = AiohttpTransport(pool_limits)
     client = httpx.AsyncClient(
         base_url=backend.url,
         timeout=httpx.Timeout(
@@ -65,7 +72,7 @@ class Pools:
 
     def request(
         self, backend: Backend, path: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> tuple[LeanTransport, httpx.Request]:
+    ) -> tuple[LeanTransport | AiohttpTransport, httpx.Request]:
         """The pool for `backend` and a POST to `path` on it, built without re-parsing URLs.
 
         The proxy sends through the pool's transport directly: the client's own layers (auth,
@@ -114,5 +121,5 @@ class _Pool:
     url: str
     query: tuple[tuple[str, str], ...]
     client: httpx.AsyncClient
-    transport: LeanTransport
+    transport: LeanTransport | AiohttpTransport
     urls: dict[str, httpx.URL] = field(default_factory=dict)  # request path -> full URL
