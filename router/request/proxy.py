@@ -40,6 +40,7 @@ from router.registry.fleet import Registry
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
 from router.upstream.pools import Pools
+from router.upstream.transport import InvalidResponse
 
 log = logging.getLogger("sluicegate.request")
 
@@ -348,6 +349,7 @@ class ProxyCall(Response):
                 rec.status = status
                 await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
+                rec.bytes_out = len(body)
                 return
             raise last.error
         except ProxyError as exc:
@@ -389,12 +391,15 @@ class ProxyCall(Response):
                     UpstreamTimeout(f"Backend `{backend.name}` did not answer in time.")
                 ) from exc
             except httpx.TransportError as exc:
+                # Also after the request was written: the transport never re-sends it, so the
+                # attempt counts (log, metrics, budget, health) and the retry goes elsewhere.
                 proxy.health.on_failure(backend.name, "connect")
-                raise _Retry(
-                    UpstreamConnectError(
-                        f"Backend `{backend.name}` closed the connection before answering."
-                    )
-                ) from exc
+                what = (
+                    "sent an invalid response"
+                    if isinstance(exc, InvalidResponse)
+                    else "closed the connection before answering"
+                )
+                raise _Retry(UpstreamConnectError(f"Backend `{backend.name}` {what}.")) from exc
 
             status = response.status_code
             if status >= 500 or status == 429:
@@ -442,17 +447,16 @@ class ProxyCall(Response):
         self, send: Send, response: httpx.Response, backend: Backend, streaming: bool
     ) -> None:
         rec = self._record
-        sent = 0
         tail = b"\n\n"
+        # `bytes` counts what the client was sent, also when it left mid-stream.
         try:
             async for chunk in response.stream:  # type: ignore[union-attr]
-                if sent == 0:
+                if rec.ttfb_ms is None:
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
-                sent += len(chunk)
                 tail = chunk[-2:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                rec.bytes_out += len(chunk)
         except (httpx.TimeoutException, httpx.TransportError) as exc:
-            rec.bytes_out = sent
             kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "mid_stream"
             rec.error = kind
             self._proxy.health.on_failure(backend.name, kind)
@@ -468,8 +472,8 @@ class ProxyCall(Response):
             if tail != b"\n\n":
                 event = b"\n\n" + event  # end the half event so the error parses on its own
             await send({"type": "http.response.body", "body": event, "more_body": False})
+            rec.bytes_out += len(event)
             return
-        rec.bytes_out = sent
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -12,9 +12,6 @@ import httpx
 
 from router.core.backend import Backend
 from router.core.settings import PoolLimits, Timeouts
-import os
-
-from router.upstream.aio import AiohttpTransport
 from router.upstream.transport import LeanTransport
 
 
@@ -31,17 +28,13 @@ class NoCookies(httpx.Cookies):
 
 def make_client(
     backend: Backend, timeouts: Timeouts, limits: PoolLimits
-) -> tuple[httpx.AsyncClient, LeanTransport | AiohttpTransport]:
+) -> tuple[httpx.AsyncClient, LeanTransport]:
     pool_limits = httpx.Limits(
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive,
         keepalive_expiry=limits.keepalive_expiry,
     )
-    transport: LeanTransport | AiohttpTransport
-    if os.environ.get("SLUICEGATE_AB_TRANSPORT") == "lean":
-        transport = LeanTransport(pool_limits)
-    else:
-        transport = AiohttpTransport(pool_limits)
+    transport = LeanTransport(pool_limits)
     client = httpx.AsyncClient(
         base_url=backend.url,
         timeout=httpx.Timeout(
@@ -72,7 +65,7 @@ class Pools:
 
     def request(
         self, backend: Backend, path: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> tuple[LeanTransport | AiohttpTransport, httpx.Request]:
+    ) -> tuple[LeanTransport, httpx.Request]:
         """The pool for `backend` and a POST to `path` on it, built without re-parsing URLs.
 
         The proxy sends through the pool's transport directly: the client's own layers (auth,
@@ -121,5 +114,5 @@ class _Pool:
     url: str
     query: tuple[tuple[str, str], ...]
     client: httpx.AsyncClient
-    transport: LeanTransport | AiohttpTransport
+    transport: LeanTransport
     urls: dict[str, httpx.URL] = field(default_factory=dict)  # request path -> full URL
