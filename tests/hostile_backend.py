@@ -113,6 +113,8 @@ class HostileBackend:
             writer.write(b"HTTP/1.1 200 OK\r\n")
             try:
                 for i in range(200_000):  # ~8 MB at most
+                    if writer.transport.is_closing():
+                        raise ConnectionResetError
                     writer.write(b"x-flood-%06d: %s\r\n" % (i, b"v" * 24))
                     if i % 100 == 0:
                         await asyncio.wait_for(writer.drain(), 5)

@@ -54,7 +54,6 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
-        self.reused = False
         self.counted = True  # still counted against the owner's connection cap
         self.idle_since = 0.0
         self.last_rx = 0.0
@@ -70,7 +69,6 @@ class _Conn(asyncio.Protocol):
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.complete = False
-        self.got_bytes = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
@@ -88,7 +86,6 @@ class _Conn(asyncio.Protocol):
             self.reusable = False
             self.close()
             return
-        self.got_bytes = True
         self.last_rx = time.monotonic()
         head_pending = not self.status
         try:
@@ -371,7 +368,6 @@ class LeanTransport(httpx.AsyncBaseTransport):
             ):
                 conn.close()
                 continue
-            conn.reused = True
             return conn
         if self._count >= self._max:
             waiter = asyncio.get_running_loop().create_future()
