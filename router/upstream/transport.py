@@ -10,8 +10,8 @@ from one socket read reaches the proxy as one piece (so it becomes one client wr
 Semantics kept from httpx: `Timeout(connect, read, write, pool)` (read = longest silence),
 `Limits(max_connections, max_keepalive_connections, keepalive_expiry)`, and the exceptions
 (ConnectError, ConnectTimeout, ReadTimeout, WriteTimeout, PoolTimeout, RemoteProtocolError,
-ReadError), plus `InvalidResponse` (a `RemoteProtocolError`) for an answer a proxy must not relay:
-a head over `MAX_HEAD_BYTES` or `MAX_HEADERS`, a 101, a status outside 100-599. Closing a
+ReadError), plus `InvalidUpstreamResponse` (a `RemoteProtocolError`) for an answer a proxy must
+not relay: a head over `MAX_HEAD_BYTES` or `MAX_HEADERS`, a 101, a status outside 100-599. Closing a
 response before its end resets the connection, so the backend sees the client leave; a completed
 response returns its connection to the pool. Reading pauses while more than `HIGH_WATER` bytes
 wait for a slow consumer, so backpressure reaches the backend.
@@ -36,14 +36,12 @@ from collections import deque
 import httptools
 import httpx
 
+from router.core.errors import InvalidUpstreamResponse
+
 HIGH_WATER = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 100
 _LINGER_RESET = struct.pack("ii", 1, 0)
-
-
-class InvalidResponse(httpx.RemoteProtocolError):
-    """The backend answered something a proxy must not relay (the connection is dropped)."""
 
 
 class _Conn(asyncio.Protocol):
@@ -91,22 +89,22 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(InvalidResponse("backend switched protocols (101)"))
+            self._fail(InvalidUpstreamResponse("backend switched protocols (101)"))
             self.abort()
             return
         except httptools.HttpParserError as exc:
             cause = exc.__context__
-            if isinstance(cause, InvalidResponse):
+            if isinstance(cause, InvalidUpstreamResponse):
                 self._fail(cause)
             else:
-                self._fail(InvalidResponse(f"malformed upstream response: {exc}"))
+                self._fail(InvalidUpstreamResponse(f"malformed upstream response: {exc}"))
             self.abort()
             return
         if head_pending and not self.status:
             # Bounded however the head is sliced: the parser holds at most this much of it.
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEAD_BYTES:
-                self._fail(InvalidResponse("backend sent a response head over 64 KiB"))
+                self._fail(InvalidUpstreamResponse("backend sent a response head over 64 KiB"))
                 self.abort()
                 return
         self._wake()
@@ -146,15 +144,15 @@ class _Conn(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head_size += len(name) + len(value) + 4
         if len(self.headers) >= MAX_HEADERS:
-            raise InvalidResponse(f"backend sent more than {MAX_HEADERS} response headers")
+            raise InvalidUpstreamResponse(f"backend sent more than {MAX_HEADERS} response headers")
         if self.head_size > MAX_HEAD_BYTES:
-            raise InvalidResponse("backend sent a response head over 64 KiB")
+            raise InvalidUpstreamResponse("backend sent a response head over 64 KiB")
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         if status == 101 or not 100 <= status <= 599:
-            raise InvalidResponse(f"backend answered with status {status}")
+            raise InvalidUpstreamResponse(f"backend answered with status {status}")
         if status < 200:  # 1xx: informational, the real answer follows
             self.headers = []
             self.head_size = 0
