@@ -10,6 +10,8 @@ Modes (the `model` of a POST; unknown names behave like `ok`):
     ok-then-junk  answers like `ok`, then writes part of a stray response on the idle connection
     head-flood    a status line, then headers without end (until the peer drops it, or 8 MB)
     many-headers  a complete head with 101 headers
+    hundred       a complete head with exactly 100 headers (the most a router should take)
+    early-hints   a `103 Early Hints` head, then the answer of `ok`
     big-head      a complete head of about 80 KiB in 3 headers
     status-600    `HTTP/1.1 600 Weird`, a small body
     status-101    `HTTP/1.1 101 Switching Protocols`
@@ -124,6 +126,18 @@ class HostileBackend:
         if mode == "many-headers":
             extra = b"".join(b"x-h%03d: v\r\n" % i for i in range(101))
             writer.write(b"HTTP/1.1 200 OK\r\n" + extra + b"content-length: 2\r\n\r\n{}")
+        elif mode == "hundred":
+            extra = b"".join(b"x-h%03d: v\r\n" % i for i in range(98))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\n"
+                + extra
+                + b"content-type: text/plain\r\ncontent-length: 2\r\n\r\nhi"
+            )
+        elif mode == "early-hints":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n")
+            await writer.drain()
+            events = SSE_EVENT * 3 + b"data: [DONE]\n\n"
+            writer.write(_chunked_head() + _chunk(events) + b"0\r\n\r\n")
         elif mode == "big-head":
             extra = b"".join(b"x-big%d: %s\r\n" % (i, b"v" * 27000) for i in range(3))
             writer.write(b"HTTP/1.1 200 OK\r\n" + extra + b"content-length: 2\r\n\r\n{}")
