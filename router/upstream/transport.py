@@ -67,6 +67,7 @@ class _Conn(asyncio.Protocol):
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.complete = False
+        self.in_body = False  # between the final head and the end of the message
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
@@ -78,6 +79,22 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_body:
+            self._data_outside_body(data)
+            return
+        # The hot path, once per upstream read of a body: no more work than parsing it.
+        self.last_rx = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._parse_failed(exc)
+            return
+        self._wake()
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _data_outside_body(self, data: bytes) -> None:
         if self.headers_done is None or self.complete:
             # Bytes nobody asked for (idle, or after the response ended): this connection's
             # framing can no longer be trusted, so it carries nothing more.
@@ -85,22 +102,12 @@ class _Conn(asyncio.Protocol):
             self.close()
             return
         self.last_rx = time.monotonic()
-        head_pending = not self.status
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(InvalidUpstreamResponse("backend switched protocols (101)"))
-            self.abort()
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._parse_failed(exc)
             return
-        except httptools.HttpParserError as exc:
-            cause = exc.__context__
-            if isinstance(cause, InvalidUpstreamResponse):
-                self._fail(cause)
-            else:
-                self._fail(InvalidUpstreamResponse(f"malformed upstream response: {exc}"))
-            self.abort()
-            return
-        if head_pending and not self.status:
+        if not self.status:
             # Bounded however the head is sliced: the parser holds at most this much of it.
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEAD_BYTES:
@@ -111,6 +118,16 @@ class _Conn(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
+
+    def _parse_failed(self, exc: Exception) -> None:
+        cause = exc.__context__
+        if isinstance(exc, httptools.HttpParserUpgrade):
+            self._fail(InvalidUpstreamResponse("backend switched protocols (101)"))
+        elif isinstance(cause, InvalidUpstreamResponse):
+            self._fail(cause)
+        else:
+            self._fail(InvalidUpstreamResponse(f"malformed upstream response: {exc}"))
+        self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -141,6 +158,10 @@ class _Conn(asyncio.Protocol):
             self.write_waiter.set_result(None)
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer in the same read: nobody asked for it
+            raise InvalidUpstreamResponse("backend sent bytes after its response")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head_size += len(name) + len(value) + 4
         if len(self.headers) >= MAX_HEADERS:
@@ -158,6 +179,7 @@ class _Conn(asyncio.Protocol):
             self.head_size = 0
             return
         self.status = status
+        self.in_body = True
         # Read here: the parser's answer is only meaningful while this message is current.
         self.reusable = self.parser.should_keep_alive()
         if self.headers_done is not None and not self.headers_done.done():
@@ -170,6 +192,7 @@ class _Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self.status:
             self.complete = True
+            self.in_body = False
 
     # helpers
     def _fail(self, exc: Exception) -> None:
