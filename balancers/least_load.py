@@ -1,14 +1,15 @@
 """Least engine load relative to weight, from what each vLLM/SGLang engine reports.
 
-score = (running + dispatched + QUEUE_WEIGHT x waiting + KV_WEIGHT x kv_pressure) / weight
+score = (max(0, running + QUEUE_WEIGHT x waiting + ours_since) + KV_WEIGHT x kv_usage) / weight
 
 - running, waiting: the engine's own batch and queue (everyone's requests, also those that
   never passed through this router); a waiting request costs QUEUE_WEIGHT running ones, since a
   newcomer waits behind all of them before its first token;
-- dispatched: requests this balancer sent to that backend since that reading was taken, so a
-  burst between two scrapes spreads out instead of landing on the engine that looked idle;
-- kv_pressure = max(0, kv_usage - KV_KNEE) / (1 - KV_KNEE): 0 while the KV cache has room, 1
-  when full (a full cache admits nothing and preempts);
+- ours_since: how far sluicegate's own in-flight count for that backend (`Candidate.inflight`,
+  shared across replicas with the Redis store) has moved since this balancer first saw that
+  reading: requests dispatched since count, requests finished since are taken off, so a burst
+  between two scrapes spreads out instead of landing on the engine that looked idle;
+- kv_usage: the share of the KV cache in use (0..1); a full cache admits nothing and preempts;
 - a backend without a reading (not scraped, `kind: openai`) scores its in-flight count, which is
   in the same unit (requests); a stale reading ranks after every fresh one ("most loaded"),
   and among stale ones the in-flight count decides.
@@ -39,7 +40,8 @@ class LeastLoad:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
         self._fallback = LeastInflight(self._rng)
-        self._since: dict[str, tuple[int, int]] = {}  # backend -> (reading seq, dispatched)
+        # backend -> (reading seq, our in-flight count when that reading was first seen)
+        self._base: dict[str, tuple[int, int]] = {}
 
     def score(self, c: Candidate) -> float:
         r = c.engine
@@ -47,11 +49,15 @@ class LeastLoad:
             return c.inflight / c.weight
         if r.stale:
             return _STALE
-        seq, dispatched = self._since.get(c.name, (-1, 0))
-        if seq != r.seq:
-            dispatched = 0
-        load = r.running + dispatched + QUEUE_WEIGHT * r.waiting + KV_WEIGHT * r.kv_usage
-        return load / c.weight
+        base = self._base.get(c.name)
+        if base is None or base[0] != r.seq:
+            if len(self._base) > 4096:  # backends come and go; keep what is recent
+                self._base.clear()
+            base = self._base[c.name] = (r.seq, c.inflight)
+        load = r.running + QUEUE_WEIGHT * r.waiting + (c.inflight - base[1])
+        if load < 0.0:
+            load = 0.0
+        return (load + KV_WEIGHT * r.kv_usage) / c.weight
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
@@ -64,9 +70,7 @@ class LeastLoad:
                 break
         else:
             return self._fallback.pick(pool)
-        picked = pool[0] if len(pool) == 1 else self._choose(pool)
-        self._count(picked)
-        return picked
+        return pool[0] if len(pool) == 1 else self._choose(pool)
 
     def _choose(self, pool: Sequence[Candidate]) -> Candidate:
         if len(pool) > EXACT_SCAN_MAX:
@@ -83,12 +87,3 @@ class LeastLoad:
         if len(tied) == 1:
             return tied[0]
         return weighted_choice(tied, self._rng.random())
-
-    def _count(self, c: Candidate) -> None:
-        r = c.engine
-        if r is None or r.stale:
-            return
-        seq, n = self._since.get(c.name, (-1, 0))
-        self._since[c.name] = (r.seq, n + 1 if seq == r.seq else 1)
-        if len(self._since) > 4096:  # backends come and go; keep what is recent
-            self._since.clear()

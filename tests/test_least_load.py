@@ -59,14 +59,22 @@ def test_stale_reading_ranks_last_never_idle() -> None:
 
 
 def test_a_burst_between_two_readings_spreads_out() -> None:
-    bal = LeastLoad(random.Random(1))
-    cands = [Candidate(n, 1.0, 0, reading(running=r)) for n, r in (("a", 0), ("b", 2), ("c", 4))]
-    got = Counter(bal.pick(cands).name for _ in range(12))  # type: ignore[union-attr]
-    # Counting its own dispatches since the reading, it levels the three at 8 each.
-    assert got == {"a": 6, "b": 4, "c": 2}
-    # A new reading (seq 2) already includes those requests: the count starts over.
-    fresh = [Candidate(n, 1.0, 0, reading(running=8, seq=2)) for n in ("a", "b", "c")]
-    assert Counter(bal.pick(fresh).name for _ in range(3)) == {"a": 1, "b": 1, "c": 1}  # type: ignore[union-attr]
+    store, bal = LocalInflight(), LeastLoad(random.Random(1))
+    backends = _backends("a", "b", "c")
+    readings = {"a": reading(running=0), "b": reading(running=2), "c": reading(running=4)}
+    leases = [store.acquire_now(backends, bal, set(), readings) for _ in range(12)]
+    # Counting its own requests since the reading, it levels the three at 8 each.
+    assert Counter(x.backend for x in leases if x) == {"a": 6, "b": 4, "c": 2}
+    # Requests that finished since the reading free their place again.
+    for lease in leases:
+        if lease and lease.backend == "a":
+            store.release(lease)
+    more = [store.acquire_now(backends, bal, set(), readings) for _ in range(6)]
+    assert Counter(x.backend for x in more if x) == {"a": 6}
+    # A new reading (seq 2) already includes those requests: counting starts over from it.
+    fresh = {n: reading(running=8, seq=2) for n in ("a", "b", "c")}
+    again = [store.acquire_now(backends, bal, set(), fresh) for _ in range(3)]
+    assert Counter(x.backend for x in again if x) == {"a": 1, "b": 1, "c": 1}
 
 
 def test_weight_scales_the_score() -> None:
