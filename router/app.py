@@ -101,7 +101,12 @@ def create_app(settings: Settings) -> FastPath:
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
 
     registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
-    fleet = Fleet(registry, settings.backends, _record_store(settings))
+    fleet = Fleet(
+        registry,
+        settings.backends,
+        _record_store(settings),
+        on_invalid=lambda _name: metrics.invalid_records.inc(),
+    )
     admin_auth = AdminAuth(settings.admin_token)
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
     metrics.backends_known([b.name for b in backends])

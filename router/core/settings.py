@@ -15,7 +15,6 @@ import contextvars
 import os
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -28,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from router.core.validation import check_header_name, check_header_value, check_url
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
@@ -113,25 +114,51 @@ class BackendConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        parsed = urlsplit(v)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        if parsed.query or parsed.fragment:
-            raise ValueError("must not carry a query or fragment (use `query:`)")
-        return v.rstrip("/")
+        return check_url(v).rstrip("/")
+
+    @field_validator("headers")
+    @classmethod
+    def _wire_headers(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            check_header_name(name)
+            try:
+                check_header_value(value)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        return v
+
+    @field_validator("key_header")
+    @classmethod
+    def _key_header_token(cls, v: str) -> str:
+        return check_header_name(v)
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_on_the_wire(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            check_header_value(v.get_secret_value())
+        return v
 
     @model_validator(mode="after")
     def _key_source(self) -> BackendConfig:
         if self.api_key is not None and self.api_key_env:
             raise ValueError("give api_key or api_key_env, not both")
+        if self.api_key_env:
+            try:
+                self.resolved_key()
+            except ValueError as exc:
+                raise ValueError(f"api_key_env: {exc}") from None
         return self
 
     def resolved_key(self) -> str | None:
-        """The backend's key: the value given, or the named variable's value at startup."""
+        """The backend's key: the value given, or the named variable's value at startup.
+        Raises ValueError when the variable holds what a header cannot carry."""
         if self.api_key is not None:
             return self.api_key.get_secret_value()
         if self.api_key_env:
-            return os.environ.get(self.api_key_env) or None
+            # Read at run time, so checked here too: a variable can differ between replicas.
+            key = os.environ.get(self.api_key_env) or None
+            return check_header_value(key) if key is not None else None
         return None
 
 
