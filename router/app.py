@@ -20,7 +20,7 @@ from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import error_response
 from router.core.settings import Settings
-from router.ops.logs import register_secret
+from router.ops.logs import count_drops, register_secret, secret_header
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.registry.admin import admin_routes
 from router.registry.fleet import (
@@ -85,6 +85,7 @@ def create_app(settings: Settings) -> FastPath:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
     metrics = Metrics()
+    count_drops(metrics.log_dropped.inc)
     health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
     monitor = HealthMonitor(health)
 
@@ -94,7 +95,9 @@ def create_app(settings: Settings) -> FastPath:
             *(
                 v.decode("latin-1").split(" ")[-1]
                 for b in snapshot.backends
-                for _, v in b.auth_headers
+                for k, v in b.auth_headers
+                if (name := k.decode("latin-1")) == b.key_header
+                or secret_header(name, v.decode("latin-1"))
             )
         )
         health.sync(snapshot.backends)

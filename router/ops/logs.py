@@ -1,22 +1,37 @@
 """Structured logging: one JSON object per line, fields passed as `extra={"fields": {...}}`.
 
+Logging never blocks the request path: a log call only puts the record on a bounded queue; a
+writer thread formats it and writes it to stderr. When the queue is full (stderr stalled, as a
+slow container log driver does) the record is dropped and counted (`dropped`, exported as
+`sluicegate_log_dropped_total`), never waited for. `stop()` (also at exit) flushes what is queued,
+waiting at most a few seconds for a stalled stderr.
+
 Every line, ours and uvicorn's, goes through `JsonFormatter`, which redacts secrets as the last
 step: the exact values the router knows (backend keys, admin token, client keys, Redis password,
 collected by `secrets_of(settings)`), values under secret-looking field names, `Bearer` tokens,
 `sk-...` keys and passwords in URLs. A secret can reach a log line only by being none of these.
+
+A backend's extra `headers` are mostly ordinary (`x-ms-client-request-source: sluicegate`), so a
+header value counts as a secret only when (`secret_header`) its name looks secret (auth, key,
+token, secret, password, credential, cookie, signature, session) or the value looks like a
+credential: a `Bearer`/`Basic` token, an `sk-` key, or an opaque string of 16+ characters with
+no spaces that mixes letters and digits.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import logging
+import logging.handlers
 import os
+import queue
 import re
 import sys
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pydantic import BaseModel, SecretStr
@@ -32,6 +47,22 @@ _SECRET_FIELD = re.compile(
 @functools.lru_cache(maxsize=1024)  # field names come from code: a small, fixed set
 def _secret_field(name: str) -> bool:
     return _SECRET_FIELD.match(name) is not None
+
+
+_SECRET_HEADER_NAME = re.compile(
+    r"(?i)(auth|key|token|secret|passw|credential|cookie|signature|session)"
+)
+_CREDENTIAL_VALUE = re.compile(r"(?i)^(bearer|basic)\s+\S|^sk-[A-Za-z0-9_-]{8,}$")
+_OPAQUE_VALUE = re.compile(r"^(?=.*[A-Za-z])(?=.*[0-9])\S{16,}$")
+
+
+def secret_header(name: str, value: str) -> bool:
+    """Is a configured header's value a secret to redact? (The rule is in the docstring.)"""
+    return bool(
+        _SECRET_HEADER_NAME.search(name)
+        or _CREDENTIAL_VALUE.search(value)
+        or _OPAQUE_VALUE.match(value)
+    )
 
 
 # (cheap substring that must be present, pattern, replacement): the substring test keeps the
@@ -96,7 +127,8 @@ class JsonFormatter(logging.Formatter):
 
 def secrets_of(settings: BaseModel) -> list[str]:
     """Every secret value in the settings: SecretStr fields anywhere, backend keys (also those
-    read from `api_key_env`), backend header values, and the password of any URL."""
+    read from `api_key_env`), secret-looking backend header values, and the password of any
+    URL."""
     found: list[str] = []
 
     def walk(value: Any) -> None:
@@ -116,7 +148,7 @@ def secrets_of(settings: BaseModel) -> list[str]:
                     found.append(key)
             headers = getattr(value, "headers", None)
             if isinstance(headers, dict):
-                found.extend(str(v) for v in headers.values())
+                found.extend(str(v) for k, v in headers.items() if secret_header(str(k), str(v)))
         elif isinstance(value, dict):
             for v in value.values():
                 walk(v)
@@ -135,10 +167,78 @@ def register_secret(*values: str) -> None:
             handler.formatter.add(*values)
 
 
+# Records waiting for the writer: about a minute of a busy router's lines, a few MB at most.
+QUEUE_SIZE = 10_000
+FLUSH_TIMEOUT = 3.0
+
+
+class _DroppingQueueHandler(logging.handlers.QueueHandler):
+    """Puts records on the bounded queue without waiting; counts what did not fit."""
+
+    def __init__(self, q: queue.Queue[Any]) -> None:
+        super().__init__(q)
+        self.dropped = 0
+        self.on_drop: Callable[[], None] | None = None
+        self.listener: _Writer | None = None
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        # Formatting (JSON, redaction) happens in the writer thread; only pin the message now,
+        # as its arguments may change after the call returns.
+        record.msg = record.getMessage()
+        record.args = None
+        return record
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+            if self.on_drop is not None:
+                self.on_drop()
+
+
+class _Writer(logging.handlers.QueueListener):
+    def stop(self) -> None:
+        """Flush what is queued, waiting at most FLUSH_TIMEOUT for a stalled stderr."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._thread = None
+        try:
+            self.queue.put(self._sentinel, timeout=FLUSH_TIMEOUT)
+        except queue.Full:
+            return  # the writer is stuck on stderr; it is a daemon thread and dies with us
+        thread.join(FLUSH_TIMEOUT)
+
+
+def count_drops(callback: Callable[[], None]) -> None:
+    """Call `callback` for every record dropped from now on, after once per earlier drop."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _DroppingQueueHandler):
+            for _ in range(handler.dropped):
+                callback()
+            handler.on_drop = callback
+
+
+def stop() -> None:
+    """Flush and stop the writer (bounded wait); later records go nowhere until configure()."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _DroppingQueueHandler) and handler.listener is not None:
+            handler.listener.stop()
+            handler.listener = None
+
+
 def configure(level: str, secrets: Iterable[str] = ()) -> None:
     """JSON lines on stderr for our loggers and uvicorn's; `level` applies to both."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(secrets))
+    stop()  # a previous configure() in this process (e.g. `serve`, then the app factory)
+    formatter = JsonFormatter(secrets)
+    out = logging.StreamHandler(sys.stderr)
+    out.setFormatter(formatter)
+    q: queue.Queue[Any] = queue.Queue(QUEUE_SIZE)
+    handler = _DroppingQueueHandler(q)
+    handler.setFormatter(formatter)  # the one register_secret() adds to; `out` shares it
+    handler.listener = _Writer(q, out)
+    handler.listener.start()
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
@@ -148,3 +248,6 @@ def configure(level: str, secrets: Iterable[str] = ()) -> None:
         logger.setLevel(level.upper())
         logger.propagate = True
     logging.Formatter.converter = time.gmtime
+
+
+atexit.register(stop)
