@@ -197,6 +197,29 @@ class _DroppingQueueHandler(logging.handlers.QueueHandler):
                 self.on_drop()
 
 
+class _FdHandler(logging.Handler):
+    """Writes each line straight to a file descriptor: a write stuck on a stalled pipe then holds
+    no Python-level lock, so the interpreter can still exit (flushing a buffered sys.stderr
+    held by a stuck thread aborts it)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def createLock(self) -> None:  # noqa: N802 (logging's name)
+        # Only the writer thread emits. Without a lock, logging.shutdown() at exit cannot hang
+        # on one held by a write stuck on a stalled pipe.
+        self.lock = None  # type: ignore[assignment]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            data = (self.format(record) + "\n").encode("utf-8", "replace")
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except Exception:
+            self.handleError(record)
+
+
 class _Writer(logging.handlers.QueueListener):
     def stop(self) -> None:
         """Flush what is queued, waiting at most FLUSH_TIMEOUT for a stalled stderr."""
@@ -232,7 +255,12 @@ def configure(level: str, secrets: Iterable[str] = ()) -> None:
     """JSON lines on stderr for our loggers and uvicorn's; `level` applies to both."""
     stop()  # a previous configure() in this process (e.g. `serve`, then the app factory)
     formatter = JsonFormatter(secrets)
-    out = logging.StreamHandler(sys.stderr)
+    out: logging.Handler
+    try:
+        sys.stderr.flush()
+        out = _FdHandler(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real file (e.g. captured)
+        out = logging.StreamHandler(sys.stderr)
     out.setFormatter(formatter)
     q: queue.Queue[Any] = queue.Queue(QUEUE_SIZE)
     handler = _DroppingQueueHandler(q)
