@@ -39,7 +39,7 @@ def test_a_stalled_stderr_drops_and_counts_never_blocks(
     root_logging: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     read_fd, write_fd = os.pipe()  # nobody reads until the end: a stalled log consumer
-    stalled = open(write_fd, "w", closefd=True)  # noqa: SIM115
+    stalled = open(write_fd, "w", closefd=True)
     monkeypatch.setattr(sys, "stderr", stalled)
     logs.configure("info")
     counted: list[int] = []
@@ -118,8 +118,18 @@ def test_router_with_a_stalled_stderr_keeps_serving(procs: Cluster) -> None:
     router: subprocess.Popen[bytes] | None = None
     try:
         router = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
-            + ["--port", str(port), "--host", "127.0.0.1"],
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "serve",
+                "--config",
+                str(config),
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=consumer.stdin,
             stdin=subprocess.DEVNULL,

@@ -206,7 +206,7 @@ class _FdHandler(logging.Handler):
         super().__init__()
         self._fd = fd
 
-    def createLock(self) -> None:  # noqa: N802 (logging's name)
+    def createLock(self) -> None:
         # Only the writer thread emits. Without a lock, logging.shutdown() at exit cannot hang
         # on one held by a write stuck on a stalled pipe.
         self.lock = None  # type: ignore[assignment]
