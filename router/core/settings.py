@@ -58,6 +58,9 @@ class PoolLimits(_Strict):
 
 class HealthConfig(_Strict):
     interval: float = Field(5.0, gt=0)
+    # While a backend is out of rotation (ejected or failing probes), probe it this often so a
+    # restarted one is back within seconds (Envoy's unhealthy_interval).
+    unhealthy_interval: float = Field(1.0, gt=0)
     timeout: float = Field(2.0, gt=0)
     unhealthy_threshold: int = Field(3, ge=1)
     healthy_threshold: int = Field(2, ge=1)
