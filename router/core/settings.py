@@ -56,6 +56,14 @@ class PoolLimits(_Strict):
     keepalive_expiry: float = Field(30.0, ge=0)
 
 
+class ServerConfig(_Strict):
+    """Client connections (per worker process)."""
+
+    header_timeout: float = Field(10.0, gt=0)  # a request head must be complete within this
+    keepalive_timeout: float = Field(5.0, gt=0)  # an idle kept-alive connection is closed
+    max_connections: int = Field(10_000, ge=1)  # past this, new connections get 503 and close
+
+
 class HealthConfig(_Strict):
     interval: float = Field(5.0, gt=0)
     # While a backend is out of rotation (ejected or failing probes), probe it this often so a
@@ -236,6 +244,7 @@ class Settings(BaseSettings):
     model_balancers: dict[str, str] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
     limits: PoolLimits = PoolLimits()
+    server: ServerConfig = ServerConfig()
     health: HealthConfig = HealthConfig()
     outlier: OutlierConfig = OutlierConfig()
     retries: RetryConfig = RetryConfig()

@@ -209,7 +209,7 @@ class _FdHandler(logging.Handler):
     def createLock(self) -> None:
         # Only the writer thread emits. Without a lock, logging.shutdown() at exit cannot hang
         # on one held by a write stuck on a stalled pipe.
-        self.lock = None  # type: ignore[assignment]
+        self.lock = None
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -221,6 +221,10 @@ class _FdHandler(logging.Handler):
 
 
 class _Writer(logging.handlers.QueueListener):
+    def __init__(self, q: queue.Queue[Any], handler: logging.Handler) -> None:
+        super().__init__(q, handler)
+        self._q = q
+
     def stop(self) -> None:
         """Flush what is queued, waiting at most FLUSH_TIMEOUT for a stalled stderr."""
         thread = self._thread
@@ -228,7 +232,7 @@ class _Writer(logging.handlers.QueueListener):
             return
         self._thread = None
         try:
-            self.queue.put(self._sentinel, timeout=FLUSH_TIMEOUT)
+            self._q.put(None, timeout=FLUSH_TIMEOUT)  # QueueListener's end-of-queue sentinel
         except queue.Full:
             return  # the writer is stuck on stderr; it is a daemon thread and dies with us
         thread.join(FLUSH_TIMEOUT)
