@@ -162,3 +162,26 @@ def test_router_with_a_stalled_stderr_keeps_serving(procs: Cluster) -> None:
         if consumer.stdin is not None:
             consumer.stdin.close()
         Path(config).unlink(missing_ok=True)
+
+
+def test_lines_logged_while_draining_on_sigterm_are_written(procs: Cluster) -> None:
+    mock = procs.mock("slow", tokens=8, itl_ms=100)
+    router = procs.router({"backends": [backend("a", mock)]})
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    done: list[int] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=10) as r:
+            done.append(sum(len(c) for c in r.iter_bytes()))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.3)  # the stream is under way
+    router.signal(signal.SIGTERM)
+    t.join(10)
+    assert done and done[0] > 0
+    assert router.popen.wait(15) == 0
+    lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
+    # The request that finished during the drain, and the server's last words, made it out.
+    assert any(line["msg"] == "request" and line.get("status") == 200 for line in lines)
+    assert lines[-1]["msg"].startswith("Finished server process")
