@@ -138,6 +138,15 @@ class BackendConfig(_Strict):
                 raise ValueError(f"{name}: {exc}") from None
         return v
 
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_key_on_the_wire(cls, v: str | None) -> str | None:
+        # Checked where it is read: at startup, on an admin call, and on every replica that
+        # builds the backend from a shared record.
+        if v and (key := os.environ.get(v)):
+            check_header_value(key)
+        return v
+
     @field_validator("key_header")
     @classmethod
     def _key_header_token(cls, v: str) -> str:
@@ -154,11 +163,6 @@ class BackendConfig(_Strict):
     def _key_source(self) -> BackendConfig:
         if self.api_key is not None and self.api_key_env:
             raise ValueError("give api_key or api_key_env, not both")
-        if self.api_key_env:
-            try:
-                self.resolved_key()
-            except ValueError as exc:
-                raise ValueError(f"api_key_env: {exc}") from None
         return self
 
     def resolved_key(self) -> str | None:

@@ -296,9 +296,11 @@ class Fleet:
             return BackendConfig.model_validate({**config_to_json(cfg), **patch})
         except ValidationError:
             # The file changed under a stored patch so they no longer fit: the file wins.
-            log.warning(
+            log.error(
                 "stored patch no longer fits the file entry", extra={"fields": {"name": name}}
             )
+            if self._on_invalid is not None:
+                self._on_invalid(name)
             return cfg
 
     def _live(self, name: str, rec: Record | None) -> bool:
