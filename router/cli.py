@@ -130,7 +130,8 @@ def serve(settings: Settings) -> None:
             log_config=None,  # ours (router.ops.logs): JSON lines with secrets redacted
             log_level=settings.log_level,
             timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
-            timeout_keep_alive=settings.server.keepalive_timeout,
+            # Annotated int by uvicorn, used as call_later()'s float seconds.
+            timeout_keep_alive=settings.server.keepalive_timeout,  # type: ignore[arg-type]
         )
 
 
