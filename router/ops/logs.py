@@ -4,7 +4,8 @@ Logging never blocks the request path: a log call only puts the record on a boun
 writer thread formats it and writes it to stderr. When the queue is full (stderr stalled, as a
 slow container log driver does) the record is dropped and counted (`dropped`, exported as
 `sluicegate_log_dropped_total`), never waited for. `stop()` (also at exit) flushes what is queued,
-waiting at most a few seconds for a stalled stderr.
+waiting at most a few seconds for a stalled stderr. Records are formatted in the writer, up to
+`WRITE_EVERY` later: pass `fields` a fresh dict, not one the caller changes afterwards.
 
 Every line, ours and uvicorn's, goes through `JsonFormatter`, which redacts secrets as the last
 step: the exact values the router knows (backend keys, admin token, client keys, Redis password,
