@@ -17,7 +17,7 @@ import pytest
 
 from tests.harness import Cluster, Proc, backend
 
-HEADER_TIMEOUT = 1.0
+HEADER_TIMEOUT = 2.0  # long enough for the cap test to hold its idle sockets
 KEEPALIVE = 0.5
 MAX_CONNECTIONS = 5
 
