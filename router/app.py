@@ -21,6 +21,7 @@ from router.core.backend import Backend
 from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
 from router.core.settings import Settings
 from router.ops.logs import count_drops, register_secret, secret_header
+from router.ops.logs import stop as stop_logging
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.registry.admin import admin_routes
 from router.registry.fleet import (
@@ -170,6 +171,9 @@ def create_app(settings: Settings) -> FastPath:
             await monitor.aclose()
             await pools.aclose()
             await store.aclose()
+            # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the
+            # queued log lines now (bounded wait).
+            stop_logging()
 
     app = FastAPI(
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import select
 import sys
 import threading
 import time
@@ -199,6 +200,9 @@ class _QueuedHandler(logging.Handler):
         self.lock = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self._stopping.is_set() and not self._thread.is_alive():
+            self._write_now(record)
+            return
         if len(self.pending) >= self.maxsize:
             self.dropped += 1
             if self.on_drop is not None:
@@ -236,8 +240,24 @@ class _QueuedHandler(logging.Handler):
             except OSError:
                 pass  # stderr is gone: nowhere left to say so
 
+    def _write_now(self, record: logging.LogRecord) -> None:
+        # After stop(): the process is on its way out (a uvicorn worker may then end by its
+        # re-raised SIGTERM, with no atexit), so write at once, if that cannot block.
+        try:
+            line = (self.format(record) + "\n").encode("utf-8", "replace")
+            if self._fd is None:
+                self._stream.write(line.decode("utf-8"))
+                self._stream.flush()
+            elif len(line) <= select.PIPE_BUF and select.select([], [self._fd], [], 0)[1]:
+                os.write(self._fd, line)  # writable: at least PIPE_BUF free, written whole
+            else:
+                self.dropped += 1
+        except Exception:
+            self.dropped += 1
+
     def stop(self) -> None:
-        """Write what is queued, waiting at most FLUSH_TIMEOUT for a stalled stderr."""
+        """Write what is queued, waiting at most FLUSH_TIMEOUT for a stalled stderr; records
+        logged afterwards are written at once when that cannot block, else dropped."""
         self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(FLUSH_TIMEOUT)
@@ -253,7 +273,8 @@ def count_drops(callback: Callable[[], None]) -> None:
 
 
 def stop() -> None:
-    """Flush and stop the writer (bounded wait); later records queue up unwritten."""
+    """Flush and stop the writer (bounded wait); later records are written at once when that
+    cannot block (the process is ending), else dropped. At exit, and at the app's shutdown."""
     for handler in logging.getLogger().handlers:
         if isinstance(handler, _QueuedHandler):
             handler.stop()
