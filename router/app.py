@@ -32,7 +32,8 @@ from router.registry.fleet import (
     RegistryError,
     Snapshot,
 )
-from router.request.proxy import Lifecycle, Proxy
+from router.request.drain import Lifecycle
+from router.request.proxy import Proxy
 from router.upstream.pools import Pools
 from router.web.api import FastPath, openai_routes, proxy_endpoints
 from router.web.auth import AdminAuth, ClientKeys
