@@ -218,6 +218,8 @@ class ProxyCall(Response):
                 proxy.metrics.attempt_failed(lease.backend, retry.kind)
                 exclude.add(lease.backend)  # the next attempt goes elsewhere
                 raise
+            finally:
+                trace.attempt_end(rec.error)
 
         try:
             try:
@@ -302,7 +304,6 @@ class ProxyCall(Response):
             if response is not None:
                 await response.aclose()
             proxy.store.release(lease)
-            self._trace.attempt_end(rec.error)
 
     async def _retryable_status(self, backend: Backend, response: httpx.Response) -> None:
         """Read the (small) error answer, note it, and hand it to the retry loop."""
