@@ -53,6 +53,7 @@ def _attrs(kvs: Any) -> dict[str, Any]:
 @dataclass
 class Receiver:
     mode: str = "ok"
+    port: int = 0  # 0: any free port
     spans: list[Span] = field(default_factory=list)
     exports: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -83,7 +84,7 @@ class Receiver:
             def log_message(self, format: str, *args: Any) -> None:
                 return None
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}"

@@ -248,31 +248,31 @@ def _stream_ok(router: Proc) -> float:
 
 def test_collector_down_or_hanging_never_touches_requests(procs: Cluster) -> None:
     up = procs.mock("up", tokens=4)
-    config = {"backends": [backend("up", up)]}
-    refused = procs.router(
-        {**config, "tracing": {"otlp_endpoint": f"http://127.0.0.1:{free_port()}"}}, env=FAST_EXPORT
+    port = free_port()
+    router = procs.router(
+        {"backends": [backend("up", up)], "tracing": {"otlp_endpoint": f"http://127.0.0.1:{port}"}},
+        env={
+            **FAST_EXPORT,
+            "OTEL_BSP_MAX_QUEUE_SIZE": "4",
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2",
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "30",
+        },
     )
-    hung = Receiver(mode="hang").start()
+    # Down: nothing listens on the collector's port (connection refused).
+    times = [_stream_ok(router) for _ in range(20)]
+    assert max(times) < 1.0, times
+    # Hanging: the collector takes each export and never answers.
+    hung = Receiver(mode="hang", port=port).start()
     try:
-        stuck = procs.router(
-            {**config, "tracing": {"otlp_endpoint": hung.url}},
-            env={
-                **FAST_EXPORT,
-                "OTEL_BSP_MAX_QUEUE_SIZE": "16",
-                "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "8",
-                "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "30",
-            },
-        )
-        for router in (refused, stuck):
-            times = [_stream_ok(router) for _ in range(40)]
-            assert max(times) < 1.0, times
-        assert hung.exports >= 1  # the export really is stuck on the collector
+        times = [_stream_ok(router) for _ in range(20)]
+        assert max(times) < 1.0, times
+        assert hung.exports >= 1  # an export really is stuck on it
         # The queue is bounded: spans beyond it are dropped, not held.
-        assert "Queue full" in stuck.log()
+        assert "Queue full" in router.log()
         # A stopping router waits for the stuck export only briefly.
         started = time.monotonic()
-        stuck.signal(signal.SIGTERM)
-        stuck.popen.wait(10)
+        router.signal(signal.SIGTERM)
+        router.popen.wait(10)
         assert time.monotonic() - started < 6
     finally:
         hung.close()
