@@ -1,17 +1,19 @@
 """What a response's bytes say about tokens, read as they pass without parsing them as JSON.
 
-`ResponseUsage.feed(chunk)` runs per upstream chunk of an SSE stream: it counts output-token
-events with two `bytes.count` calls (`content":"` minus the empty `content":""`, or `"text":"`
-for completions; `content":"` also matches `reasoning_content`) on the chunk joined to the
-previous chunk's last few bytes, so a key split across chunks is counted once. The first chunk
-holding a non-empty content or text value stamps `first_token_at` (time to first token, as
-distinct from the first byte: vLLM's first event carries only the role). `keep(chunk)` is all a
-non-streamed or compressed body gets. `close()` reads the body's final `usage`, when present,
-from its last bytes: completion tokens counted by the engine win over the event count (one event
-may carry several tokens); prompt tokens come only from there.
+`ResponseUsage.feed(chunk)` runs per upstream chunk of an SSE stream. Until the first token it
+looks for a non-empty content value (`content":"x`, which also matches `reasoning_content`, or
+`"text":"x` for completions) and stamps `first_token_at` there: time to first token, as distinct
+from the first byte (vLLM's first event carries only the role, `"content":""`). From that event
+on it counts content events with one `bytes.count` per chunk (a key split across two chunks is
+counted once, from the few bytes carried over), and stamps `last_token_at`. Events after the
+first count even when empty: vLLM sends one per generated token, the last (finish) one included,
+and holds back the text of a token that ends mid-character. `keep(chunk)` is all a non-streamed
+or compressed body gets. `close()` reads the final `usage`, when present, from the body's last
+bytes: the engine's completion tokens win over the event count (an event may carry several
+tokens); prompt tokens come only from there.
 
-Compact JSON is assumed for counting (what vLLM, SGLang and OpenAI send); a server that puts
-spaces after colons gets its first token detected but tokens counted only from `usage`.
+Compact JSON is assumed (what vLLM, SGLang and OpenAI send); a body with spaces after its colons
+gets token counts only from its `usage`, and no time to first token.
 """
 
 from __future__ import annotations
@@ -20,11 +22,9 @@ import re
 import time
 
 _CHAT_KEY = b'content":"'
-_CHAT_EMPTY = b'content":""'
 _TEXT_KEY = b'"text":"'
-_TEXT_EMPTY = b'"text":""'
-_FIRST_CHAT = re.compile(rb'content"\s*:\s*"[^"]')
-_FIRST_TEXT = re.compile(rb'"text"\s*:\s*"[^"]')
+_FIRST_CHAT = re.compile(rb'content":"[^"]')
+_FIRST_TEXT = re.compile(rb'"text":"[^"]')
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
@@ -34,10 +34,8 @@ _TAIL = 4096  # the final usage object sits in the last event (or at the end of 
 class ResponseUsage:
     __slots__ = (
         "_carry",
-        "_empty",
         "_first",
         "_head",
-        "_keep",
         "_key",
         "_last",
         "_prev",
@@ -52,9 +50,7 @@ class ResponseUsage:
     def __init__(self, path: str) -> None:
         chat = not path.endswith("/completions") or path.endswith("/chat/completions")
         self._key = _CHAT_KEY if chat else _TEXT_KEY
-        self._empty = _CHAT_EMPTY if chat else _TEXT_EMPTY
         self._first = _FIRST_CHAT if chat else _FIRST_TEXT
-        self._keep = len(self._empty) - 1  # shorter than either pattern: no match lies within
         self._carry = b""
         self._head: bytes | None = None  # the first chunk: it names the model
         self._prev = b""
@@ -68,23 +64,39 @@ class ResponseUsage:
 
     def feed(self, chunk: bytes) -> None:
         """One chunk of an uncompressed SSE stream, as it goes to the client."""
-        buf = self._carry + chunk
-        # Start at 1: the carry is one byte longer than the key, so a key wholly inside it was
-        # counted with the previous chunk.
-        n = buf.count(self._key, 1) - buf.count(self._empty)
-        if n:
-            self.events += n
-            self.last_token_at = time.perf_counter()
-        if self.first_token_at is None and self.events > 0:
-            # A key at a chunk's very end may open an empty value: the first token is stamped
-            # when its first character is here (the carry holds a whole key).
-            if self._first.search(buf) is not None:
-                self.first_token_at = time.perf_counter()
-        self._carry = buf[-self._keep :]
+        key = self._key
+        if self.first_token_at is None:
+            self._before_first(chunk)
+        else:
+            carry = self._carry
+            if carry:  # the previous chunk ended mid-event: a key may straddle the two
+                self.events += (carry + chunk[: len(key) - 1]).count(key)
+            n = chunk.count(key)
+            if n:
+                self.events += n
+                self.last_token_at = time.perf_counter()
+            # JSON escapes newlines: a chunk ending in one ends between lines, nothing to carry.
+            if chunk[-1:] == b"\n":
+                self._carry = b""
+            elif len(chunk) >= len(key) - 1:
+                self._carry = chunk[1 - len(key) :]
+            else:  # a sliver: keep what came before it too
+                self._carry = (carry + chunk)[1 - len(key) :]
         if self._head is None:
             self._head = chunk
         self._prev = self._last
         self._last = chunk
+
+    def _before_first(self, chunk: bytes) -> None:
+        buf = self._carry + chunk if self._carry else chunk
+        found = self._first.search(buf)
+        if found is None:
+            # Whole key plus the character that says whether its value is empty.
+            self._carry = b"" if chunk[-1:] == b"\n" else buf[-len(self._key) :]
+            return
+        self.first_token_at = self.last_token_at = time.perf_counter()
+        self.events = buf.count(self._key, found.start())
+        self._carry = b"" if chunk[-1:] == b"\n" else buf[1 - len(self._key) :]
 
     def keep(self, chunk: bytes) -> None:
         """One chunk of a body that is not counted (not a stream, or compressed)."""
