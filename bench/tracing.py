@@ -63,6 +63,9 @@ def main() -> int:
         routers = {
             "tracing_off": _router(c, up, {}),
             "tracing_on": _router(c, up, {"tracing": {"otlp_endpoint": receiver.url}}),
+            "tracing_on_10pct": _router(
+                c, up, {"tracing": {"otlp_endpoint": receiver.url, "sample_ratio": 0.1}}
+            ),
         }
         if opts.baseline_src:
             routers["baseline"] = _router(c, up, {}, opts.baseline_src)
@@ -85,6 +88,7 @@ def main() -> int:
         report = {
             "cpu_ms_per_request": out,
             "tracing_on_vs_off": round(out["tracing_on"] / off, 3),
+            "tracing_10pct_vs_off": round(out["tracing_on_10pct"] / off, 3),
             "spans_received": len(receiver.spans),
         }
         if "baseline" in out:

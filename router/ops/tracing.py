@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 Headers = list[tuple[bytes, bytes]]
 
 DEFAULT_SERVICE = "sluicegate"
-SHUTDOWN_GRACE = 2.0  # seconds a stopping router waits for the last spans to leave
+SHUTDOWN_GRACE = 1.0  # seconds a stopping router waits for the last spans to leave
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 _OPERATIONS = {
     "/v1/chat/completions": "chat",
@@ -213,11 +213,11 @@ class OtelTracing(Tracing):
 
         threading.Thread(target=stop, name="sluicegate-otel-stop", daemon=True).start()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done, SHUTDOWN_GRACE + 1)
+            await asyncio.wait_for(done, SHUTDOWN_GRACE)
 
 
 class OtelRequestTrace(RequestTrace):
-    __slots__ = ("_attempt", "_failed", "_owner", "_span")
+    __slots__ = ("_attempt", "_failed", "_owner", "_recording", "_span")
 
     def __init__(self, owner: OtelTracing, client_headers: Headers, rec: RequestLike) -> None:
         from opentelemetry.trace import SpanKind
@@ -247,19 +247,26 @@ class OtelRequestTrace(RequestTrace):
             attributes=attributes,
             start_time=owner.wall_ns(rec.started),
         )
+        # Not sampled: no attempt spans or events; upstream gets the trace id, flagged unsampled.
+        self._recording = self._span.is_recording()
         self._attempt: Span | None = None
         self._failed: tuple[Span, int] | None = None  # a failed attempt, until we know if retried
 
     def queued(self) -> None:
-        self._span.add_event("queued")
+        if self._recording:
+            self._span.add_event("queued")
 
     def picked(self, backend: str, reason: str | None = None) -> None:
+        if not self._recording:
+            return
         attributes = {"sluicegate.backend": backend}
         if reason:
             attributes["sluicegate.reason"] = reason
         self._span.add_event("picked", attributes)
 
     def attempt(self, backend: str, number: int) -> None:
+        if not self._recording:
+            return
         from opentelemetry.trace import SpanKind, set_span_in_context
 
         self._close_failed(retried=True)
@@ -271,12 +278,11 @@ class OtelRequestTrace(RequestTrace):
         )
 
     def upstream_headers(self, headers: Headers) -> Headers:
-        if self._attempt is None:
-            return headers
         from opentelemetry.trace import set_span_in_context
 
         carrier: dict[str, str] = {}
-        self._owner.propagator.inject(carrier, context=set_span_in_context(self._attempt))
+        span = self._attempt or self._span
+        self._owner.propagator.inject(carrier, context=set_span_in_context(span))
         out = [(k, v) for k, v in headers if k.lower() not in _TRACE_HEADERS]
         out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())
         return out
@@ -325,6 +331,9 @@ class OtelRequestTrace(RequestTrace):
 
         owner = self._owner
         span = self._span
+        if not self._recording:
+            span.end()
+            return
         self._close_failed(retried=False)
         if self._attempt is not None:  # cancelled before the attempt's own `finally` ran
             self.attempt_end()
