@@ -233,6 +233,7 @@ class Settings(BaseSettings):
     # Client keys: set either (or both) and /v1/* requires `Authorization: Bearer <key>`.
     api_keys: list[ClientKeyConfig] = Field(default_factory=list)
     api_keys_file: str | None = None
+    api_keys_reload: float = Field(5.0, gt=0, le=3600)  # seconds between checks of the file
     # Seconds between full registry reloads from Redis, which heal a missed pub/sub message.
     registry_resync: float = Field(1.0, gt=0, le=60)
     tracing: TracingConfig = TracingConfig()
@@ -245,19 +246,6 @@ class Settings(BaseSettings):
             if b.name in seen:
                 raise ValueError(f"duplicate backend name {b.name!r}")
             seen.add(b.name)
-        return v
-
-    @field_validator("balancer")
-    @classmethod
-    def _known_balancer(cls, v: str) -> str:
-        _check_balancer(v)
-        return v
-
-    @field_validator("model_balancers")
-    @classmethod
-    def _known_model_balancers(cls, v: dict[str, str]) -> dict[str, str]:
-        for name in v.values():
-            _check_balancer(name)
         return v
 
     @model_validator(mode="after")
@@ -283,15 +271,6 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, _FileSource(settings_cls)
-
-
-def _check_balancer(name: str) -> None:
-    from balancers import balancer_class  # installed plugins register by entry point
-
-    try:
-        balancer_class(name)
-    except KeyError as exc:
-        raise ValueError(exc.args[0]) from None
 
 
 def _describe(exc: ValidationError, data: dict[str, Any]) -> str:

@@ -24,12 +24,14 @@ from balancers.inflight.base import InflightStore, Lease
 from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import (
+    UPSTREAM_FAILURES,
+    FailureKind,
     NoCapacity,
     ProxyError,
-    UpstreamConnectError,
-    UpstreamTimeout,
     error_response,
+    mid_stream_kind,
     sse_error_event,
+    upstream_failure,
 )
 from router.core.settings import Settings
 from router.ops.metrics import Metrics
@@ -50,18 +52,13 @@ class _Retry(Exception):
     def __init__(
         self,
         error: ProxyError,
+        kind: FailureKind,
         response: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None,
     ) -> None:
         super().__init__(error.message)
         self.error = error
+        self.kind = kind
         self.response = response  # the upstream's own error answer, forwarded if none is left
-
-    @property
-    def kind(self) -> str:
-        """connect, timeout or status: the failure kind metrics count."""
-        if self.response is not None:
-            return "status"
-        return "timeout" if isinstance(self.error, UpstreamTimeout) else "connect"
 
 
 class _NoneLeft(Exception):
@@ -264,28 +261,10 @@ class ProxyCall(Response):
             )
             try:
                 response = await transport.handle_async_request(request)
-            except httpx.PoolTimeout as exc:
-                # Our own pool to it is full: not the backend's failure, so no health mark.
-                raise _Retry(
-                    UpstreamConnectError(f"No connection to backend `{backend.name}` is free.")
-                ) from exc
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                proxy.health.on_failure(backend.name, "connect")
-                raise _Retry(
-                    UpstreamConnectError(f"Could not connect to backend `{backend.name}`.")
-                ) from exc
-            except httpx.TimeoutException as exc:
-                proxy.health.on_failure(backend.name, "timeout")
-                raise _Retry(
-                    UpstreamTimeout(f"Backend `{backend.name}` did not answer in time.")
-                ) from exc
-            except httpx.TransportError as exc:
-                proxy.health.on_failure(backend.name, "connect")
-                raise _Retry(
-                    UpstreamConnectError(
-                        f"Backend `{backend.name}` closed the connection before answering."
-                    )
-                ) from exc
+            except UPSTREAM_FAILURES as exc:
+                failure = upstream_failure(exc, backend.name)
+                proxy.health.on_failure(backend.name, failure.kind)
+                raise _Retry(failure.error, failure.kind) from exc
 
             status = response.status_code
             if status >= 500 or status == 429:
@@ -323,12 +302,12 @@ class ProxyCall(Response):
         if retry_after is not None and status in (429, 503):
             proxy.health.cool_down(backend.name, retry_after)
         if status >= 500:
-            proxy.health.on_failure(backend.name, f"status_{status}")
+            proxy.health.on_failure(backend.name, FailureKind.STATUS, status)
         headers = downstream_response_headers(response.headers.raw, self._record.request_id, False)
         if len(body) >= limit:
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         err = ProxyError(f"Backend `{backend.name}` answered {status}.")
-        raise _Retry(err, (status, headers, body))
+        raise _Retry(err, FailureKind.STATUS, (status, headers, body))
 
     async def _pump(
         self, send: Send, response: httpx.Response, backend: Backend, streaming: bool
@@ -347,9 +326,9 @@ class ProxyCall(Response):
                 tail = chunk[-2:]
                 watch(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (httpx.TimeoutException, httpx.TransportError) as exc:
+        except UPSTREAM_FAILURES as exc:
             rec.bytes_out = sent
-            kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "mid_stream"
+            kind = mid_stream_kind(exc)
             rec.error = kind
             self._proxy.health.on_failure(backend.name, kind)
             if not streaming or response.headers.get("content-encoding", "identity") != "identity":
@@ -357,7 +336,7 @@ class ProxyCall(Response):
                 raise
             message = (
                 f"Backend `{backend.name}` timed out mid-stream."
-                if kind == "timeout"
+                if kind is FailureKind.TIMEOUT
                 else f"Backend `{backend.name}` failed mid-stream."
             )
             event = sse_error_event(message, "upstream_error", f"upstream_{kind}")
