@@ -63,10 +63,16 @@ class RequestLike(Protocol):
 
 
 class UsageLike(Protocol):
-    first_token_at: float | None
-    output_tokens: int | None
-    input_tokens: int | None
-    response_model: str | None
+    """What the response said about tokens (the proxy's ResponseUsage)."""
+
+    @property
+    def first_token_at(self) -> float | None: ...
+    @property
+    def output_tokens(self) -> int | None: ...
+    @property
+    def input_tokens(self) -> int | None: ...
+    @property
+    def response_model(self) -> str | None: ...
 
 
 class RequestTrace:
@@ -297,6 +303,7 @@ class OtelRequestTrace(RequestTrace):
             return
         from opentelemetry.trace import StatusCode
 
+        kind = str(kind)  # a StrEnum: export its plain value
         span.set_attribute("sluicegate.failure_kind", kind)
         span.set_attribute("error.type", kind)
         if status is not None:
@@ -312,8 +319,8 @@ class OtelRequestTrace(RequestTrace):
             if failure:  # after the answer started (mid-stream): never retried
                 from opentelemetry.trace import StatusCode
 
-                span.set_attribute("sluicegate.failure_kind", failure)
-                span.set_attribute("error.type", failure)
+                span.set_attribute("sluicegate.failure_kind", str(failure))
+                span.set_attribute("error.type", str(failure))
                 span.set_status(StatusCode.ERROR)
             span.set_attribute("sluicegate.retried", False)
             span.end()
@@ -356,7 +363,7 @@ class OtelRequestTrace(RequestTrace):
         if rec.disconnected:
             span.add_event("client disconnected")
         if rec.error:
-            attributes["error.type"] = rec.error
+            attributes["error.type"] = str(rec.error)
         span.set_attributes(attributes)
         if rec.error or rec.status >= 500:
             span.set_status(StatusCode.ERROR)
