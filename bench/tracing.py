@@ -52,7 +52,8 @@ def _router(c: Cluster, up: Proc, extra: dict[str, Any], src: str | None = None)
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline-src", default=None)
+    ap.add_argument("--baseline-src", action="append", default=[])
+    ap.add_argument("--no-tracing", action="store_true", help="only tracing off vs baselines")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0)
     opts = ap.parse_args()
@@ -67,8 +68,10 @@ def main() -> int:
                 c, up, {"tracing": {"otlp_endpoint": receiver.url, "sample_ratio": 0.1}}
             ),
         }
-        if opts.baseline_src:
-            routers["baseline"] = _router(c, up, {}, opts.baseline_src)
+        if opts.no_tracing:
+            del routers["tracing_on"], routers["tracing_on_10pct"]
+        for i, src in enumerate(opts.baseline_src):
+            routers["baseline" if i == 0 else f"baseline{i + 1}"] = _router(c, up, {}, src)
         totals = {k: [0.0, 0] for k in routers}
         for r in routers.values():  # warm-up
             asyncio.run(run_load("127.0.0.1", r.port, CHAT, BODY, 32, duration=1.0))
@@ -85,14 +88,13 @@ def main() -> int:
                 totals[name][1] += res.ok
         out = {k: round(cpu / n * 1000, 4) for k, (cpu, n) in totals.items() if n}
         off = out["tracing_off"]
-        report = {
-            "cpu_ms_per_request": out,
-            "tracing_on_vs_off": round(out["tracing_on"] / off, 3),
-            "tracing_10pct_vs_off": round(out["tracing_on_10pct"] / off, 3),
-            "spans_received": len(receiver.spans),
-        }
-        if "baseline" in out:
-            report["tracing_off_vs_baseline"] = round(off / out["baseline"], 3)
+        report: dict[str, Any] = {"cpu_ms_per_request": out, "spans_received": len(receiver.spans)}
+        if "tracing_on" in out:
+            report["tracing_on_vs_off"] = round(out["tracing_on"] / off, 3)
+            report["tracing_10pct_vs_off"] = round(out["tracing_on_10pct"] / off, 3)
+        for name in out:
+            if name.startswith("baseline"):
+                report[f"tracing_off_vs_{name}"] = round(off / out[name], 3)
         print(json.dumps(report, indent=2))
     finally:
         receiver.close()

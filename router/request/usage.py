@@ -4,8 +4,9 @@
 looks for a non-empty content value (`content":"x`, which also matches `reasoning_content`, or
 `"text":"x` for completions) and stamps `first_token_at` there: time to first token, as distinct
 from the first byte (vLLM's first event carries only the role, `"content":""`). From that event
-on it counts content events with one `bytes.count` per chunk (a key split across two chunks is
-counted once, from the few bytes carried over), and stamps `last_token_at`. Events after the
+on it counts content events with one `bytes.count` per `BATCH` chunks joined (a key split
+across two batches is counted once, from the few bytes carried over), and stamps
+`last_token_at` when a batch is counted. Events after the
 first count even when empty: vLLM sends one per generated token, the last (finish) one included,
 and holds back the text of a token that ends mid-character. `keep(chunk)` is all a non-streamed
 or compressed body gets. `close()` reads the final `usage`, when present, from the body's last
@@ -29,22 +30,25 @@ _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
 _TAIL = 4096  # the final usage object sits in the last event (or at the end of a JSON body)
+BATCH = 16  # chunks counted together after the first token
 
 
 class ResponseUsage:
     __slots__ = (
         "_carry",
+        "_end",
+        "_events",
         "_first",
         "_head",
         "_key",
         "_last",
+        "_pending",
         "_prev",
-        "events",
+        "_tail",
         "first_token_at",
         "input_tokens",
         "last_token_at",
         "reported_tokens",
-        "response_model",
     )
 
     def __init__(self, path: str) -> None:
@@ -53,50 +57,64 @@ class ResponseUsage:
         self._first = _FIRST_CHAT if chat else _FIRST_TEXT
         self._carry = b""
         self._head: bytes | None = None  # the first chunk: it names the model
-        self._prev = b""
+        self._pending: list[bytes] = []  # chunks since the first token, not yet counted
+        self._tail = b""  # the last bytes counted (streams)
+        self._prev = b""  # the last two chunks (bodies not counted, streams before content)
         self._last = b""
-        self.events = 0  # output-token events counted in the stream
+        self._events = 0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.reported_tokens: int | None = None  # completion_tokens of the final usage
         self.input_tokens: int | None = None
-        self.response_model: str | None = None
+        self._end = b""  # the last bytes, kept at close for response_model
 
     def feed(self, chunk: bytes) -> None:
         """One chunk of an uncompressed SSE stream, as it goes to the client."""
-        key = self._key
-        if self.first_token_at is None:
-            self._before_first(chunk)
-        else:
-            carry = self._carry
-            if carry:  # the previous chunk ended mid-event: a key may straddle the two
-                self.events += (carry + chunk[: len(key) - 1]).count(key)
-            n = chunk.count(key)
-            if n:
-                self.events += n
-                self.last_token_at = time.perf_counter()
-            # JSON escapes newlines: a chunk ending in one ends between lines, nothing to carry.
-            if chunk[-1:] == b"\n":
-                self._carry = b""
-            elif len(chunk) >= len(key) - 1:
-                self._carry = chunk[1 - len(key) :]
-            else:  # a sliver: keep what came before it too
-                self._carry = (carry + chunk)[1 - len(key) :]
+        if self.first_token_at is not None:
+            # Counted in batches: one join and one count per BATCH chunks costs less than a
+            # count per chunk.
+            pending = self._pending
+            pending.append(chunk)
+            if len(pending) >= BATCH:
+                self._count()
+            return
         if self._head is None:
             self._head = chunk
-        self._prev = self._last
+        self._prev = self._last  # a stream with no content at all reads its usage from these
         self._last = chunk
-
-    def _before_first(self, chunk: bytes) -> None:
         buf = self._carry + chunk if self._carry else chunk
         found = self._first.search(buf)
         if found is None:
-            # Whole key plus the character that says whether its value is empty.
-            self._carry = b"" if chunk[-1:] == b"\n" else buf[-len(self._key) :]
+            # A whole key plus the character that says whether its value is empty.
+            self._carry = buf[-len(self._key) :]
             return
         self.first_token_at = self.last_token_at = time.perf_counter()
-        self.events = buf.count(self._key, found.start())
-        self._carry = b"" if chunk[-1:] == b"\n" else buf[1 - len(self._key) :]
+        self._events = buf.count(self._key, found.start())
+        # Shorter than the key: a key wholly inside it was counted here, not again.
+        self._carry = buf[1 - len(self._key) :]
+        self._tail = buf[-_TAIL:]
+
+    def _count(self) -> None:
+        pending = self._pending
+        if not pending:
+            return
+        joined = b"".join(pending)
+        buf = self._carry + joined
+        pending.clear()
+        n = buf.count(self._key)
+        if n:
+            self._events += n
+            # The batch's last chunk: for TPOT, close enough (engines end with the finish event
+            # and [DONE] right after the last token).
+            self.last_token_at = time.perf_counter()
+        self._carry = buf[1 - len(self._key) :]
+        self._tail = (self._tail + joined)[-_TAIL:] if len(joined) < _TAIL else joined[-_TAIL:]
+
+    @property
+    def events(self) -> int:
+        """Content events from the first non-empty one on (all of them counted so far)."""
+        self._count()
+        return self._events
 
     def keep(self, chunk: bytes) -> None:
         """One chunk of a body that is not counted (not a stream, or compressed)."""
@@ -109,14 +127,25 @@ class ResponseUsage:
         """The body ended; `readable` is False for a compressed body (nothing to read then)."""
         if not readable or self._head is None:
             return
-        tail = (self._prev + self._last)[-_TAIL:]
-        found = _MODEL.search(self._head, 0, _TAIL) or _MODEL.search(tail)
-        if found is not None:
-            self.response_model = found.group(1).decode("utf-8", "replace")
-        completion = _last_match(_COMPLETION, tail)
-        if completion is not None:
-            self.reported_tokens = completion
-            self.input_tokens = _last_match(_PROMPT, tail)
+        self._count()
+        tail = self._tail if self.first_token_at is not None else (self._prev + self._last)
+        tail = tail[-_TAIL:]
+        # A plain substring test first: most streams carry no usage, and regexes cost more.
+        if b'"completion_tokens"' in tail:
+            completion = _last_match(_COMPLETION, tail)
+            if completion is not None:
+                self.reported_tokens = completion
+                self.input_tokens = _last_match(_PROMPT, tail)
+        self._end = tail
+
+    @property
+    def response_model(self) -> str | None:
+        """The model id the backend answered with (read when asked: only traces want it)."""
+        head, tail = self._head, self._end
+        if head is None:
+            return None
+        found = _MODEL.search(head, 0, _TAIL) or (_MODEL.search(tail) if tail else None)
+        return found.group(1).decode("utf-8", "replace") if found is not None else None
 
     @property
     def output_tokens(self) -> int | None:
