@@ -234,6 +234,7 @@ class ProxyCall(Response):
                 rec.status = status
                 await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
+                rec.bytes_out = len(body)
                 return
             raise last.error
         except ProxyError as exc:
@@ -313,21 +314,20 @@ class ProxyCall(Response):
         self, send: Send, response: httpx.Response, backend: Backend, streaming: bool
     ) -> None:
         rec = self._record
-        sent = 0
         tail = b"\n\n"
         usage = rec.usage = ResponseUsage(self._path)
         readable = response.headers.get("content-encoding", "identity") == "identity"
         watch = usage.feed if streaming and readable else usage.keep
+        # `bytes` counts what the client was sent, also when it left mid-stream.
         try:
             async for chunk in response.stream:  # type: ignore[union-attr]
-                if sent == 0:
+                if rec.ttfb_ms is None:
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
-                sent += len(chunk)
                 tail = chunk[-2:]
                 watch(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                rec.bytes_out += len(chunk)
         except UPSTREAM_FAILURES as exc:
-            rec.bytes_out = sent
             kind = mid_stream_kind(exc)
             rec.error = kind
             self._proxy.health.on_failure(backend.name, kind)
@@ -343,8 +343,8 @@ class ProxyCall(Response):
             if tail != b"\n\n":
                 event = b"\n\n" + event  # end the half event so the error parses on its own
             await send({"type": "http.response.body", "body": event, "more_body": False})
+            rec.bytes_out += len(event)
             return
-        rec.bytes_out = sent
         usage.close(readable and response.status_code < 400)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
