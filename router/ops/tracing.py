@@ -5,11 +5,14 @@ Off unless an endpoint is configured (`tracing.otlp_endpoint`, or `OTEL_EXPORTER
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`); then `make_tracing()` returns `OtelTracing`, else
 `NO_TRACING`, whose `begin()` hands out one shared do-nothing `RequestTrace`, so the hot path pays
 a few empty method calls. A client's `traceparent` is continued; each attempt's upstream request
-carries the attempt span's `traceparent` so the engine's own spans join the trace.
+carries the attempt span's `traceparent` so the engine's own spans join the trace. A request not
+sampled (`sample_ratio`, or the client's own flag) records nothing; its upstream request still
+carries the trace id, flagged unsampled.
 
 A collector that is down or hangs never reaches a request: ending a span appends it to a bounded
 queue (`OTEL_BSP_MAX_QUEUE_SIZE`, default 2048; spans beyond it are dropped) that a background
-thread exports; shutdown waits for it at most `SHUTDOWN_GRACE` seconds. Span attributes are the
+thread exports, each export giving up after `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT` (default 5 s);
+shutdown waits for it at most `SHUTDOWN_GRACE` seconds. Span attributes are the
 public model names, backend names, counts, statuses and the client key's *name*: never a URL
 (it may carry credentials), a header value or a key.
 """
