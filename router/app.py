@@ -23,6 +23,7 @@ from router.core.settings import Settings
 from router.ops.logs import count_drops, register_secret, secret_header
 from router.ops.logs import stop as stop_logging
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
+from router.ops.tracing import make_tracing
 from router.registry.admin import admin_routes
 from router.registry.fleet import (
     Fleet,
@@ -105,7 +106,8 @@ def create_app(settings: Settings) -> FastPath:
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(make_store(settings), metrics)
     lifecycle = Lifecycle()
-    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics)
+    tracing = make_tracing(settings.tracing)
+    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics, tracing)
 
     async def close_removed_pools() -> None:
         # A removed backend's pool stays open while its streams run, then closes.
@@ -153,6 +155,7 @@ def create_app(settings: Settings) -> FastPath:
                     "registry_store": fleet.store.kind,
                     "admin_api": "on" if admin_auth.configured else "read-only",
                     "client_keys": client_keys.enabled,
+                    "tracing": tracing.enabled,
                 }
             },
         )
@@ -171,6 +174,7 @@ def create_app(settings: Settings) -> FastPath:
             await monitor.aclose()
             await pools.aclose()
             await store.aclose()
+            await tracing.aclose()
             # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the
             # queued log lines now (bounded wait).
             stop_logging()
