@@ -125,3 +125,18 @@ def test_redis_store_generic_path_with_readings(tmp_path: object) -> None:
         assert picked[:8] == ["b"] * 8 and set(picked[8:]) <= {"a", "b"}
     finally:
         c.close()
+
+
+def test_metrics_path_defaults_and_off_switches() -> None:
+    from router.core.settings import BackendConfig
+
+    def cfg(**kw: object) -> Backend:
+        return Backend.from_config(
+            BackendConfig.model_validate({"name": "x", "url": "http://h:1", "models": ["m"], **kw})
+        )
+
+    assert cfg().metrics_path == "/metrics"
+    assert cfg(kind="sglang").metrics_path == "/metrics"
+    assert cfg(metrics_path=None).metrics_path is None
+    assert cfg(metrics_path="").metrics_path is None  # Helm drops nulls from values
+    assert cfg(kind="openai").metrics_path is None  # never scraped

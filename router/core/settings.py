@@ -113,7 +113,8 @@ class BackendConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: str
     kind: Literal["vllm", "sglang", "openai"] = "vllm"
-    # Where the engine's Prometheus text is (vllm, sglang); null: not scraped. Never for openai.
+    # Where the engine's Prometheus text is (vllm, sglang); null or "": not scraped (Helm drops a
+    # null from values, so "" is the way to say "off" there). Never scraped for openai.
     metrics_path: str | None = Field("/metrics", pattern=r"^/[^\s?#]*$")
     models: dict[str, str]
     api_key_env: str | None = None
@@ -142,6 +143,11 @@ class BackendConfig(_Strict):
             if not public or not target:
                 raise ValueError("model names must be non-empty")
         return v
+
+    @field_validator("metrics_path", mode="before")
+    @classmethod
+    def _empty_path_is_off(cls, v: Any) -> Any:
+        return None if v == "" else v
 
     @field_validator("url")
     @classmethod
