@@ -12,6 +12,10 @@ the file entries with every record applied:
     {"config": {...}}            an entry registered over the API (wins over a same-named file one)
     {"deleted": true}            the file entry removed; stays removed while the record exists
     any record + "draining"      true: the backend takes no new requests
+
+Discovered entries (router/discovery/) are treated like file entries: never stored, but a patch
+record applies over them and survives re-lists. Discovery may mark one draining on its own
+(a terminating endpoint); either flag drains it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ log = logging.getLogger("sluicegate.registry")
 
 Record = dict[str, Any]
 PATCHABLE = ("weight", "models", "max_inflight", "draining")
+
+
+@dataclass(frozen=True, slots=True)
+class Discovered:
+    """A backend a discovery source found: its config, the source kind, and whether the source
+    wants it drained (a terminating endpoint, or one that vanished and has streams in flight)."""
+
+    config: BackendConfig
+    source: str
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +229,7 @@ class Fleet:
         self.store = store
         self._file = {c.name: c for c in file_configs}
         self._records: dict[str, Record] = {}
+        self._found: dict[str, dict[str, Discovered]] = {}  # discovery source id -> entries
         self._clock = clock
         self.apply({}, force=True)
 
@@ -239,15 +254,40 @@ class Fleet:
                 },
             )
 
+    def set_discovered(self, source_id: str, entries: Mapping[str, Discovered]) -> None:
+        """Replace one discovery source's entries and swap the snapshot if anything changed."""
+        if self._found.get(source_id) == entries:
+            return
+        self._found[source_id] = dict(entries)
+        self.apply(self._records, force=True)
+
+    def _discovered(self) -> dict[str, Discovered]:
+        out: dict[str, Discovered] = {}
+        for entries in self._found.values():
+            for name, d in entries.items():
+                if name not in self._file:  # a file entry of the same name wins
+                    out.setdefault(name, d)
+        return out
+
+    def _base(self, name: str) -> BackendConfig | None:
+        """The file or discovered entry a patch record applies over."""
+        cfg = self._file.get(name)
+        if cfg is None and (d := self._discovered().get(name)) is not None:
+            cfg = d.config
+        return cfg
+
     def _compose(self) -> list[Backend]:
         out: list[Backend] = []
-        for name, cfg in self._file.items():
+        bases = [(n, c, "file", False) for n, c in self._file.items()]
+        bases += [(n, d.config, d.source, d.draining) for n, d in self._discovered().items()]
+        for name, cfg, source, found_draining in bases:
             rec = self._records.get(name)
             if rec is None:
-                out.append(Backend.from_config(cfg))
+                out.append(Backend.from_config(cfg, source, found_draining))
             elif "config" not in rec and not rec.get("deleted"):
                 patched = self._patched(name, cfg, rec.get("patch") or {})
-                out.append(Backend.from_config(patched, "file", bool(rec.get("draining"))))
+                draining = found_draining or bool(rec.get("draining"))
+                out.append(Backend.from_config(patched, source, draining))
         for name in sorted(self._records):
             rec = self._records[name]
             if "config" in rec:
@@ -280,10 +320,10 @@ class Fleet:
 
     def _live(self, name: str, rec: Record | None) -> bool:
         if rec is None:
-            return name in self._file
+            return self._base(name) is not None
         if "config" in rec:
             return True
-        return not rec.get("deleted") and name in self._file
+        return not rec.get("deleted") and self._base(name) is not None
 
     async def _change(self, name: str, edit: Callable[[Record | None], Record | None]) -> None:
         self.apply(await self.store.change(name, edit))
@@ -316,7 +356,9 @@ class Fleet:
                 rec["config"] = config_to_json(_validate({**rec["config"], **fields}))
             elif fields:
                 patch = {**(rec.get("patch") or {}), **fields}
-                merged = _validate({**config_to_json(self._file[name]), **patch})
+                base = self._base(name)
+                assert base is not None  # _live said so
+                merged = _validate({**config_to_json(base), **patch})
                 # Store normalised values (a models list becomes its map) for every replica.
                 rec["patch"] = {k: config_to_json(merged).get(k) for k in patch}
             if "draining" in changes:
@@ -342,7 +384,7 @@ class Fleet:
         def edit(cur: Record | None) -> Record | None:
             if not self._live(name, cur):
                 raise NotFound(f"No backend named `{name}`.")
-            return {"deleted": True} if name in self._file else None
+            return {"deleted": True} if self._base(name) is not None else None
 
         await self._change(name, edit)
         return {"name": name, "deleted": True, "in_flight_at_removal": left}
