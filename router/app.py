@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,6 +20,7 @@ from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import error_response
 from router.core.settings import Settings
+from router.discovery.runner import Discovery
 from router.ops.logs import register_secret
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.registry.admin import admin_routes
@@ -109,6 +110,11 @@ def create_app(settings: Settings) -> FastPath:
     lifecycle = Lifecycle()
     proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics)
 
+    async def counts(names: Sequence[str]) -> dict[str, int]:
+        return await store.counts(list(names))
+
+    discovery = Discovery(settings.discovery, fleet, counts, metrics, settings.drain_grace)
+
     async def close_removed_pools() -> None:
         # A removed backend's pool stays open while its streams run, then closes.
         gone = pools.names() - set(registry.snapshot.by_name)
@@ -155,6 +161,7 @@ def create_app(settings: Settings) -> FastPath:
             },
         )
         await monitor.start()
+        await discovery.start()
         try:
             yield
         finally:
@@ -165,6 +172,7 @@ def create_app(settings: Settings) -> FastPath:
             for task in chores:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await discovery.aclose()
             await fleet.store.aclose()
             await monitor.aclose()
             await pools.aclose()
@@ -184,15 +192,18 @@ def create_app(settings: Settings) -> FastPath:
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         store.check_fallback()
+        discovery.refresh_metrics()
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        # Stale discovery keeps serving its last known set: a detail, not a reason to be unready.
+        details = {"discovery": discovery.status()} if discovery.sources else {}
         if lifecycle.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining", **details}, status_code=503)
         if not registry.snapshot.backends:
-            return JSONResponse({"status": "no backends"}, status_code=503)
-        return JSONResponse({"status": "ready"})
+            return JSONResponse({"status": "no backends", **details}, status_code=503)
+        return JSONResponse({"status": "ready", **details})
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
