@@ -119,6 +119,7 @@ class Cluster:
         ttft_ms: float = 0,
         itl_ms: float = 0,
         tokens: int = 16,
+        host: str = "127.0.0.1",
     ) -> Proc:
         port = port or free_port()
         proc = self._spawn(
@@ -127,6 +128,8 @@ class Cluster:
                 "-m",
                 "router.cli",
                 "mock-upstream",
+                "--host",
+                host,
                 "--port",
                 str(port),
                 "--name",
@@ -142,6 +145,7 @@ class Cluster:
             f"mock-{name}",
             None,
         )
+        proc.url = f"http://{host}:{port}"
         wait_http(proc.url + "/health", proc=proc.popen)
         return proc
 

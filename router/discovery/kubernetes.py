@@ -116,6 +116,13 @@ class KubernetesSource:
                     self.rec.failed("error", type(exc).__name__)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self.cfg.backoff_max)
+                except (KeyError, TypeError, AttributeError, Exception) as exc:
+                    # The client raises a bare Exception for a malformed watch line; whatever
+                    # the API server answered, keep the last set and start over with a list.
+                    self.rec.failed("bad_answer", type(exc).__name__)
+                    version = None
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.cfg.backoff_max)
         finally:
             if api is not None:
                 await api.api_client.close()

@@ -1,0 +1,303 @@
+"""Kubernetes discovery end to end: a real router process lists and watches EndpointSlices on a
+fake API server (tests/fake_kube.py, the real wire protocol) through a kubeconfig file and the
+real client library, and routes to real mock engines as pods scale, drain, vanish, and as the
+API server loses events, expires versions and goes away."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.fake_kube import FakeKube, endpoint
+from tests.harness import Cluster, Proc, control, free_port, stats
+
+MODEL = "mock-model"
+
+
+@pytest.fixture(scope="module")
+def kube() -> Iterator[FakeKube]:
+    fk = FakeKube(free_port(), bookmark_every=0.3)
+    try:
+        yield fk
+    finally:
+        fk.close()
+
+
+@pytest.fixture(scope="module")
+def mocks(module_procs: Cluster) -> dict[str, Proc]:
+    return {n: module_procs.mock(n, tokens=4) for n in ("a", "b", "c")}
+
+
+@pytest.fixture(autouse=True)
+def _clean(kube: FakeKube, mocks: dict[str, Proc]) -> Iterator[None]:
+    for m in mocks.values():
+        control(m, reset_stats=True, tokens=4, itl_ms=0, ttft_ms=0)
+    yield
+    for ns, name in list(kube.slices):
+        kube.delete_slice(name, ns)
+
+
+def put(kube: FakeKube, mock: Proc, name: str, silent: bool = False, **cond: Any) -> None:
+    """One slice per mock: each has its own port (all mocks listen on 127.0.0.1)."""
+    ports = [{"name": "http", "port": mock.port}]
+    kube.put_slice(name, [endpoint("127.0.0.1", **cond)], ports, silent=silent)
+
+
+def start_router(
+    procs: Cluster,
+    kube: FakeKube,
+    resync: float = 300,
+    env: dict[str, str] | None = None,
+    **extra: Any,
+) -> Proc:
+    source = {
+        "kind": "kubernetes",
+        "namespace": "models",
+        "service": "vllm",
+        "port": "http",
+        "models": "auto",
+        "backend": {"max_inflight": 64},
+        "resync": resync,
+        "backoff_max": 0.5,
+        "kubeconfig": str(kube.kubeconfig(procs.tmp / f"kubeconfig-{free_port()}")),
+        **extra,
+    }
+    return procs.router(
+        {
+            "discovery": [source],
+            "health": {"interval": 0.5, "timeout": 2, "unhealthy_threshold": 1},
+            "drain_grace": 30,
+        },
+        env=env,
+    )
+
+
+def backends(router: Proc) -> dict[str, dict[str, Any]]:
+    r = httpx.get(router.url + "/admin/backends", timeout=5)
+    r.raise_for_status()
+    return {b["url"]: b for b in r.json()}
+
+
+def wait_for(check: Callable[[], bool], deadline: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < deadline:
+        if check():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"not within {deadline}s: {what}")
+
+
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
+def chat(router: Proc, stream: bool = False) -> str:
+    # One client per router, shared by threads: building one costs ~0.1 s of CPU.
+    client = _CLIENTS.get(router.url)
+    if client is None:
+        client = _CLIENTS[router.url] = openai.OpenAI(
+            base_url=router.url + "/v1", api_key="unused", max_retries=0
+        )
+    if stream:
+        out = client.chat.completions.create(
+            model=MODEL, stream=True, messages=[{"role": "user", "content": "hi"}]
+        )
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    return resp.choices[0].message.content or ""
+
+
+def metric(router: Proc, name: str, **labels: str) -> float:
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, _, value = line.rpartition(" ")
+            got = head[len(name) :].strip("{}")
+            if all(part in got.split(",") for part in want.split(",") if part):
+                total += float(value)
+    return total
+
+
+def streams(router: Proc, n: int) -> tuple[list[threading.Thread], list[str], list[BaseException]]:
+    done: list[str] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            done.append(chat(router, stream=True))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, done, errors
+
+
+def test_scale_up_drain_and_removal_never_cut_a_stream(
+    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+) -> None:
+    a, b = mocks["a"], mocks["b"]
+    put(kube, a, "vllm-a")
+    router = start_router(procs, kube)
+    wait_for(lambda: a.url in backends(router), 10, "the first endpoint is discovered")
+    assert backends(router)[a.url]["source"] == "kubernetes"
+    assert backends(router)[a.url]["models"] == {MODEL: MODEL}  # models: auto asked it
+
+    # Scale up: the new ready endpoint gets traffic within 2 s.
+    put(kube, b, "vllm-b")
+    t0 = time.monotonic()
+    while stats(b)["requests"] == 0:
+        chat(router)
+        assert time.monotonic() - t0 < 2.0, "the new endpoint got no traffic within 2 s"
+
+    # Terminating: 20 streams in flight on b all complete; no new request goes to b.
+    for m in (a, b):
+        control(m, itl_ms=100, tokens=30, reset_stats=True)
+    threads, done, errors = streams(router, 40)
+    wait_for(lambda: stats(a)["requests"] + stats(b)["requests"] == 40, 5, "40 streams started")
+    on_b = stats(b)["requests"]
+    assert on_b >= 15, (backends(router), stats(a)["requests"])  # about 20 on b
+    control(a, itl_ms=0, tokens=4)  # the checks below need quick answers from a
+    put(kube, b, "vllm-b", ready=False, serving=True, terminating=True)
+    wait_for(lambda: backends(router)[b.url]["draining"], 2, "b draining")
+    for _ in range(10):
+        chat(router)
+    assert stats(b)["requests"] == on_b, "a terminating endpoint got a new request"
+
+    # Deleted while its streams run: it stays (draining) until they end, then goes.
+    kube.delete_slice("vllm-b")
+    time.sleep(0.3)
+    assert b.url in backends(router), "removed while its streams were still running"
+    for t in threads:
+        t.join(30)
+    assert errors == [] and len(done) == 40
+    assert stats(b)["completed"] == on_b and stats(b)["aborted"] == 0
+    wait_for(lambda: b.url not in backends(router), 3, "b removed after its streams ended")
+    assert list(backends(router)) == [a.url]
+    assert metric(router, "sluicegate_discovery_events_total", event="removed") == 1
+    assert metric(router, "sluicegate_discovery_backends", source="kubernetes") == 1
+
+
+def test_a_delete_lost_during_a_watch_drop_heals_at_the_next_relist(
+    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+) -> None:
+    a, c = mocks["a"], mocks["c"]
+    put(kube, a, "vllm-a")
+    put(kube, c, "vllm-c")
+    router = start_router(procs, kube, resync=2)
+    wait_for(lambda: set(backends(router)) == {a.url, c.url}, 10, "both discovered")
+    kube.drop_watches()
+    kube.delete_slice("vllm-c", silent=True)  # the DELETE event is lost
+    time.sleep(0.5)
+    assert c.url in backends(router), "the watch alone cannot have seen the lost DELETE"
+    wait_for(lambda: c.url not in backends(router), 3.5, "gone after the next full re-list")
+    assert list(backends(router)) == [a.url]
+    assert kube.requests.count("list") >= 2
+
+
+def test_410_gone_relists_without_duplicates_or_losses(
+    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+) -> None:
+    a, b, c = mocks["a"], mocks["b"], mocks["c"]
+    put(kube, a, "vllm-a")
+    put(kube, b, "vllm-b")
+    router = start_router(procs, kube)
+    wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
+    lists = kube.requests.count("list")
+    put(kube, c, "vllm-c", silent=True)  # only a re-list can show it
+    kube.expire()  # the history is compacted: resuming the watch gets 410 Gone
+    kube.drop_watches()
+    wait_for(lambda: set(backends(router)) == {a.url, b.url, c.url}, 5, "c after the re-list")
+    assert "410" in kube.requests and kube.requests.count("list") > lists
+    r = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    assert len(r) == 3 and len({x["name"] for x in r}) == 3
+    assert metric(router, "sluicegate_discovery_events_total", event="expired") >= 1
+
+
+def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
+    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+) -> None:
+    a, b = mocks["a"], mocks["b"]
+    put(kube, a, "vllm-a")
+    put(kube, b, "vllm-b")
+    # A 1 s resync: re-lists fail again and again during the outage.
+    router = start_router(procs, kube, resync=1)
+    wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
+    stop = threading.Event()
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                results.append(chat(router, stream=True))
+            except BaseException as exc:
+                errors.append(exc)
+
+    workers = [threading.Thread(target=load) for _ in range(4)]
+    for w in workers:
+        w.start()
+    try:
+        kube.down()
+        # 4 s: several failed re-lists and capped backoffs (the issue says 10 s; the meaning,
+        # failures across resync rounds, holds at 4).
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            assert set(backends(router)) == {a.url, b.url}
+            time.sleep(0.2)
+        ready = httpx.get(router.url + "/readyz", timeout=5)
+        assert ready.status_code == 200
+        (src,) = ready.json()["discovery"]
+        assert src["stale"] is True and src["backends"] == 2
+        assert metric(router, "sluicegate_discovery_last_sync_seconds", source="kubernetes") > 2
+        assert metric(router, "sluicegate_discovery_events_total", event="error") >= 2
+        kube.up()
+        wait_for(
+            lambda: not httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"],
+            5,
+            "fresh again once the API server is back",
+        )
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(30)
+    assert errors == [] and len(results) > 20
+    assert set(backends(router)) == {a.url, b.url}
+
+
+def test_admin_patch_on_a_discovered_backend_survives_relists(
+    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+) -> None:
+    a, b = mocks["a"], mocks["b"]
+    put(kube, a, "vllm-a")
+    put(kube, b, "vllm-b")
+    token = "admin-token-for-discovery"
+    env = {"SLUICEGATE_ADMIN_TOKEN": token}
+    router = start_router(procs, kube, resync=0.5, env=env, models=[MODEL])
+    auth = {"authorization": f"Bearer {token}"}
+    wait_for(
+        lambda: len(httpx.get(router.url + "/admin/backends", headers=auth).json()) == 2, 10, "2"
+    )
+    listing = {
+        b_["url"]: b_ for b_ in httpx.get(router.url + "/admin/backends", headers=auth).json()
+    }
+    name_b = listing[b.url]["name"]
+    r = httpx.patch(
+        router.url + f"/admin/backends/{name_b}", json={"draining": True, "weight": 3}, headers=auth
+    )
+    assert r.status_code == 200, r.text
+    time.sleep(1.5)  # three re-lists
+    again = httpx.get(router.url + f"/admin/backends/{name_b}", headers=auth).json()
+    assert again["draining"] is True and again["weight"] == 3 and again["source"] == "kubernetes"
+    control(b, reset_stats=True)
+    for _ in range(6):
+        chat(router)
+    assert stats(b)["requests"] == 0
