@@ -121,7 +121,7 @@ def test_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_set(
         3,
         "models: auto failure counted",
     )
-    assert "http://127.0.0.4:%d" % port not in backends(router)
+    assert f"http://127.0.0.4:{port}" not in backends(router)
     assert "models: auto" in router.log()
 
     # The server fails: the last set stays, the source is stale.
