@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
+
+from router.core.errors import STORE_FAILURES
 
 MAX_BATCH = 512
 
@@ -90,7 +92,7 @@ class Batcher:
             return []
         try:
             replies = await self._round_trip([cmd for cmd, _ in live])
-        except (RedisError, OSError, TimeoutError) as exc:
+        except STORE_FAILURES as exc:
             self._on_round_trip(False)
             for _, w in live:
                 _fail(w, exc)
@@ -137,7 +139,7 @@ class Batcher:
             async with asyncio.timeout(self._timeout):
                 for sha in {cmd[1] for cmd, _ in failed}:
                     await self._redis.script_load(self._scripts[sha])
-        except (RedisError, OSError, TimeoutError) as exc:
+        except STORE_FAILURES as exc:
             for _, w in failed:
                 _fail(w, exc)
             return False

@@ -17,16 +17,19 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, WatchError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
 
-from router.registry.fleet import Record, StoreUnavailable
+from router.core.errors import (
+    STORE_FAILURES,
+    STORE_STALE_CONNECTION,
+    StoreUnavailable,
+    store_unavailable,
+)
+from router.registry.fleet import Record
 
 log = logging.getLogger("sluicegate.registry")
 
 _MAX_TXN_RETRIES = 20
-_STALE = (RedisConnectionError, RedisTimeoutError, ConnectionError)
 
 
 def _parse(raw: Any) -> Record | None:
@@ -37,11 +40,6 @@ def _parse(raw: Any) -> Record | None:
     except ValueError:
         return None
     return rec if isinstance(rec, dict) else None
-
-
-def _unavailable(exc: BaseException) -> str:
-    # The exception's own text may carry the Redis address; its type name is enough.
-    return f"The shared registry (Redis) is unavailable ({type(exc).__name__}); retry."
 
 
 def _deliver(on_records: Callable[[dict[str, Record]], None], records: dict[str, Record]) -> None:
@@ -91,15 +89,15 @@ class RedisRecords:
     async def _read_retrying(self) -> dict[str, Record]:
         try:
             return (await self._read())[1]
-        except _STALE:
+        except STORE_STALE_CONNECTION:
             # A pooled connection may have died with a Redis restart: reading again is safe.
             return (await self._read())[1]
 
     async def load(self) -> dict[str, Record]:
         try:
             return await self._read_retrying()
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(_unavailable(exc)) from None
+        except STORE_FAILURES as exc:
+            raise store_unavailable(exc) from None
 
     async def change(
         self, name: str, edit: Callable[[Record | None], Record | None]
@@ -108,13 +106,13 @@ class RedisRecords:
         try:
             try:
                 await self._transaction(name, edit, sent)
-            except _STALE:
+            except STORE_STALE_CONNECTION:
                 if sent[0]:
                     raise  # EXEC went out: it may have been applied, so never apply it twice
                 await self._transaction(name, edit, sent)
             return await self._read_retrying()
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(_unavailable(exc)) from None
+        except STORE_FAILURES as exc:
+            raise store_unavailable(exc) from None
 
     async def _transaction(
         self, name: str, edit: Callable[[Record | None], Record | None], sent: list[bool]
@@ -166,7 +164,7 @@ class RedisRecords:
                             seen, records = await self._read()
                             _deliver(on_records, records)
                         next_check = time.monotonic() + self._resync
-            except (RedisError, OSError) as exc:
+            except STORE_FAILURES as exc:
                 log.warning(
                     "registry sync lost Redis; retrying",
                     extra={"fields": {"error": type(exc).__name__}},
@@ -176,7 +174,7 @@ class RedisRecords:
             finally:
                 try:
                     await asyncio.shield(pubsub.aclose())
-                except (RedisError, OSError):
+                except STORE_FAILURES:
                     pass
 
     async def aclose(self) -> None:
