@@ -133,7 +133,8 @@ class FakeKube:
         self._call(stop())
 
     def up(self) -> None:
-        self._call(self._start())
+        if self._server is None:
+            self._call(self._start())
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -34,6 +34,17 @@ def mocks(module_procs: Cluster) -> dict[str, Proc]:
     return {n: module_procs.mock(n, tokens=4) for n in ("a", "b", "c")}
 
 
+TOKEN = "admin-token-for-discovery"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def router(module_procs: Cluster, kube: FakeKube) -> Proc:
+    """One router for every test here (starting one costs seconds). A 1 s resync: the lost
+    DELETE heals fast, and re-lists keep failing while the API server is down."""
+    return start_router(module_procs, kube, resync=1, env={"SLUICEGATE_ADMIN_TOKEN": TOKEN})
+
+
 @pytest.fixture(autouse=True)
 def _clean(kube: FakeKube, mocks: dict[str, Proc]) -> Iterator[None]:
     for m in mocks.values():
@@ -41,6 +52,7 @@ def _clean(kube: FakeKube, mocks: dict[str, Proc]) -> Iterator[None]:
     yield
     for ns, name in list(kube.slices):
         kube.delete_slice(name, ns)
+    kube.up()  # a test that took the API server down gets it back
 
 
 def put(kube: FakeKube, mock: Proc, name: str, silent: bool = False, **cond: Any) -> None:
@@ -79,7 +91,7 @@ def start_router(
 
 
 def backends(router: Proc) -> dict[str, dict[str, Any]]:
-    r = httpx.get(router.url + "/admin/backends", timeout=5)
+    r = httpx.get(router.url + "/admin/backends", timeout=5, headers=AUTH)
     r.raise_for_status()
     return {b["url"]: b for b in r.json()}
 
@@ -142,11 +154,11 @@ def streams(router: Proc, n: int) -> tuple[list[threading.Thread], list[str], li
 
 
 def test_scale_up_drain_and_removal_never_cut_a_stream(
-    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+    router: Proc, kube: FakeKube, mocks: dict[str, Proc]
 ) -> None:
     a, b = mocks["a"], mocks["b"]
     put(kube, a, "vllm-a")
-    router = start_router(procs, kube)
+    removed = metric(router, "sluicegate_discovery_events_total", event="removed")
     wait_for(lambda: a.url in backends(router), 10, "the first endpoint is discovered")
     assert backends(router)[a.url]["source"] == "kubernetes"
     assert backends(router)[a.url]["models"] == {MODEL: MODEL}  # models: auto asked it
@@ -182,34 +194,16 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
     assert stats(b)["completed"] == on_b and stats(b)["aborted"] == 0
     wait_for(lambda: b.url not in backends(router), 3, "b removed after its streams ended")
     assert list(backends(router)) == [a.url]
-    assert metric(router, "sluicegate_discovery_events_total", event="removed") == 1
+    assert metric(router, "sluicegate_discovery_events_total", event="removed") == removed + 1
     assert metric(router, "sluicegate_discovery_backends", source="kubernetes") == 1
 
 
-def test_a_delete_lost_during_a_watch_drop_heals_at_the_next_relist(
-    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
-) -> None:
-    a, c = mocks["a"], mocks["c"]
-    put(kube, a, "vllm-a")
-    put(kube, c, "vllm-c")
-    router = start_router(procs, kube, resync=2)
-    wait_for(lambda: set(backends(router)) == {a.url, c.url}, 10, "both discovered")
-    kube.drop_watches()
-    kube.delete_slice("vllm-c", silent=True)  # the DELETE event is lost
-    time.sleep(0.5)
-    assert c.url in backends(router), "the watch alone cannot have seen the lost DELETE"
-    wait_for(lambda: c.url not in backends(router), 3.5, "gone after the next full re-list")
-    assert list(backends(router)) == [a.url]
-    assert kube.requests.count("list") >= 2
-
-
 def test_410_gone_relists_without_duplicates_or_losses(
-    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+    router: Proc, kube: FakeKube, mocks: dict[str, Proc]
 ) -> None:
     a, b, c = mocks["a"], mocks["b"], mocks["c"]
     put(kube, a, "vllm-a")
     put(kube, b, "vllm-b")
-    router = start_router(procs, kube)
     wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
     lists = kube.requests.count("list")
     put(kube, c, "vllm-c", silent=True)  # only a re-list can show it
@@ -217,19 +211,18 @@ def test_410_gone_relists_without_duplicates_or_losses(
     kube.drop_watches()
     wait_for(lambda: set(backends(router)) == {a.url, b.url, c.url}, 5, "c after the re-list")
     assert "410" in kube.requests and kube.requests.count("list") > lists
-    r = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    r = httpx.get(router.url + "/admin/backends", timeout=5, headers=AUTH).json()
     assert len(r) == 3 and len({x["name"] for x in r}) == 3
     assert metric(router, "sluicegate_discovery_events_total", event="expired") >= 1
 
 
 def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
-    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+    router: Proc, kube: FakeKube, mocks: dict[str, Proc]
 ) -> None:
     a, b = mocks["a"], mocks["b"]
     put(kube, a, "vllm-a")
     put(kube, b, "vllm-b")
-    # A 1 s resync: re-lists fail again and again during the outage.
-    router = start_router(procs, kube, resync=1)
+    errors_before = metric(router, "sluicegate_discovery_events_total", event="error")
     wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
     stop = threading.Event()
     results: list[str] = []
@@ -247,9 +240,9 @@ def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
         w.start()
     try:
         kube.down()
-        # 4 s: several failed re-lists and capped backoffs (the issue says 10 s; the meaning,
-        # failures across resync rounds, holds at 4).
-        end = time.monotonic() + 4
+        # 3 s: several failed reconnects at the capped backoff (0.5 s here); the issue says
+        # 10 s, the meaning (repeated API errors never shrink the fleet) holds at 3.
+        end = time.monotonic() + 3
         while time.monotonic() < end:
             assert set(backends(router)) == {a.url, b.url}
             time.sleep(0.2)
@@ -258,7 +251,9 @@ def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
         (src,) = ready.json()["discovery"]
         assert src["stale"] is True and src["backends"] == 2
         assert metric(router, "sluicegate_discovery_last_sync_seconds", source="kubernetes") > 2
-        assert metric(router, "sluicegate_discovery_events_total", event="error") >= 2
+        assert (
+            metric(router, "sluicegate_discovery_events_total", event="error") >= errors_before + 2
+        )
         kube.up()
         wait_for(
             lambda: not httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"],
@@ -273,31 +268,37 @@ def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
     assert set(backends(router)) == {a.url, b.url}
 
 
-def test_admin_patch_on_a_discovered_backend_survives_relists(
-    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
+def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_heals(
+    router: Proc, kube: FakeKube, mocks: dict[str, Proc]
 ) -> None:
     a, b = mocks["a"], mocks["b"]
     put(kube, a, "vllm-a")
     put(kube, b, "vllm-b")
-    token = "admin-token-for-discovery"
-    env = {"SLUICEGATE_ADMIN_TOKEN": token}
-    router = start_router(procs, kube, resync=0.5, env=env, models=[MODEL])
-    auth = {"authorization": f"Bearer {token}"}
-    wait_for(
-        lambda: len(httpx.get(router.url + "/admin/backends", headers=auth).json()) == 2, 10, "2"
-    )
-    listing = {
-        b_["url"]: b_ for b_ in httpx.get(router.url + "/admin/backends", headers=auth).json()
-    }
-    name_b = listing[b.url]["name"]
-    r = httpx.patch(
-        router.url + f"/admin/backends/{name_b}", json={"draining": True, "weight": 3}, headers=auth
-    )
+    wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
+    name_b = backends(router)[b.url]["name"]
+    patch = {"draining": True, "weight": 3}
+    r = httpx.patch(router.url + f"/admin/backends/{name_b}", json=patch, headers=AUTH)
     assert r.status_code == 200, r.text
-    time.sleep(1.5)  # three re-lists
-    again = httpx.get(router.url + f"/admin/backends/{name_b}", headers=auth).json()
+    lists = kube.requests.count("list")
+    wait_for(lambda: kube.requests.count("list") >= lists + 2, 5, "two more re-lists")
+    again = httpx.get(router.url + f"/admin/backends/{name_b}", headers=AUTH).json()
     assert again["draining"] is True and again["weight"] == 3 and again["source"] == "kubernetes"
     control(b, reset_stats=True)
     for _ in range(6):
         chat(router)
     assert stats(b)["requests"] == 0
+    r = httpx.patch(
+        router.url + f"/admin/backends/{name_b}", json={"draining": False}, headers=AUTH
+    )
+    assert r.status_code == 200
+
+    # A DELETE lost while the watch was down: gone at the next full re-list.
+    c = mocks["c"]
+    put(kube, c, "vllm-c")
+    wait_for(lambda: c.url in backends(router), 3, "c discovered")
+    lists = kube.requests.count("list")
+    kube.drop_watches()
+    kube.delete_slice("vllm-c", silent=True)  # the DELETE event is lost
+    wait_for(lambda: c.url not in backends(router), 3, "gone after the next full re-list")
+    assert kube.requests.count("list") > lists  # a re-list, not the watch, removed it
+    assert set(backends(router)) == {a.url, b.url}

@@ -148,6 +148,7 @@ class KubernetesSource:
         kind = ev.get("type")
         if kind == "BOOKMARK":
             self.rec.event("bookmark")
+            self.rec.synced()
             return
         obj = ev.get("raw_object") or {}
         name = (obj.get("metadata") or {}).get("name")

@@ -115,10 +115,14 @@ class Reconciler:
                 current[name] = (endpoint_url(self.cfg.scheme, ep.host, ep.port), ep)
         async with self._lock:
             self._current = current
-            self.last_sync = self._clock()
-            self.stale = False
-            self.error = None
+            self.synced()
             await self._reconcile()
+
+    def synced(self) -> None:
+        """The source heard from its server (a list, a watch event or bookmark, an answer)."""
+        self.last_sync = self._clock()
+        self.stale = False
+        self.error = None
 
     def failed(self, event: str, error: str) -> None:
         """A list, watch or lookup failed: keep the last set, say so."""
