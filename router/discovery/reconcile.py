@@ -156,26 +156,33 @@ class Reconciler:
             entries[name] = Discovered(cfg, self.kind, draining=not ep.ready)
             old = self._known.get(name)
             if old is None:
-                self.event("added")
+                self._changed("added", name, url)
             elif old.draining != entries[name].draining:
-                self.event("draining" if entries[name].draining else "ready")
+                self._changed("draining" if entries[name].draining else "ready", name, url)
         gone = [n for n in self._known if n not in entries]
         counts = await self._in_flight(gone) if gone else {}
         for name in gone:
             since = self._gone_since.setdefault(name, now)
             if counts.get(name, 0) and now - since < self._grace:
                 if not self._known[name].draining:
-                    self.event("draining")
+                    self._changed("draining", name, self._known[name].config.url)
                 entries[name] = replace(self._known[name], draining=True)
                 continue
             self._gone_since.pop(name, None)
             self._auto.pop(name, None)
-            self.event("removed")
+            self._changed("removed", name, self._known[name].config.url)
         for name in entries:
             if name in self._current:
                 self._gone_since.pop(name, None)
         self._known = entries
         self._fleet.set_discovered(self.source_id, entries)
+
+    def _changed(self, event: str, name: str, url: str) -> None:
+        log.info(
+            f"discovered backend {event}",
+            extra={"fields": {"source": self.source_id, "backend": name, "url": url}},
+        )
+        self.event(event)
 
     async def _models(self, name: str, url: str, now: float) -> dict[str, str] | None:
         if self.cfg.models != "auto":
