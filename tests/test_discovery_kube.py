@@ -302,3 +302,21 @@ def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_
     wait_for(lambda: c.url not in backends(router), 3, "gone after the next full re-list")
     assert kube.requests.count("list") > lists  # a re-list, not the watch, removed it
     assert set(backends(router)) == {a.url, b.url}
+
+
+def test_a_slice_without_the_named_port_keeps_its_last_endpoints(
+    router: Proc, kube: FakeKube, mocks: dict[str, Proc]
+) -> None:
+    a = mocks["a"]
+    put(kube, a, "vllm-a")
+    wait_for(lambda: set(backends(router)) == {a.url}, 5, "a discovered")
+    before = metric(router, "sluicegate_discovery_events_total", event="bad_port")
+    kube.put_slice("vllm-a", [endpoint("127.0.0.1")], [{"name": "grpc", "port": 9}])
+    wait_for(
+        lambda: metric(router, "sluicegate_discovery_events_total", event="bad_port") > before,
+        3,
+        "the bad answer counted",
+    )
+    assert set(backends(router)) == {a.url}  # one bad answer never empties the fleet
+    assert chat(router)
+    assert "no such port" in router.log()

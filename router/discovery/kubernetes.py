@@ -43,6 +43,7 @@ class KubernetesSource:
         self._clock = clock
         self._slices: dict[str, dict[str, Any]] = {}
         self._good: dict[str, list[Endpoint]] = {}  # per slice: its last usable endpoints
+        self._bad_port: set[str] = set()  # slices already warned about (once until fixed)
 
     async def _api(self) -> Any:
         from kubernetes_asyncio import client, config
@@ -105,6 +106,11 @@ class KubernetesSource:
                     self.rec.failed("error", f"HTTP {exc.status}")
                     if exc.status in (401, 403, 404):
                         version = None
+                    if exc.status == 401 and api is not None:
+                        # An expired token (exec plugins, rotated service-account tokens):
+                        # read the config again before the next try.
+                        await api.api_client.close()
+                        api = None
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self.cfg.backoff_max)
                 except ConfigException as exc:
@@ -171,14 +177,17 @@ class KubernetesSource:
             port = self._port(sl)
             if port is None:
                 # A slice without the port: keep what it had (never empty the fleet on it).
-                self.rec.warn(
-                    "bad_port",
-                    "EndpointSlice has no such port; keeping its last endpoints",
-                    slice=name,
-                    port=str(self.cfg.port),
-                )
+                if name not in self._bad_port:
+                    self._bad_port.add(name)
+                    self.rec.warn(
+                        "bad_port",
+                        "EndpointSlice has no such port; keeping its last endpoints",
+                        slice=name,
+                        port=str(self.cfg.port),
+                    )
                 out.extend(self._good.get(name, ()))
                 continue
+            self._bad_port.discard(name)
             found = list(_slice_endpoints(sl, port))
             self._good[name] = found
             out.extend(found)
