@@ -131,7 +131,11 @@ def create_app(settings: Settings) -> FastPath:
             asyncio.create_task(_every(1.0, close_removed_pools, "closing removed pools")),
         ]
         if settings.api_keys_file:
-            chores.append(asyncio.create_task(_every(5.0, reload_keys, "reloading client keys")))
+            chores.append(
+                asyncio.create_task(
+                    _every(settings.api_keys_reload, reload_keys, "reloading client keys")
+                )
+            )
         if settings.workers > 1 and fleet.store.kind == "local" and admin_auth.configured:
             log.warning(
                 "admin changes reach only the worker that takes them: set SLUICEGATE_REDIS_URL"
