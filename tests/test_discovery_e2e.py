@@ -1,7 +1,12 @@
-"""Kubernetes discovery end to end: a real router process lists and watches EndpointSlices on a
-fake API server (tests/fake_kube.py, the real wire protocol) through a kubeconfig file and the
-real client library, and routes to real mock engines as pods scale, drain, vanish, and as the
-API server loses events, expires versions and goes away."""
+"""Discovery end to end, on real processes.
+
+Kubernetes: a real router lists and watches EndpointSlices on a fake API server
+(tests/fake_kube.py, the real wire protocol) through a kubeconfig file and the real client
+library, and routes to real mock engines as pods scale, drain, vanish, and as the API server
+loses events, expires versions and goes away. DNS: a router re-resolves a name on a real DNS
+server (dnslib, UDP on a loopback port) whose answers change.
+
+The mock engines listen on 127.0.0.2, .3 and .4 with one port, as pods behind a Service do."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from tests.fake_kube import FakeKube, endpoint
 from tests.harness import Cluster, Proc, control, free_port, stats
@@ -29,9 +36,17 @@ def kube() -> Iterator[FakeKube]:
         fk.close()
 
 
+PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def mocks(module_procs: Cluster) -> dict[str, Proc]:
-    return {n: module_procs.mock(n, tokens=4) for n in ("a", "b", "c")}
+    hosts = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
+    return {n: module_procs.mock(n, port=PORT, host=h, tokens=4) for n, h in hosts.items()}
+
+
+def host(mock: Proc) -> str:
+    return mock.url.split("//")[1].split(":")[0]
 
 
 TOKEN = "admin-token-for-discovery"
@@ -56,9 +71,9 @@ def _clean(kube: FakeKube, mocks: dict[str, Proc]) -> Iterator[None]:
 
 
 def put(kube: FakeKube, mock: Proc, name: str, silent: bool = False, **cond: Any) -> None:
-    """One slice per mock: each has its own port (all mocks listen on 127.0.0.1)."""
+    """One slice per mock (a Service's endpoints may spread over several slices)."""
     ports = [{"name": "http", "port": mock.port}]
-    kube.put_slice(name, [endpoint("127.0.0.1", **cond)], ports, silent=silent)
+    kube.put_slice(name, [endpoint(host(mock), **cond)], ports, silent=silent)
 
 
 def start_router(
@@ -311,7 +326,7 @@ def test_a_slice_without_the_named_port_keeps_its_last_endpoints(
     put(kube, a, "vllm-a")
     wait_for(lambda: set(backends(router)) == {a.url}, 5, "a discovered")
     before = metric(router, "sluicegate_discovery_events_total", event="bad_port")
-    kube.put_slice("vllm-a", [endpoint("127.0.0.1")], [{"name": "grpc", "port": 9}])
+    kube.put_slice("vllm-a", [endpoint(host(a))], [{"name": "grpc", "port": 9}])
     wait_for(
         lambda: metric(router, "sluicegate_discovery_events_total", event="bad_port") > before,
         3,
@@ -320,3 +335,111 @@ def test_a_slice_without_the_named_port_keeps_its_last_endpoints(
     assert set(backends(router)) == {a.url}  # one bad answer never empties the fleet
     assert chat(router)
     assert "no such port" in router.log()
+
+
+class Answers(BaseResolver):  # type: ignore[misc]
+    """Answers A queries for the names in `records`; NXDOMAIN for others, SERVFAIL when
+    `failing`. AAAA gets an empty answer."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[str]] = {}
+        self.failing = False
+        self.queries = 0
+        self.lock = threading.Lock()
+
+    def resolve(self, request: DNSRecord, handler: Any) -> DNSRecord:
+        reply = request.reply()
+        qname = str(request.q.qname).rstrip(".")
+        with self.lock:
+            self.queries += 1
+            if self.failing:
+                reply.header.rcode = RCODE.SERVFAIL
+                return reply
+            if qname not in self.records:
+                reply.header.rcode = RCODE.NXDOMAIN
+                return reply
+            if request.q.qtype == QTYPE.A:
+                for ip in self.records[qname]:
+                    reply.add_answer(RR(qname, QTYPE.A, rdata=A(ip), ttl=1))
+        return reply
+
+
+@pytest.fixture(scope="module")
+def dns() -> Iterator[tuple[Answers, int]]:
+    answers = Answers()
+    port = free_port()
+    server = DNSServer(
+        answers, address="127.0.0.1", port=port, logger=DNSLogger(log="-request,-reply,-truncated")
+    )
+    server.start_thread()
+    try:
+        yield answers, port
+    finally:
+        server.stop()
+
+
+def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_set(
+    procs: Cluster, dns: tuple[Answers, int], mocks: dict[str, Proc]
+) -> None:
+    answers, dns_port = dns
+    port = PORT
+    m2, m3 = mocks["a"], mocks["b"]  # 127.0.0.2 and 127.0.0.3
+    answers.records = {"vllm.test": ["127.0.0.2"]}
+    ns = f"127.0.0.1:{dns_port}"
+    common = {"kind": "dns", "port": port, "interval": 0.3, "timeout": 0.5, "nameserver": ns}
+    router = procs.router(
+        {
+            "discovery": [
+                # models: auto; 127.0.0.5 answers later but no engine listens there.
+                {**common, "name": "vllm.test", "models": "auto"},
+                {**common, "name": "nowhere.test", "models": ["other"]},  # never resolves
+            ],
+            "health": {"interval": 1, "timeout": 1},
+        }
+    )
+    wait_for(lambda: set(backends(router)) == {m2.url}, 10, "the first answer's backend")
+    b = backends(router)[m2.url]
+    assert b["source"] == "dns" and b["models"] == {"mock-model": "mock-model"}
+
+    # A new address joins and takes traffic.
+    answers.records = {"vllm.test": ["127.0.0.2", "127.0.0.3", "127.0.0.5"]}
+    wait_for(lambda: m3.url in backends(router), 3, "the new address joins")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    for _ in range(8):
+        client.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert stats(m3)["requests"] > 0 and stats(m2)["requests"] > 0
+    # 127.0.0.5: /v1/models fails there, so it is left out, warned about and counted.
+    wait_for(
+        lambda: metric(router, "sluicegate_discovery_events_total", event="models_failed") > 0,
+        3,
+        "models: auto failure counted",
+    )
+    assert f"http://127.0.0.5:{port}" not in backends(router)
+    assert "models: auto" in router.log()
+
+    # The server fails: the last set stays, the source is stale.
+    answers.failing = True
+    wait_for(
+        lambda: httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"],
+        3,
+        "stale after a failed lookup",
+    )
+    wait_for(  # a few more failed rounds
+        lambda: metric(router, "sluicegate_discovery_events_total", event="lookup_failed") >= 4,
+        3,
+        "failed lookups counted",
+    )
+    assert set(backends(router)) == {m2.url, m3.url}
+    ready = httpx.get(router.url + "/readyz")
+    assert ready.status_code == 200
+    nowhere = ready.json()["discovery"][1]
+    assert nowhere["stale"] is True and nowhere["backends"] == 0
+
+    # An address vanishes: it drains (nothing in flight here) and goes.
+    answers.failing = False
+    answers.records = {"vllm.test": ["127.0.0.3"]}
+    wait_for(lambda: set(backends(router)) == {m3.url}, 3, "the vanished address removed")
+    assert metric(router, "sluicegate_discovery_backends", source="dns") == 1
+    assert not httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"]
