@@ -83,9 +83,13 @@ def cfg(name: str) -> BackendConfig:
 
 def test_a_patch_on_a_discovered_backend_survives_relists() -> None:
     registry = Registry([], "round_robin")
-    fleet = Fleet(registry, [], LocalRecords())
+    store = LocalRecords()
+    fleet = Fleet(registry, [], store)
     fleet.set_discovered("k", {"p1": Discovered(cfg("p1"), "kubernetes")})
+    assert asyncio.run(store.load()) == {}  # the cluster is the truth: nothing stored
     asyncio.run(fleet.update("p1", {"weight": 5, "draining": True}))
+    # Only the admin change is stored (as over a file entry), never the discovered entry.
+    assert asyncio.run(store.load()) == {"p1": {"patch": {"weight": 5.0}, "draining": True}}
     for _ in range(3):  # re-lists hand the same endpoint again
         fleet.set_discovered("k", {"p1": Discovered(cfg("p1"), "kubernetes")})
     b = registry.snapshot.by_name["p1"]
