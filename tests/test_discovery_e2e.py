@@ -10,6 +10,7 @@ The mock engines listen on 127.0.0.2, .3 and .4 with one port, as pods behind a 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 from dnslib import QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
@@ -54,10 +56,17 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def router(module_procs: Cluster, kube: FakeKube) -> Proc:
-    """One router for every test here (starting one costs seconds). A 1 s resync: the lost
-    DELETE heals fast, and re-lists keep failing while the API server is down."""
-    return start_router(module_procs, kube, resync=1, env={"SLUICEGATE_ADMIN_TOKEN": TOKEN})
+def redis_url(module_procs: Cluster) -> str:
+    return module_procs.redis().url
+
+
+@pytest.fixture(scope="module")
+def router(module_procs: Cluster, kube: FakeKube, redis_url: str) -> Proc:
+    """One router for the Kubernetes tests (starting one costs seconds), with Redis for in-flight
+    counts and admin records. A 1 s resync: the lost DELETE heals fast, and re-lists keep
+    failing while the API server is down."""
+    env = {"SLUICEGATE_ADMIN_TOKEN": TOKEN, "SLUICEGATE_REDIS_URL": redis_url}
+    return start_router(module_procs, kube, resync=1, env=env)
 
 
 @pytest.fixture(autouse=True)
@@ -284,7 +293,7 @@ def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
 
 
 def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_heals(
-    router: Proc, kube: FakeKube, mocks: dict[str, Proc]
+    router: Proc, kube: FakeKube, mocks: dict[str, Proc], redis_url: str
 ) -> None:
     a, b = mocks["a"], mocks["b"]
     put(kube, a, "vllm-a")
@@ -298,6 +307,12 @@ def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_
     wait_for(lambda: kube.requests.count("list") >= lists + 2, 5, "two more re-lists")
     again = httpx.get(router.url + f"/admin/backends/{name_b}", headers=AUTH).json()
     assert again["draining"] is True and again["weight"] == 3 and again["source"] == "kubernetes"
+    # Redis holds the admin change only; discovered backends are never written there.
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    records = store.hgetall("sluicegate:registry:records")
+    store.close()
+    assert set(records) == {name_b}
+    assert json.loads(records[name_b]) == {"patch": {"weight": 3.0}, "draining": True}
     control(b, reset_stats=True)
     for _ in range(6):
         chat(router)

@@ -148,8 +148,12 @@ class Reconciler:
     async def _reconcile(self) -> None:
         now = self._clock()
         entries: dict[str, Discovered] = {}
-        for name, (url, ep) in self._current.items():
-            models = await self._models(name, url, now)
+        items = list(self._current.items())
+        # New endpoints are asked at once, side by side: one slow pod must not hold up the rest.
+        found = await asyncio.gather(*(self._models(n, url, now) for n, (url, _) in items))
+        for name in set(self._auto_retry) - set(self._current):
+            self._auto_retry.pop(name, None)
+        for (name, (url, ep)), models in zip(items, found, strict=True):
             if models is None:
                 continue
             cfg = self.cfg.backend_config(name, url, models)
