@@ -23,6 +23,7 @@ from router.core.settings import Settings
 from router.discovery.runner import Discovery
 from router.ops.logs import register_secret
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
+from router.ops.tracing import make_tracing
 from router.registry.admin import admin_routes
 from router.registry.fleet import (
     Fleet,
@@ -97,7 +98,8 @@ def create_app(settings: Settings) -> FastPath:
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(make_store(settings), metrics)
     lifecycle = Lifecycle()
-    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics)
+    tracing = make_tracing(settings.tracing)
+    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics, tracing)
 
     async def counts(names: Sequence[str]) -> dict[str, int]:
         return await store.counts(list(names))
@@ -150,6 +152,7 @@ def create_app(settings: Settings) -> FastPath:
                     "registry_store": fleet.store.kind,
                     "admin_api": "on" if admin_auth.configured else "read-only",
                     "client_keys": client_keys.enabled,
+                    "tracing": tracing.enabled,
                 }
             },
         )
@@ -170,6 +173,7 @@ def create_app(settings: Settings) -> FastPath:
             await monitor.aclose()
             await pools.aclose()
             await store.aclose()
+            await tracing.aclose()
 
     app = FastAPI(
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

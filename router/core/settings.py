@@ -79,6 +79,24 @@ class RetryConfig(_Strict):
     deadline: float = Field(30.0, gt=0)
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry export; off unless an endpoint is set here or in OTEL_EXPORTER_OTLP_*.
+    Unset keys fall back to OTEL_SERVICE_NAME / OTEL_TRACES_SAMPLER_ARG, then the defaults
+    (`sluicegate`, 1.0)."""
+
+    otlp_endpoint: str | None = None  # OTLP/HTTP base (http://collector:4318) or .../v1/traces
+    sample_ratio: float | None = Field(None, ge=0, le=1)
+    service_name: str | None = Field(None, min_length=1, max_length=200)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_endpoint(cls, v: str | None) -> str | None:
+        parsed = urlsplit(v) if v is not None else None
+        if parsed is not None and (parsed.scheme not in ("http", "https") or not parsed.hostname):
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return v
+
+
 class BackendConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: str
@@ -324,6 +342,7 @@ class Settings(BaseSettings):
     registry_resync: float = Field(1.0, gt=0, le=60)
     # Backends that follow the cluster (EndpointSlices) or DNS answers; see router/discovery/.
     discovery: list[DiscoverySource] = Field(default_factory=list)
+    tracing: TracingConfig = TracingConfig()
 
     @field_validator("backends")
     @classmethod

@@ -73,6 +73,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- $_ := set $cfg "discovery" $sources }}
 {{- end }}
+{{- with .Values.tracing }}
+{{- if .otlpEndpoint }}
+{{- $_ := set $cfg "tracing" (dict "otlp_endpoint" .otlpEndpoint "sample_ratio" .sampleRatio "service_name" .serviceName) }}
+{{- end }}
+{{- end }}
 {{- toYaml $cfg }}
 {{- end }}
 
