@@ -19,6 +19,7 @@ from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import error_response
+from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
 from router.ops.logs import register_secret
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
@@ -60,13 +61,14 @@ async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str)
 
 
 def make_store(settings: Settings) -> InflightStore:
-    """Local counts unless a Redis URL is set; then one count shared by every replica."""
-    if settings.redis_url is None:
+    """Local counts unless Redis is configured; then one count shared by every replica."""
+    target = RedisTarget.from_settings(settings)
+    if target is None:
         return LocalInflight()
     from balancers.inflight.redis import RedisInflight
 
     return RedisInflight(
-        settings.redis_url.get_secret_value(),
+        target,
         timeout=settings.redis_timeout,
         lease_ttl=settings.redis_lease_ttl,
         prefix=settings.redis_prefix,
@@ -74,11 +76,12 @@ def make_store(settings: Settings) -> InflightStore:
 
 
 def _record_store(settings: Settings) -> RecordStore:
-    if settings.redis_url is None:
+    target = RedisTarget.from_settings(settings)
+    if target is None:
         return LocalRecords()
     from router.registry.sync import RedisRecords
 
-    return RedisRecords(settings.redis_url.get_secret_value(), resync=settings.registry_resync)
+    return RedisRecords(target, resync=settings.registry_resync)
 
 
 def create_app(settings: Settings) -> FastPath:

@@ -198,6 +198,12 @@ class Settings(BaseSettings):
     redis_timeout: float = Field(0.05, gt=0, le=5)
     redis_lease_ttl: float = Field(10.0, ge=1, le=3600)
     redis_prefix: str = Field("sluicegate", pattern=r"^[A-Za-z0-9._:-]{1,64}$")
+    # Redis that survives a node loss (router/core/redis_client.py): Sentinel finds the master
+    # (credentials, TLS and db still come from redis_url when set), or Cluster seeded by redis_url.
+    redis_sentinels: list[str] = Field(default_factory=list)
+    redis_sentinel_master: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    redis_sentinel_password: SecretStr | None = None
+    redis_cluster: bool = False
     admin_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -240,6 +246,37 @@ class Settings(BaseSettings):
         for name in v.values():
             _check_balancer(name)
         return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            scheme = urlsplit(v.get_secret_value()).scheme
+            if scheme not in ("redis", "rediss", "unix"):
+                # The value may carry a password: name the scheme only.
+                raise ValueError(f"scheme {scheme!r} is not one of redis://, rediss://, unix://")
+        return v
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_addresses(cls, v: list[str]) -> list[str]:
+        for addr in v:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{addr!r} is not host:port")
+        return v
+
+    @model_validator(mode="after")
+    def _redis_topology(self) -> Settings:
+        if bool(self.redis_sentinels) != bool(self.redis_sentinel_master):
+            raise ValueError("redis_sentinels and redis_sentinel_master go together")
+        if self.redis_cluster:
+            if self.redis_sentinels:
+                raise ValueError("redis_cluster and redis_sentinels exclude each other")
+            url = self.redis_url.get_secret_value() if self.redis_url else ""
+            if not url.startswith(("redis://", "rediss://")):
+                raise ValueError("redis_cluster needs redis_url (redis:// or rediss://, any node)")
+        return self
 
     @model_validator(mode="after")
     def _keys_file_readable(self) -> Settings:
