@@ -1,8 +1,10 @@
-"""Background scheduling of active probes, and nothing else.
+"""Background scheduling for health: active probes, and the tick that applies time's transitions.
 
 One task per backend: probe at once (a new backend is checked before it has to prove itself on
 traffic), then every `interval` seconds with +-10 % jitter so replicas drift apart instead of
 probing in lockstep. A semaphore bounds how many probes run at once. Results go to the HealthBook.
+One more task calls `HealthBook.advance()` every `tick` seconds (ejections and cooldowns ending,
+panic mode), since reading health never changes it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,15 @@ JITTER = 0.1
 
 class HealthMonitor:
     def __init__(
-        self, book: HealthBook, concurrency: int = 32, rng: random.Random | None = None
+        self,
+        book: HealthBook,
+        concurrency: int = 32,
+        rng: random.Random | None = None,
+        tick: float = 0.25,
     ) -> None:
         self._book = book
+        self._tick = tick
+        self._ticker: asyncio.Task[None] | None = None
         self._rng = rng or random.Random()
         self._sem = asyncio.Semaphore(concurrency)
         self._concurrency = concurrency
@@ -44,9 +52,21 @@ class HealthMonitor:
     async def start(self) -> None:
         self._client = probe_client(self._concurrency)
         self._reconcile()
+        self._ticker = asyncio.get_running_loop().create_task(self._ticking())
+
+    async def _ticking(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick)
+            try:
+                self._book.advance()
+            except Exception:
+                log.exception("health tick error")  # a bug must not stop the transitions
 
     async def aclose(self) -> None:
         tasks = [t for _, t in self._tasks.values()]
+        if self._ticker is not None:
+            tasks.append(self._ticker)
+            self._ticker = None
         self._tasks.clear()
         for t in tasks:
             t.cancel()

@@ -9,15 +9,18 @@ Ejection lasts `base_ejection` x times ejected, capped at `max_ejection` (Envoy'
 
 from __future__ import annotations
 
+from router.core.errors import FailureKind
 from router.core.settings import OutlierConfig
 
 # Failures that count against a backend. A 4xx is the client's doing and a 429 is a polite
-# request to slow down (handled as a cooldown), so neither is listed.
-PASSIVE_FAILURES = frozenset({"connect", "timeout", "mid_stream"})
+# request to slow down (handled as a cooldown), so neither counts; nor does our own full pool.
+PASSIVE_FAILURES = frozenset({FailureKind.CONNECT, FailureKind.TIMEOUT, FailureKind.MID_STREAM})
 
 
-def counts_as_failure(kind: str) -> bool:
-    return kind in PASSIVE_FAILURES or kind.startswith("status_5")
+def counts_as_failure(kind: FailureKind, status: int | None = None) -> bool:
+    if kind is FailureKind.STATUS:
+        return status is not None and 500 <= status <= 599
+    return kind in PASSIVE_FAILURES
 
 
 def should_eject(cfg: OutlierConfig, consecutive_failures: int) -> bool:

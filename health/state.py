@@ -7,7 +7,11 @@ backoff, never more than `max_ejection_percent` of a model's backends), and cool
 (`cool_down`, from a 429/503 Retry-After). A backend is routable when no flag is set and it is not
 draining; when none of a model's backends is, `eligible` returns all of them (panic mode) but
 those cooling down.
-Time comes from an injected clock; every transition is logged once on `sluicegate.health`.
+Reading (`routable`, `eligible`, `retry_after`, `describe`) never changes state: a flag whose
+time is up simply stops counting. The transitions that time brings (an ejection or a cooldown
+ending, panic mode starting or ending) are applied by `advance()`, which the monitor calls every
+tick, and by any write about that backend. Time comes from an injected clock; every transition is
+logged once on `sluicegate.health`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 from health import outlier
 from router.core.backend import Backend
+from router.core.errors import FailureKind
 from router.core.settings import HealthConfig, OutlierConfig
 
 log = logging.getLogger("sluicegate.health")
@@ -80,6 +85,7 @@ class HealthBook:
         self._models_of: dict[str, tuple[str, ...]] = {}  # backend name -> models
         self._urls: dict[str, str] = {}
         self._panicking: set[str] = set()
+        self._draining: frozenset[str] = frozenset()
 
     # -- the backend set --------------------------------------------------------------------
 
@@ -98,6 +104,7 @@ class HealthBook:
                 groups.setdefault(model, []).append(b.name)
         self._groups = {m: tuple(ns) for m, ns in groups.items()}
         self._models_of = {b.name: tuple(b.models) for b in backends}
+        self._draining = frozenset(b.name for b in backends if b.draining)
         for gone in set(self._state) - names:
             del self._state[gone]
         self._panicking &= set(self._groups)
@@ -122,33 +129,51 @@ class HealthBook:
         st = self._state.get(backend.name)
         if st is None:
             return True
-        if st.probe_failed:
-            return False
-        if st.ejected_until:
-            if st.ejected_until > now:
-                return False
-            self._end_ejection(backend.name, st, now, "expired")
-        if st.cooldown_until:
-            if st.cooldown_until > now:
-                return False
-            st.cooldown_until = 0.0
-            self._transition("cooldown over", backend.name)
-        return True
+        return not (st.probe_failed or st.ejected_until > now or st.cooldown_until > now)
 
     def eligible(self, backends: Sequence[Backend], model: str = "") -> list[Backend]:
         now = self._clock()
         ok = [b for b in backends if self.routable(b, now)]
         if ok:
-            if model in self._panicking:
-                self._panicking.discard(model)
-                self._transition("panic mode over", None, model=model, healthy=len(ok))
             return ok
         # Panic mode: when nothing looks healthy, try them all rather than fail everything;
         # except those that asked for a pause (Retry-After): they are left alone as asked.
-        if model not in self._panicking:
-            self._panicking.add(model)
-            self._transition("panic mode", None, model=model, backends=len(backends))
         return [b for b in backends if not b.draining and not self._cooling(b.name, now)]
+
+    def advance(self) -> None:
+        """Apply what time has brought: ejections and cooldowns that ended, panic mode entered or
+        left by a model. Called by the monitor's tick; reads never do this."""
+        now = self._clock()
+        for name, st in list(self._state.items()):
+            self._settle(name, st, now)
+        for model, names in self._groups.items():
+            healthy = sum(1 for n in names if self._free(n, now))
+            if healthy and model in self._panicking:
+                self._panicking.discard(model)
+                self._transition("panic mode over", None, model=model, healthy=healthy)
+            elif not healthy and names and model not in self._panicking:
+                self._panicking.add(model)
+                self._transition("panic mode", None, model=model, backends=len(names))
+
+    def panicking(self) -> frozenset[str]:
+        """The models in panic mode as of the last `advance()`."""
+        return frozenset(self._panicking)
+
+    def _free(self, name: str, now: float) -> bool:
+        if name in self._draining:
+            return False
+        st = self._state.get(name)
+        return st is None or not (
+            st.probe_failed or st.ejected_until > now or st.cooldown_until > now
+        )
+
+    def _settle(self, name: str, st: BackendHealth, now: float) -> None:
+        if st.ejected_until and st.ejected_until <= now:
+            # It ended when its time was up, however late this tick noticed.
+            self._end_ejection(name, st, st.ejected_until, "expired")
+        if st.cooldown_until and st.cooldown_until <= now:
+            st.cooldown_until = 0.0
+            self._transition("cooldown over", name)
 
     def _cooling(self, name: str, now: float) -> bool:
         st = self._state.get(name)
@@ -171,18 +196,21 @@ class HealthBook:
         if st is not None and st.consecutive_failures:
             st.consecutive_failures = 0
 
-    def on_failure(self, name: str, kind: str) -> None:
-        if not outlier.counts_as_failure(kind):
+    def on_failure(self, name: str, kind: FailureKind, status: int | None = None) -> None:
+        """A real request to `name` failed (`status`: the answer's, for `FailureKind.STATUS`)."""
+        if not outlier.counts_as_failure(kind, status):
             return
+        reason = f"status_{status}" if kind is FailureKind.STATUS else str(kind)
         st = self._get(name)
-        st.consecutive_failures += 1
-        st.last_error = kind
         now = self._clock()
+        self._settle(name, st, now)
+        st.consecutive_failures += 1
+        st.last_error = reason
         if st.ejected_until > now:
             return  # requests that were already in flight when it was ejected
         cfg = self.outlier_config(name)
         if outlier.should_eject(cfg, st.consecutive_failures):
-            self._eject(name, st, cfg, now, kind)
+            self._eject(name, st, cfg, now, reason)
 
     def _eject(
         self, name: str, st: BackendHealth, cfg: OutlierConfig, now: float, kind: str
@@ -236,6 +264,7 @@ class HealthBook:
     def cool_down(self, name: str, seconds: float) -> None:
         st = self._get(name)
         now = self._clock()
+        self._settle(name, st, now)
         until = now + seconds
         if until <= st.cooldown_until:
             return
@@ -250,6 +279,7 @@ class HealthBook:
         st = self._get(name)
         cfg = self.health_config(name)
         now = self._clock()
+        self._settle(name, st, now)
         if result.latency_ms is not None:
             st.last_probe_latency_ms = result.latency_ms
         ejected = st.ejected_until > now

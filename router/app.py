@@ -18,7 +18,7 @@ from balancers.inflight.local import LocalInflight
 from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.core.backend import Backend
-from router.core.errors import error_response
+from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
 from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
 from router.ops.logs import register_secret
@@ -29,26 +29,15 @@ from router.registry.fleet import (
     LocalRecords,
     RecordStore,
     Registry,
-    RegistryError,
     Snapshot,
 )
-from router.request.proxy import Lifecycle, Proxy
+from router.request.drain import Lifecycle
+from router.request.proxy import Proxy
 from router.upstream.pools import Pools
 from router.web.api import FastPath, openai_routes, proxy_endpoints
 from router.web.auth import AdminAuth, ClientKeys
 
 log = logging.getLogger("sluicegate.app")
-
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-}
 
 
 async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str) -> None:
@@ -128,7 +117,7 @@ def create_app(settings: Settings) -> FastPath:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             fleet.apply(await fleet.store.load())
-        except RegistryError:
+        except (RegistryError, StoreUnavailable):
             # Serve the file's entries meanwhile; the watch below keeps trying and catches up.
             log.warning("shared registry unavailable at start; serving the file's backends")
         for b in registry.snapshot.backends:
@@ -202,7 +191,7 @@ def create_app(settings: Settings) -> FastPath:
         return error_response(
             exc.status_code,
             str(exc.detail),
-            _STATUS_TYPES.get(exc.status_code, "api_error"),
+            type_for_status(exc.status_code),
             None,
             dict(exc.headers or {}),
         )

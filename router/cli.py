@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from router.core.settings import ConfigError, Settings, load_settings
+from router.registry.fleet import check_balancers
 
 
 def drain_on_signal(lifecycle: Any, grace: float) -> None:
@@ -232,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return demo(args.host, args.port)
         settings = load_settings(args.config, host=args.host, port=args.port, workers=args.workers)
+        check_balancers(settings)
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
         return 2

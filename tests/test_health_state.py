@@ -12,6 +12,7 @@ import pytest
 
 from health.state import HealthBook, ProbeResult
 from router.core.backend import Backend
+from router.core.errors import FailureKind
 from router.core.settings import BackendConfig, HealthConfig, OutlierConfig, RetryConfig
 from router.request.failover import Failover, RetryBudget
 
@@ -95,7 +96,7 @@ def test_consecutive_failures_eject_with_backoff_and_cap(
         for _ in range(4):
             hb.on_failure("a", "connect")
         assert "a" in names(hb.eligible([a, b, c], "m"))
-        hb.on_failure("a", "status_503")
+        hb.on_failure("a", FailureKind.STATUS, 503)
         assert "a" not in names(hb.eligible([a, b, c], "m"))
         row = hb.describe("a")
         durations.append(round(row["ejected_until"] - (5000.0 + clock.now), 3))
@@ -106,6 +107,7 @@ def test_consecutive_failures_eject_with_backoff_and_cap(
         assert "a" not in names(hb.eligible([a, b, c], "m"))
         clock.advance(0.001)
         assert "a" in names(hb.eligible([a, b, c], "m"))
+        hb.advance()
         assert hb.describe("a")["consecutive_failures"] == 0
     assert durations == [30, 60, 90, 120, 150, 180, 210, 240, 270, 300, 300, 300]
     assert len(events(caplog, "ejected")) == 12
@@ -121,8 +123,8 @@ def test_success_resets_the_failure_streak_and_4xx_429_do_not_count() -> None:
     hb.on_success("a")
     for _ in range(4):
         hb.on_failure("a", "mid_stream")
-    for kind in ("status_429", "status_404", "status_400"):
-        hb.on_failure("a", kind)
+    for status in (429, 404, 400):
+        hb.on_failure("a", FailureKind.STATUS, status)
     assert names(hb.eligible([a, b], "m")) == ["a", "b"]
     assert hb.describe("a")["consecutive_failures"] == 4
 
@@ -191,10 +193,13 @@ def test_panic_mode_routes_to_all_and_logs_once(caplog: pytest.LogCaptureFixture
             hb.on_probe(name, FAIL)
     for _ in range(3):
         assert names(hb.eligible([a, b, draining], "m")) == ["a", "b"]
+        hb.advance()
     assert len(events(caplog, "panic mode")) == 1
+    assert hb.panicking() == {"m"}
     hb.on_probe("a", OK)
     hb.on_probe("a", OK)
     assert names(hb.eligible([a, b, draining], "m")) == ["a"]
+    hb.advance()
     assert len(events(caplog, "panic mode over")) == 1
 
 
@@ -231,6 +236,8 @@ def test_cooldown_until_retry_after_expires(caplog: pytest.LogCaptureFixture) ->
     assert names(hb.eligible([a, b], "m")) == ["a", "b"]
     assert hb.describe("a")["healthy"] is True
     assert len(events(caplog, "cooling down")) == 1
+    assert events(caplog, "cooldown over") == []  # reading changed nothing
+    hb.advance()
     assert len(events(caplog, "cooldown over")) == 1
 
 
@@ -398,3 +405,33 @@ def test_probe_intervals_are_jittered_within_ten_percent() -> None:
     delays = [mon.next_delay(5.0) for _ in range(1000)]
     assert all(4.5 <= d <= 5.5 for d in delays)
     assert max(delays) - min(delays) > 0.9  # spread out, not one fixed period
+
+
+def test_reading_health_has_no_side_effects(caplog: pytest.LogCaptureFixture) -> None:
+    """Reads answer from the clock; only `advance()` (the monitor's tick) applies transitions."""
+    caplog.set_level(logging.INFO, "sluicegate.health")
+    changes: list[tuple[str, bool, str]] = []
+    clock = Clock()
+    a, b = make("a"), make("b")
+    hb = HealthBook(
+        HealthConfig(),
+        OutlierConfig(),
+        clock=clock,
+        wall=lambda: 5000.0 + clock.now,
+        on_change=lambda *change: changes.append(change),
+    )
+    hb.sync([a, b])
+    for _ in range(5):
+        hb.on_failure("a", FailureKind.CONNECT)
+    assert changes == [("a", False, "outlier_connect")]
+    clock.advance(30)
+    before = hb.describe("a")
+    for _ in range(3):
+        assert names(hb.eligible([a, b], "m")) == ["a", "b"]
+        assert hb.routable(a, clock()) and hb.retry_after([a, b]) is None
+    assert hb.describe("a") == before and len(changes) == 1
+    assert events(caplog, "ejection over") == []
+    hb.advance()
+    assert changes[-1] == ("a", True, "ejection over")
+    assert len(events(caplog, "ejection over")) == 1
+    assert hb.describe("a")["consecutive_failures"] == 0

@@ -25,7 +25,8 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from router.core.redis_client import FAILURES, KeyConnections
+from router.core.errors import STORE_FAILURES
+from router.core.redis_client import KeyConnections
 
 MAX_BATCH = 512
 
@@ -103,7 +104,7 @@ class Batcher:
             return []
         try:
             replies = await self._round_trip([cmd for cmd, _ in live])
-        except (*FAILURES, TimeoutError) as exc:
+        except STORE_FAILURES as exc:
             self._conns.stale()
             self._on_round_trip(False)
             for _, w in live:
@@ -156,7 +157,7 @@ class Batcher:
             for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply
-        except (*FAILURES, TimeoutError) as exc:
+        except STORE_FAILURES as exc:
             for _, w in failed:
                 _fail(w, exc)
             return False

@@ -3,10 +3,11 @@
 Each backend has a sorted set `{prefix}:inflight:<backend>` of lease ids scored by expiry (ms);
 its count is the number of unexpired ids. Lease ids are `<replica id>:<seq>`.
 
-- acquire, one round trip: a Lua script purges expired ids on the candidates, picks the least
-  loaded relative to weight among those below `max_inflight` (ties drawn by weight) and adds the
-  lease, atomically. Balancers that ignore loads (round robin) pick locally and the same script
-  only checks capacity and adds; other (plugin) balancers read counts first: two round trips.
+- acquire, one round trip: for a balancer that offers its policy in Lua (`RedisForm`, e.g.
+  least in flight), one script purges expired ids on the candidates it looks at, runs that policy
+  over the backends below `max_inflight` and adds the lease, atomically. Balancers that ignore
+  loads (round robin) pick locally and a script only checks capacity and adds; other (plugin)
+  balancers read counts first: two round trips.
 - release, one round trip: decrements the local view at once and hands ZREM to a task this store
   owns, with a timeout, so neither the client's cancellation nor an error can lose it.
 - crash safety: a heartbeat re-stamps this replica's live leases every ttl/3 (re-adding any Redis
@@ -30,13 +31,14 @@ from typing import Any
 
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 
-from balancers.base import Balancer, Candidate, needs_counts
+from balancers.base import Balancer, Candidate, needs_counts, redis_form
 from balancers.inflight.base import Lease
 from balancers.inflight.batch import Batcher
-from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight
 from router.core.backend import Backend
-from router.core.redis_client import FAILURES, KeyConnections, RedisTarget, follow_master
+from router.core.errors import STORE_FAILURES, StoreUnavailable, store_unavailable
+from router.core.redis_client import KeyConnections, RedisTarget, follow_master
 
 log = logging.getLogger("sluicegate.inflight")
 
@@ -50,57 +52,49 @@ if now == 0 then
 end
 """
 
+# The acquire script around a balancer's Lua policy (`RedisForm`), which defines `pick`.
 # ARGV: now_ms, ttl_ms, lease id, seed, then (weight, max_inflight or 0) per key.
-_ACQUIRE = (
+_ACQUIRE_AROUND = (
     _NOW
     + """
 local ttl = tonumber(ARGV[2])
 math.randomseed(tonumber(ARGV[4]))
-local n = #KEYS
-local function scan(idx)
-  local best, tied, total = nil, {}, 0
-  for _, i in ipairs(idx) do
+local seen = {}
+local function load(i)
+  local v = seen[i]
+  if v == nil then
     redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
     local c = redis.call('ZCARD', KEYS[i])
-    local w = tonumber(ARGV[3 + 2 * i])
     local cap = tonumber(ARGV[4 + 2 * i])
-    if cap == 0 or c < cap then
-      local s = c / w
-      if best == nil or s < best then
-        best, tied, total = s, {i}, w
-      elseif s == best then
-        tied[#tied + 1] = i
-        total = total + w
-      end
-    end
+    if cap ~= 0 and c >= cap then v = false else v = c end
+    seen[i] = v
   end
-  return tied, total
+  return v
 end
-local all = {}
-for i = 1, n do all[i] = i end
-local tied, total
-if n > EXACT_SCAN_MAX then
-  local a = math.random(n)
-  local b = math.random(n - 1)
-  if b >= a then b = b + 1 end
-  tied, total = scan({a, b})
-  if #tied == 0 then tied, total = scan(all) end
-else
-  tied, total = scan(all)
+local function weight(i)
+  return tonumber(ARGV[3 + 2 * i])
 end
-if #tied == 0 then return 0 end
-local pick = tied[1]
-if #tied > 1 then
-  local point = math.random() * total
-  for _, i in ipairs(tied) do
-    point = point - tonumber(ARGV[3 + 2 * i])
-    if point < 0 then pick = i break end
-  end
-end
-redis.call('ZADD', KEYS[pick], now + ttl, ARGV[3])
-redis.call('PEXPIRE', KEYS[pick], ttl * 3)
-return pick
-""".replace("EXACT_SCAN_MAX", str(EXACT_SCAN_MAX))
+POLICY
+local i = pick(#KEYS, load, weight)
+if not i then return 0 end
+redis.call('ZADD', KEYS[i], now + ttl, ARGV[3])
+redis.call('PEXPIRE', KEYS[i], ttl * 3)
+return i
+"""
+)
+
+# ARGV: now_ms, ttl_ms, lease id, max_inflight or 0. Adds the lease if the backend has room.
+_ADD_IF_ROOM = (
+    _NOW
+    + """
+local ttl = tonumber(ARGV[2])
+local cap = tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if cap ~= 0 and redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ttl * 3)
+return 1
+"""
 )
 
 # ARGV: now_ms. Returns the count of each key.
@@ -140,10 +134,6 @@ DEGRADE_AFTER = 3
 _ORPHANS_MAX = 100_000  # ids whose removal failed; past this they are left to expire
 
 
-class RedisUnavailable(Exception):
-    """Redis did not answer in time or refused; the caller falls back to local counts."""
-
-
 class RedisInflight:
     kind = "redis"
 
@@ -174,15 +164,15 @@ class RedisInflight:
         self.replica_id = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
         self._rng = random.Random()
-        self._acquire_script = self._redis.register_script(_ACQUIRE)
+        self._add_script = self._redis.register_script(_ADD_IF_ROOM)
         self._counts_script = self._redis.register_script(_COUNTS)
         self._refresh_script = self._redis.register_script(_REFRESH)
-        scripts = (self._acquire_script, self._counts_script, self._refresh_script)
+        self._policies: dict[type, AsyncScript | None] = {}  # balancer class -> its acquire
+        self._sources = {
+            s.sha: s.script for s in (self._add_script, self._counts_script, self._refresh_script)
+        }  # sha -> source, for the batcher to reload on NOSCRIPT; grows with each policy
         self._batch = Batcher(
-            KeyConnections(self._redis, self._prefix),
-            {s.sha: s.script for s in scripts},
-            timeout,
-            self._round_trip,
+            KeyConnections(self._redis, self._prefix), self._sources, timeout, self._round_trip
         )
         self._live: dict[str, str] = {}  # lease id -> backend, for this replica
         self._local: dict[str, int] = {}  # this replica's own counts: the fallback view
@@ -205,10 +195,10 @@ class RedisInflight:
         try:
             async with asyncio.timeout(self._timeout):
                 result = await fn()
-        except (*FAILURES, TimeoutError) as exc:
+        except STORE_FAILURES as exc:
             if not batched:
                 self._failures += 1
-            raise RedisUnavailable(type(exc).__name__) from exc
+            raise store_unavailable(exc) from exc
         if not batched:
             self._failures = 0
         return result
@@ -230,11 +220,10 @@ class RedisInflight:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        scripts = (self._acquire_script, self._counts_script, self._refresh_script)
-        with contextlib.suppress(RedisUnavailable):
+        with contextlib.suppress(StoreUnavailable):
             # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
-            for script in scripts:
-                await self._call(lambda s=script: self._batch.call("SCRIPT", "LOAD", s.script))
+            for source in list(self._sources.values()):
+                await self._call(lambda s=source: self._batch.call("SCRIPT", "LOAD", s))
         await self.heartbeat()
         if self._run_heartbeat and self._beat_task is None:
             self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
@@ -277,7 +266,7 @@ class RedisInflight:
                 await self._call(lambda: self._batch.call("PING"))
             for backend, tokens in owed.items():
                 await self._call(lambda b=backend, t=tokens: self._redis.zrem(self.key(b), *t))
-        except RedisUnavailable as exc:
+        except StoreUnavailable as exc:
             self._degrade(str(exc))
             return False
         self._orphans -= orphans
@@ -320,12 +309,13 @@ class RedisInflight:
             self.fallbacks += 1
             return self._acquire_local(cands, balancer)
         token = f"{self.replica_id}:{next(self._seq)}"
+        script = self._policy(balancer)
         try:
-            if type(balancer) is LeastInflight:
-                picked = await self._acquire_atomic(cands, token)
+            if script is not None:
+                picked = await self._acquire_atomic(cands, token, script)
             else:
                 picked = await self._acquire_picked(cands, balancer, token)
-        except RedisUnavailable as exc:
+        except StoreUnavailable as exc:
             # The script may have run after we stopped waiting: remove the id wherever it landed.
             for b in cands:
                 self._owe(token, b.name)
@@ -340,12 +330,26 @@ class RedisInflight:
             return None
         return self._hold(picked, token)
 
-    async def _acquire_atomic(self, cands: Sequence[Backend], token: str) -> str | None:
+    def _policy(self, balancer: Balancer) -> AsyncScript | None:
+        """The acquire script around the balancer's own Lua form, if it offers one."""
+        cls = type(balancer)
+        if cls not in self._policies:
+            source = redis_form(balancer)
+            script = None
+            if source is not None:
+                script = self._redis.register_script(_ACQUIRE_AROUND.replace("POLICY", source))
+                self._sources[script.sha] = script.script
+            self._policies[cls] = script
+        return self._policies[cls]
+
+    async def _acquire_atomic(
+        self, cands: Sequence[Backend], token: str, script: AsyncScript
+    ) -> str | None:
         args: list[Any] = [self._now_ms(), self._ttl_ms, token, self._rng.getrandbits(31)]
         for b in cands:
             args += (b.weight, b.max_inflight or 0)
         keys = [self.key(b.name) for b in cands]
-        sha = self._acquire_script.sha
+        sha = script.sha
         index = await self._call(
             lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, *args), batched=True
         )
@@ -372,8 +376,8 @@ class RedisInflight:
             if picked is None:
                 return None
             b = by_name[picked.name]
-            args = [self._now_ms(), self._ttl_ms, token, 0, b.weight, b.max_inflight or 0]
-            cmd = ("EVALSHA", self._acquire_script.sha, 1, self.key(b.name), *args)
+            args = [self._now_ms(), self._ttl_ms, token, b.max_inflight or 0]
+            cmd = ("EVALSHA", self._add_script.sha, 1, self.key(b.name), *args)
             if await self._call(lambda c=cmd: self._batch.call(*c), batched=True):
                 return b.name
             tried.add(b.name)  # filled up since we looked
@@ -447,6 +451,6 @@ class RedisInflight:
         if not self.degraded and names:
             try:
                 return await self._shared_counts(names)
-            except RedisUnavailable as exc:
+            except StoreUnavailable as exc:
                 self._degrade(str(exc))
         return {n: self._local.get(n, 0) for n in names}

@@ -1,15 +1,32 @@
-"""OpenAI-format errors: `{"error": {"message", "type", "code"}}`, and the proxy's own failures.
+"""The project's own errors, the one map from foreign exceptions to them, and OpenAI's error shape.
 
-ProxyError                  -> an error answered before any byte went to the client
-  ├── UpstreamConnectError  (502, a backend could not be reached)
-  ├── UpstreamTimeout       (504, a backend did not answer in time)
-  └── NoCapacity            (503, every candidate is full, ejected or cooling down)
+SluicegateError
+  ├── ProxyError                 an error answered before any byte went to the client (502)
+  │     ├── UpstreamConnectError (502, a backend could not be reached or closed before answering)
+  │     ├── UpstreamTimeout      (504, a backend did not answer in time)
+  │     └── NoCapacity           (503, every candidate is full, ejected or cooling down)
+  ├── StoreUnavailable           a shared store (Redis) did not answer; callers fall back or 503
+  └── RegistryError              an admin change that cannot be made (400)
+        ├── Invalid              (422, a field is wrong)
+        ├── NotFound             (404)
+        └── Conflict             (409)
+
+Foreign exceptions (httpx's tree, which the upstream transport speaks; OSError, TimeoutError;
+redis-py) are mapped here and nowhere else: `upstream_failure()` for an attempt at a backend,
+`store_unavailable()` for Redis. `FailureKind` names what went wrong with an attempt, for health,
+metrics and logs alike. `STATUS_TYPES` is the one status -> OpenAI error type table.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from enum import StrEnum
 
+import httpx
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.responses import Response
 
 # Upstream or our own message text never carries secrets: messages are built here from fixed
@@ -18,6 +35,24 @@ from starlette.responses import Response
 
 def error_payload(message: str, type_: str, code: str | int | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode()
+
+
+STATUS_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+}
+
+
+def type_for_status(status: int) -> str:
+    """OpenAI's error `type` for a status we answer ourselves."""
+    return STATUS_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
 def error_response(
@@ -40,7 +75,11 @@ def sse_error_event(message: str, type_: str, code: str) -> bytes:
     return b"data: " + error_payload(message, type_, code) + b"\n\ndata: [DONE]\n\n"
 
 
-class ProxyError(Exception):
+class SluicegateError(Exception):
+    """Every error the project raises on purpose; str() is safe to show (never holds a secret)."""
+
+
+class ProxyError(SluicegateError):
     status = 502
     type_ = "upstream_error"
     code = "upstream_error"
@@ -71,3 +110,134 @@ class NoCapacity(ProxyError):
     status = 503
     type_ = "service_unavailable"
     code = "no_capacity"
+
+
+class StoreUnavailable(SluicegateError):
+    """Redis did not answer in time or refused. The message names only the exception type: the
+    foreign exception's own text may carry the Redis address or password."""
+
+    status = 503
+    code = "registry_unavailable"
+
+
+class RegistryError(SluicegateError):
+    """An admin change that cannot be made."""
+
+    status = 400
+    code = "invalid_request"
+
+
+class NotFound(RegistryError):
+    status = 404
+    code = "backend_not_found"
+
+
+class Conflict(RegistryError):
+    status = 409
+    code = "backend_exists"
+
+
+class Invalid(RegistryError):
+    status = 422
+    code = "invalid_field"
+
+
+class FailureKind(StrEnum):
+    """What went wrong with one attempt at a backend (the values are metric label values)."""
+
+    CONNECT = "connect"  # no connection, or it closed before an answer
+    TIMEOUT = "timeout"  # connect, write or the first byte took too long
+    POOL = "pool"  # our own pool to it had no free connection: not the backend's failure
+    STATUS = "status"  # it answered 5xx or 429
+    MID_STREAM = "mid_stream"  # it failed after the answer began
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamFailure:
+    kind: FailureKind
+    error: ProxyError
+
+
+# Most specific first: the first entry the exception is an instance of wins.
+_UPSTREAM: tuple[tuple[type[BaseException], FailureKind, type[ProxyError], str], ...] = (
+    (
+        httpx.PoolTimeout,
+        FailureKind.POOL,
+        UpstreamConnectError,
+        "No connection to backend `{}` is free.",
+    ),
+    (
+        httpx.ConnectError,
+        FailureKind.CONNECT,
+        UpstreamConnectError,
+        "Could not connect to backend `{}`.",
+    ),
+    (
+        httpx.ConnectTimeout,
+        FailureKind.CONNECT,
+        UpstreamConnectError,
+        "Could not connect to backend `{}`.",
+    ),
+    (
+        httpx.TimeoutException,
+        FailureKind.TIMEOUT,
+        UpstreamTimeout,
+        "Backend `{}` did not answer in time.",
+    ),
+    (TimeoutError, FailureKind.TIMEOUT, UpstreamTimeout, "Backend `{}` did not answer in time."),
+    (
+        httpx.TransportError,
+        FailureKind.CONNECT,
+        UpstreamConnectError,
+        "Backend `{}` closed the connection before answering.",
+    ),
+    (
+        OSError,
+        FailureKind.CONNECT,
+        UpstreamConnectError,
+        "Backend `{}` closed the connection before answering.",
+    ),
+)
+
+UPSTREAM_FAILURES: tuple[type[BaseException], ...] = tuple(row[0] for row in _UPSTREAM)
+
+
+def upstream_failure(exc: BaseException, backend: str) -> UpstreamFailure:
+    """The one map from what an attempt at `backend` can raise to a failure kind and the error the
+    client would see. Raises `exc` again when it is not a failure of the upstream (a bug)."""
+    for foreign, kind, error, message in _UPSTREAM:
+        if isinstance(exc, foreign):
+            return UpstreamFailure(kind, error(message.format(backend)))
+    raise exc
+
+
+def mid_stream_kind(exc: BaseException) -> FailureKind:
+    """A stream that began and then broke: it timed out, or it failed otherwise."""
+    return (
+        FailureKind.TIMEOUT
+        if isinstance(exc, httpx.TimeoutException | TimeoutError)
+        else (FailureKind.MID_STREAM)
+    )
+
+
+# Redis Cluster's own errors (no slot map, no node reachable) are no RedisError.
+STORE_FAILURES: tuple[type[BaseException], ...] = (
+    RedisError,
+    RedisClusterException,
+    OSError,
+    TimeoutError,
+)
+# A pooled connection that died with a Redis restart: reading again on a fresh one is safe.
+STORE_STALE_CONNECTION: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ConnectionError,
+)
+
+
+def store_unavailable(exc: BaseException) -> StoreUnavailable:
+    """The one map from a Redis call's failure to ours. Raises `exc` again when it is not one."""
+    if isinstance(exc, STORE_FAILURES):
+        # The exception's own text may carry the Redis address; its type name is enough.
+        return StoreUnavailable(f"The shared store (Redis) is unavailable ({type(exc).__name__}).")
+    raise exc

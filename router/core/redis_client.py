@@ -22,14 +22,12 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
+from redis.exceptions import ClusterDownError
 
+from router.core.errors import STORE_FAILURES
 from router.core.settings import Settings
 
 Client = Redis | RedisCluster
-
-# What a Redis call can fail with, whatever the topology (Cluster's own errors are no RedisError).
-FAILURES: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
 
 
 @dataclass(frozen=True)
@@ -134,7 +132,7 @@ async def follow_master(client: Client, limit: float) -> bool:
     try:
         async with asyncio.timeout(limit):
             after = await pool.get_master_address()  # type: ignore[no-untyped-call]
-    except (*FAILURES, TimeoutError):
+    except STORE_FAILURES:
         return False
     return before is not None and after != before
 
@@ -184,7 +182,7 @@ class KeyConnections:
 
     async def _reread(self, client: RedisCluster) -> None:
         try:
-            with contextlib.suppress(*FAILURES):
+            with contextlib.suppress(*STORE_FAILURES):
                 await client.nodes_manager.initialize()
         finally:
             self._refresh = None

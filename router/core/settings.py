@@ -234,19 +234,6 @@ class Settings(BaseSettings):
             seen.add(b.name)
         return v
 
-    @field_validator("balancer")
-    @classmethod
-    def _known_balancer(cls, v: str) -> str:
-        _check_balancer(v)
-        return v
-
-    @field_validator("model_balancers")
-    @classmethod
-    def _known_model_balancers(cls, v: dict[str, str]) -> dict[str, str]:
-        for name in v.values():
-            _check_balancer(name)
-        return v
-
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
@@ -301,15 +288,6 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, _FileSource(settings_cls)
-
-
-def _check_balancer(name: str) -> None:
-    from balancers import balancer_class  # installed plugins register by entry point
-
-    try:
-        balancer_class(name)
-    except KeyError as exc:
-        raise ValueError(exc.args[0]) from None
 
 
 def _describe(exc: ValidationError, data: dict[str, Any]) -> str:

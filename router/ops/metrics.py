@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from balancers.base import Balancer
     from balancers.inflight.base import InflightStore, Lease
     from router.core.backend import Backend
-    from router.request.proxy import RequestRecord
+    from router.request.record import RequestRecord
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

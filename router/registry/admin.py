@@ -22,21 +22,22 @@ from starlette.responses import JSONResponse, Response
 from balancers.inflight.base import InflightStore
 from health.state import HealthBook
 from router.core.backend import Backend
-from router.core.errors import error_response
+from router.core.errors import (
+    Invalid,
+    RegistryError,
+    StoreUnavailable,
+    error_response,
+    type_for_status,
+)
 from router.core.settings import BackendConfig
-from router.registry.fleet import Fleet, Invalid, RegistryError, describe_validation
+from router.registry.fleet import Fleet, describe_validation
 from router.web.auth import AdminAuth
 
 _MAX_ADMIN_BODY = 64 * 1024
 
 
-def _fail(exc: RegistryError) -> Response:
-    type_ = "invalid_request_error" if exc.status < 500 else "api_error"
-    if exc.status == 404:
-        type_ = "not_found_error"
-    elif exc.status == 409:
-        type_ = "conflict_error"
-    return error_response(exc.status, str(exc), type_, exc.code)
+def _fail(exc: RegistryError | StoreUnavailable) -> Response:
+    return error_response(exc.status, str(exc), type_for_status(exc.status), exc.code)
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -119,7 +120,7 @@ def admin_routes(
             return denied
         try:
             b = await fleet.register(_registration(await _json_object(request)))
-        except RegistryError as exc:
+        except (RegistryError, StoreUnavailable) as exc:
             return _fail(exc)
         return JSONResponse((await describe((b,)))[0], status_code=201)
 
@@ -129,7 +130,7 @@ def admin_routes(
             return denied
         try:
             b = await fleet.update(name, await _json_object(request))
-        except RegistryError as exc:
+        except (RegistryError, StoreUnavailable) as exc:
             return _fail(exc)
         return JSONResponse((await describe((b,)))[0])
 
@@ -139,7 +140,7 @@ def admin_routes(
             return denied
         try:
             result = await fleet.remove(name, lambda: in_flight(name), drain_grace)
-        except RegistryError as exc:
+        except (RegistryError, StoreUnavailable) as exc:
             return _fail(exc)
         return JSONResponse(result)
 

@@ -30,7 +30,8 @@ from pydantic import ValidationError
 
 from balancers import Balancer, balancer_class
 from router.core.backend import Backend
-from router.core.settings import BackendConfig
+from router.core.errors import Conflict, Invalid, NotFound
+from router.core.settings import BackendConfig, ConfigError, Settings
 
 log = logging.getLogger("sluicegate.registry")
 
@@ -60,6 +61,19 @@ class Snapshot:
             version=version,
             models=tuple(sorted(by_model)),
         )
+
+
+def check_balancers(settings: Settings) -> None:
+    """Every balancer the settings name exists (built in or installed as a plugin): else a
+    `ConfigError` naming the field, so a typo stops startup instead of the first request."""
+    named = [("balancer", settings.balancer)]
+    named += [(f"model_balancers.{m}", name) for m, name in settings.model_balancers.items()]
+    for where, name in named:
+        try:
+            balancer_class(name)
+        except KeyError as exc:
+            origin = f"config file {settings.config}" if settings.config else "settings"
+            raise ConfigError(f"{origin}: {where}: {exc.args[0]}") from None
 
 
 class Registry:
@@ -96,33 +110,6 @@ class Registry:
         if self._on_swap:
             self._on_swap(snap)
         return snap
-
-
-class RegistryError(Exception):
-    """An admin change that cannot be made; str() is safe to show (never holds a secret)."""
-
-    status = 400
-    code = "invalid_request"
-
-
-class NotFound(RegistryError):
-    status = 404
-    code = "backend_not_found"
-
-
-class Conflict(RegistryError):
-    status = 409
-    code = "backend_exists"
-
-
-class Invalid(RegistryError):
-    status = 422
-    code = "invalid_field"
-
-
-class StoreUnavailable(RegistryError):
-    status = 503
-    code = "registry_unavailable"
 
 
 class RecordStore(Protocol):

@@ -20,16 +20,20 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
-from router.core.redis_client import FAILURES, RedisTarget, follow_master, ready
-from router.registry.fleet import Record, StoreUnavailable
+from router.core.errors import (
+    STORE_FAILURES,
+    STORE_STALE_CONNECTION,
+    StoreUnavailable,
+    store_unavailable,
+)
+from router.core.redis_client import RedisTarget, follow_master, ready
+from router.registry.fleet import Record
 
 log = logging.getLogger("sluicegate.registry")
 
 _MAX_TXN_RETRIES = 20
-_STALE = (RedisConnectionError, RedisTimeoutError, ConnectionError)
 
 # Before the keys shared a hash tag they were `<prefix>:records` and `<prefix>:version`: the first
 # replica of this version to start copies them over (once; the old keys stay for old replicas).
@@ -50,11 +54,6 @@ def _parse(raw: Any) -> Record | None:
     except ValueError:
         return None
     return rec if isinstance(rec, dict) else None
-
-
-def _unavailable(exc: BaseException) -> str:
-    # The exception's own text may carry the Redis address; its type name is enough.
-    return f"The shared registry (Redis) is unavailable ({type(exc).__name__}); retry."
 
 
 def _deliver(on_records: Callable[[dict[str, Record]], None], records: dict[str, Record]) -> None:
@@ -108,7 +107,7 @@ class RedisRecords:
     async def _read_retrying(self) -> dict[str, Record]:
         try:
             return (await self._read())[1]
-        except _STALE:
+        except STORE_STALE_CONNECTION:
             # A pooled connection may have died with a Redis restart: reading again is safe.
             return (await self._read())[1]
 
@@ -128,8 +127,8 @@ class RedisRecords:
         try:
             await self._adopt_legacy()
             return await self._read_retrying()
-        except FAILURES as exc:
-            raise StoreUnavailable(_unavailable(exc)) from None
+        except STORE_FAILURES as exc:
+            raise store_unavailable(exc) from None
 
     async def change(
         self, name: str, edit: Callable[[Record | None], Record | None]
@@ -138,7 +137,7 @@ class RedisRecords:
         try:
             try:
                 await self._transaction(name, edit, sent)
-            except _STALE:
+            except STORE_STALE_CONNECTION:
                 if sent[0]:
                     raise  # EXEC went out: it may have been applied, so never apply it twice
                 await self._transaction(name, edit, sent)
@@ -146,14 +145,14 @@ class RedisRecords:
                 # After EXEC (a Cluster transaction cannot carry PUBLISH); if it is lost, the
                 # others' version check picks the change up within `resync`.
                 await self._redis.publish(self._channel, name)
-            except FAILURES as exc:
+            except STORE_FAILURES as exc:
                 log.warning(
                     "registry change stored but not announced; replicas resync",
                     extra={"fields": {"error": type(exc).__name__}},
                 )
             return await self._read_retrying()
-        except FAILURES as exc:
-            raise StoreUnavailable(_unavailable(exc)) from None
+        except STORE_FAILURES as exc:
+            raise store_unavailable(exc) from None
 
     async def _transaction(
         self, name: str, edit: Callable[[Record | None], Record | None], sent: list[bool]
@@ -209,7 +208,7 @@ class RedisRecords:
                             seen, records = await self._read()
                             _deliver(on_records, records)
                         next_check = time.monotonic() + self._resync
-            except FAILURES as exc:
+            except STORE_FAILURES as exc:
                 log.warning(
                     "registry sync lost Redis; retrying",
                     extra={"fields": {"error": type(exc).__name__}},
@@ -220,7 +219,7 @@ class RedisRecords:
                 try:
                     if pubsub is not None:
                         await asyncio.shield(pubsub.aclose())
-                except FAILURES:
+                except STORE_FAILURES:
                     pass
 
     async def aclose(self) -> None:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence, Set
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -27,88 +24,24 @@ from balancers.inflight.base import InflightStore, Lease
 from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import (
+    UPSTREAM_FAILURES,
+    FailureKind,
     NoCapacity,
     ProxyError,
-    UpstreamConnectError,
-    UpstreamTimeout,
     error_response,
+    mid_stream_kind,
     sse_error_event,
+    upstream_failure,
 )
 from router.core.settings import Settings
 from router.ops.metrics import Metrics
 from router.registry.fleet import Registry
+from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
+from router.request.record import RequestRecord
+from router.request.validate import request_id_of, validate
 from router.upstream.pools import Pools
-
-log = logging.getLogger("sluicegate.request")
-
-
-class Lifecycle:
-    """Draining state and the count of calls in progress, for graceful shutdown."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def enter(self) -> None:
-        self.active += 1
-        self._idle.clear()
-
-    def leave(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self._idle.set()
-
-    async def wait_idle(self, grace: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), grace)
-        except TimeoutError:
-            return False
-        return True
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What the one log line per request says."""
-
-    request_id: str
-    model: str
-    path: str
-    stream: bool
-    started: float
-    backend: str | None = None
-    status: int = 0
-    attempts: int = 0
-    ttfb_ms: float | None = None
-    bytes_out: int = 0
-    disconnected: bool = False
-    error: str | None = None
-
-    def emit(self) -> None:
-        if not log.isEnabledFor(logging.INFO):
-            return
-        log.info(
-            "request",
-            extra={
-                "fields": {
-                    "request_id": self.request_id,
-                    "model": self.model,
-                    "path": self.path,
-                    "stream": self.stream,
-                    "backend": self.backend,
-                    "status": self.status,
-                    "attempts": self.attempts,
-                    "ttfb_ms": self.ttfb_ms,
-                    "duration_ms": round((time.perf_counter() - self.started) * 1000, 2),
-                    "bytes": self.bytes_out,
-                    "disconnected": self.disconnected,
-                    "error": self.error,
-                }
-            },
-        )
 
 
 class _Retry(Exception):
@@ -117,18 +50,13 @@ class _Retry(Exception):
     def __init__(
         self,
         error: ProxyError,
+        kind: FailureKind,
         response: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None,
     ) -> None:
         super().__init__(error.message)
         self.error = error
+        self.kind = kind
         self.response = response  # the upstream's own error answer, forwarded if none is left
-
-    @property
-    def kind(self) -> str:
-        """connect, timeout or status: the failure kind metrics count."""
-        if self.response is not None:
-            return "status"
-        return "timeout" if isinstance(self.error, UpstreamTimeout) else "connect"
 
 
 class _NoneLeft(Exception):
@@ -159,97 +87,36 @@ class Proxy:
         self, request: Request, path: str, allowed_models: Set[str] | None = None
     ) -> Response:
         """`allowed_models`: the public names the client's key may use (None: any)."""
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        if not _valid_request_id(request_id):
-            request_id = uuid.uuid4().hex
-        rid = {"x-request-id": request_id}
+        request_id = request_id_of(request.headers.get("x-request-id"))
         if self.lifecycle.draining:
             return error_response(
                 503,
                 "The router is shutting down; retry.",
                 "service_unavailable",
                 "shutting_down",
-                {**rid, "retry-after": "1"},
+                {"x-request-id": request_id, "retry-after": "1"},
             )
-        body = await self._read_body(request)
-        if isinstance(body, Response):
-            body.headers.update(rid)
-            return body
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError):
-            return error_response(
-                400,
-                "The request body is not valid JSON.",
-                "invalid_request_error",
-                "invalid_json",
-                rid,
-            )
-        if not isinstance(payload, dict):
-            return error_response(
-                400,
-                "The request body must be a JSON object.",
-                "invalid_request_error",
-                "invalid_body",
-                rid,
-            )
-        model = payload.get("model")
-        if not isinstance(model, str) or not model:
-            return error_response(
-                400,
-                "You must provide a model parameter.",
-                "invalid_request_error",
-                "missing_model",
-                rid,
-            )
-        if allowed_models is not None and model not in allowed_models:
-            return error_response(
-                403,
-                f"This API key may not use the model `{model[:200]}`.",
-                "permission_error",
-                "model_not_allowed",
-                rid,
-            )
-        snapshot = self.registry.snapshot
-        backends = snapshot.by_model.get(model)
-        if not backends:
-            return error_response(
-                404,
-                f"The model `{model[:200]}` does not exist.",
-                "invalid_request_error",
-                "model_not_found",
-                rid,
-            )
-        stream = payload.get("stream") is True
-        record = RequestRecord(request_id, model, path, stream, time.perf_counter())
-        return ProxyCall(self, request, path, body, payload, model, backends, stream, record)
-
-    async def _read_body(self, request: Request) -> bytes | Response:
-        limit = self.settings.max_body_bytes
-        too_big = error_response(
-            413,
-            f"The request body exceeds {limit} bytes.",
-            "invalid_request_error",
-            "request_too_large",
+        checked = await validate(
+            request,
+            request_id,
+            self.settings.max_body_bytes,
+            allowed_models,
+            self.registry.snapshot.by_model,
         )
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return too_big
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    return too_big
-                chunks.append(chunk)
-        except ClientDisconnect:
-            return error_response(400, "Client disconnected.", "invalid_request_error", None)
-        return b"".join(chunks)
-
-
-def _valid_request_id(value: str) -> bool:
-    return 0 < len(value) <= 128 and value.isascii() and value.isprintable()
+        if isinstance(checked, Response):
+            return checked
+        record = RequestRecord(request_id, checked.model, path, checked.stream, time.perf_counter())
+        return ProxyCall(
+            self,
+            request,
+            path,
+            checked.body,
+            checked.payload,
+            checked.model,
+            checked.backends,
+            checked.stream,
+            record,
+        )
 
 
 class ProxyCall(Response):
@@ -373,28 +240,10 @@ class ProxyCall(Response):
             )
             try:
                 response = await transport.handle_async_request(request)
-            except httpx.PoolTimeout as exc:
-                # Our own pool to it is full: not the backend's failure, so no health mark.
-                raise _Retry(
-                    UpstreamConnectError(f"No connection to backend `{backend.name}` is free.")
-                ) from exc
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                proxy.health.on_failure(backend.name, "connect")
-                raise _Retry(
-                    UpstreamConnectError(f"Could not connect to backend `{backend.name}`.")
-                ) from exc
-            except httpx.TimeoutException as exc:
-                proxy.health.on_failure(backend.name, "timeout")
-                raise _Retry(
-                    UpstreamTimeout(f"Backend `{backend.name}` did not answer in time.")
-                ) from exc
-            except httpx.TransportError as exc:
-                proxy.health.on_failure(backend.name, "connect")
-                raise _Retry(
-                    UpstreamConnectError(
-                        f"Backend `{backend.name}` closed the connection before answering."
-                    )
-                ) from exc
+            except UPSTREAM_FAILURES as exc:
+                failure = upstream_failure(exc, backend.name)
+                proxy.health.on_failure(backend.name, failure.kind)
+                raise _Retry(failure.error, failure.kind) from exc
 
             status = response.status_code
             if status >= 500 or status == 429:
@@ -431,12 +280,12 @@ class ProxyCall(Response):
         if retry_after is not None and status in (429, 503):
             proxy.health.cool_down(backend.name, retry_after)
         if status >= 500:
-            proxy.health.on_failure(backend.name, f"status_{status}")
+            proxy.health.on_failure(backend.name, FailureKind.STATUS, status)
         headers = downstream_response_headers(response.headers.raw, self._record.request_id, False)
         if len(body) >= limit:
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         err = ProxyError(f"Backend `{backend.name}` answered {status}.")
-        raise _Retry(err, (status, headers, body))
+        raise _Retry(err, FailureKind.STATUS, (status, headers, body))
 
     async def _pump(
         self, send: Send, response: httpx.Response, backend: Backend, streaming: bool
@@ -451,9 +300,9 @@ class ProxyCall(Response):
                 sent += len(chunk)
                 tail = chunk[-2:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (httpx.TimeoutException, httpx.TransportError) as exc:
+        except UPSTREAM_FAILURES as exc:
             rec.bytes_out = sent
-            kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "mid_stream"
+            kind = mid_stream_kind(exc)
             rec.error = kind
             self._proxy.health.on_failure(backend.name, kind)
             if not streaming or response.headers.get("content-encoding", "identity") != "identity":
@@ -461,7 +310,7 @@ class ProxyCall(Response):
                 raise
             message = (
                 f"Backend `{backend.name}` timed out mid-stream."
-                if kind == "timeout"
+                if kind is FailureKind.TIMEOUT
                 else f"Backend `{backend.name}` failed mid-stream."
             )
             event = sse_error_event(message, "upstream_error", f"upstream_{kind}")

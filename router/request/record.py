@@ -1,0 +1,54 @@
+"""What one request did, as one value: written by the lifecycle, read by the log line and metrics.
+
+Filled in as the request goes (backend, status, attempts, time to first byte, bytes sent) and
+emitted exactly once when it ends, whatever way it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("sluicegate.request")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the one log line per request says."""
+
+    request_id: str
+    model: str
+    path: str
+    stream: bool
+    started: float
+    backend: str | None = None
+    status: int = 0
+    attempts: int = 0
+    ttfb_ms: float | None = None
+    bytes_out: int = 0
+    disconnected: bool = False
+    error: str | None = None
+
+    def emit(self) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        log.info(
+            "request",
+            extra={
+                "fields": {
+                    "request_id": self.request_id,
+                    "model": self.model,
+                    "path": self.path,
+                    "stream": self.stream,
+                    "backend": self.backend,
+                    "status": self.status,
+                    "attempts": self.attempts,
+                    "ttfb_ms": self.ttfb_ms,
+                    "duration_ms": round((time.perf_counter() - self.started) * 1000, 2),
+                    "bytes": self.bytes_out,
+                    "disconnected": self.disconnected,
+                    "error": self.error,
+                }
+            },
+        )

@@ -1,0 +1,134 @@
+"""Every foreign exception the code can meet maps, in `router.core.errors`, to our own error and
+failure kind; anything else (a bug) is raised again rather than blamed on a backend."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from router.core.backend import Backend
+from router.core.errors import (
+    STORE_FAILURES,
+    UPSTREAM_FAILURES,
+    FailureKind,
+    StoreUnavailable,
+    UpstreamConnectError,
+    UpstreamTimeout,
+    mid_stream_kind,
+    store_unavailable,
+    type_for_status,
+    upstream_failure,
+)
+from router.core.settings import BackendConfig, PoolLimits, Timeouts
+from router.upstream.pools import Pools
+
+# (what the transport or the OS raises, the kind it is, the error the client would get)
+UPSTREAM_CASES: list[tuple[BaseException, FailureKind, type[Exception], int]] = [
+    (httpx.ConnectError("detail-1"), FailureKind.CONNECT, UpstreamConnectError, 502),
+    (httpx.ConnectTimeout("detail-2"), FailureKind.CONNECT, UpstreamConnectError, 502),
+    (httpx.PoolTimeout("detail-3"), FailureKind.POOL, UpstreamConnectError, 502),
+    (httpx.ReadTimeout("detail-4"), FailureKind.TIMEOUT, UpstreamTimeout, 504),
+    (httpx.WriteTimeout("detail-5"), FailureKind.TIMEOUT, UpstreamTimeout, 504),
+    (httpx.RemoteProtocolError("detail-6"), FailureKind.CONNECT, UpstreamConnectError, 502),
+    (httpx.ReadError("detail-7"), FailureKind.CONNECT, UpstreamConnectError, 502),
+    (httpx.WriteError("detail-8"), FailureKind.CONNECT, UpstreamConnectError, 502),
+    (TimeoutError(), FailureKind.TIMEOUT, UpstreamTimeout, 504),
+    (ConnectionResetError(104, "detail-r"), FailureKind.CONNECT, UpstreamConnectError, 502),
+    (BrokenPipeError(32, "detail-p"), FailureKind.CONNECT, UpstreamConnectError, 502),
+    (OSError(113, "detail-o"), FailureKind.CONNECT, UpstreamConnectError, 502),
+]
+
+
+@pytest.mark.parametrize(("exc", "kind", "error", "status"), UPSTREAM_CASES)
+def test_upstream_exceptions_map_to_a_kind_and_a_client_error(
+    exc: BaseException, kind: FailureKind, error: type[Exception], status: int
+) -> None:
+    assert isinstance(exc, UPSTREAM_FAILURES)
+    failure = upstream_failure(exc, "vllm-a")
+    assert failure.kind is kind
+    assert type(failure.error) is error and failure.error.status == status
+    assert "vllm-a" in failure.error.message
+    assert "detail" not in failure.error.message  # foreign text (addresses, keys) never shown
+
+
+def test_a_bug_is_not_an_upstream_failure() -> None:
+    with pytest.raises(KeyError):
+        upstream_failure(KeyError("oops"), "vllm-a")
+    with pytest.raises(ValueError):
+        store_unavailable(ValueError("oops"))
+
+
+def test_mid_stream_failures_are_timeouts_or_breaks() -> None:
+    assert mid_stream_kind(httpx.ReadTimeout("x")) is FailureKind.TIMEOUT
+    assert mid_stream_kind(TimeoutError()) is FailureKind.TIMEOUT
+    assert mid_stream_kind(httpx.RemoteProtocolError("x")) is FailureKind.MID_STREAM
+    assert mid_stream_kind(ConnectionResetError()) is FailureKind.MID_STREAM
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RedisConnectionError("Error 111 connecting to 10.0.0.7:6379"),
+        RedisTimeoutError("Timeout reading from redis://:hunter2@10.0.0.7"),
+        ResponseError("NOSCRIPT"),
+        TimeoutError(),
+        ConnectionRefusedError(111, "refused"),
+    ],
+)
+def test_redis_failures_map_to_store_unavailable_without_their_text(exc: BaseException) -> None:
+    assert isinstance(exc, STORE_FAILURES)
+    mapped = store_unavailable(exc)
+    assert isinstance(mapped, StoreUnavailable) and mapped.status == 503
+    assert type(exc).__name__ in str(mapped)
+    assert "10.0.0.7" not in str(mapped) and "hunter2" not in str(mapped)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_real_failures_raised_by_our_transport_and_redis_py_are_mapped() -> None:
+    """The same exceptions, raised for real: a refused upstream connect through the pools, a
+    refused Redis connection through redis-py."""
+    port = _closed_port()
+
+    async def main() -> tuple[FailureKind, BaseException]:
+        backend = Backend.from_config(
+            BackendConfig(name="gone", url=f"http://127.0.0.1:{port}", models=["m"])
+        )
+        pools = Pools(Timeouts(), PoolLimits())
+        try:
+            transport, request = pools.request(backend, "/v1/chat/completions", [], b"{}")
+            with pytest.raises(UPSTREAM_FAILURES) as upstream:
+                await transport.handle_async_request(request)
+        finally:
+            await pools.aclose()
+        client = aioredis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1)
+        try:
+            with pytest.raises(STORE_FAILURES) as store:
+                await client.get("k")
+        finally:
+            await client.aclose()
+        return upstream_failure(upstream.value, "gone").kind, store.value
+
+    kind, store_exc = asyncio.run(main())
+    assert kind is FailureKind.CONNECT
+    assert isinstance(store_unavailable(store_exc), StoreUnavailable)
+
+
+def test_one_status_to_error_type_table() -> None:
+    assert type_for_status(401) == "authentication_error"
+    assert type_for_status(403) == "permission_error"
+    assert type_for_status(404) == "not_found_error"
+    assert type_for_status(409) == "conflict_error"
+    assert type_for_status(418) == "invalid_request_error"
+    assert type_for_status(503) == "api_error"

@@ -1,0 +1,118 @@
+"""The import graph: no circle anywhere, and no import from a lower layer up to a higher one.
+
+Layers, bottom first: settings, the backend type and errors; the upstream transport and logging;
+balancers and health; the request path's parts and the registry; metrics; the lifecycle; the
+HTTP face, admin and status; the app; the CLI. A module may import its own layer or below.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("router", "balancers", "health")
+
+# Longest matching prefix wins. A new module must be placed here: an unknown one fails the test.
+LAYERS: dict[str, int] = {
+    "router.core": 0,
+    "router.upstream": 1,
+    "router.ops.logs": 1,
+    "balancers": 2,
+    "health": 2,
+    "router.registry.fleet": 3,
+    "router.registry.sync": 3,
+    "router.request.record": 3,
+    "router.request.drain": 3,
+    "router.request.headers": 3,
+    "router.request.validate": 3,
+    "router.request.failover": 3,
+    "router.ops.metrics": 4,
+    "router.request.proxy": 5,
+    "router.web": 6,
+    "router.registry.admin": 6,
+    "router.ops.status": 6,
+    "router.mock": 6,
+    "router.app": 7,
+    "router.cli": 8,
+    # Package markers hold only a docstring.
+    "router": 0,
+    "router.request": 0,
+    "router.registry": 0,
+    "router.ops": 0,
+}
+
+
+def _modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Project modules `path` imports (also under TYPE_CHECKING: a circle there is a smell too)."""
+    deps: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        deps.update(n for n in names if n in known)
+    return deps
+
+
+def _layer(module: str) -> int:
+    best = max(
+        (p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None
+    )
+    assert best is not None, f"{module}: not placed in a layer (add it to LAYERS in this test)"
+    return LAYERS[best]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(path, known) - {name} for name, path in modules.items()}
+
+
+def test_no_import_runs_up_a_layer() -> None:
+    upward = [
+        f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+        for m, deps in _graph().items()
+        for d in sorted(deps)
+        if _layer(d) > _layer(m)
+    ]
+    assert upward == []
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                circles.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert circles == []
+
+
+def test_the_checks_see_a_circle_and_an_upward_import(tmp_path: Path) -> None:
+    """The walk above really finds what it looks for (guards against a vacuous pass)."""
+    (tmp_path / "a.py").write_text("from router.app import create_app\n")
+    deps = _imports(tmp_path / "a.py", {"router.app", "router.app.create_app"})
+    assert "router.app" in deps
+    assert _layer("router.core.settings") < _layer("router.app")
