@@ -215,7 +215,7 @@ class Cluster:
         proc.url = f"redis://127.0.0.1:{port}/0"
         return proc
 
-    def _redis_node(
+    def redis_node(
         self, port: int, *extra: str, conf: Path | None = None, name: str = "redis"
     ) -> Proc:
         """A redis-server (a sentinel with `conf`) with `extra` arguments, up on `port`."""
@@ -245,7 +245,7 @@ class Cluster:
         nodes = []
         for _ in range(masters):
             nodes.append(
-                self._redis_node(
+                self.redis_node(
                     free_port(),
                     "--cluster-enabled",
                     "yes",
@@ -285,8 +285,8 @@ class Cluster:
 
     def redis_sentinel(self, master_name: str = "mymaster") -> tuple[Proc, Proc, list[Proc]]:
         """A master, its replica (in sync) and three sentinels watching them (quorum 2)."""
-        master = self._redis_node(free_port())
-        replica = self._redis_node(free_port(), "--replicaof", "127.0.0.1", str(master.port))
+        master = self.redis_node(free_port())
+        replica = self.redis_node(free_port(), "--replicaof", "127.0.0.1", str(master.port))
         sentinels = []
         for _ in range(3):
             port = free_port()
@@ -297,7 +297,7 @@ class Cluster:
                 f"sentinel failover-timeout {master_name} 5000\n"
                 f"dir {self.tmp}\n"
             )
-            sentinels.append(self._redis_node(port, conf=conf, name="sentinel"))
+            sentinels.append(self.redis_node(port, conf=conf, name="sentinel"))
         end = time.monotonic() + 20
 
         def ready() -> bool:

@@ -1,5 +1,6 @@
 """Redis that survives a node loss: routers as real processes on a real 3-master Redis Cluster and
-on a master + replica watched by 3 real sentinels, with a `SENTINEL FAILOVER` under load.
+on a master + replica watched by 3 real sentinels, with a `SENTINEL FAILOVER` under load; and the
+other ways to reach one server, TLS (`rediss://`) and a unix socket (`unix://`).
 
 What a user relies on: counts shared by every replica (the same in Redis, in each router's admin
 API and on the backends), admin changes reaching every replica, no failed request while the
@@ -12,6 +13,7 @@ import json
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +22,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from tests.harness import Cluster, Proc, backend, control, stats, wait_http
+from tests.harness import Cluster, Proc, backend, control, free_port, stats, wait_http
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -92,9 +94,9 @@ def config(mocks: dict[str, Proc]) -> dict[str, Any]:
     return {"backends": [backend(n, m) for n, m in mocks.items()]}
 
 
-def start_routers(procs: Cluster, mocks: dict[str, Proc], env: dict[str, str]) -> list[Proc]:
-    """Two replicas, started side by side."""
-    routers = [procs.router(config(mocks), env=env, wait=False) for _ in range(2)]
+def start_routers(procs: Cluster, mocks: dict[str, Proc], envs: list[dict[str, str]]) -> list[Proc]:
+    """One replica per env, started side by side."""
+    routers = [procs.router(config(mocks), env=env, wait=False) for env in envs]
     for r in routers:
         wait_http(r.url + "/healthz", proc=r.popen)
     return routers
@@ -127,7 +129,7 @@ def test_cluster_shares_counts_and_registry(module_procs: Cluster, mocks: dict[s
     nodes = module_procs.redis_cluster(3)
     reset(mocks, itl_ms=30)
     env = {**BASE_ENV, "SLUICEGATE_REDIS_URL": nodes[1].url, "SLUICEGATE_REDIS_CLUSTER": "true"}
-    routers = start_routers(module_procs, mocks, env)
+    routers = start_routers(module_procs, mocks, [env, env])
     tokens = 60  # ~1.8 s streams
     seen: dict[str, Any] = {}
 
@@ -176,7 +178,7 @@ def test_sentinel_failover_under_load(module_procs: Cluster, mocks: dict[str, Pr
         "SLUICEGATE_REDIS_SENTINELS": json.dumps([f"127.0.0.1:{s.port}" for s in sentinels]),
         "SLUICEGATE_REDIS_SENTINEL_MASTER": "mymaster",
     }
-    routers = start_routers(module_procs, mocks, env)
+    routers = start_routers(module_procs, mocks, [env, env])
     # Longs run through the failover and are left by their clients once counts are checked.
     long_tokens, short_tokens = 500, 4
 
@@ -291,3 +293,60 @@ def test_sentinel_failover_under_load(module_procs: Cluster, mocks: dict[str, Pr
         f"counts true {out['true_after']:.1f}s after the load stopped; "
         f"registry change seen in {lag:.2f}s"
     )
+
+
+def make_tls_files(where: Path) -> dict[str, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1, made by the openssl CLI."""
+    files = {n: where / f"{n}" for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt")}
+    ext = where / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ca = ["-CA", files["ca.crt"], "-CAkey", files["ca.key"], "-CAcreateserial"]
+    steps = [
+        ["req", "-x509", *ec, "-keyout", files["ca.key"], "-out", files["ca.crt"], "-days", "1"],
+        ["req", *ec, "-keyout", files["srv.key"], "-out", files["srv.csr"], "-subj", "/CN=redis"],
+        ["x509", "-req", "-in", files["srv.csr"], *ca, "-out", files["srv.crt"], "-extfile", ext],
+    ]
+    steps[0] += ["-subj", "/CN=sluicegate-test-ca"]
+    for step in steps:
+        subprocess.run(["openssl", *map(str, step)], check=True, capture_output=True, timeout=30)
+    return files
+
+
+def test_tls_and_unix_socket_urls_share_one_count(
+    module_procs: Cluster, mocks: dict[str, Proc]
+) -> None:
+    """One server reached two ways: a router over TLS and one over a unix socket see one count."""
+    tls = make_tls_files(module_procs.tmp)
+    tls_port, sock = free_port(), module_procs.tmp / "redis.sock"
+    server = module_procs.redis_node(
+        free_port(),
+        *("--tls-port", str(tls_port), "--tls-auth-clients", "no"),
+        *("--tls-cert-file", str(tls["srv.crt"]), "--tls-key-file", str(tls["srv.key"])),
+        *("--tls-ca-cert-file", str(tls["ca.crt"])),
+        *("--unixsocket", str(sock), "--unixsocketperm", "700"),
+    )
+    reset(mocks, itl_ms=50)
+    urls = [f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tls['ca.crt']}", f"unix://{sock}?db=0"]
+    routers = start_routers(
+        module_procs, mocks, [{**BASE_ENV, "SLUICEGATE_REDIS_URL": u} for u in urls]
+    )
+    held = []
+    for r in routers:  # one stream through each
+        c = openai.OpenAI(base_url=r.url + "/v1", api_key="k", max_retries=0)
+        s = c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=200
+        )
+        next(iter(s))
+        held.append(s)
+    with redis.Redis(host="127.0.0.1", port=server.port) as plain:
+        # Least-in-flight through shared counts: the second stream went to the other backend.
+        eventually(lambda: live_leases(plain) == {"a": 1, "b": 1}, within=5)
+        assert all(admin_counts(r) == {"a": 1, "b": 1} for r in routers)
+        clients = plain.client_list()
+        assert any(c["laddr"] == f"127.0.0.1:{tls_port}" for c in clients), clients
+        assert any(c["laddr"].startswith(str(sock)) for c in clients), clients
+        for s in held:
+            s.close()
+        eventually(lambda: live_leases(plain) == dict.fromkeys(NAMES, 0), within=5)
+    assert running(mocks) == dict.fromkeys(NAMES, 0)
