@@ -25,6 +25,7 @@ redis-server:
 
 test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 $(VENV)/.bench: $(STAMP)
@@ -41,3 +42,4 @@ bench-quick: $(VENV)/.bench redis-server
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy

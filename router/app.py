@@ -128,7 +128,11 @@ def create_app(settings: Settings) -> FastPath:
             asyncio.create_task(_every(1.0, close_removed_pools, "closing removed pools")),
         ]
         if settings.api_keys_file:
-            chores.append(asyncio.create_task(_every(5.0, reload_keys, "reloading client keys")))
+            chores.append(
+                asyncio.create_task(
+                    _every(settings.api_keys_reload, reload_keys, "reloading client keys")
+                )
+            )
         if settings.workers > 1 and fleet.store.kind == "local" and admin_auth.configured:
             log.warning(
                 "admin changes reach only the worker that takes them: set SLUICEGATE_REDIS_URL"
@@ -165,7 +169,6 @@ def create_app(settings: Settings) -> FastPath:
     app = FastAPI(
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
-    app.state.lifecycle = lifecycle
     app.include_router(openai_routes(proxy, registry, client_keys))
     app.include_router(admin_routes(fleet, store, health, admin_auth, settings.drain_grace))
 
@@ -210,4 +213,4 @@ def create_app(settings: Settings) -> FastPath:
         return error_response(500, "Internal router error.", "api_error", "internal_error")
 
     # Proxied POSTs skip FastAPI's layers; everything else (and the lifespan) goes through it.
-    return FastPath(app, proxy_endpoints(proxy, client_keys))
+    return FastPath(app, proxy_endpoints(proxy, client_keys), lifecycle)

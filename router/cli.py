@@ -69,7 +69,7 @@ def _app_factory() -> Any:
     settings = load_settings()
     configure(settings.log_level, secrets_of(settings))
     app = create_app(settings)
-    drain_on_signal(app.state.lifecycle, settings.drain_grace)
+    drain_on_signal(app.lifecycle, settings.drain_grace)
     return app
 
 

@@ -24,8 +24,15 @@ class Lease:
 
 
 class InflightStore(Protocol):
-    kind: str
-    degraded: bool
+    @property
+    def kind(self) -> str:
+        """`local` or `redis`: shown by the admin API."""
+        ...
+
+    @property
+    def degraded(self) -> bool:
+        """True while a shared store has fallen back to counting locally."""
+        ...
 
     async def start(self) -> None: ...
 

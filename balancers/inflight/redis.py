@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import random
@@ -164,13 +165,11 @@ class RedisInflight:
         self.replica_id = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
         self._rng = random.Random()
-        self._add_script = self._redis.register_script(_ADD_IF_ROOM)
-        self._counts_script = self._redis.register_script(_COUNTS)
-        self._refresh_script = self._redis.register_script(_REFRESH)
+        self._sources: dict[str, str] = {}  # sha -> source, reloaded on NOSCRIPT; grows per policy
+        self._add_script = self._script(_ADD_IF_ROOM)
+        self._counts_script = self._script(_COUNTS)
+        self._refresh_script = self._script(_REFRESH)
         self._policies: dict[type, AsyncScript | None] = {}  # balancer class -> its acquire
-        self._sources = {
-            s.sha: s.script for s in (self._add_script, self._counts_script, self._refresh_script)
-        }  # sha -> source, for the batcher to reload on NOSCRIPT; grows with each policy
         self._batch = Batcher(
             KeyConnections(self._redis, self._prefix), self._sources, timeout, self._round_trip
         )
@@ -182,6 +181,11 @@ class RedisInflight:
         self._failures = 0  # Redis calls failed in a row
         self.degraded = False
         self.fallbacks = 0  # requests placed on local counts because Redis was unavailable
+
+    def _script(self, source: str) -> AsyncScript:
+        script = self._redis.register_script(source)
+        self._sources[script.sha] = source
+        return script
 
     def key(self, backend: str) -> str:
         return self._prefix + backend
@@ -223,7 +227,7 @@ class RedisInflight:
         with contextlib.suppress(StoreUnavailable):
             # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
             for source in list(self._sources.values()):
-                await self._call(lambda s=source: self._batch.call("SCRIPT", "LOAD", s))
+                await self._call(functools.partial(self._batch.call, "SCRIPT", "LOAD", source))
         await self.heartbeat()
         if self._run_heartbeat and self._beat_task is None:
             self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
@@ -265,7 +269,7 @@ class RedisInflight:
                 # The slot's own server: a Cluster-wide PING would fail with any one node.
                 await self._call(lambda: self._batch.call("PING"))
             for backend, tokens in owed.items():
-                await self._call(lambda b=backend, t=tokens: self._redis.zrem(self.key(b), *t))
+                await self._call(functools.partial(self._redis.zrem, self.key(backend), *tokens))
         except StoreUnavailable as exc:
             self._degrade(str(exc))
             return False
@@ -337,8 +341,7 @@ class RedisInflight:
             source = redis_form(balancer)
             script = None
             if source is not None:
-                script = self._redis.register_script(_ACQUIRE_AROUND.replace("POLICY", source))
-                self._sources[script.sha] = script.script
+                script = self._script(_ACQUIRE_AROUND.replace("POLICY", source))
             self._policies[cls] = script
         return self._policies[cls]
 
@@ -378,7 +381,7 @@ class RedisInflight:
             b = by_name[picked.name]
             args = [self._now_ms(), self._ttl_ms, token, b.max_inflight or 0]
             cmd = ("EVALSHA", self._add_script.sha, 1, self.key(b.name), *args)
-            if await self._call(lambda c=cmd: self._batch.call(*c), batched=True):
+            if await self._call(functools.partial(self._batch.call, *cmd), batched=True):
                 return b.name
             tried.add(b.name)  # filled up since we looked
         return None

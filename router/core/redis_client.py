@@ -105,7 +105,7 @@ class RedisTarget:
                 if k.startswith("ssl_"):
                     sentinel_kwargs[k] = v
         addrs = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in self.sentinels)]
-        sentinel = Sentinel(addrs, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(addrs, sentinel_kwargs=sentinel_kwargs)
         client: Redis = sentinel.master_for(self.sentinel_master, **master, **common)
         return client
 
@@ -131,7 +131,7 @@ async def follow_master(client: Client, limit: float) -> bool:
     before = pool.master_address
     try:
         async with asyncio.timeout(limit):
-            after = await pool.get_master_address()  # type: ignore[no-untyped-call]
+            after = await pool.get_master_address()
     except STORE_FAILURES:
         return False
     return before is not None and after != before
@@ -167,7 +167,7 @@ class KeyConnections:
 
             return conn, release_node
         pool = client.connection_pool
-        pooled = await pool.get_connection()  # type: ignore[no-untyped-call]
+        pooled = await pool.get_connection()
 
         async def release_pooled() -> None:
             await pool.release(pooled)

@@ -221,6 +221,7 @@ class Settings(BaseSettings):
     # Client keys: set either (or both) and /v1/* requires `Authorization: Bearer <key>`.
     api_keys: list[ClientKeyConfig] = Field(default_factory=list)
     api_keys_file: str | None = None
+    api_keys_reload: float = Field(5.0, gt=0, le=3600)  # seconds between checks of the file
     # Seconds between full registry reloads from Redis, which heal a missed pub/sub message.
     registry_resync: float = Field(1.0, gt=0, le=60)
 

@@ -239,7 +239,7 @@ class Metrics:
 class MeteredInflight:
     """An InflightStore that moves the in-flight gauge and attempt counter with each lease.
 
-    Wraps any store (local or Redis) without changing it; unknown attributes pass through.
+    Wraps any store (local or Redis) without changing it. The store itself is `inner`.
     """
 
     def __init__(self, store: InflightStore, metrics: Metrics) -> None:
@@ -249,14 +249,21 @@ class MeteredInflight:
 
     def check_fallback(self) -> None:
         """Mirror a shared store's `degraded` flag (counting locally) into the fallback gauge."""
-        degraded = getattr(self._store, "degraded", None)
-        if isinstance(degraded, bool) and degraded is not self._degraded:
+        degraded = self._store.degraded
+        if degraded is not self._degraded:
             self._degraded = degraded
             self._metrics.redis_fallback(degraded)
 
     @property
     def kind(self) -> str:
         return self._store.kind
+
+    @property
+    def degraded(self) -> bool:
+        return self._store.degraded
+
+    async def start(self) -> None:
+        await self._store.start()
 
     @property
     def inner(self) -> InflightStore:
@@ -284,6 +291,3 @@ class MeteredInflight:
 
     async def aclose(self) -> None:
         await self._store.aclose()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)

@@ -162,7 +162,7 @@ class RedisRecords:
                 try:
                     await pipe.watch(self._hash)
                     new = edit(_parse(await pipe.hget(self._hash, name)))
-                    pipe.multi()
+                    pipe.multi()  # type: ignore[no-untyped-call]  # ClusterPipeline: unannotated
                     if new is None:
                         pipe.hdel(self._hash, name)
                     else:

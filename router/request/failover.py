@@ -20,8 +20,10 @@ from tenacity import (
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
+    stop_any,
     wait_none,
 )
+from tenacity.stop import stop_base
 
 from router.core.settings import RetryConfig
 
@@ -62,6 +64,16 @@ def _nothing() -> None:
     return None
 
 
+class _BudgetSpent(stop_base):
+    """Stop retrying when the process-wide retry budget refuses one more."""
+
+    def __init__(self, may_retry: Callable[[], bool]) -> None:
+        self._may_retry = may_retry
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return not self._may_retry()
+
+
 class Failover:
     def __init__(
         self,
@@ -81,9 +93,6 @@ class Failover:
         self.budget.refused += 1
         return False
 
-    def _broke(self, state: RetryCallState) -> bool:
-        return not self._may_retry()
-
     async def run(self, attempt: Callable[[int, Callable[[], None]], Awaitable[T]]) -> T:
         """Call `attempt(n, answered)` (n = 1, 2, ...) until it returns, raises something not
         retryable, or the attempts, the deadline or the budget run out (then its last error is
@@ -99,9 +108,11 @@ class Failover:
             if cfg.attempts < 2 or elapsed >= cfg.deadline or not self._may_retry():
                 raise
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(cfg.attempts - 1)
-            | stop_after_delay(cfg.deadline - elapsed)
-            | self._broke,
+            stop=stop_any(
+                stop_after_attempt(cfg.attempts - 1),
+                stop_after_delay(cfg.deadline - elapsed),
+                _BudgetSpent(self._may_retry),
+            ),
             retry=self._retry,
             wait=wait_none(),
             reraise=True,

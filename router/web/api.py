@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.core.errors import error_response
 from router.registry.fleet import Registry
+from router.request.drain import Lifecycle
 from router.request.proxy import Proxy
 from router.web.auth import ClientKeys
 
@@ -51,13 +52,10 @@ class FastPath:
     path did in profiles. The same handlers are also registered as FastAPI routes.
     """
 
-    def __init__(self, app: ASGIApp, endpoints: dict[str, Endpoint]) -> None:
+    def __init__(self, app: ASGIApp, endpoints: dict[str, Endpoint], lifecycle: Lifecycle) -> None:
         self.app = app
         self._endpoints = endpoints
-
-    @property
-    def state(self) -> object:
-        return getattr(self.app, "state", None)
+        self.lifecycle = lifecycle  # the server's signal handlers start the drain through it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

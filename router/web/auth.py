@@ -94,6 +94,7 @@ class ClientKeys:
         self._inline = list(entries)
         self._path = path
         self._stamp: tuple[int, int] | None = None
+        self._bad_stamp: tuple[int, int] | None = None
         self._keys: dict[str, ClientKey] = {}
         self._rebuild(self._read_file() if path else [])
 
@@ -130,11 +131,17 @@ class ClientKeys:
             st = os.stat(self._path)
         except OSError:
             return False
-        if (st.st_mtime_ns, st.st_size) == self._stamp:
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp in (self._stamp, self._bad_stamp):
             return False
         try:
             entries = self._read_file()
-        except (OSError, ValueError, ValidationError):
+        except (OSError, ValueError, ValidationError) as exc:
+            self._bad_stamp = stamp  # warn once per broken version, not on every check
+            log.warning(
+                "client key file unreadable; the keys already loaded stay in force",
+                extra={"fields": {"error": type(exc).__name__}},
+            )
             return False
         self._rebuild(entries)
         log.info("client keys reloaded", extra={"fields": {"keys": len(self._keys)}})
