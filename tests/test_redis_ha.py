@@ -350,3 +350,32 @@ def test_tls_and_unix_socket_urls_share_one_count(
             s.close()
         eventually(lambda: live_leases(plain) == dict.fromkeys(NAMES, 0), within=5)
     assert running(mocks) == dict.fromkeys(NAMES, 0)
+
+
+def test_registry_kept_across_the_key_rename(module_procs: Cluster, mocks: dict[str, Proc]) -> None:
+    """Backends registered by a version that kept the registry under `sluicegate:registry:*` are
+    still there after an upgrade (the hash-tagged keys are filled from the old ones once)."""
+    server = module_procs.redis()
+    record = {"config": backend("from-before", mocks["a"])}
+    with redis.Redis.from_url(server.url) as old:
+        old.hset("sluicegate:registry:records", "from-before", json.dumps(record))
+        old.set("sluicegate:registry:version", 7)
+    (router,) = start_routers(
+        module_procs, mocks, [{**BASE_ENV, "SLUICEGATE_REDIS_URL": server.url}]
+    )
+    assert "from-before" in {r["name"] for r in admin(router).json()}
+    with redis.Redis.from_url(server.url) as r:
+        assert r.hexists("{sluicegate:registry}:records", "from-before")
+        assert r.hexists("sluicegate:registry:records", "from-before")  # old replicas still read it
+    # Copied once: a backend deleted after the upgrade does not come back at the next start.
+    gone = httpx.delete(
+        router.url + "/admin/backends/from-before",
+        headers={"authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
+    assert gone.status_code == 200, gone.text
+    router.stop()
+    (again,) = start_routers(
+        module_procs, mocks, [{**BASE_ENV, "SLUICEGATE_REDIS_URL": server.url}]
+    )
+    assert "from-before" not in {r["name"] for r in admin(again).json()}

@@ -37,8 +37,9 @@ _MAX_TXN_RETRIES = 20
 
 # Before the keys shared a hash tag they were `<prefix>:records` and `<prefix>:version`: the first
 # replica of this version to start copies them over (once; the old keys stay for old replicas).
+# The new version counter marks "done": the hash itself vanishes when its last record is deleted.
 _ADOPT_LEGACY = """
-if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 local flat = redis.call('HGETALL', KEYS[3])
 for i = 1, #flat, 2 do redis.call('HSET', KEYS[1], flat[i], flat[i + 1]) end
 redis.call('INCR', KEYS[2])
@@ -186,6 +187,7 @@ class RedisRecords:
                 pubsub = self._redis.pubsub()
                 await pubsub.subscribe(self._channel)
                 # Anything published while we were not subscribed is in the hash: read it now.
+                await self._adopt_legacy()  # if Redis was away when load() ran
                 seen, records = await self._read()
                 _deliver(on_records, records)
                 backoff = 0.1
