@@ -29,6 +29,11 @@ def settings_from(tmp_path: Path, text: str):  # type: ignore[no-untyped-def]
         ("redis_sentinel_master: mymaster\n", "redis_sentinel_master"),
         ("redis_sentinels: ['s1']\nredis_sentinel_master: m\n", "redis_sentinels"),
         ("redis_sentinels: ['s1:99999']\nredis_sentinel_master: m\n", "redis_sentinels"),
+        (
+            "redis_url: unix:///run/r.sock\nredis_sentinels: ['s1:26379']\n"
+            "redis_sentinel_master: m\n",
+            "redis_sentinels",
+        ),
         ("redis_cluster: true\n", "redis_cluster"),
         ("redis_cluster: true\nredis_url: unix:///run/redis.sock\n", "redis_cluster"),
         (

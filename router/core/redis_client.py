@@ -106,7 +106,7 @@ class RedisTarget:
                     sentinel_kwargs[k] = v
         addrs = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in self.sentinels)]
         sentinel = Sentinel(addrs, sentinel_kwargs=sentinel_kwargs)
-        client: Redis = sentinel.master_for(self.sentinel_master, **master, **common)
+        client: Redis = sentinel.master_for(self.sentinel_master, **{**common, **master})
         return client
 
 

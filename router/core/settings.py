@@ -258,10 +258,12 @@ class Settings(BaseSettings):
     def _redis_topology(self) -> Settings:
         if bool(self.redis_sentinels) != bool(self.redis_sentinel_master):
             raise ValueError("redis_sentinels and redis_sentinel_master go together")
+        url = self.redis_url.get_secret_value() if self.redis_url else ""
+        if self.redis_sentinels and url.startswith("unix:"):
+            raise ValueError("redis_sentinels: the sentinels name the master; no unix:// redis_url")
         if self.redis_cluster:
             if self.redis_sentinels:
                 raise ValueError("redis_cluster and redis_sentinels exclude each other")
-            url = self.redis_url.get_secret_value() if self.redis_url else ""
             if not url.startswith(("redis://", "rediss://")):
                 raise ValueError("redis_cluster needs redis_url (redis:// or rediss://, any node)")
         return self
