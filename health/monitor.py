@@ -62,6 +62,10 @@ class HealthMonitor:
             except Exception:
                 log.exception("health tick error")  # a bug must not stop the transitions
 
+    def probing(self) -> set[str]:
+        """The backends whose probe task is running."""
+        return {name for name, (_, task) in self._tasks.items() if not task.done()}
+
     async def aclose(self) -> None:
         tasks = [t for _, t in self._tasks.values()]
         if self._ticker is not None:

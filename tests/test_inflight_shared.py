@@ -184,10 +184,11 @@ def test_capacity_full_with_redis_is_503_retry_after(
 def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
     procs: Cluster, mocks: dict[str, Proc]
 ) -> None:
-    tokens = 120
-    reset(mocks, itl_ms=200)  # 120 tokens: ~24 s streams, outliving the kill and the expiry
+    tokens = 80
+    reset(mocks, itl_ms=150)  # 80 tokens: ~12 s streams, outliving the kill and the expiry
     rd = procs.redis()
-    env = {"SLUICEGATE_REDIS_URL": rd.url, **REDIS_ENV}
+    # A short lease: the killed router's requests stop counting ~4 s after its last beat.
+    env = {"SLUICEGATE_REDIS_URL": rd.url, "SLUICEGATE_REDIS_LEASE_TTL": "4", **REDIS_ENV}
     ra = procs.router(config(mocks), env=env, workers=2)
     rb = procs.router(config(mocks), env=env, workers=2)
 
@@ -275,13 +276,13 @@ def test_redis_stopped_and_restarted_under_load(procs: Cluster, mocks: dict[str,
                     results.append((t0, exc))
 
         workers = [asyncio.ensure_future(worker(c)) for c in clients for _ in range(8)]
-        await asyncio.sleep(2)
+        await asyncio.sleep(1.5)
         down_at = time.monotonic()
         rd.kill9()
-        await asyncio.sleep(3)
+        await asyncio.sleep(2)
         up_at = time.monotonic()
         procs.redis(port)
-        await asyncio.sleep(3)
+        await asyncio.sleep(2)
         stop.set()
         await asyncio.wait_for(asyncio.gather(*workers), 30)
 

@@ -28,6 +28,9 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
             ],
             # `dead` is its model's only backend: let the outlier detector eject it anyway.
             "outlier": {"max_ejection_percent": 100},
+            # One probe at start, then none during the module: `dead` is out by ejection (what
+            # the test reads), not by failed probes, however slowly the tests before it run.
+            "health": {"interval": 300},
         },
         env={"SLUICEGATE_ADMIN_TOKEN": "status-admin-token-123"},
     )
