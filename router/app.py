@@ -23,6 +23,7 @@ from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
 from router.ops.logs import register_secret
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
+from router.ops.tracing import make_tracing
 from router.registry.admin import admin_routes
 from router.registry.fleet import (
     Fleet,
@@ -99,7 +100,8 @@ def create_app(settings: Settings) -> FastPath:
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(make_store(settings), metrics)
     lifecycle = Lifecycle()
-    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics)
+    tracing = make_tracing(settings.tracing)
+    proxy = Proxy(settings, registry, pools, store, health, lifecycle, metrics, tracing)
 
     async def close_removed_pools() -> None:
         # A removed backend's pool stays open while its streams run, then closes.
@@ -147,6 +149,7 @@ def create_app(settings: Settings) -> FastPath:
                     "registry_store": fleet.store.kind,
                     "admin_api": "on" if admin_auth.configured else "read-only",
                     "client_keys": client_keys.enabled,
+                    "tracing": tracing.enabled,
                 }
             },
         )
@@ -165,6 +168,7 @@ def create_app(settings: Settings) -> FastPath:
             await monitor.aclose()
             await pools.aclose()
             await store.aclose()
+            await tracing.aclose()
 
     app = FastAPI(
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

@@ -20,6 +20,7 @@ import yaml
 from router.core.redis_client import RedisTarget
 from router.core.settings import BackendConfig, Settings, load_settings
 from router.ops.metrics import Metrics
+from router.ops.tracing import resolve
 from tests.harness import ROOT, Cluster, stats
 
 CHART = ROOT / "helm" / "sluicegate"
@@ -58,6 +59,7 @@ ALL_ON: dict[str, Any] = {
         "tls": [{"hosts": ["sluicegate.example.com"], "secretName": "sg-tls"}],
     },
     "dashboard": {"enabled": True},
+    "tracing": {"otlpEndpoint": "http://otel-collector.observability:4318", "sampleRatio": 0.2},
     "podAnnotations": {"team": "ml-platform"},
     "nodeSelector": {"pool": "cpu"},
 }
@@ -310,6 +312,22 @@ def test_rendered_config_serves_traffic(procs: Cluster) -> None:
     assert stats(mock)["recent"][-1]["authorization"] == "Bearer key-from-secret-env"
 
 
+def test_tracing_values_point_the_router_at_a_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER_ARG"):
+        monkeypatch.delenv(var, raising=False)
+    path = tmp_path / "config.yaml"
+    path.write_text(_rendered_config(ALL_ON))
+    plan = resolve(load_settings(path).tracing)
+    assert plan is not None
+    assert plan.endpoint == "http://otel-collector.observability:4318/v1/traces"
+    assert (plan.sample_ratio, plan.service_name) == (0.2, "sluicegate")
+    path.write_text(_rendered_config(None))
+    assert "tracing" not in yaml.safe_load(path.read_text())  # off by default
+    assert resolve(load_settings(path).tracing) is None
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -325,6 +343,8 @@ def test_rendered_config_serves_traffic(procs: Cluster) -> None:
         {"redis": {"sentinel": {"hosts": ["no-port"]}}},
         {"redis": {"cluster": "yes"}},
         {"config": {"drain_grace": -1}},
+        {"tracing": {"otlpEndpoint": "otel-collector:4318"}},
+        {"tracing": {"sampleRatio": 1.5}},
     ],
 )
 def test_schema_rejects_bad_values(bad: dict[str, Any]) -> None:

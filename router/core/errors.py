@@ -145,11 +145,16 @@ class Invalid(RegistryError):
 class FailureKind(StrEnum):
     """What went wrong with one attempt at a backend (the values are metric label values)."""
 
-    CONNECT = "connect"  # no connection, or it closed before an answer
+    CONNECT = "connect"  # no connection, it closed before an answer, or the answer was invalid
     TIMEOUT = "timeout"  # connect, write or the first byte took too long
     POOL = "pool"  # our own pool to it had no free connection: not the backend's failure
     STATUS = "status"  # it answered 5xx or 429
     MID_STREAM = "mid_stream"  # it failed after the answer began
+
+
+class InvalidUpstreamResponse(httpx.RemoteProtocolError):
+    """An answer the upstream transport refuses to relay (a head over its limits, a 101, a status
+    outside 100-599); it drops the connection. Raised in httpx's tree, mapped below."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +190,12 @@ _UPSTREAM: tuple[tuple[type[BaseException], FailureKind, type[ProxyError], str],
         "Backend `{}` did not answer in time.",
     ),
     (TimeoutError, FailureKind.TIMEOUT, UpstreamTimeout, "Backend `{}` did not answer in time."),
+    (
+        InvalidUpstreamResponse,
+        FailureKind.CONNECT,
+        UpstreamConnectError,
+        "Backend `{}` sent an invalid response.",
+    ),
     (
         httpx.TransportError,
         FailureKind.CONNECT,

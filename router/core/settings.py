@@ -78,6 +78,24 @@ class RetryConfig(_Strict):
     deadline: float = Field(30.0, gt=0)
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry export; off unless an endpoint is set here or in OTEL_EXPORTER_OTLP_*.
+    Unset keys fall back to OTEL_SERVICE_NAME / OTEL_TRACES_SAMPLER_ARG, then the defaults
+    (`sluicegate`, 1.0)."""
+
+    otlp_endpoint: str | None = None  # OTLP/HTTP base (http://collector:4318) or .../v1/traces
+    sample_ratio: float | None = Field(None, ge=0, le=1)
+    service_name: str | None = Field(None, min_length=1, max_length=200)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_endpoint(cls, v: str | None) -> str | None:
+        parsed = urlsplit(v) if v is not None else None
+        if parsed is not None and (parsed.scheme not in ("http", "https") or not parsed.hostname):
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return v
+
+
 class BackendConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: str
@@ -224,6 +242,7 @@ class Settings(BaseSettings):
     api_keys_reload: float = Field(5.0, gt=0, le=3600)  # seconds between checks of the file
     # Seconds between full registry reloads from Redis, which heal a missed pub/sub message.
     registry_resync: float = Field(1.0, gt=0, le=60)
+    tracing: TracingConfig = TracingConfig()
 
     @field_validator("backends")
     @classmethod

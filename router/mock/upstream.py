@@ -4,8 +4,12 @@ Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running
 and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
-tokens, half_event, gzip, retry_after, health_status, max_running) so fault tests need no second
-implementation.
+tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk) so fault tests need
+no second implementation. Streams end with vLLM's usage event when the request asks for it
+(`stream_options.include_usage`). `role_chunk` sends vLLM's role-only first event
+(`"delta":{"role":"assistant","content":""}`) right after the headers, before the prefill wait
+(vLLM sends it with the first token; sending it early lets tests tell the first byte from the
+first content token).
 A raw ASGI app: no framework on the hot path.
 """
 
@@ -40,6 +44,7 @@ class Behaviour:
     max_running: int = 0  # batch slots (vLLM's max_num_seqs); more requests queue; 0 = no limit
     pad_bytes: int = 0  # pad each token's text, to move megabytes (backpressure tests)
     health_status: int = 200  # what GET /health answers (503: a vLLM still loading weights)
+    role_chunk: bool = False  # a role-only first event before the prefill wait
 
 
 @dataclass
@@ -261,7 +266,9 @@ class MockUpstream:
                 return
             chat = path == "/v1/chat/completions"
             if req.get("stream") is True:
-                await self._stream(send, rec, model, chat, n, gone)
+                options = req.get("stream_options")
+                usage = isinstance(options, dict) and options.get("include_usage") is True
+                await self._stream(send, rec, model, chat, n, gone, usage)
             else:
                 await self._whole(send, rec, model, chat, n, gone)
         finally:
@@ -311,7 +318,14 @@ class MockUpstream:
             self.stats.tokens_after_disconnect += 1
 
     async def _stream(
-        self, send: Send, rec: dict[str, Any], model: str, chat: bool, n: int, gone: asyncio.Event
+        self,
+        send: Send,
+        rec: dict[str, Any],
+        model: str,
+        chat: bool,
+        n: int,
+        gone: asyncio.Event,
+        usage: bool = False,
     ) -> None:
         bh = self.behaviour
         rid = rec["request_id"] or "0"
@@ -323,8 +337,15 @@ class MockUpstream:
             headers.append((b"content-encoding", b"gzip"))
             compressor = gzip.GzipFile  # marker: compress the whole stream at the end
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self._sleep(bh.ttft_ms, gone)
         parts: list[bytes] = []
+        if chat and bh.role_chunk:
+            role = pre.replace(b'"delta":{"content":"', b'"delta":{"role":"assistant","content":"')
+            role = b"data: " + role + post
+            if compressor is not None:
+                parts.append(role)
+            else:
+                await send({"type": "http.response.body", "body": role, "more_body": True})
+        await self._sleep(bh.ttft_ms, gone)
         for i in range(n):
             if gone.is_set():
                 return
@@ -358,6 +379,13 @@ class MockUpstream:
             else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
         )
         tail = tail.replace(b'"delta":{"content":""}', b'"delta":{}')
+        if usage:
+            rid = rec["request_id"] or "0"
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            counts = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            event = {"id": f"x-{rid}", "object": kind, "created": 0, "model": model}
+            event |= {"choices": [], "usage": counts}
+            tail += b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
         tail += b"data: [DONE]\n\n"
         if compressor is not None:
             await send(

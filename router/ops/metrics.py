@@ -1,6 +1,8 @@
 """Prometheus metrics (`sluicegate_*`), fed once per request from its `RequestRecord`.
 
-Nothing here runs per chunk: the proxy calls `observe(record)` when a request ends,
+Nothing here runs per chunk: the proxy calls `observe(record)` when a request ends (time to
+first content token and time per output token come from the record's `usage`, which the proxy
+fills as the stream passes),
 `attempt_failed()` when an attempt is retried, and the in-flight gauge moves through
 `MeteredInflight` at acquire/release. With several uvicorn workers `sluicegate serve` sets
 `PROMETHEUS_MULTIPROC_DIR` before any worker starts; each worker then writes its values to files
@@ -31,8 +33,19 @@ if TYPE_CHECKING:
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# LLM latencies run from a cached 10 ms answer to a two-minute reasoning stream.
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+# LLM latencies run from a cached 10 ms answer to minutes of a long reasoning stream.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+# Time to first token: a warm prefix cache answers in ms, a long prompt on a busy engine in tens
+# of seconds.
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10,
+    20, 30, 60, 120,
+)  # fmt: skip
+# Time per output token: 1-100 ms is where decoding lives; seconds means something is wrong.
+TPOT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.5, 0.75, 1, 2.5,
+)  # fmt: skip
 
 NO_BACKEND = "none"
 
@@ -85,16 +98,32 @@ class Metrics:
         )
         self.duration = Histogram(
             "sluicegate_request_duration_seconds",
-            "Whole request time, arrival to last byte (or disconnect).",
-            ("model", "backend"),
+            "Whole request time, arrival to last byte (or disconnect), by status class.",
+            ("model", "backend", "status_class"),
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
         self.ttft = Histogram(
             "sluicegate_time_to_first_token_seconds",
-            "Streams only: arrival to the first body byte from the backend (the first token).",
+            "Streams only: arrival to the first body byte from the backend (see "
+            "sluicegate_ttft_seconds for the first content token).",
             ("model", "backend"),
             buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.ttft_content = Histogram(
+            "sluicegate_ttft_seconds",
+            "Streams only: arrival to the first event carrying content the client receives "
+            "(not the role-only first event).",
+            ("model", "backend"),
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            "sluicegate_tpot_seconds",
+            "Streams only: time per output token after the first (one observation a request).",
+            ("model", "backend"),
+            buckets=TPOT_BUCKETS,
             registry=reg,
         )
         self.bytes_out = Counter(
@@ -179,17 +208,25 @@ class Metrics:
             labels = (rec.model, backend)
             children = self._by_request[key] = (
                 self.requests.labels(rec.model, backend, str(status)),
-                self.duration.labels(*labels),
+                self.duration.labels(*labels, f"{status // 100}xx"),
                 self.ttft.labels(*labels),
+                self.ttft_content.labels(*labels),
+                self.tpot.labels(*labels),
                 self.bytes_out.labels(*labels),
                 self.disconnects.labels(*labels),
                 self.retries.labels(rec.model),
             )
-        requests, duration, ttft, bytes_out, disconnects, retries = children
+        requests, duration, ttft, ttft_content, tpot, bytes_out, disconnects, retries = children
         requests.inc()
         duration.observe(time.perf_counter() - rec.started)
         if rec.stream and rec.ttfb_ms is not None:
             ttft.observe(rec.ttfb_ms / 1000)
+        usage = rec.usage
+        if usage is not None and usage.first_token_at is not None:
+            ttft_content.observe(usage.first_token_at - rec.started)
+            per_token = usage.time_per_output_token()
+            if per_token is not None:
+                tpot.observe(per_token)
         if rec.bytes_out:
             bytes_out.inc(rec.bytes_out)
         if rec.disconnected:

@@ -36,6 +36,8 @@ STREAM_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"x-accel-buffering", b"no"),
 )
 
+_STREAM_DROP = frozenset({b"content-length", *(k for k, _ in STREAM_HEADERS)})
+
 
 def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     named: set[bytes] = set()
@@ -70,12 +72,13 @@ def downstream_response_headers(
     upstream_headers: Iterable[tuple[bytes, bytes]], request_id: str, streaming: bool
 ) -> list[tuple[bytes, bytes]]:
     """Upstream headers minus hop-by-hop; Content-Encoding and Content-Length stay because the
-    body is forwarded raw, byte for byte."""
+    body is forwarded raw, byte for byte. Streams drop Content-Length: they are chunked, so one
+    whose upstream body ends short can still end with an error event and `[DONE]`."""
     items = list(upstream_headers)
     extra = _connection_named(items)
     drop = _RESPONSE_DROP | extra
     if streaming:
-        drop = drop | {k for k, _ in STREAM_HEADERS}
+        drop = drop | _STREAM_DROP
     out = [(k.lower(), v) for k, v in items if k.lower() not in drop]
     if streaming:
         out.extend(STREAM_HEADERS)

@@ -35,11 +35,13 @@ from router.core.errors import (
 )
 from router.core.settings import Settings
 from router.ops.metrics import Metrics
+from router.ops.tracing import NO_TRACE, NO_TRACING, RequestTrace, Tracing
 from router.registry.fleet import Registry
 from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
 from router.request.record import RequestRecord
+from router.request.usage import ResponseUsage
 from router.request.validate import request_id_of, validate
 from router.upstream.pools import Pools
 
@@ -73,8 +75,10 @@ class Proxy:
         health: HealthBook,
         lifecycle: Lifecycle,
         metrics: Metrics | None = None,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self.metrics = metrics or Metrics()
+        self.tracing = tracing
         self.settings = settings
         self.registry = registry
         self.pools = pools
@@ -84,7 +88,11 @@ class Proxy:
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
     async def prepare(
-        self, request: Request, path: str, allowed_models: Set[str] | None = None
+        self,
+        request: Request,
+        path: str,
+        allowed_models: Set[str] | None = None,
+        key_name: str | None = None,
     ) -> Response:
         """`allowed_models`: the public names the client's key may use (None: any)."""
         request_id = request_id_of(request.headers.get("x-request-id"))
@@ -106,6 +114,7 @@ class Proxy:
         if isinstance(checked, Response):
             return checked
         record = RequestRecord(request_id, checked.model, path, checked.stream, time.perf_counter())
+        record.key_name = key_name
         return ProxyCall(
             self,
             request,
@@ -146,9 +155,11 @@ class ProxyCall(Response):
         self._record = record
         self._client_headers = request.headers.raw
         self._started = False
+        self._trace: RequestTrace = NO_TRACE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lifecycle = self._proxy.lifecycle
+        self._trace = self._proxy.tracing.begin(self._client_headers, self._record)
         lifecycle.enter()
         run = asyncio.ensure_future(self._run(send))
         watch = asyncio.ensure_future(_wait_disconnect(receive))
@@ -170,6 +181,7 @@ class ProxyCall(Response):
             lifecycle.leave()
             self._record.emit()
             self._proxy.metrics.observe(self._record)
+            self._trace.finish(self._record, self._record.usage)
 
     def _body_for(self, backend: Backend) -> bytes:
         target = backend.models.get(self._model, self._model)
@@ -183,21 +195,28 @@ class ProxyCall(Response):
         exclude: set[str] = set()
         balancer = proxy.registry.balancer_for(self._model)
         last: _Retry | None = None
+        trace = self._trace
 
         async def attempt(number: int, answered: Callable[[], None]) -> None:
             nonlocal last
             eligible = proxy.health.eligible(self._backends, self._model)
+            trace.queued()
             lease = await proxy.store.acquire(eligible, balancer, exclude)
             if lease is None:
                 raise _NoneLeft
+            trace.picked(lease.backend, getattr(lease, "reason", None))
+            trace.attempt(lease.backend, number)
             rec.attempts = number
             try:
                 await self._attempt(send, lease, answered)
             except _Retry as retry:
                 last = retry
+                trace.attempt_failed(retry.kind, retry.response[0] if retry.response else None)
                 proxy.metrics.attempt_failed(lease.backend, retry.kind)
                 exclude.add(lease.backend)  # the next attempt goes elsewhere
                 raise
+            finally:
+                trace.attempt_end(rec.error)
 
         try:
             try:
@@ -215,6 +234,7 @@ class ProxyCall(Response):
                 rec.status = status
                 await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
+                rec.bytes_out = len(body)
                 return
             raise last.error
         except ProxyError as exc:
@@ -233,8 +253,10 @@ class ProxyCall(Response):
             transport, request = proxy.pools.request(
                 backend,
                 self._path,
-                upstream_request_headers(
-                    self._client_headers, rec.request_id, list(backend.auth_headers)
+                self._trace.upstream_headers(
+                    upstream_request_headers(
+                        self._client_headers, rec.request_id, list(backend.auth_headers)
+                    )
                 ),
                 self._body_for(backend),
             )
@@ -251,6 +273,7 @@ class ProxyCall(Response):
             streaming = self._stream and status < 400
             headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
             rec.status = status
+            self._trace.answered(status)
             await send({"type": "http.response.start", "status": status, "headers": headers})
             self._started = True
             answered()
@@ -291,17 +314,20 @@ class ProxyCall(Response):
         self, send: Send, response: httpx.Response, backend: Backend, streaming: bool
     ) -> None:
         rec = self._record
-        sent = 0
         tail = b"\n\n"
+        usage = rec.usage = ResponseUsage(self._path)
+        readable = response.headers.get("content-encoding", "identity") == "identity"
+        watch = usage.feed if streaming and readable else usage.keep
+        # `bytes` counts what the client was sent, also when it left mid-stream.
         try:
             async for chunk in response.stream:  # type: ignore[union-attr]
-                if sent == 0:
+                if rec.ttfb_ms is None:
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
-                sent += len(chunk)
                 tail = chunk[-2:]
+                watch(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                rec.bytes_out += len(chunk)
         except UPSTREAM_FAILURES as exc:
-            rec.bytes_out = sent
             kind = mid_stream_kind(exc)
             rec.error = kind
             self._proxy.health.on_failure(backend.name, kind)
@@ -317,8 +343,9 @@ class ProxyCall(Response):
             if tail != b"\n\n":
                 event = b"\n\n" + event  # end the half event so the error parses on its own
             await send({"type": "http.response.body", "body": event, "more_body": False})
+            rec.bytes_out += len(event)
             return
-        rec.bytes_out = sent
+        usage.close(readable and response.status_code < 400)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

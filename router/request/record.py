@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from router.request.usage import ResponseUsage
+
 log = logging.getLogger("sluicegate.request")
 
 
@@ -29,6 +31,8 @@ class RequestRecord:
     bytes_out: int = 0
     disconnected: bool = False
     error: str | None = None
+    key_name: str | None = None  # the client key's configured name, never the key
+    usage: ResponseUsage | None = None  # tokens and their timing, read from the response
 
     def emit(self) -> None:
         if not log.isEnabledFor(logging.INFO):

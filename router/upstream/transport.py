@@ -10,15 +10,23 @@ from one socket read reaches the proxy as one piece (so it becomes one client wr
 Semantics kept from httpx: `Timeout(connect, read, write, pool)` (read = longest silence),
 `Limits(max_connections, max_keepalive_connections, keepalive_expiry)`, and the exceptions
 (ConnectError, ConnectTimeout, ReadTimeout, WriteTimeout, PoolTimeout, RemoteProtocolError,
-ReadError). Closing a response before its end closes the connection, so the backend sees the
-client leave; a completed response returns its connection to the pool. Reading pauses while
-more than `HIGH_WATER` bytes wait for a slow consumer, so backpressure reaches the backend.
+ReadError), plus `InvalidUpstreamResponse` (a `RemoteProtocolError`) for an answer a proxy must
+not relay: a head over `MAX_HEAD_BYTES` or `MAX_HEADERS`, a 101, a status outside 100-599. Closing a
+response before its end resets the connection, so the backend sees the client leave; a completed
+response returns its connection to the pool. Reading pauses while more than `HIGH_WATER` bytes
+wait for a slow consumer, so backpressure reaches the backend.
+
+A request is written at most once: a pooled connection the OS already reports closed or readable
+while idle (EOF, or bytes nobody asked for) is dropped before writing, and a connection that
+closes after the request went out fails the exchange (the caller counts it as an attempt and may
+go elsewhere); it is never re-sent here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
 import ssl
 import struct
@@ -28,7 +36,11 @@ from collections import deque
 import httptools
 import httpx
 
+from router.core.errors import InvalidUpstreamResponse
+
 HIGH_WATER = 256 * 1024
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 100
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
 
@@ -40,7 +52,6 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
-        self.reused = False
         self.counted = True  # still counted against the owner's connection cap
         self.idle_since = 0.0
         self.last_rx = 0.0
@@ -48,13 +59,15 @@ class _Conn(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
+        self.head_bytes = 0  # received before the final head completed, 1xx heads included
+        self.head_size = 0  # names + values of the current head
         self.status = 0
         self.reusable = False
         self.headers_done: asyncio.Future[None] | None = None
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.complete = False
-        self.got_bytes = False
+        self.in_body = False  # between the final head and the end of the message
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
@@ -66,18 +79,55 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
+        if not self.in_body:
+            self._data_outside_body(data)
+            return
+        # The hot path, once per upstream read of a body: no more work than parsing it.
         self.last_rx = time.monotonic()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed upstream response: {exc}"))
-            self.close()
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._parse_failed(exc)
             return
         self._wake()
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
+
+    def _data_outside_body(self, data: bytes) -> None:
+        if self.headers_done is None or self.complete:
+            # Bytes nobody asked for (idle, or after the response ended): this connection's
+            # framing can no longer be trusted, so it carries nothing more.
+            self.reusable = False
+            self.close()
+            return
+        self.last_rx = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._parse_failed(exc)
+            return
+        if not self.status:
+            # Bounded however the head is sliced: the parser holds at most this much of it.
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(InvalidUpstreamResponse("backend sent a response head over 64 KiB"))
+                self.abort()
+                return
+        self._wake()
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _parse_failed(self, exc: Exception) -> None:
+        cause = exc.__context__
+        if isinstance(exc, httptools.HttpParserUpgrade):
+            self._fail(InvalidUpstreamResponse("backend switched protocols (101)"))
+        elif isinstance(cause, InvalidUpstreamResponse):
+            self._fail(cause)
+        else:
+            self._fail(InvalidUpstreamResponse(f"malformed upstream response: {exc}"))
+        self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -108,15 +158,28 @@ class _Conn(asyncio.Protocol):
             self.write_waiter.set_result(None)
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer in the same read: nobody asked for it
+            raise InvalidUpstreamResponse("backend sent bytes after its response")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_size += len(name) + len(value) + 4
+        if len(self.headers) >= MAX_HEADERS:
+            raise InvalidUpstreamResponse(f"backend sent more than {MAX_HEADERS} response headers")
+        if self.head_size > MAX_HEAD_BYTES:
+            raise InvalidUpstreamResponse("backend sent a response head over 64 KiB")
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        if self.status < 200:  # 1xx: informational, the real answer follows
-            self.status = 0
+        status = self.parser.get_status_code()
+        if status == 101 or not 100 <= status <= 599:
+            raise InvalidUpstreamResponse(f"backend answered with status {status}")
+        if status < 200:  # 1xx: informational, the real answer follows
             self.headers = []
+            self.head_size = 0
             return
+        self.status = status
+        self.in_body = True
         # Read here: the parser's answer is only meaningful while this message is current.
         self.reusable = self.parser.should_keep_alive()
         if self.headers_done is not None and not self.headers_done.done():
@@ -129,6 +192,7 @@ class _Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self.status:
             self.complete = True
+            self.in_body = False
 
     # helpers
     def _fail(self, exc: Exception) -> None:
@@ -272,30 +336,21 @@ class LeanTransport(httpx.AsyncBaseTransport):
             if isinstance(request.stream, httpx.ByteStream)
             else (await request.aread())
         )
-        for attempt in (0, 1):
-            conn = await self._acquire(request.url, timeouts)
-            try:
-                await self._exchange(conn, head, body, timeouts)
-            except (httpx.RemoteProtocolError, httpx.ReadError):
-                # A kept-alive connection the backend had already closed: it never saw this
-                # request, so one fresh connection may carry it.
-                if attempt == 0 and conn.reused and not conn.got_bytes:
-                    self._release(conn)
-                    continue
-                conn.close()
-                self._release(conn)
-                raise
-            except BaseException:
-                conn.abort()  # cancelled (the client left) or failed mid-exchange
-                self._release(conn)
-                raise
-            return httpx.Response(
-                conn.status,
-                headers=conn.headers,
-                stream=_Body(conn, timeouts.get("read")),
-                extensions={"http_version": b"HTTP/1.1"},
-            )
-        raise AssertionError("unreachable")
+        conn = await self._acquire(request.url, timeouts)
+        try:
+            await self._exchange(conn, head, body, timeouts)
+        except BaseException:
+            # Written (or partly written) and failed, or cancelled because the client left:
+            # never re-sent from here, the connection is dropped.
+            conn.abort()
+            self._release(conn)
+            raise
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=_Body(conn, timeouts.get("read")),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
 
     async def _exchange(
         self, conn: _Conn, head: bytes, body: bytes, timeouts: dict[str, float | None]
@@ -329,10 +384,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn = idle.pop()
             if conn.closed:
                 continue
-            if self._expiry is not None and now - conn.idle_since > self._expiry:
+            if (self._expiry is not None and now - conn.idle_since > self._expiry) or _readable(
+                conn
+            ):
                 conn.close()
                 continue
-            conn.reused = True
             return conn
         if self._count >= self._max:
             waiter = asyncio.get_running_loop().create_future()
@@ -426,6 +482,20 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         self.retire()
+
+
+def _readable(conn: _Conn) -> bool:
+    """An idle connection the OS reports readable has EOF or unasked bytes waiting: it cannot
+    carry a request (one poll, no read; the event loop may not have seen it yet)."""
+    transport = conn.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _request_head(request: httpx.Request) -> bytes:

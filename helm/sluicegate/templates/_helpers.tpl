@@ -62,6 +62,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- $cfg := deepCopy .Values.config }}
 {{- $_ := set $cfg "backends" $backends }}
+{{- with .Values.tracing }}
+{{- if .otlpEndpoint }}
+{{- $_ := set $cfg "tracing" (dict "otlp_endpoint" .otlpEndpoint "sample_ratio" .sampleRatio "service_name" .serviceName) }}
+{{- end }}
+{{- end }}
 {{- toYaml $cfg }}
 {{- end }}
 
