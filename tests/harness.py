@@ -6,7 +6,6 @@ a bounded deadline.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -185,34 +184,8 @@ class Cluster:
         return proc
 
     def redis(self, port: int | None = None) -> Proc:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed: `make test` installs it")
-        port = port or free_port()
-        proc = self._spawn(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ],
-            port,
-            "redis",
-            None,
-        )
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            time.sleep(0.05)
-        proc.url = f"redis://127.0.0.1:{port}/0"
+        proc = self.redis_node(port or free_port(), "--protected-mode", "yes")
+        proc.url += "/0"
         return proc
 
     def redis_node(
@@ -228,7 +201,7 @@ class Cluster:
             # Its own directory: a replica's full sync writes dump.rdb there, and a server
             # started where one lies would load it. No saving; on SIGTERM, no wait for replicas.
             workdir = self.tmp / f"redis-{port}"
-            workdir.mkdir()
+            workdir.mkdir(exist_ok=True)  # a restart on the same port (it saves nothing)
             args += ["--dir", str(workdir), "--save", "", "--appendonly", "no"]
             args += ["--shutdown-on-sigterm", "now"]
         proc = self._spawn([*args, *extra], port, name, None)
