@@ -21,7 +21,8 @@ from router.core.backend import Backend
 from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
 from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
-from router.ops.logs import register_secret
+from router.ops.logs import count_drops, register_secret, secret_header
+from router.ops.logs import stop as stop_logging
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.ops.tracing import make_tracing
 from router.registry.admin import admin_routes
@@ -78,6 +79,7 @@ def create_app(settings: Settings) -> FastPath:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
     metrics = Metrics()
+    count_drops(metrics.log_dropped.inc)
     health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
     monitor = HealthMonitor(health)
 
@@ -87,14 +89,21 @@ def create_app(settings: Settings) -> FastPath:
             *(
                 v.decode("latin-1").split(" ")[-1]
                 for b in snapshot.backends
-                for _, v in b.auth_headers
+                for k, v in b.auth_headers
+                if (name := k.decode("latin-1")) == b.key_header
+                or secret_header(name, v.decode("latin-1"))
             )
         )
         health.sync(snapshot.backends)
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
 
     registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
-    fleet = Fleet(registry, settings.backends, _record_store(settings))
+    fleet = Fleet(
+        registry,
+        settings.backends,
+        _record_store(settings),
+        on_invalid=lambda _name: metrics.invalid_records.inc(),
+    )
     admin_auth = AdminAuth(settings.admin_token)
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
     metrics.backends_known([b.name for b in backends])
@@ -169,6 +178,9 @@ def create_app(settings: Settings) -> FastPath:
             await pools.aclose()
             await store.aclose()
             await tracing.aclose()
+            # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the
+            # queued log lines now (bounded wait).
+            stop_logging()
 
     app = FastAPI(
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

@@ -7,7 +7,7 @@ SluicegateError
   │     └── NoCapacity           (503, every candidate is full, ejected or cooling down)
   ├── StoreUnavailable           a shared store (Redis) did not answer; callers fall back or 503
   └── RegistryError              an admin change that cannot be made (400)
-        ├── Invalid              (422, a field is wrong)
+        ├── Invalid              (400, a field is wrong)
         ├── NotFound             (404)
         └── Conflict             (409)
 
@@ -138,7 +138,7 @@ class Conflict(RegistryError):
 
 
 class Invalid(RegistryError):
-    status = 422
+    status = 400
     code = "invalid_field"
 
 

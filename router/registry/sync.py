@@ -94,15 +94,11 @@ class RedisRecords:
             pipe.get(self._version)
             pipe.hgetall(self._hash)
             version, raw = await pipe.execute()
-        records = {}
+        records: dict[str, Record] = {}
         for name, value in raw.items():
+            # An unreadable record is passed on as one the fleet refuses, logs and counts.
             rec = _parse(value)
-            if rec is None:
-                log.warning(
-                    "ignoring an unreadable registry record", extra={"fields": {"name": name}}
-                )
-                continue
-            records[name] = rec
+            records[name] = {"unreadable": True} if rec is None else rec
         return version, records
 
     async def _read_retrying(self) -> dict[str, Record]:
