@@ -2,9 +2,12 @@
 
 One task per backend: probe at once (a new backend is checked before it has to prove itself on
 traffic), then every `interval` seconds with +-10 % jitter so replicas drift apart instead of
-probing in lockstep. A semaphore bounds how many probes run at once. Results go to the HealthBook.
-One more task calls `HealthBook.advance()` every `tick` seconds (ejections and cooldowns ending,
-panic mode), since reading health never changes it.
+probing in lockstep; while the backend is out of rotation (ejected by traffic or failing probes)
+every `unhealthy_interval` seconds instead, so a restarted backend is readmitted within seconds.
+Between probes the task looks at the HealthBook every `unhealthy_interval` (a read), so an
+ejection is followed by a probe within that. A semaphore bounds how many probes run at once.
+Results go to the HealthBook. One more task calls `HealthBook.advance()` every `tick` seconds
+(ejections and cooldowns ending, panic mode), since reading health never changes it.
 """
 
 from __future__ import annotations
@@ -103,7 +106,15 @@ class HealthMonitor:
             except Exception:
                 # A bug here must not stop this backend's probes for good.
                 log.exception("probe loop error", extra={"fields": {"backend": backend.name}})
-            await asyncio.sleep(self.next_delay(cfg.interval))
+            await self._until_next_probe(backend.name, cfg.interval, cfg.unhealthy_interval)
+
+    async def _until_next_probe(self, name: str, interval: float, unhealthy: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.next_delay(interval)
+        while (left := end - loop.time()) > 0:
+            await asyncio.sleep(min(left, self.next_delay(unhealthy)))
+            if self._book.out_of_rotation(name):
+                return
 
     def next_delay(self, interval: float) -> float:
         return interval * self._rng.uniform(1 - JITTER, 1 + JITTER)

@@ -53,6 +53,9 @@ class BackendHealth:
     last_ejection_end: float | None = None
     eject_reason: str | None = None
     probe_failed_while_ejected: bool = False
+    # The last ejection was ended by probes alone; if it is ejected again soon after, probes
+    # alone no longer end it (a /health that answers while completions fail).
+    readmitted_by_probe: bool = False
     # Cooldown asked for by the backend (Retry-After).
     cooldown_until: float = 0.0
 
@@ -237,6 +240,9 @@ class HealthBook:
                     )
                 return
         times = outlier.times_ejected_after_rest(cfg, st.times_ejected, st.last_ejection_end, now)
+        if times == 0:
+            st.readmitted_by_probe = False  # a quiet max_ejection since: trust probes again
+        st.probe_successes = 0  # readmission counts good probes from now on
         st.times_ejected = times + 1
         seconds = outlier.ejection_seconds(cfg, st.times_ejected)
         st.ejected_until = now + seconds
@@ -303,10 +309,19 @@ class HealthBook:
             st.probe_failed = False
             st.probe_reason = None
             self._transition("healthy", name, probe_successes=st.probe_successes)
-        # Probes readmit only an ejection they saw fail and then recover: a /health that
-        # answers while completions fail (a hung engine) must not undo the ejection.
-        if ejected and st.probe_failed_while_ejected:
+        # Good probes end an ejection early (Envoy's successful_active_health_check_uneject_host):
+        # a restarted backend is back within seconds. If it fails again right after such a
+        # readmission (a /health that answers while completions fail), its next, doubled,
+        # ejection ends early only once probes have seen it down and up again.
+        if ejected and (st.probe_failed_while_ejected or not st.readmitted_by_probe):
+            readmit_by_probe = not st.probe_failed_while_ejected
             self._end_ejection(name, st, now, "probe")
+            st.readmitted_by_probe = readmit_by_probe
+
+    def out_of_rotation(self, name: str) -> bool:
+        """Ejected or failing probes: probed every `unhealthy_interval` (a read, no change)."""
+        st = self._state.get(name)
+        return st is not None and (st.probe_failed or st.ejected_until > self._clock())
 
     # -- reporting --------------------------------------------------------------------------
 

@@ -19,9 +19,11 @@ from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
+from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
 from router.discovery.runner import Discovery
-from router.ops.logs import register_secret
+from router.ops.logs import count_drops, register_secret, secret_header
+from router.ops.logs import stop as stop_logging
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.ops.tracing import make_tracing
 from router.registry.admin import admin_routes
@@ -51,13 +53,14 @@ async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str)
 
 
 def make_store(settings: Settings) -> InflightStore:
-    """Local counts unless a Redis URL is set; then one count shared by every replica."""
-    if settings.redis_url is None:
+    """Local counts unless Redis is configured; then one count shared by every replica."""
+    target = RedisTarget.from_settings(settings)
+    if target is None:
         return LocalInflight()
     from balancers.inflight.redis import RedisInflight
 
     return RedisInflight(
-        settings.redis_url.get_secret_value(),
+        target,
         timeout=settings.redis_timeout,
         lease_ttl=settings.redis_lease_ttl,
         prefix=settings.redis_prefix,
@@ -65,17 +68,19 @@ def make_store(settings: Settings) -> InflightStore:
 
 
 def _record_store(settings: Settings) -> RecordStore:
-    if settings.redis_url is None:
+    target = RedisTarget.from_settings(settings)
+    if target is None:
         return LocalRecords()
     from router.registry.sync import RedisRecords
 
-    return RedisRecords(settings.redis_url.get_secret_value(), resync=settings.registry_resync)
+    return RedisRecords(target, resync=settings.registry_resync)
 
 
 def create_app(settings: Settings) -> FastPath:
     backends = [Backend.from_config(b) for b in settings.backends]
     pools = Pools(settings.timeouts, settings.limits)
     metrics = Metrics()
+    count_drops(metrics.log_dropped.inc)
     health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
     monitor = HealthMonitor(health)
 
@@ -85,14 +90,21 @@ def create_app(settings: Settings) -> FastPath:
             *(
                 v.decode("latin-1").split(" ")[-1]
                 for b in snapshot.backends
-                for _, v in b.auth_headers
+                for k, v in b.auth_headers
+                if (name := k.decode("latin-1")) == b.key_header
+                or secret_header(name, v.decode("latin-1"))
             )
         )
         health.sync(snapshot.backends)
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
 
     registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
-    fleet = Fleet(registry, settings.backends, _record_store(settings))
+    fleet = Fleet(
+        registry,
+        settings.backends,
+        _record_store(settings),
+        on_invalid=lambda _name: metrics.invalid_records.inc(),
+    )
     admin_auth = AdminAuth(settings.admin_token)
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
     metrics.backends_known([b.name for b in backends])
@@ -174,6 +186,9 @@ def create_app(settings: Settings) -> FastPath:
             await pools.aclose()
             await store.aclose()
             await tracing.aclose()
+            # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the
+            # queued log lines now (bounded wait).
+            stop_logging()
 
     app = FastAPI(
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

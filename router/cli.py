@@ -102,8 +102,13 @@ def _metrics_dir(workers: int) -> Iterator[None]:
 
 def serve(settings: Settings) -> None:
     from router.ops.logs import configure, secrets_of
+    from router.web.edge import protocol, raise_fd_limit
 
     configure(settings.log_level, secrets_of(settings))
+    # Per worker: its client connections, every backend pool full, and a margin for Redis,
+    # probes and the rest. Workers inherit the raised limit.
+    pools = settings.limits.max_connections * len(settings.backends)
+    raise_fd_limit(settings.server.max_connections + pools + 64)
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
     if settings.config:
         os.environ["SLUICEGATE_CONFIG"] = settings.config
@@ -118,14 +123,15 @@ def serve(settings: Settings) -> None:
             port=settings.port,
             workers=settings.workers,
             loop="uvloop",
-            http="httptools",
+            http=protocol(settings.server.header_timeout, settings.server.max_connections),
             lifespan="on",
             access_log=False,
             server_header=False,
             log_config=None,  # ours (router.ops.logs): JSON lines with secrets redacted
             log_level=settings.log_level,
             timeout_graceful_shutdown=max(1, int(settings.drain_grace) + 1),
-            timeout_keep_alive=30,
+            # Annotated int by uvicorn, used as call_later()'s float seconds.
+            timeout_keep_alive=settings.server.keepalive_timeout,  # type: ignore[arg-type]
         )
 
 

@@ -17,7 +17,13 @@ import pytest
 
 from tests.harness import Cluster, Proc, backend, control, stats
 
-FAST_HEALTH = {"interval": 0.5, "timeout": 0.5, "unhealthy_threshold": 3, "healthy_threshold": 2}
+FAST_HEALTH = {
+    "interval": 0.5,
+    "unhealthy_interval": 0.25,
+    "timeout": 0.5,
+    "unhealthy_threshold": 3,
+    "healthy_threshold": 2,
+}
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -122,8 +128,18 @@ def test_hanging_backend_times_out_moves_on_and_is_ejected(procs: Cluster) -> No
     assert row["reason"] == "ejected: 2 consecutive failures (timeout)"
     hung = stats(a)["requests"]
     assert hung == 2
-    # Its /health still answers: probes must not readmit it while completions hang.
-    time.sleep(1.5)  # three probe intervals
+    # Its /health still answers, as a restarted backend's would: good probes readmit it once,
+    # requests find it hung again (each moves on to b), and the doubled ejection that follows is
+    # not undone by probes alone.
+    time.sleep(1.0)  # healthy_threshold probes at unhealthy_interval
+    for _ in range(6):
+        r = client.chat.completions.create(model="m", messages=MSG)
+        assert r.choices[0].message.content == expected_text(4)
+    row = rows(router)["a"]
+    assert row["healthy"] is False and row["times_ejected"] == 2
+    hung = stats(a)["requests"]
+    assert hung == 4
+    time.sleep(1.0)  # four probe rounds, all good
     for _ in range(3):
         client.chat.completions.create(model="m", messages=MSG)
     assert stats(a)["requests"] == hung

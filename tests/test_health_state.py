@@ -241,13 +241,24 @@ def test_cooldown_until_retry_after_expires(caplog: pytest.LogCaptureFixture) ->
     assert len(events(caplog, "cooldown over")) == 1
 
 
-def test_probe_readmits_only_an_ejection_it_saw_fail() -> None:
+def test_good_probes_readmit_an_ejection_but_not_twice_in_a_row_on_probes_alone() -> None:
     clock = Clock()
     a, b, c = make("a"), make("b"), make("c")
     hb = book([a, b, c], clock)
     for _ in range(5):
+        hb.on_failure("a", "connect")
+    assert hb.out_of_rotation("a")
+    # Restarted before any probe saw it down: healthy_threshold good probes readmit it.
+    hb.on_probe("a", OK)
+    assert "a" not in names(hb.eligible([a, b, c], "m"))
+    hb.on_probe("a", OK)
+    assert "a" in names(hb.eligible([a, b, c], "m")) and not hb.out_of_rotation("a")
+    # It fails again at once: /health answers while completions fail (a hung engine). The
+    # ejection doubles, and probes alone no longer end it.
+    clock.advance(1)
+    for _ in range(5):
         hb.on_failure("a", "timeout")
-    # /health answers while completions hang: probes alone must not undo the ejection.
+    assert hb.describe("a")["ejected_until"] == pytest.approx(5000.0 + clock.now + 60)
     for _ in range(5):
         hb.on_probe("a", OK)
     assert "a" not in names(hb.eligible([a, b, c], "m"))
@@ -258,6 +269,32 @@ def test_probe_readmits_only_an_ejection_it_saw_fail() -> None:
     hb.on_probe("a", OK)
     assert "a" in names(hb.eligible([a, b, c], "m"))
     assert hb.describe("a")["ejected_until"] is None
+
+
+def test_out_of_rotation_backends_are_probed_every_unhealthy_interval() -> None:
+    import random
+
+    from health.monitor import HealthMonitor
+
+    clock = Clock()
+    hb = book(
+        [make("a"), make("b"), make("c")],
+        clock,
+        HealthConfig(interval=0.4, unhealthy_interval=0.02),
+    )
+    mon = HealthMonitor(hb, rng=random.Random(1))
+
+    async def waited(out: bool) -> float:
+        if out:
+            for _ in range(5):
+                hb.on_failure("a", "connect")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await mon._until_next_probe("a", 0.4, 0.02)
+        return loop.time() - start
+
+    assert asyncio.run(waited(False)) >= 0.35
+    assert asyncio.run(waited(True)) < 0.1
 
 
 def test_per_backend_overrides_merge_over_the_global_sections() -> None:

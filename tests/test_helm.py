@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from router.core.redis_client import RedisTarget
 from router.core.settings import (
     BackendConfig,
     DnsDiscovery,
@@ -89,11 +90,26 @@ DISCOVERY: dict[str, Any] = {
         {"kind": "dns", "name": "vllm-llama-headless.models.svc", "port": 8000, "models": ["m"]},
     ],
 }
+SENTINEL_REDIS: dict[str, Any] = {
+    "redis": {
+        "url": "rediss://:pw@unused/2",
+        "sentinel": {
+            "hosts": ["sentinel-0.redis:26379", "sentinel-1.redis:26379", "sentinel-2.redis:26379"],
+            "master": "llm-redis",
+            "passwordSecret": {"name": "sg-sentinel", "key": "password"},
+        },
+    },
+}
+CLUSTER_REDIS: dict[str, Any] = {
+    "redis": {"url": "redis://redis-cluster.redis:6379", "cluster": True}
+}
 VARIANTS = {
     "defaults": None,
     "all_on": ALL_ON,
     "external_redis": EXTERNAL_REDIS,
     "discovery": DISCOVERY,
+    "sentinel_redis": SENTINEL_REDIS,
+    "cluster_redis": CLUSTER_REDIS,
 }
 
 
@@ -263,6 +279,43 @@ def test_external_redis_url_from_a_secret() -> None:
     assert ref["valueFrom"]["secretKeyRef"] == {"name": "sg-redis", "key": "url"}
 
 
+@pytest.mark.parametrize(
+    ("values", "kind"),
+    [(SENTINEL_REDIS, "sentinel"), (CLUSTER_REDIS, "cluster"), (EXTERNAL_REDIS, "standalone")],
+)
+def test_redis_topology_env_is_what_the_router_reads(
+    values: dict[str, Any], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (c,) = router_deployment(manifests(values))["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"] if e["name"].startswith("SLUICEGATE_REDIS")}
+    for name, e in env.items():  # a Secret's value stands in for the one Kubernetes would fill
+        monkeypatch.setenv(name, e.get("value", "redis://:from-secret@redis:6379/0"))
+    settings = load_settings()
+    target = RedisTarget.from_settings(settings)
+    assert target is not None and target.kind == kind
+    if kind == "sentinel":
+        assert settings.redis_sentinel_master == "llm-redis"
+        assert target.sentinels == tuple(values["redis"]["sentinel"]["hosts"])
+        assert env["SLUICEGATE_REDIS_SENTINEL_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "sg-sentinel",
+            "key": "password",
+        }
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"redis": {"enabled": True, "cluster": True}},
+        {"redis": {"enabled": True, "sentinel": {"hosts": ["s:26379"]}}},
+        {"redis": {"cluster": True}},
+        {"redis": {"url": "redis://r:6379", "cluster": True, "sentinel": {"hosts": ["s:26379"]}}},
+    ],
+)
+def test_redis_topologies_that_cannot_work_are_refused(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError, match="redis"):
+        render(values)
+
+
 def test_ingress_carries_streaming_annotations() -> None:
     (ing,) = by_kind(manifests(ALL_ON), "Ingress")
     ann = ing["metadata"]["annotations"]
@@ -348,6 +401,8 @@ def test_tracing_values_point_the_router_at_a_collector(
         {"replicas": 3},
         {"ingress": {"enabled": "yes"}},
         {"redis": {"url": "http://not-redis"}},
+        {"redis": {"sentinel": {"hosts": ["no-port"]}}},
+        {"redis": {"cluster": "yes"}},
         {"config": {"drain_grace": -1}},
         {"backends": [], "discovery": [{"kind": "kubernetes", "port": "http"}]},
         {"discovery": [{"kind": "kubernetes", "service": "s", "label_selector": "a=b", "port": 1}]},

@@ -11,6 +11,16 @@ from types import MappingProxyType
 from typing import Any
 
 from router.core.settings import BackendConfig, HealthConfig, OutlierConfig
+from router.core.validation import check_header_name, check_header_value, check_url
+
+
+def _wire(where: str, name: str, value: str) -> tuple[bytes, bytes]:
+    try:
+        check_header_name(name)
+        check_header_value(value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return name.lower().encode("latin-1"), value.encode("latin-1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +46,16 @@ class Backend:
     def from_config(
         cls, cfg: BackendConfig, source: str = "file", draining: bool = False
     ) -> Backend:
+        """Raises ValueError naming the field when `cfg` holds what cannot go on the wire (the
+        validators already refuse it; a config built without them, or a key variable that
+        changed since, still gets a clear error here, never a UnicodeEncodeError later)."""
         key = cfg.resolved_key()
-        headers: list[tuple[bytes, bytes]] = [
-            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in cfg.headers.items()
-        ]
+        headers = [_wire(f"headers.{k}", k, v) for k, v in cfg.headers.items()]
         if key:
             hname = cfg.key_header.lower()
             value = f"Bearer {key}" if hname == "authorization" else key
-            headers.append((hname.encode("latin-1"), value.encode("latin-1")))
+            headers.append(_wire("api_key", hname, value))
+        check_url(cfg.url)
         return cls(
             name=cfg.name,
             url=cfg.url,

@@ -7,7 +7,7 @@ SluicegateError
   │     └── NoCapacity           (503, every candidate is full, ejected or cooling down)
   ├── StoreUnavailable           a shared store (Redis) did not answer; callers fall back or 503
   └── RegistryError              an admin change that cannot be made (400)
-        ├── Invalid              (422, a field is wrong)
+        ├── Invalid              (400, a field is wrong)
         ├── NotFound             (404)
         └── Conflict             (409)
 
@@ -25,7 +25,7 @@ from enum import StrEnum
 
 import httpx
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.responses import Response
 
@@ -138,7 +138,7 @@ class Conflict(RegistryError):
 
 
 class Invalid(RegistryError):
-    status = 422
+    status = 400
     code = "invalid_field"
 
 
@@ -231,7 +231,13 @@ def mid_stream_kind(exc: BaseException) -> FailureKind:
     )
 
 
-STORE_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+# Redis Cluster's own errors (no slot map, no node reachable) are no RedisError.
+STORE_FAILURES: tuple[type[BaseException], ...] = (
+    RedisError,
+    RedisClusterException,
+    OSError,
+    TimeoutError,
+)
 # A pooled connection that died with a Redis restart: reading again on a fresh one is safe.
 STORE_STALE_CONNECTION: tuple[type[BaseException], ...] = (
     RedisConnectionError,

@@ -30,6 +30,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from router.core.validation import check_header_name, check_header_value, check_url
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
@@ -56,8 +58,19 @@ class PoolLimits(_Strict):
     keepalive_expiry: float = Field(30.0, ge=0)
 
 
+class ServerConfig(_Strict):
+    """Client connections (per worker process)."""
+
+    header_timeout: float = Field(10.0, gt=0)  # a request head must be complete within this
+    keepalive_timeout: float = Field(5.0, gt=0)  # an idle kept-alive connection is closed
+    max_connections: int = Field(10_000, ge=1)  # past this, new connections get 503 and close
+
+
 class HealthConfig(_Strict):
     interval: float = Field(5.0, gt=0)
+    # While a backend is out of rotation (ejected or failing probes), probe it this often so a
+    # restarted one is back within seconds (Envoy's unhealthy_interval).
+    unhealthy_interval: float = Field(1.0, gt=0)
     timeout: float = Field(2.0, gt=0)
     unhealthy_threshold: int = Field(3, ge=1)
     healthy_threshold: int = Field(2, ge=1)
@@ -132,12 +145,39 @@ class BackendConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        parsed = urlsplit(v)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        if parsed.query or parsed.fragment:
-            raise ValueError("must not carry a query or fragment (use `query:`)")
-        return v.rstrip("/")
+        return check_url(v).rstrip("/")
+
+    @field_validator("headers")
+    @classmethod
+    def _wire_headers(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            check_header_name(name)
+            try:
+                check_header_value(value)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_key_on_the_wire(cls, v: str | None) -> str | None:
+        # Checked where it is read: at startup, on an admin call, and on every replica that
+        # builds the backend from a shared record.
+        if v and (key := os.environ.get(v)):
+            check_header_value(key)
+        return v
+
+    @field_validator("key_header")
+    @classmethod
+    def _key_header_token(cls, v: str) -> str:
+        return check_header_name(v)
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_on_the_wire(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            check_header_value(v.get_secret_value())
+        return v
 
     @model_validator(mode="after")
     def _key_source(self) -> BackendConfig:
@@ -146,11 +186,14 @@ class BackendConfig(_Strict):
         return self
 
     def resolved_key(self) -> str | None:
-        """The backend's key: the value given, or the named variable's value at startup."""
+        """The backend's key: the value given, or the named variable's value at startup.
+        Raises ValueError when the variable holds what a header cannot carry."""
         if self.api_key is not None:
             return self.api_key.get_secret_value()
         if self.api_key_env:
-            return os.environ.get(self.api_key_env) or None
+            # Read at run time, so checked here too: a variable can differ between replicas.
+            key = os.environ.get(self.api_key_env) or None
+            return check_header_value(key) if key is not None else None
         return None
 
 
@@ -320,6 +363,12 @@ class Settings(BaseSettings):
     redis_timeout: float = Field(0.05, gt=0, le=5)
     redis_lease_ttl: float = Field(10.0, ge=1, le=3600)
     redis_prefix: str = Field("sluicegate", pattern=r"^[A-Za-z0-9._:-]{1,64}$")
+    # Redis that survives a node loss (router/core/redis_client.py): Sentinel finds the master
+    # (credentials, TLS and db still come from redis_url when set), or Cluster seeded by redis_url.
+    redis_sentinels: list[str] = Field(default_factory=list)
+    redis_sentinel_master: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    redis_sentinel_password: SecretStr | None = None
+    redis_cluster: bool = False
     admin_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -328,6 +377,7 @@ class Settings(BaseSettings):
     model_balancers: dict[str, str] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
     limits: PoolLimits = PoolLimits()
+    server: ServerConfig = ServerConfig()
     health: HealthConfig = HealthConfig()
     outlier: OutlierConfig = OutlierConfig()
     retries: RetryConfig = RetryConfig()
@@ -353,6 +403,39 @@ class Settings(BaseSettings):
                 raise ValueError(f"duplicate backend name {b.name!r}")
             seen.add(b.name)
         return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            scheme = urlsplit(v.get_secret_value()).scheme
+            if scheme not in ("redis", "rediss", "unix"):
+                # The value may carry a password: name the scheme only.
+                raise ValueError(f"scheme {scheme!r} is not one of redis://, rediss://, unix://")
+        return v
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_addresses(cls, v: list[str]) -> list[str]:
+        for addr in v:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{addr!r} is not host:port")
+        return v
+
+    @model_validator(mode="after")
+    def _redis_topology(self) -> Settings:
+        if bool(self.redis_sentinels) != bool(self.redis_sentinel_master):
+            raise ValueError("redis_sentinels and redis_sentinel_master go together")
+        url = self.redis_url.get_secret_value() if self.redis_url else ""
+        if self.redis_sentinels and url.startswith("unix:"):
+            raise ValueError("redis_sentinels: the sentinels name the master; no unix:// redis_url")
+        if self.redis_cluster:
+            if self.redis_sentinels:
+                raise ValueError("redis_cluster and redis_sentinels exclude each other")
+            if not url.startswith(("redis://", "rediss://")):
+                raise ValueError("redis_cluster needs redis_url (redis:// or rediss://, any node)")
+        return self
 
     @model_validator(mode="after")
     def _keys_file_readable(self) -> Settings:

@@ -205,6 +205,16 @@ class Metrics:
             multiprocess_mode="livemax",
             registry=reg,
         )
+        self.invalid_records = Counter(
+            "sluicegate_registry_invalid_records_total",
+            "Registry records (admin changes read back from the store) skipped as invalid.",
+            registry=reg,
+        )
+        self.log_dropped = Counter(
+            "sluicegate_log_dropped_total",
+            "Log lines dropped because the log writer fell behind (its queue was full).",
+            registry=reg,
+        )
         # Label lookups take a lock and validate; resolve each combination once.
         self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
         self._by_backend: dict[str, tuple[Any, Any]] = {}

@@ -2,8 +2,8 @@
 
     GET    /admin/backends            every backend, with in-flight count and health
     GET    /admin/backends/{name}
-    POST   /admin/backends            register (the YAML file's fields)        201 | 409 | 422
-    PATCH  /admin/backends/{name}     weight, models, max_inflight, draining   200 | 404 | 422
+    POST   /admin/backends            register (the YAML file's fields)        201 | 409 | 400
+    PATCH  /admin/backends/{name}     weight, models, max_inflight, draining   200 | 404 | 400
     DELETE /admin/backends/{name}     drain, wait for streams in flight, remove 200 | 404
 
 Reads need the admin token when one is configured; changes always need it (403 without one).

@@ -41,6 +41,7 @@ log = logging.getLogger("sluicegate.registry")
 
 Record = dict[str, Any]
 PATCHABLE = ("weight", "models", "max_inflight", "draining")
+_RECORD_KEYS = frozenset({"config", "patch", "deleted", "draining"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,12 +212,14 @@ class Fleet:
         file_configs: Sequence[BackendConfig],
         store: RecordStore,
         clock: Callable[[], float] = time.monotonic,
+        on_invalid: Callable[[str], None] | None = None,
     ) -> None:
+        self._on_invalid = on_invalid  # (record name): e.g. a metric
         self.registry = registry
         self.store = store
         self._file = {c.name: c for c in file_configs}
-        self._records: dict[str, Record] = {}
         self._found: dict[str, dict[str, Discovered]] = {}  # discovery source id -> entries
+        self._records: dict[str, Record] = {}
         self._clock = clock
         self.apply({}, force=True)
 
@@ -256,42 +259,78 @@ class Fleet:
                     out.setdefault(name, d)
         return out
 
-    def _base(self, name: str) -> BackendConfig | None:
+    def _base(self, name: str) -> Discovered | None:
         """The file or discovered entry a patch record applies over."""
         cfg = self._file.get(name)
-        if cfg is None and (d := self._discovered().get(name)) is not None:
-            cfg = d.config
-        return cfg
+        if cfg is not None:
+            return Discovered(cfg, "file")
+        return self._discovered().get(name)
 
     def _compose(self) -> list[Backend]:
         out: list[Backend] = []
-        bases = [(n, c, "file", False) for n, c in self._file.items()]
-        bases += [(n, d.config, d.source, d.draining) for n, d in self._discovered().items()]
-        for name, cfg, source, found_draining in bases:
-            rec = self._records.get(name)
-            if rec is None:
-                out.append(Backend.from_config(cfg, source, found_draining))
-            elif "config" not in rec and not rec.get("deleted"):
-                patched = self._patched(name, cfg, rec.get("patch") or {})
-                draining = found_draining or bool(rec.get("draining"))
-                out.append(Backend.from_config(patched, source, draining))
-        for name in sorted(self._records):
-            rec = self._records[name]
-            if "config" in rec:
-                try:
-                    cfg = BackendConfig.model_validate(rec["config"])
-                except ValidationError:
-                    log.warning(
-                        "skipping an invalid stored backend", extra={"fields": {"name": name}}
-                    )
+        api = {n for n, r in self._records.items() if isinstance(r, dict) and "config" in r}
+        found = self._discovered()
+        names = [
+            *(n for n in self._file if n not in api),
+            *(n for n in found if n not in api),
+            *sorted(api),
+            *sorted(
+                n for n in self._records if n not in api and n not in self._file and n not in found
+            ),
+        ]
+        for name in names:
+            try:
+                backend = self._build(name, self._records.get(name))
+            except (ValidationError, ValueError, TypeError) as exc:
+                # One bad record (written by an older version, or by hand) must not take the
+                # others, or this replica, down with it: skip it, loudly.
+                problem = describe_validation(exc) if isinstance(exc, ValidationError) else str(exc)
+                log.error(
+                    "skipping an invalid registry record",
+                    extra={"fields": {"name": name, "problem": problem}},
+                )
+                if self._on_invalid is not None:
+                    self._on_invalid(name)
+                base = self._base(name)
+                if base is None:
                     continue
-                if cfg.api_key_env and cfg.resolved_key() is None:
-                    log.warning(
-                        "backend key variable not set here; sending no key",
-                        extra={"fields": {"name": name, "api_key_env": cfg.api_key_env}},
-                    )
-                out.append(Backend.from_config(cfg, "api", bool(rec.get("draining"))))
+                # The file (or discovered) entry as written.
+                backend = Backend.from_config(base.config, base.source, base.draining)
+            if backend is not None:
+                out.append(backend)
         return out
+
+    def _build(self, name: str, rec: Record | None) -> Backend | None:
+        """The backend `rec` makes of `name` (None: it is removed); raises when invalid."""
+        base = self._base(name)
+        if rec is None:
+            return Backend.from_config(base.config, base.source, base.draining) if base else None
+        if (
+            not isinstance(rec, dict)
+            or not rec.keys() <= _RECORD_KEYS
+            or not isinstance(rec.get("draining", False), bool)
+        ):
+            raise ValueError("record: not a registry record")
+        draining = bool(rec.get("draining"))
+        if "config" in rec:
+            if not isinstance(rec["config"], dict):
+                raise ValueError("config: must be an object")
+            cfg = BackendConfig.model_validate(rec["config"])
+            if cfg.name != name:
+                raise ValueError("name: differs from the record's name")
+            if cfg.api_key_env and cfg.resolved_key() is None:
+                log.warning(
+                    "backend key variable not set here; sending no key",
+                    extra={"fields": {"name": name, "api_key_env": cfg.api_key_env}},
+                )
+            return Backend.from_config(cfg, "api", draining)
+        if base is None or rec.get("deleted"):
+            return None
+        patch = rec.get("patch") or {}
+        if not isinstance(patch, dict):
+            raise ValueError("patch: must be an object")
+        patched = self._patched(name, base.config, patch)
+        return Backend.from_config(patched, base.source, draining or base.draining)
 
     def _patched(self, name: str, cfg: BackendConfig, patch: Mapping[str, Any]) -> BackendConfig:
         if not patch:
@@ -300,9 +339,11 @@ class Fleet:
             return BackendConfig.model_validate({**config_to_json(cfg), **patch})
         except ValidationError:
             # The file changed under a stored patch so they no longer fit: the file wins.
-            log.warning(
+            log.error(
                 "stored patch no longer fits the file entry", extra={"fields": {"name": name}}
             )
+            if self._on_invalid is not None:
+                self._on_invalid(name)
             return cfg
 
     def _live(self, name: str, rec: Record | None) -> bool:
@@ -313,7 +354,19 @@ class Fleet:
         return not rec.get("deleted") and self._base(name) is not None
 
     async def _change(self, name: str, edit: Callable[[Record | None], Record | None]) -> None:
-        self.apply(await self.store.change(name, edit))
+        def checked(cur: Record | None) -> Record | None:
+            new = edit(cur)
+            # Build what the new record makes before it is stored: what cannot be built is
+            # refused here (400), never stored to break every replica that reads it.
+            try:
+                self._build(name, new)
+            except ValidationError as exc:
+                raise Invalid(describe_validation(exc)) from None
+            except (ValueError, TypeError) as exc:
+                raise Invalid(str(exc)) from None
+            return new
+
+        self.apply(await self.store.change(name, checked))
 
     # -- admin operations ------------------------------------------------------------------
 
@@ -345,7 +398,7 @@ class Fleet:
                 patch = {**(rec.get("patch") or {}), **fields}
                 base = self._base(name)
                 assert base is not None  # _live said so
-                merged = _validate({**config_to_json(base), **patch})
+                merged = _validate({**config_to_json(base.config), **patch})
                 # Store normalised values (a models list becomes its map) for every replica.
                 rec["patch"] = {k: config_to_json(merged).get(k) for k in patch}
             if "draining" in changes:
@@ -361,7 +414,9 @@ class Fleet:
         """Drain (no new requests anywhere), wait up to `grace` for streams in flight, remove.
 
         Streams still running after `grace` are not cut: their pool is closed once they end."""
-        await self.update(name, {"draining": True})
+        if name in self.registry.snapshot.by_name:
+            await self.update(name, {"draining": True})
+        # else nothing routes to it (e.g. its stored record is invalid): remove it at once.
         deadline = self._clock() + grace
         left = await in_flight()
         while left and self._clock() < deadline:

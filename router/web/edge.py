@@ -1,0 +1,112 @@
+"""Client connection limits: uvicorn's httptools protocol with a header timeout and a connection
+cap, and the process's file-descriptor limit.
+
+- `header_timeout`: a request whose head (request line and headers) is not complete this many
+  seconds after its first byte, or after the connection opened, is closed. uvicorn times out
+  only idle keep-alive connections (`keepalive_timeout`), so an idle fresh socket or a slowloris
+  client would otherwise hold a file descriptor for ever.
+- `max_connections` (per worker process): a connection past the cap is answered with a short 503
+  and closed at once, before anything is read. uvicorn's own `limit_concurrency` is not used: it
+  still accepts and parses, and answers 503 to requests on connections already open whenever
+  the count is over.
+- `raise_fd_limit()`: soft RLIMIT_NOFILE up to the hard limit, and a warning when it cannot hold
+  the client connections plus the backend pools.
+
+Cost on the request path: one timer armed and cancelled per request head (`call_later`), and a
+set-size check per new connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from functools import partial
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("sluicegate.app")
+
+_BODY = json.dumps(
+    {
+        "error": {
+            "message": "The router has too many open connections; retry shortly.",
+            "type": "api_error",
+            "code": "too_many_connections",
+        }
+    }
+).encode()
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"content-length: " + str(len(_BODY)).encode() + b"\r\nretry-after: 1\r\n"
+    b"connection: close\r\n\r\n" + _BODY
+)
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    def __init__(self, *args: Any, header_timeout: float, max_connections: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._header_timeout = header_timeout
+        self._max_connections = max_connections
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self._max_connections:
+            transport.write(REFUSAL)
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self._header_timeout, self._head_too_slow)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()  # the next request on a kept-alive connection: its head has the same limit
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def protocol(header_timeout: float, max_connections: int) -> Any:
+    """What to give uvicorn as `http=`: picklable, so it reaches every worker process."""
+    return partial(EdgeProtocol, header_timeout=header_timeout, max_connections=max_connections)
+
+
+def raise_fd_limit(needed: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; warn when it is below `needed`.
+    Returns (soft, hard) afterwards."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, needed)
+    if soft != target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning(
+            "file descriptor limit is below what the settings can use",
+            extra={"fields": {"nofile": soft, "needed": needed}},
+        )
+    return soft, hard
