@@ -309,7 +309,7 @@ def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_
     assert again["draining"] is True and again["weight"] == 3 and again["source"] == "kubernetes"
     # Redis holds the admin change only; discovered backends are never written there.
     store = redis.Redis.from_url(redis_url, decode_responses=True)
-    records = store.hgetall("sluicegate:registry:records")
+    records = store.hgetall("{sluicegate:registry}:records")
     store.close()
     assert set(records) == {name_b}
     assert json.loads(records[name_b]) == {"patch": {"weight": 3.0}, "draining": True}
