@@ -17,11 +17,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/sluicegate demo
 
-# The tests start their own redis-server processes on loopback ports; install the binary if absent.
+# The tests start their own redis-server processes (and redis-cli, and openssl for a throwaway TLS
+# certificate) on loopback ports; install what is absent.
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 \
+	  && command -v openssl >/dev/null 2>&1 || { \
+	  echo "installing redis-server, redis-tools, openssl"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    redis-server redis-tools openssl >/dev/null; }
 
 test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .

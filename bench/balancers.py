@@ -5,8 +5,9 @@
    backend gets and the p50/p99 time to first token, round robin vs least in flight.
 2. Requests/s and router CPU per request with the Redis in-flight store, as ratios to the local
    store (one router each, taking turns).
+3. The same for each way to reach Redis: one server, a 3-master Cluster, Sentinel (`ha`).
 
-    python -m bench.balancers [--seconds 15] [--only slow|stores]
+    python -m bench.balancers [--seconds 15] [--only slow|stores|ha]
 """
 
 from __future__ import annotations
@@ -65,18 +66,34 @@ def slow_backend(c: Cluster, seconds: float) -> dict[str, Any]:
     return out
 
 
-def store_throughput(c: Cluster, seconds: float, rounds: int = 3) -> dict[str, Any]:
-    """Both routers run side by side and take turns, so drift in what else this machine runs
-    hits both alike; router CPU per request is the steadier figure on a shared host."""
+def ha_stores(c: Cluster) -> dict[str, dict[str, str]]:
+    """Router env per way to reach Redis: one server, a 3-master Cluster, Sentinel."""
+    nodes = c.redis_cluster(3)
+    _, _, sentinels = c.redis_sentinel("mymaster")
+    return {
+        "redis": {"SLUICEGATE_REDIS_URL": c.redis().url},
+        "redis_cluster": {"SLUICEGATE_REDIS_URL": nodes[0].url, "SLUICEGATE_REDIS_CLUSTER": "1"},
+        "redis_sentinel": {
+            "SLUICEGATE_REDIS_SENTINELS": json.dumps([f"127.0.0.1:{s.port}" for s in sentinels]),
+            "SLUICEGATE_REDIS_SENTINEL_MASTER": "mymaster",
+        },
+    }
+
+
+def store_throughput(
+    c: Cluster, seconds: float, rounds: int = 3, stores: dict[str, dict[str, str]] | None = None
+) -> dict[str, Any]:
+    """The routers run side by side and take turns, so drift in what else this machine runs
+    hits all alike; router CPU per request is the steadier figure on a shared host."""
     mocks = {n: c.mock(n, tokens=16) for n in ("a", "b")}
-    rd = c.redis()
+    stores = stores or {"redis": {"SLUICEGATE_REDIS_URL": c.redis().url}}
     body = {"model": "m", "stream": True, "max_tokens": 16, "messages": [{"role": "user"}]}
     routers = {
         store: c.router(
             {"backends": [backend(n, m) for n, m in mocks.items()]},
             env={"SLUICEGATE_LOG_LEVEL": "warning", **env},
         )
-        for store, env in (("local", {}), ("redis", {"SLUICEGATE_REDIS_URL": rd.url}))
+        for store, env in {"local": {}, **stores}.items()
     }
     runs: dict[str, list[tuple[float, float]]] = {store: [] for store in routers}
     for router in routers.values():
@@ -95,17 +112,19 @@ def store_throughput(c: Cluster, seconds: float, rounds: int = 3) -> dict[str, A
             "fell_back": router.log().count("counting locally"),
         }
         router.stop()
-    rs = sorted(r / lo for (r, _), (lo, _) in zip(runs["redis"], runs["local"], strict=True))
-    cs = sorted(c / lc for (_, c), (_, lc) in zip(runs["redis"], runs["local"], strict=True))
-    out["redis_over_local_req_s_median"] = round(rs[len(rs) // 2], 3)
-    out["redis_over_local_cpu_per_req_median"] = round(cs[len(cs) // 2], 3)
+    for store in stores:
+        pairs = list(zip(runs[store], runs["local"], strict=True))
+        rs = sorted(r / lo for (r, _), (lo, _) in pairs)
+        cs = sorted(c / lc for (_, c), (_, lc) in pairs)
+        out[f"{store}_over_local_req_s_median"] = round(rs[len(rs) // 2], 3)
+        out[f"{store}_over_local_cpu_per_req_median"] = round(cs[len(cs) // 2], 3)
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--only", choices=("slow", "stores"))
+    parser.add_argument("--only", choices=("slow", "stores", "ha"))
     args = parser.parse_args()
     c = Cluster()
     try:
@@ -114,6 +133,8 @@ def main() -> int:
             result["slow_backend"] = slow_backend(c, args.seconds)
         if args.only in (None, "stores"):
             result["store_throughput"] = store_throughput(c, args.seconds)
+        if args.only in (None, "ha"):
+            result["ha_store_throughput"] = store_throughput(c, args.seconds, stores=ha_stores(c))
     finally:
         c.close()
     print(json.dumps(result, indent=2))

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,7 +20,9 @@ from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
+from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
+from router.discovery.runner import Discovery
 from router.engine.scraper import EngineScraper
 from router.ops.logs import count_drops, register_secret, secret_header
 from router.ops.logs import stop as stop_logging
@@ -53,13 +55,14 @@ async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str)
 
 
 def make_store(settings: Settings) -> InflightStore:
-    """Local counts unless a Redis URL is set; then one count shared by every replica."""
-    if settings.redis_url is None:
+    """Local counts unless Redis is configured; then one count shared by every replica."""
+    target = RedisTarget.from_settings(settings)
+    if target is None:
         return LocalInflight()
     from balancers.inflight.redis import RedisInflight
 
     return RedisInflight(
-        settings.redis_url.get_secret_value(),
+        target,
         timeout=settings.redis_timeout,
         lease_ttl=settings.redis_lease_ttl,
         prefix=settings.redis_prefix,
@@ -67,11 +70,12 @@ def make_store(settings: Settings) -> InflightStore:
 
 
 def _record_store(settings: Settings) -> RecordStore:
-    if settings.redis_url is None:
+    target = RedisTarget.from_settings(settings)
+    if target is None:
         return LocalRecords()
     from router.registry.sync import RedisRecords
 
-    return RedisRecords(settings.redis_url.get_secret_value(), resync=settings.registry_resync)
+    return RedisRecords(target, resync=settings.registry_resync)
 
 
 def create_app(settings: Settings) -> FastPath:
@@ -122,6 +126,11 @@ def create_app(settings: Settings) -> FastPath:
         tracing,
         readings=lambda: engine.readings,
     )
+
+    async def counts(names: Sequence[str]) -> dict[str, int]:
+        return await store.counts(list(names))
+
+    discovery = Discovery(settings.discovery, fleet, counts, metrics, settings.drain_grace)
 
     async def close_removed_pools() -> None:
         # A removed backend's pool stays open while its streams run, then closes.
@@ -175,6 +184,7 @@ def create_app(settings: Settings) -> FastPath:
         )
         await monitor.start()
         await engine.start()
+        await discovery.start()
         try:
             yield
         finally:
@@ -185,6 +195,7 @@ def create_app(settings: Settings) -> FastPath:
             for task in chores:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await discovery.aclose()
             await fleet.store.aclose()
             await monitor.aclose()
             await engine.aclose()
@@ -213,15 +224,18 @@ def create_app(settings: Settings) -> FastPath:
     async def metrics_endpoint() -> Response:
         store.check_fallback()
         metrics.engine_readings(engine.readings, time.time())
+        discovery.refresh_metrics()
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        # Stale discovery keeps serving its last known set: a detail, not a reason to be unready.
+        details = {"discovery": discovery.status()} if discovery.sources else {}
         if lifecycle.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining", **details}, status_code=503)
         if not registry.snapshot.backends:
-            return JSONResponse({"status": "no backends"}, status_code=503)
-        return JSONResponse({"status": "ready"})
+            return JSONResponse({"status": "no backends", **details}, status_code=503)
+        return JSONResponse({"status": "ready", **details})
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

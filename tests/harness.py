@@ -6,7 +6,6 @@ a bounded deadline.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -119,6 +118,7 @@ class Cluster:
         ttft_ms: float = 0,
         itl_ms: float = 0,
         tokens: int = 16,
+        host: str = "127.0.0.1",
         engine_args: list[str] | None = None,
     ) -> Proc:
         port = port or free_port()
@@ -128,6 +128,8 @@ class Cluster:
                 "-m",
                 "router.cli",
                 "mock-upstream",
+                "--host",
+                host,
                 "--port",
                 str(port),
                 "--name",
@@ -144,6 +146,7 @@ class Cluster:
             f"mock-{name}",
             None,
         )
+        proc.url = f"http://{host}:{port}"
         wait_http(proc.url + "/health", proc=proc.popen)
         return proc
 
@@ -187,35 +190,112 @@ class Cluster:
         return proc
 
     def redis(self, port: int | None = None) -> Proc:
+        proc = self.redis_node(port or free_port(), "--protected-mode", "yes")
+        proc.url += "/0"
+        return proc
+
+    def redis_node(
+        self, port: int, *extra: str, conf: Path | None = None, name: str = "redis"
+    ) -> Proc:
+        """A redis-server (a sentinel with `conf`) with `extra` arguments, up on `port`."""
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server is not installed: `make test` installs it")
-        port = port or free_port()
-        proc = self._spawn(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ],
-            port,
-            "redis",
-            None,
-        )
+            raise RuntimeError("redis-server is not installed: `make redis-server` installs it")
+        args = [binary, str(conf), "--sentinel"] if conf else [binary]
+        args += ["--port", str(port), "--bind", "127.0.0.1"]
+        if conf is None:
+            # Its own directory: a replica's full sync writes dump.rdb there, and a server
+            # started where one lies would load it. No saving; on SIGTERM, no wait for replicas.
+            workdir = self.tmp / f"redis-{port}"
+            workdir.mkdir(exist_ok=True)  # a restart on the same port (it saves nothing)
+            args += ["--dir", str(workdir), "--save", "", "--appendonly", "no"]
+            args += ["--shutdown-on-sigterm", "now"]
+        proc = self._spawn([*args, *extra], port, name, None)
         end = time.monotonic() + 10
-        while time.monotonic() < end:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
+        while "PONG" not in _cli(port, "PING"):
+            if not proc.alive() or time.monotonic() > end:
+                raise RuntimeError(f"{name} on port {port} did not start: {proc.log()[-500:]}")
             time.sleep(0.05)
-        proc.url = f"redis://127.0.0.1:{port}/0"
+        proc.url = f"redis://127.0.0.1:{port}"
         return proc
+
+    def redis_cluster(self, masters: int = 3) -> list[Proc]:
+        """A Redis Cluster of `masters` primaries (no replicas) on loopback, slots all covered."""
+        nodes = []
+        for _ in range(masters):
+            nodes.append(
+                self.redis_node(
+                    free_port(),
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-port",  # the bus; by default port + 10000, maybe taken
+                    str(free_port()),
+                    "--cluster-node-timeout",
+                    "2000",
+                    name="cluster",
+                )
+            )
+        created = subprocess.run(
+            [
+                _redis_cli(),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=30,
+            text=True,
+        )
+        if created.returncode != 0:
+            raise RuntimeError(
+                f"redis-cli --cluster create failed: {(created.stdout + created.stderr)[-500:]}"
+            )
+        end = time.monotonic() + 15
+        while any("cluster_state:ok" not in _cli(n.port, "CLUSTER", "INFO") for n in nodes):
+            if time.monotonic() > end:
+                raise TimeoutError("redis cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        return nodes
+
+    def redis_sentinel(self, master_name: str = "mymaster") -> tuple[Proc, Proc, list[Proc]]:
+        """A master, its replica (in sync) and three sentinels watching them (quorum 2)."""
+        master = self.redis_node(free_port())
+        replica = self.redis_node(free_port(), "--replicaof", "127.0.0.1", str(master.port))
+        sentinels = []
+        for _ in range(3):
+            port = free_port()
+            conf = self.tmp / f"sentinel-{port}.conf"
+            conf.write_text(
+                f"sentinel monitor {master_name} 127.0.0.1 {master.port} 2\n"
+                # Only the test's SENTINEL FAILOVER moves the master: on a starved machine a short
+                # down-after could see a slow server as down and fail over again on its own.
+                f"sentinel down-after-milliseconds {master_name} 5000\n"
+                f"sentinel failover-timeout {master_name} 5000\n"
+                f"dir {self.tmp}\n"
+            )
+            sentinels.append(self.redis_node(port, conf=conf, name="sentinel"))
+        end = time.monotonic() + 20
+
+        def ready() -> bool:
+            if "master_link_status:up" not in _cli(replica.port, "INFO", "replication"):
+                return False
+            for s in sentinels:  # each knows the replica and the two other sentinels
+                info = _cli(s.port, "SENTINEL", "MASTER", master_name)
+                fields = dict(zip(info.split("\n")[::2], info.split("\n")[1::2], strict=False))
+                if fields.get("num-slaves") != "1" or fields.get("num-other-sentinels") != "2":
+                    return False
+            return True
+
+        while not ready():
+            if time.monotonic() > end:
+                raise TimeoutError("sentinels did not see the replica and each other")
+            time.sleep(0.1)
+        return master, replica, sentinels
 
     def close(self) -> None:
         for proc in reversed(self.procs):
@@ -244,3 +324,21 @@ def stats(mock: Proc) -> dict[str, Any]:
     r = httpx.get(mock.url + "/stats", timeout=5)
     r.raise_for_status()
     return dict(r.json())
+
+
+def _redis_cli() -> str:
+    binary = shutil.which("redis-cli")
+    if binary is None:
+        raise RuntimeError("redis-cli is not installed: `make redis-server` installs it")
+    return binary
+
+
+def _cli(port: int, *command: str) -> str:
+    """One command through redis-cli against a loopback port; its output ('' if it failed)."""
+    out = subprocess.run(
+        [_redis_cli(), "-h", "127.0.0.1", "-p", str(port), *command],
+        capture_output=True,
+        timeout=5,
+        text=True,
+    )
+    return out.stdout.replace("\r", "")

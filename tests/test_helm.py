@@ -17,7 +17,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.core.settings import BackendConfig, Settings, load_settings
+from router.core.redis_client import RedisTarget
+from router.core.settings import (
+    BackendConfig,
+    DnsDiscovery,
+    KubernetesDiscovery,
+    Settings,
+    load_settings,
+)
 from router.ops.metrics import Metrics
 from router.ops.tracing import resolve
 from tests.harness import ROOT, Cluster, stats
@@ -67,7 +74,43 @@ EXTERNAL_REDIS: dict[str, Any] = {
     "podDisruptionBudget": {"enabled": False},
     "serviceAccount": {"create": False, "name": "shared"},
 }
-VARIANTS = {"defaults": None, "all_on": ALL_ON, "external_redis": EXTERNAL_REDIS}
+DISCOVERY: dict[str, Any] = {
+    "backends": [],
+    "discovery": [
+        {
+            "kind": "kubernetes",
+            "namespace": "models",
+            "service": "vllm-llama",
+            "port": "http",
+            "models": "auto",
+            "backend": {"kind": "vllm", "max_inflight": 64},
+            "resync": 300,
+        },
+        {"kind": "kubernetes", "label_selector": "app=vllm", "port": 8000, "models": ["m"]},
+        {"kind": "dns", "name": "vllm-llama-headless.models.svc", "port": 8000, "models": ["m"]},
+    ],
+}
+SENTINEL_REDIS: dict[str, Any] = {
+    "redis": {
+        "url": "rediss://:pw@unused/2",
+        "sentinel": {
+            "hosts": ["sentinel-0.redis:26379", "sentinel-1.redis:26379", "sentinel-2.redis:26379"],
+            "master": "llm-redis",
+            "passwordSecret": {"name": "sg-sentinel", "key": "password"},
+        },
+    },
+}
+CLUSTER_REDIS: dict[str, Any] = {
+    "redis": {"url": "redis://redis-cluster.redis:6379", "cluster": True}
+}
+VARIANTS = {
+    "defaults": None,
+    "all_on": ALL_ON,
+    "external_redis": EXTERNAL_REDIS,
+    "discovery": DISCOVERY,
+    "sentinel_redis": SENTINEL_REDIS,
+    "cluster_redis": CLUSTER_REDIS,
+}
 
 
 def render(values: dict[str, Any] | None) -> dict[str, str]:
@@ -131,6 +174,44 @@ def test_every_manifest_is_valid_kubernetes(variant: str, kube: str) -> None:
         assert kinds == sorted(
             ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
         )
+
+
+def test_kubernetes_discovery_gets_read_only_rbac_in_each_watched_namespace() -> None:
+    docs = manifests(DISCOVERY)
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(docs, "Role")}
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(docs, "RoleBinding")}
+    # The selector-based source names no namespace: the release's own ("llm").
+    assert set(roles) == set(bindings) == {"models", "llm"}
+    (sa,) = by_kind(docs, "ServiceAccount")
+    for ns, role in roles.items():
+        assert role["rules"] == [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ]
+        b = bindings[ns]
+        assert b["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "llm"}
+        ]
+    pod = router_deployment(docs)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is True  # the client needs the token
+    config = yaml.safe_load(_rendered_config(DISCOVERY))
+    assert [s.get("namespace") for s in config["discovery"]] == ["models", "llm", None]
+    # Without a kubernetes source: no RBAC, and no token in the pod.
+    plain = manifests(None)
+    assert by_kind(plain, "Role") == [] and by_kind(plain, "RoleBinding") == []
+    assert (
+        router_deployment(plain)["spec"]["template"]["spec"]["automountServiceAccountToken"]
+        is False
+    )
 
 
 def test_service_monitor_scrapes_the_router_service() -> None:
@@ -198,6 +279,43 @@ def test_external_redis_url_from_a_secret() -> None:
     assert ref["valueFrom"]["secretKeyRef"] == {"name": "sg-redis", "key": "url"}
 
 
+@pytest.mark.parametrize(
+    ("values", "kind"),
+    [(SENTINEL_REDIS, "sentinel"), (CLUSTER_REDIS, "cluster"), (EXTERNAL_REDIS, "standalone")],
+)
+def test_redis_topology_env_is_what_the_router_reads(
+    values: dict[str, Any], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (c,) = router_deployment(manifests(values))["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"] if e["name"].startswith("SLUICEGATE_REDIS")}
+    for name, e in env.items():  # a Secret's value stands in for the one Kubernetes would fill
+        monkeypatch.setenv(name, e.get("value", "redis://:from-secret@redis:6379/0"))
+    settings = load_settings()
+    target = RedisTarget.from_settings(settings)
+    assert target is not None and target.kind == kind
+    if kind == "sentinel":
+        assert settings.redis_sentinel_master == "llm-redis"
+        assert target.sentinels == tuple(values["redis"]["sentinel"]["hosts"])
+        assert env["SLUICEGATE_REDIS_SENTINEL_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "sg-sentinel",
+            "key": "password",
+        }
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"redis": {"enabled": True, "cluster": True}},
+        {"redis": {"enabled": True, "sentinel": {"hosts": ["s:26379"]}}},
+        {"redis": {"cluster": True}},
+        {"redis": {"url": "redis://r:6379", "cluster": True, "sentinel": {"hosts": ["s:26379"]}}},
+    ],
+)
+def test_redis_topologies_that_cannot_work_are_refused(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError, match="redis"):
+        render(values)
+
+
 def test_ingress_carries_streaming_annotations() -> None:
     (ing,) = by_kind(manifests(ALL_ON), "Ingress")
     ann = ing["metadata"]["annotations"]
@@ -222,7 +340,7 @@ def test_rendered_config_is_accepted_by_the_loader(
     path.write_text(_rendered_config(VARIANTS[variant]))
     monkeypatch.setenv("BACKEND_API_KEY_1", "from-the-secret")
     settings = load_settings(path)
-    wanted = (VARIANTS[variant] or {}).get("backends") or [{"name": "vllm"}]
+    wanted = (VARIANTS[variant] or {}).get("backends", [{"name": "vllm"}])
     assert [b.name for b in settings.backends] == [b["name"] for b in wanted]
     if variant == "all_on":
         assert settings.backends[1].resolved_key() == "from-the-secret"
@@ -283,7 +401,13 @@ def test_tracing_values_point_the_router_at_a_collector(
         {"replicas": 3},
         {"ingress": {"enabled": "yes"}},
         {"redis": {"url": "http://not-redis"}},
+        {"redis": {"sentinel": {"hosts": ["no-port"]}}},
+        {"redis": {"cluster": "yes"}},
         {"config": {"drain_grace": -1}},
+        {"backends": [], "discovery": [{"kind": "kubernetes", "port": "http"}]},
+        {"discovery": [{"kind": "kubernetes", "service": "s", "label_selector": "a=b", "port": 1}]},
+        {"discovery": [{"kind": "dns", "name": "x", "port": "http"}]},
+        {"discovery": [{"kind": "dns", "name": "x", "port": 1, "backend": {"url": "http://x"}}]},
         {"tracing": {"otlpEndpoint": "otel-collector:4318"}},
         {"tracing": {"sampleRatio": 1.5}},
     ],
@@ -326,3 +450,7 @@ def test_schema_names_only_settings_the_router_knows() -> None:
     backend_keys = set(schema["properties"]["backends"]["items"]["properties"]) - {"apiKeySecret"}
     assert backend_keys <= set(BackendConfig.model_fields)
     assert "api_key" not in backend_keys  # keys only through Secrets
+    for source in schema["properties"]["discovery"]["items"]["oneOf"]:
+        kind = source["properties"]["kind"]["const"]
+        model = {"kubernetes": KubernetesDiscovery, "dns": DnsDiscovery}[kind]
+        assert set(source["properties"]) <= set(model.model_fields)

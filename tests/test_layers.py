@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "router.request.validate": 3,
     "router.request.failover": 3,
     "router.ops.metrics": 4,
+    "router.discovery": 4,
     "router.request.proxy": 5,
     "router.web": 6,
     "router.registry.admin": 6,

@@ -143,8 +143,8 @@ def test_a_change_never_published_is_picked_up_by_the_resync(
     # A change whose message nobody got: written and counted, never published.
     record = {"config": backend("quiet", shared["b"])}
     with redis.Redis.from_url(shared["redis"].url) as client:
-        client.hset("sluicegate:registry:records", "quiet", json.dumps(record))
-        client.incr("sluicegate:registry:version")
+        client.hset("{sluicegate:registry}:records", "quiet", json.dumps(record))
+        client.incr("{sluicegate:registry}:version")
     lags = [seen_within(lambda r=r: "quiet" in names(r)) for r in (r1, r2)]
     print(f"resync picked it up after {[round(x, 3) for x in lags]}s")
 

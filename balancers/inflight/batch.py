@@ -5,7 +5,10 @@ each, and blow a timeout of tens of ms; pipelined, they cost a round trip or two
 Each command is still its own atomic unit (a script runs whole), and each caller waits for one
 round trip at most behind the batch on the wire. Commands are packed here (RESP arrays of bulk
 strings) and written on a pooled connection in one go: redis-py's generic pipeline machinery
-cost several times more CPU per command on the router's hot path.
+cost several times more CPU per command on the router's hot path. Every key a batch names shares
+one hash tag, so the whole pipeline goes to one server: `KeyConnections` finds it (the Sentinel
+master, the Cluster primary owning the slot); a redirect (MOVED, ASK) or CLUSTERDOWN reply counts
+as a failed round trip and has the slot map read again.
 """
 
 from __future__ import annotations
@@ -14,12 +17,21 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 
 from router.core.errors import STORE_FAILURES
+from router.core.redis_client import KeyConnections
 
 MAX_BATCH = 512
+
+# Replies that say the slot is served elsewhere (MovedError is an AskError) or not at all yet.
+_MOVED = (AskError, ClusterDownError, TryAgainError)
 
 # A caller awaiting the reply, or a callback told of failure for a fire-and-forget command.
 Waiter = asyncio.Future[Any] | Callable[[], None]
@@ -36,12 +48,12 @@ def pack(args: tuple[Any, ...]) -> bytes:
 class Batcher:
     def __init__(
         self,
-        redis: Redis,
+        conns: KeyConnections,
         scripts: dict[str, str],
         timeout: float,
         on_round_trip: Callable[[bool], None],
     ) -> None:
-        self._redis = redis
+        self._conns = conns
         self._scripts = scripts  # sha -> source, reloaded when Redis answers NOSCRIPT
         self._timeout = timeout
         self._on_round_trip = on_round_trip  # told whether each pipeline got its answers
@@ -93,11 +105,15 @@ class Batcher:
         try:
             replies = await self._round_trip([cmd for cmd, _ in live])
         except STORE_FAILURES as exc:
+            self._conns.stale()
             self._on_round_trip(False)
             for _, w in live:
                 _fail(w, exc)
             return []
-        self._on_round_trip(True)
+        moved = any(isinstance(r, _MOVED) for r in replies)
+        if moved:
+            self._conns.stale()
+        self._on_round_trip(not moved)
         retry = []
         for (cmd, w), reply in zip(live, replies, strict=True):
             if isinstance(reply, NoScriptError) and not final:
@@ -115,9 +131,8 @@ class Batcher:
 
     async def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         payload = b"".join([pack(cmd) for cmd in commands])
-        pool = self._redis.connection_pool
         async with asyncio.timeout(self._timeout):
-            conn = await pool.get_connection()
+            conn, release = await self._conns.get()
         try:
             async with asyncio.timeout(self._timeout):
                 await conn.send_packed_command(payload, check_health=False)
@@ -131,14 +146,17 @@ class Batcher:
             await conn.disconnect(nowait=True)  # replies may still be on the wire: unusable
             raise
         finally:
-            await pool.release(conn)
+            await release()
         return replies
 
     async def _load_scripts(self, failed: list[tuple[tuple[Any, ...], Waiter]]) -> bool:
+        # On the server the scripts will run on (a Cluster primary, the current master).
+        loads = [("SCRIPT", "LOAD", self._scripts[sha]) for sha in {cmd[1] for cmd, _ in failed}]
         try:
-            async with asyncio.timeout(self._timeout):
-                for sha in {cmd[1] for cmd, _ in failed}:
-                    await self._redis.script_load(self._scripts[sha])
+            replies = await self._round_trip(loads)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
         except STORE_FAILURES as exc:
             for _, w in failed:
                 _fail(w, exc)

@@ -30,7 +30,6 @@ import uuid
 from collections.abc import Callable, Sequence, Set
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
@@ -40,6 +39,7 @@ from balancers.inflight.base import Lease, Readings
 from balancers.inflight.batch import Batcher
 from router.core.backend import Backend
 from router.core.errors import STORE_FAILURES, StoreUnavailable, store_unavailable
+from router.core.redis_client import KeyConnections, RedisTarget, follow_master
 
 log = logging.getLogger("sluicegate.inflight")
 
@@ -140,7 +140,7 @@ class RedisInflight:
 
     def __init__(
         self,
-        url: str,
+        url: str | RedisTarget,
         *,
         timeout: float = 0.05,
         lease_ttl: float = 10.0,
@@ -149,20 +149,17 @@ class RedisInflight:
         heartbeat: bool = True,
     ) -> None:
         # Hot-path commands go pipelined through one connection (see batch.py); the heartbeat
-        # and script loading take others.
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=POOL_SIZE,
-            timeout=timeout,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
+        # takes others.
+        target = RedisTarget(url=url) if isinstance(url, str) else url
+        self._redis = target.client(
+            timeout=timeout, max_connections=POOL_SIZE, blocking=True, retry=Retry(NoBackoff(), 0)
         )
-        self._redis: Redis = Redis.from_pool(pool)
         self._timeout = timeout
         self._ttl_ms = int(lease_ttl * 1000)
         self._beat_every = lease_ttl / 3
-        self._prefix = "{" + prefix + "}:inflight:"  # one hash slot: scripts work on Cluster
+        # One hash tag for every key: a script's keys share a slot, so scripts run on Cluster (and
+        # all counts live on that slot's shard: the price of atomic multi-backend picks).
+        self._prefix = "{" + prefix + "}:inflight:"
         self._clock = clock
         self._run_heartbeat = heartbeat
         self.replica_id = uuid.uuid4().hex[:12]
@@ -173,7 +170,9 @@ class RedisInflight:
         self._counts_script = self._script(_COUNTS)
         self._refresh_script = self._script(_REFRESH)
         self._policies: dict[type, AsyncScript | None] = {}  # balancer class -> its acquire
-        self._batch = Batcher(self._redis, self._sources, timeout, self._round_trip)
+        self._batch = Batcher(
+            KeyConnections(self._redis, self._prefix), self._sources, timeout, self._round_trip
+        )
         self._live: dict[str, str] = {}  # lease id -> backend, for this replica
         self._local: dict[str, int] = {}  # this replica's own counts: the fallback view
         self._orphans: set[tuple[str, str]] = set()  # (backend, lease id) removals still owed
@@ -228,7 +227,7 @@ class RedisInflight:
         with contextlib.suppress(StoreUnavailable):
             # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
             for source in list(self._sources.values()):
-                await self._call(functools.partial(self._redis.script_load, source))
+                await self._call(functools.partial(self._batch.call, "SCRIPT", "LOAD", source))
         await self.heartbeat()
         if self._run_heartbeat and self._beat_task is None:
             self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
@@ -263,10 +262,12 @@ class RedisInflight:
             args.append(len(tokens))
             args.extend(tokens)
         try:
+            await follow_master(self._redis, self._timeout)
             if keys:
                 await self._call(lambda: self._refresh_script(keys=keys, args=args))
             else:
-                await self._call(self._redis.ping)
+                # The slot's own server: a Cluster-wide PING would fail with any one node.
+                await self._call(lambda: self._batch.call("PING"))
             for backend, tokens in owed.items():
                 await self._call(functools.partial(self._redis.zrem, self.key(backend), *tokens))
         except StoreUnavailable as exc:

@@ -25,7 +25,7 @@ from enum import StrEnum
 
 import httpx
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.responses import Response
 
@@ -231,7 +231,13 @@ def mid_stream_kind(exc: BaseException) -> FailureKind:
     )
 
 
-STORE_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+# Redis Cluster's own errors (no slot map, no node reachable) are no RedisError.
+STORE_FAILURES: tuple[type[BaseException], ...] = (
+    RedisError,
+    RedisClusterException,
+    OSError,
+    TimeoutError,
+)
 # A pooled connection that died with a Redis restart: reading again on a fresh one is safe.
 STORE_STALE_CONNECTION: tuple[type[BaseException], ...] = (
     RedisConnectionError,

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -212,6 +213,109 @@ class EngineMetricsConfig(_Strict):
     stale_after: float = Field(1.0, gt=0, le=3600)
 
 
+_TEMPLATE_FIXED = ("name", "url", "models")
+_PORT_NAME = r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$"  # an IANA_SVC_NAME, as Kubernetes has it
+
+
+class _DiscoveryBase(_Strict):
+    """What every discovery source shares: the backend template and how models are known."""
+
+    # Discovered backends are named `<prefix>-<address>-<port>`; default prefix: the service,
+    # or the DNS name's first label.
+    prefix: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,30}$")
+    models: Literal["auto"] | dict[str, str] = "auto"
+    # BackendConfig's fields but name, url and models, which discovery fills in per endpoint.
+    backend: dict[str, Any] = Field(default_factory=dict)
+    scheme: Literal["http", "https"] = "http"
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_list_or_map(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            v = {str(m): str(m) for m in v}
+        if isinstance(v, dict) and not v:
+            raise ValueError("must name at least one model, or be `auto`")
+        return v
+
+    @field_validator("backend")
+    @classmethod
+    def _template(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key in _TEMPLATE_FIXED:
+            if key in v:
+                raise ValueError(f"{key}: set per endpoint by discovery; not allowed here")
+        try:
+            BackendConfig.model_validate(
+                {**v, "name": "template", "url": "http://template.invalid", "models": ["m"]}
+            )
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"{where}: {err['msg']}") from None
+        return v
+
+    def backend_config(self, name: str, url: str, models: dict[str, str]) -> BackendConfig:
+        data = {**self.backend, "name": name, "url": url, "models": models}
+        return BackendConfig.model_validate(data)
+
+
+class KubernetesDiscovery(_DiscoveryBase):
+    """EndpointSlices of one Service (or a label selector) in one namespace."""
+
+    kind: Literal["kubernetes"]
+    namespace: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    service: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+    label_selector: str | None = Field(None, min_length=1)
+    port: int | str = Field(description="the EndpointSlice port's name or number")
+    resync: float = Field(300.0, gt=0, le=86400)
+    # Seconds to wait while the API server is unreachable before trying again (doubles, capped).
+    backoff_max: float = Field(30.0, gt=0, le=600)
+    kubeconfig: str | None = None  # default: in-cluster service account, else KUBECONFIG
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int | str) -> int | str:
+        if isinstance(v, int):
+            if not 1 <= v <= 65535:
+                raise ValueError("a port number must be 1-65535")
+        elif not re.match(_PORT_NAME, v):
+            raise ValueError("a port name must be a lowercase DNS label of up to 15 characters")
+        return v
+
+    @model_validator(mode="after")
+    def _selects_something(self) -> KubernetesDiscovery:
+        if not self.service and not self.label_selector:
+            raise ValueError("give `service` or `label_selector` to select EndpointSlices")
+        if self.service and self.label_selector:
+            raise ValueError("give `service` or `label_selector`, not both")
+        return self
+
+    @property
+    def selector(self) -> str:
+        return self.label_selector or f"kubernetes.io/service-name={self.service}"
+
+    @property
+    def names_prefix(self) -> str:
+        return self.prefix or self.service or self.namespace
+
+
+class DnsDiscovery(_DiscoveryBase):
+    """A name's A/AAAA records (a headless Service, or any name)."""
+
+    kind: Literal["dns"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})$")
+    port: int = Field(ge=1, le=65535)
+    interval: float = Field(5.0, gt=0, le=3600)
+    timeout: float = Field(2.0, gt=0, le=60)
+    nameserver: str | None = Field(None, pattern=r"^[0-9A-Fa-f.:\[\]]+(:[0-9]{1,5})?$")
+
+    @property
+    def names_prefix(self) -> str:
+        return self.prefix or self.name.split(".")[0]
+
+
+DiscoverySource = Annotated[KubernetesDiscovery | DnsDiscovery, Field(discriminator="kind")]
+
+
 class ClientKeyConfig(_Strict):
     """A client key by its sha256 (hex), optionally limited to some public model names."""
 
@@ -275,6 +379,12 @@ class Settings(BaseSettings):
     redis_timeout: float = Field(0.05, gt=0, le=5)
     redis_lease_ttl: float = Field(10.0, ge=1, le=3600)
     redis_prefix: str = Field("sluicegate", pattern=r"^[A-Za-z0-9._:-]{1,64}$")
+    # Redis that survives a node loss (router/core/redis_client.py): Sentinel finds the master
+    # (credentials, TLS and db still come from redis_url when set), or Cluster seeded by redis_url.
+    redis_sentinels: list[str] = Field(default_factory=list)
+    redis_sentinel_master: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    redis_sentinel_password: SecretStr | None = None
+    redis_cluster: bool = False
     admin_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -299,6 +409,8 @@ class Settings(BaseSettings):
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     # Adds `x-sluicegate-backend: <name>` to responses; off by default: it reveals topology.
     expose_backend_header: bool = False
+    # Backends that follow the cluster (EndpointSlices) or DNS answers; see router/discovery/.
+    discovery: list[DiscoverySource] = Field(default_factory=list)
     tracing: TracingConfig = TracingConfig()
 
     @field_validator("backends")
@@ -310,6 +422,39 @@ class Settings(BaseSettings):
                 raise ValueError(f"duplicate backend name {b.name!r}")
             seen.add(b.name)
         return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            scheme = urlsplit(v.get_secret_value()).scheme
+            if scheme not in ("redis", "rediss", "unix"):
+                # The value may carry a password: name the scheme only.
+                raise ValueError(f"scheme {scheme!r} is not one of redis://, rediss://, unix://")
+        return v
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_addresses(cls, v: list[str]) -> list[str]:
+        for addr in v:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{addr!r} is not host:port")
+        return v
+
+    @model_validator(mode="after")
+    def _redis_topology(self) -> Settings:
+        if bool(self.redis_sentinels) != bool(self.redis_sentinel_master):
+            raise ValueError("redis_sentinels and redis_sentinel_master go together")
+        url = self.redis_url.get_secret_value() if self.redis_url else ""
+        if self.redis_sentinels and url.startswith("unix:"):
+            raise ValueError("redis_sentinels: the sentinels name the master; no unix:// redis_url")
+        if self.redis_cluster:
+            if self.redis_sentinels:
+                raise ValueError("redis_cluster and redis_sentinels exclude each other")
+            if not url.startswith(("redis://", "rediss://")):
+                raise ValueError("redis_cluster needs redis_url (redis:// or rediss://, any node)")
+        return self
 
     @model_validator(mode="after")
     def _keys_file_readable(self) -> Settings:

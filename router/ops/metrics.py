@@ -226,6 +226,28 @@ class Metrics:
             registry=reg,
         )
         self._routed: dict[tuple[str, str, str], Any] = {}
+        self.discovery_backends = Gauge(
+            "sluicegate_discovery_backends",
+            "Backends discovered by each kind of source (kubernetes, dns), draining ones included.",
+            ("source",),
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
+        self.discovery_events = Counter(
+            "sluicegate_discovery_events_total",
+            "Discovery events: added, removed, draining, ready, relist, expired (410), bookmark, "
+            "watch_*, error, lookup_failed, models_failed, bad_port, bad_answer, bad_endpoint.",
+            ("source", "event"),
+            registry=reg,
+        )
+        self.discovery_last_sync = Gauge(
+            "sluicegate_discovery_last_sync_seconds",
+            "Seconds since each kind of source last synced (list, watch event or answer); "
+            "grows while the API server or DNS is unreachable. -1 before the first sync.",
+            ("source",),
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
         self.invalid_records = Counter(
             "sluicegate_registry_invalid_records_total",
             "Registry records (admin changes read back from the store) skipped as invalid.",
@@ -334,6 +356,13 @@ class Metrics:
         """Passive ejection (outlier detection); health_changed(backend, True, ...) ends it."""
         self.healthy.labels(backend).set(0)
         self.ejections.labels(backend, reason).inc()
+
+    def discovery_event(self, source: str, event: str) -> None:
+        self.discovery_events.labels(source, event).inc()
+
+    def discovery_state(self, source: str, backends: int, age: float | None) -> None:
+        self.discovery_backends.labels(source).set(backends)
+        self.discovery_last_sync.labels(source).set(-1 if age is None else round(age, 3))
 
     def redis_fallback(self, active: bool) -> None:
         self.fallback.set(1 if active else 0)

@@ -12,6 +12,10 @@ the file entries with every record applied:
     {"config": {...}}            an entry registered over the API (wins over a same-named file one)
     {"deleted": true}            the file entry removed; stays removed while the record exists
     any record + "draining"      true: the backend takes no new requests
+
+Discovered entries (router/discovery/) are treated like file entries: never stored, but a patch
+record applies over them and survives re-lists. Discovery may mark one draining on its own
+(a terminating endpoint); either flag drains it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ log = logging.getLogger("sluicegate.registry")
 Record = dict[str, Any]
 PATCHABLE = ("weight", "models", "max_inflight", "draining")
 _RECORD_KEYS = frozenset({"config", "patch", "deleted", "draining"})
+
+
+@dataclass(frozen=True, slots=True)
+class Discovered:
+    """A backend a discovery source found: its config, the source kind, and whether the source
+    wants it drained (a terminating endpoint, or one that vanished and has streams in flight)."""
+
+    config: BackendConfig
+    source: str
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +218,7 @@ class Fleet:
         self.registry = registry
         self.store = store
         self._file = {c.name: c for c in file_configs}
+        self._found: dict[str, dict[str, Discovered]] = {}  # discovery source id -> entries
         self._records: dict[str, Record] = {}
         self._clock = clock
         self.apply({}, force=True)
@@ -229,13 +244,39 @@ class Fleet:
                 },
             )
 
+    def set_discovered(self, source_id: str, entries: Mapping[str, Discovered]) -> None:
+        """Replace one discovery source's entries and swap the snapshot if anything changed."""
+        if self._found.get(source_id) == entries:
+            return
+        self._found[source_id] = dict(entries)
+        self.apply(self._records, force=True)
+
+    def _discovered(self) -> dict[str, Discovered]:
+        out: dict[str, Discovered] = {}
+        for entries in self._found.values():
+            for name, d in entries.items():
+                if name not in self._file:  # a file entry of the same name wins
+                    out.setdefault(name, d)
+        return out
+
+    def _base(self, name: str) -> Discovered | None:
+        """The file or discovered entry a patch record applies over."""
+        cfg = self._file.get(name)
+        if cfg is not None:
+            return Discovered(cfg, "file")
+        return self._discovered().get(name)
+
     def _compose(self) -> list[Backend]:
         out: list[Backend] = []
         api = {n for n, r in self._records.items() if isinstance(r, dict) and "config" in r}
+        found = self._discovered()
         names = [
             *(n for n in self._file if n not in api),
+            *(n for n in found if n not in api),
             *sorted(api),
-            *sorted(n for n in self._records if n not in api and n not in self._file),
+            *sorted(
+                n for n in self._records if n not in api and n not in self._file and n not in found
+            ),
         ]
         for name in names:
             try:
@@ -250,19 +291,20 @@ class Fleet:
                 )
                 if self._on_invalid is not None:
                     self._on_invalid(name)
-                file_cfg = self._file.get(name)
-                if file_cfg is None:
+                base = self._base(name)
+                if base is None:
                     continue
-                backend = Backend.from_config(file_cfg)  # the file entry as written
+                # The file (or discovered) entry as written.
+                backend = Backend.from_config(base.config, base.source, base.draining)
             if backend is not None:
                 out.append(backend)
         return out
 
     def _build(self, name: str, rec: Record | None) -> Backend | None:
         """The backend `rec` makes of `name` (None: it is removed); raises when invalid."""
-        file_cfg = self._file.get(name)
+        base = self._base(name)
         if rec is None:
-            return Backend.from_config(file_cfg) if file_cfg is not None else None
+            return Backend.from_config(base.config, base.source, base.draining) if base else None
         if (
             not isinstance(rec, dict)
             or not rec.keys() <= _RECORD_KEYS
@@ -282,12 +324,13 @@ class Fleet:
                     extra={"fields": {"name": name, "api_key_env": cfg.api_key_env}},
                 )
             return Backend.from_config(cfg, "api", draining)
-        if file_cfg is None or rec.get("deleted"):
+        if base is None or rec.get("deleted"):
             return None
         patch = rec.get("patch") or {}
         if not isinstance(patch, dict):
             raise ValueError("patch: must be an object")
-        return Backend.from_config(self._patched(name, file_cfg, patch), "file", draining)
+        patched = self._patched(name, base.config, patch)
+        return Backend.from_config(patched, base.source, draining or base.draining)
 
     def _patched(self, name: str, cfg: BackendConfig, patch: Mapping[str, Any]) -> BackendConfig:
         if not patch:
@@ -305,10 +348,10 @@ class Fleet:
 
     def _live(self, name: str, rec: Record | None) -> bool:
         if rec is None:
-            return name in self._file
+            return self._base(name) is not None
         if "config" in rec:
             return True
-        return not rec.get("deleted") and name in self._file
+        return not rec.get("deleted") and self._base(name) is not None
 
     async def _change(self, name: str, edit: Callable[[Record | None], Record | None]) -> None:
         def checked(cur: Record | None) -> Record | None:
@@ -353,7 +396,9 @@ class Fleet:
                 rec["config"] = config_to_json(_validate({**rec["config"], **fields}))
             elif fields:
                 patch = {**(rec.get("patch") or {}), **fields}
-                merged = _validate({**config_to_json(self._file[name]), **patch})
+                base = self._base(name)
+                assert base is not None  # _live said so
+                merged = _validate({**config_to_json(base.config), **patch})
                 # Store normalised values (a models list becomes its map) for every replica.
                 rec["patch"] = {k: config_to_json(merged).get(k) for k in patch}
             if "draining" in changes:
@@ -381,7 +426,7 @@ class Fleet:
         def edit(cur: Record | None) -> Record | None:
             if not self._live(name, cur):
                 raise NotFound(f"No backend named `{name}`.")
-            return {"deleted": True} if name in self._file else None
+            return {"deleted": True} if self._base(name) is not None else None
 
         await self._change(name, edit)
         return {"name": name, "deleted": True, "in_flight_at_removal": left}

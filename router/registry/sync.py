@@ -1,9 +1,12 @@
 """Admin changes shared through Redis, so every replica and worker routes on the same set.
 
 Records live in one hash (name -> JSON). A change is a WATCH/MULTI transaction that rewrites one
-record, bumps a version counter and publishes on a channel; every process reloads the whole hash
-on a message. Messages can be lost (a reconnect, a slow subscriber), so each process also reads
-the version every `resync` seconds and reloads when it moved: a missed change heals within that.
+record and bumps a version counter, then a message on a channel; every process reloads the whole
+hash on a message. The hash and the counter share a hash tag (`{sluicegate:registry}:...`), so the
+transaction runs on Redis Cluster too; there the message is an ordinary PUBLISH (Cluster relays it
+to every node; registry changes are rare), received on the node that owns the tag's slot.
+Messages can be lost (a reconnect, a slow subscriber), so each process also reads the version
+every `resync` seconds and reloads when it moved: a missed change heals within that.
 The hash is the truth and outlives router restarts.
 """
 
@@ -16,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import WatchError
 
 from router.core.errors import (
@@ -25,11 +28,23 @@ from router.core.errors import (
     StoreUnavailable,
     store_unavailable,
 )
+from router.core.redis_client import RedisTarget, follow_master, ready
 from router.registry.fleet import Record
 
 log = logging.getLogger("sluicegate.registry")
 
 _MAX_TXN_RETRIES = 20
+
+# Before the keys shared a hash tag they were `<prefix>:records` and `<prefix>:version`: the first
+# replica of this version to start copies them over (once; the old keys stay for old replicas).
+# The new version counter marks "done": the hash itself vanishes when its last record is deleted.
+_ADOPT_LEGACY = """
+if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+local flat = redis.call('HGETALL', KEYS[3])
+for i = 1, #flat, 2 do redis.call('HSET', KEYS[1], flat[i], flat[i + 1]) end
+redis.call('INCR', KEYS[2])
+return #flat / 2
+"""
 
 
 def _parse(raw: Any) -> Record | None:
@@ -56,18 +71,22 @@ class RedisRecords:
 
     def __init__(
         self,
-        url: str,
+        url: str | RedisTarget,
         prefix: str = "sluicegate:registry",
         resync: float = 1.0,
         timeout: float = 2.0,
     ) -> None:
-        self._redis: aioredis.Redis = aioredis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, decode_responses=True
-        )
-        self._hash = f"{prefix}:records"
-        self._version = f"{prefix}:version"
-        self._channel = f"{prefix}:changes"
+        target = RedisTarget(url=url) if isinstance(url, str) else url
+        self._redis = target.client(timeout=timeout, max_connections=16, decode_responses=True)
+        self._cluster = target.cluster
+        tag = "{" + prefix + "}"
+        self._hash = f"{tag}:records"
+        self._version = f"{tag}:version"
+        self._channel = f"{tag}:changes"
+        self._legacy = (f"{prefix}:records", f"{prefix}:version")
+        self._adopted = False
         self._resync = resync
+        self._timeout = timeout
 
     async def _read(self) -> tuple[str | None, dict[str, Record]]:
         # One transaction: the version and the records it stands for, never two moments.
@@ -89,8 +108,21 @@ class RedisRecords:
             # A pooled connection may have died with a Redis restart: reading again is safe.
             return (await self._read())[1]
 
+    async def _adopt_legacy(self) -> None:
+        # Not on Cluster: nothing older ran there, and the old keys are in other slots.
+        if not self._adopted and not self._cluster:
+            keys = [self._hash, self._version, *self._legacy]
+            copied = await self._redis.eval(_ADOPT_LEGACY, len(keys), *keys)
+            if copied:
+                log.info(
+                    "registry records copied to the hash-tagged keys",
+                    extra={"fields": {"records": copied}},
+                )
+        self._adopted = True
+
     async def load(self) -> dict[str, Record]:
         try:
+            await self._adopt_legacy()
             return await self._read_retrying()
         except STORE_FAILURES as exc:
             raise store_unavailable(exc) from None
@@ -106,6 +138,15 @@ class RedisRecords:
                 if sent[0]:
                     raise  # EXEC went out: it may have been applied, so never apply it twice
                 await self._transaction(name, edit, sent)
+            try:
+                # After EXEC (a Cluster transaction cannot carry PUBLISH); if it is lost, the
+                # others' version check picks the change up within `resync`.
+                await self._redis.publish(self._channel, name)
+            except STORE_FAILURES as exc:
+                log.warning(
+                    "registry change stored but not announced; replicas resync",
+                    extra={"fields": {"error": type(exc).__name__}},
+                )
             return await self._read_retrying()
         except STORE_FAILURES as exc:
             raise store_unavailable(exc) from None
@@ -118,13 +159,12 @@ class RedisRecords:
                 try:
                     await pipe.watch(self._hash)
                     new = edit(_parse(await pipe.hget(self._hash, name)))
-                    pipe.multi()
+                    pipe.multi()  # type: ignore[no-untyped-call]  # ClusterPipeline: unannotated
                     if new is None:
                         pipe.hdel(self._hash, name)
                     else:
                         pipe.hset(self._hash, name, json.dumps(new, separators=(",", ":")))
                     pipe.incr(self._version)
-                    pipe.publish(self._channel, name)
                     sent[0] = True
                     await pipe.execute()
                     return
@@ -137,10 +177,13 @@ class RedisRecords:
         backoff = 0.1
         seen: str | None = None
         while True:
-            pubsub = self._redis.pubsub()
+            pubsub = None
             try:
+                await ready(self._redis)
+                pubsub = self._redis.pubsub()
                 await pubsub.subscribe(self._channel)
                 # Anything published while we were not subscribed is in the hash: read it now.
+                await self._adopt_legacy()  # if Redis was away when load() ran
                 seen, records = await self._read()
                 _deliver(on_records, records)
                 backoff = 0.1
@@ -155,6 +198,9 @@ class RedisRecords:
                         seen, records = await self._read()
                         _deliver(on_records, records)
                     elif time.monotonic() >= next_check:
+                        if await follow_master(self._redis, self._timeout):
+                            # Our subscription is on the former master, which hears nothing now.
+                            raise RedisConnectionError("the master changed")
                         version = await self._redis.get(self._version)
                         if version != seen:
                             seen, records = await self._read()
@@ -169,7 +215,8 @@ class RedisRecords:
                 backoff = min(backoff * 2, self._resync)
             finally:
                 try:
-                    await asyncio.shield(pubsub.aclose())
+                    if pubsub is not None:
+                        await asyncio.shield(pubsub.aclose())
                 except STORE_FAILURES:
                     pass
 

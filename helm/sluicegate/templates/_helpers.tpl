@@ -62,6 +62,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- $cfg := deepCopy .Values.config }}
 {{- $_ := set $cfg "backends" $backends }}
+{{- if .Values.discovery }}
+{{- $sources := list }}
+{{- range .Values.discovery }}
+{{- $s := deepCopy . }}
+{{- if and (eq .kind "kubernetes") (not .namespace) }}
+{{- $_ := set $s "namespace" $.Release.Namespace }}
+{{- end }}
+{{- $sources = append $sources $s }}
+{{- end }}
+{{- $_ := set $cfg "discovery" $sources }}
+{{- end }}
 {{- with .Values.tracing }}
 {{- if .otlpEndpoint }}
 {{- $_ := set $cfg "tracing" (dict "otlp_endpoint" .otlpEndpoint "sample_ratio" .sampleRatio "service_name" .serviceName) }}
@@ -80,4 +91,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{- define "sluicegate.terminationGrace" -}}
 {{- add (int .Values.preStopSleepSeconds) (int (ceil .Values.config.drain_grace)) 15 }}
+{{- end }}
+
+{{/* Namespaces whose EndpointSlices the router watches (one Role + RoleBinding in each). */}}
+{{- define "sluicegate.discoveryNamespaces" -}}
+{{- $namespaces := list }}
+{{- range .Values.discovery }}
+{{- if eq .kind "kubernetes" }}
+{{- $namespaces = append $namespaces (default $.Release.Namespace .namespace) }}
+{{- end }}
+{{- end }}
+{{- uniq $namespaces | join "," }}
 {{- end }}

@@ -1,0 +1,232 @@
+"""Turns a source's current endpoint set into discovered backends in the Fleet.
+
+A source reports its whole current set (`update`) or a failure (`failed`); this module owns what
+that means for routing:
+
+    ready endpoint                  routable backend (`source: kubernetes|dns`)
+    serving + terminating endpoint  draining: no new requests, streams in flight finish
+    endpoint gone from the set      draining until its in-flight count is 0 (or `grace` passed),
+                                    then removed
+    a failed list/lookup            the last set stays; the source is marked stale
+
+`models: auto` asks each new endpoint's `GET /v1/models`; an endpoint whose answer fails is
+left out (warned and counted) and asked again a little later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import httpx
+
+from router.core.backend import Backend
+from router.core.settings import NAME_PATTERN, DnsDiscovery, KubernetesDiscovery
+from router.registry.fleet import Discovered, Fleet
+
+log = logging.getLogger("sluicegate.discovery")
+
+SourceConfig = KubernetesDiscovery | DnsDiscovery
+InFlight = Callable[[Sequence[str]], Awaitable[dict[str, int]]]
+
+_MODELS_RETRY = 2.0  # seconds before asking a failing endpoint's /v1/models again
+_MAX_NAME = 63
+
+
+class DiscoveryMetrics(Protocol):
+    def discovery_event(self, source: str, event: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    host: str
+    port: int
+    ready: bool  # False: serving but terminating (drain)
+
+
+def backend_name(prefix: str, host: str, port: int) -> str:
+    name = f"{prefix}-{host.replace(':', '-').strip('-[]')}-{port}"
+    if len(name) > _MAX_NAME:  # long IPv6 addresses or FQDNs: a stable short digest instead
+        digest = hashlib.sha256(f"{host}:{port}".encode()).hexdigest()[:16]
+        name = f"{prefix}-{digest}"
+    return name
+
+
+def endpoint_url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+class Reconciler:
+    def __init__(
+        self,
+        source_id: str,
+        cfg: SourceConfig,
+        fleet: Fleet,
+        in_flight: InFlight,
+        metrics: DiscoveryMetrics,
+        grace: float,
+        http: httpx.AsyncClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.source_id = source_id
+        self.kind = cfg.kind
+        self.cfg = cfg
+        self._fleet = fleet
+        self._in_flight = in_flight
+        self._metrics = metrics
+        self._grace = grace
+        self._http = http
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._current: dict[str, tuple[str, Endpoint]] = {}  # name -> (url, endpoint)
+        self._known: dict[str, Discovered] = {}
+        self._gone_since: dict[str, float] = {}
+        self._auto: dict[str, tuple[str, dict[str, str]]] = {}  # name -> (url, models)
+        self._auto_retry: dict[str, float] = {}
+        self.last_sync: float | None = None
+        self.stale = False
+        self.error: str | None = None
+
+    @property
+    def backends(self) -> int:
+        return len(self._known)
+
+    def event(self, event: str, n: int = 1) -> None:
+        for _ in range(n):
+            self._metrics.discovery_event(self.kind, event)
+
+    async def update(self, endpoints: Iterable[Endpoint]) -> None:
+        """The source's whole current set; duplicates (one address in two slices) merge, ready
+        winning."""
+        current: dict[str, tuple[str, Endpoint]] = {}
+        for ep in endpoints:
+            name = backend_name(self.cfg.names_prefix, ep.host, ep.port)
+            if not _valid_name(name):
+                self.warn("bad_endpoint", "skipping an endpoint with an unusable address")
+                continue
+            prev = current.get(name)
+            if prev is None or (ep.ready and not prev[1].ready):
+                current[name] = (endpoint_url(self.cfg.scheme, ep.host, ep.port), ep)
+        async with self._lock:
+            self._current = current
+            self.synced()
+            await self._reconcile()
+
+    def synced(self) -> None:
+        """The source heard from its server (a list, a watch event or bookmark, an answer)."""
+        self.last_sync = self._clock()
+        self.stale = False
+        self.error = None
+
+    def failed(self, event: str, error: str) -> None:
+        """A list, watch or lookup failed: keep the last set, say so."""
+        if not self.stale:
+            log.warning(
+                "discovery source unreachable; keeping the last known backends",
+                extra={"fields": {"source": self.source_id, "error": error}},
+            )
+        self.stale = True
+        self.error = error
+        self.event(event)
+
+    def warn(self, event: str, message: str, **fields: Any) -> None:
+        log.warning(message, extra={"fields": {"source": self.source_id, **fields}})
+        self.event(event)
+
+    async def tick(self) -> None:
+        """Finish what waits on time: vanished backends whose streams ended, models to re-ask."""
+        if self._gone_since or len(self._known) < len(self._current):
+            async with self._lock:
+                await self._reconcile()
+
+    async def _reconcile(self) -> None:
+        now = self._clock()
+        entries: dict[str, Discovered] = {}
+        items = list(self._current.items())
+        # New endpoints are asked at once, side by side: one slow pod must not hold up the rest.
+        found = await asyncio.gather(*(self._models(n, url, now) for n, (url, _) in items))
+        for name in set(self._auto_retry) - set(self._current):
+            self._auto_retry.pop(name, None)
+        for (name, (url, ep)), models in zip(items, found, strict=True):
+            if models is None:
+                continue
+            cfg = self.cfg.backend_config(name, url, models)
+            entries[name] = Discovered(cfg, self.kind, draining=not ep.ready)
+            old = self._known.get(name)
+            if old is None:
+                self._changed("added", name, url)
+            elif old.draining != entries[name].draining:
+                self._changed("draining" if entries[name].draining else "ready", name, url)
+        gone = [n for n in self._known if n not in entries]
+        counts = await self._in_flight(gone) if gone else {}
+        for name in gone:
+            since = self._gone_since.setdefault(name, now)
+            if counts.get(name, 0) and now - since < self._grace:
+                if not self._known[name].draining:
+                    self._changed("draining", name, self._known[name].config.url)
+                entries[name] = replace(self._known[name], draining=True)
+                continue
+            self._gone_since.pop(name, None)
+            self._auto.pop(name, None)
+            self._changed("removed", name, self._known[name].config.url)
+        for name in entries:
+            if name in self._current:
+                self._gone_since.pop(name, None)
+        self._known = entries
+        self._fleet.set_discovered(self.source_id, entries)
+
+    def _changed(self, event: str, name: str, url: str) -> None:
+        log.info(
+            f"discovered backend {event}",
+            extra={"fields": {"source": self.source_id, "backend": name, "url": url}},
+        )
+        self.event(event)
+
+    async def _models(self, name: str, url: str, now: float) -> dict[str, str] | None:
+        if self.cfg.models != "auto":
+            return self.cfg.models
+        cached = self._auto.get(name)
+        if cached is not None and cached[0] == url:
+            return cached[1]
+        if self._auto_retry.get(name, 0.0) > now:
+            return None
+        models = await self._ask_models(name, url)
+        if models is None:
+            self._auto_retry[name] = now + _MODELS_RETRY
+            return None
+        self._auto_retry.pop(name, None)
+        self._auto[name] = (url, models)
+        return models
+
+    async def _ask_models(self, name: str, url: str) -> dict[str, str] | None:
+        # The template's key and headers go with the question, as with every request.
+        probe = Backend.from_config(self.cfg.backend_config(name, url, {"probe": "probe"}))
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in probe.auth_headers]
+        try:
+            r = await self._http.get(
+                url + "/v1/models", headers=headers, params=dict(probe.query), timeout=5.0
+            )
+            r.raise_for_status()
+            ids = [str(m["id"]) for m in r.json()["data"] if m.get("id")]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            self.warn(
+                "models_failed",
+                "models: auto: the endpoint's /v1/models failed; not routing to it yet",
+                backend=name,
+                error=type(exc).__name__,
+            )
+            return None
+        if not ids:
+            self.warn("models_failed", "models: auto: the endpoint serves no model", backend=name)
+            return None
+        return {m: m for m in ids}
+
+
+def _valid_name(name: str) -> bool:
+    return re.match(NAME_PATTERN, name) is not None
