@@ -24,7 +24,7 @@ from tests.harness import Cluster, Proc, backend
 
 TOKEN = "admin-token-for-edge-tests"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-RECORDS = "sluicegate:registry:records"
+RECORDS = "{sluicegate:registry}:records"
 
 # (what is wrong, the fields to set, the field the error must name)
 BAD: list[tuple[str, dict[str, Any], str]] = [
@@ -195,8 +195,8 @@ def test_a_bad_record_in_redis_is_skipped_logged_and_counted(
         json.dumps({"config": {**good, "name": "crlf", "url": "http://127.0.0.1:9/\r\n"}}),
     )
     store.hset(RECORDS, "junk", "{not json")
-    store.incr("sluicegate:registry:version")
-    store.publish("sluicegate:registry:changes", "euro")
+    store.incr("{sluicegate:registry}:version")
+    store.publish("{sluicegate:registry}:changes", "euro")
     # Other changes still go through, on both replicas, and a new replica starts.
     assert admin(r1, "POST", json=good).status_code == 201
     within(lambda: "good" in [b["name"] for b in admin(r2, "GET").json()])
