@@ -29,7 +29,7 @@ redis-server:
 test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 $(VENV)/.bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[test,bench]'
