@@ -295,20 +295,8 @@ class MockUpstream:
             if bh.hang:
                 await gone.wait()
                 return
-            n = req.get("max_tokens") or bh.tokens
-            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 100_000:
-                # As vLLM does for a bad value or one beyond the context length.
-                await _json(
-                    send,
-                    400,
-                    {
-                        "error": {
-                            "message": "max_tokens must be 0..100000",
-                            "type": "BadRequestError",
-                            "code": 400,
-                        }
-                    },
-                )
+            n = await _max_tokens(req, bh.tokens, 0, send)
+            if n is None:
                 return
             if path == "/v1/embeddings":
                 await self._sleep(bh.ttft_ms, gone)
@@ -515,19 +503,8 @@ class MockUpstream:
         """Generation paced by the engine model: tokens appear as its steps produce them."""
         engine = self.engine
         assert engine is not None
-        n = req.get("max_tokens") or self.behaviour.tokens
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 100_000:
-            await _json(
-                send,
-                400,
-                {
-                    "error": {
-                        "message": "max_tokens must be 1..100000",
-                        "type": "BadRequestError",
-                        "code": 400,
-                    }
-                },
-            )
+        n = await _max_tokens(req, self.behaviour.tokens, 1, send)
+        if n is None:
             return
         prompt = prompt_tokens(req)
         seq = engine.submit(prompt, n)
@@ -655,6 +632,17 @@ async def _watch(receive: Receive, gone: asyncio.Event, rec: dict[str, Any]) -> 
             rec["disconnected_at"] = time.time()
             gone.set()
             return
+
+
+async def _max_tokens(req: dict[str, Any], default: int, least: int, send: Send) -> int | None:
+    """The request's `max_tokens`, or None after answering 400 as vLLM does for a bad value or
+    one beyond the context length."""
+    n = req.get("max_tokens") or default
+    if isinstance(n, int) and not isinstance(n, bool) and least <= n <= 100_000:
+        return n
+    message = f"max_tokens must be {least}..100000"
+    await _json(send, 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
+    return None
 
 
 async def _read_body(receive: Receive) -> bytes:
