@@ -38,6 +38,7 @@ from router.core.settings import Settings
 from router.ops.metrics import Metrics
 from router.ops.tracing import NO_TRACE, NO_TRACING, RequestTrace, Tracing
 from router.registry.fleet import Registry
+from router.request.admission import Admission, Ticket, make_ticket
 from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
@@ -78,6 +79,7 @@ class Proxy:
         metrics: Metrics | None = None,
         tracing: Tracing = NO_TRACING,
         readings: Callable[[], Readings] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
         self.tracing = tracing
@@ -89,6 +91,7 @@ class Proxy:
         self.store = store
         self.health = health
         self.lifecycle = lifecycle
+        self.admission = admission  # None: a full fleet answers 503 at once
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
     async def prepare(
@@ -97,8 +100,11 @@ class Proxy:
         path: str,
         allowed_models: Set[str] | None = None,
         key_name: str | None = None,
+        priority: str = "standard",
+        weight: float = 1.0,
     ) -> Response:
-        """`allowed_models`: the public names the client's key may use (None: any)."""
+        """`allowed_models`: the public names the client's key may use (None: any);
+        `priority`, `weight`: the key's admission band and share."""
         request_id = request_id_of(request.headers.get("x-request-id"))
         if self.lifecycle.draining:
             return error_response(
@@ -119,6 +125,23 @@ class Proxy:
             return checked
         record = RequestRecord(request_id, checked.model, path, checked.stream, time.perf_counter())
         record.key_name = key_name
+        ticket: Ticket | None = None
+        if self.admission is not None:
+            made = make_ticket(
+                self.admission.cfg,
+                request.headers,
+                request_id,
+                checked.model,
+                len(checked.body),
+                checked.payload,
+                record.started,
+                priority,
+                weight,
+                key_name or "",
+            )
+            if isinstance(made, Response):
+                return made
+            ticket = made
         return ProxyCall(
             self,
             request,
@@ -129,6 +152,7 @@ class Proxy:
             checked.backends,
             checked.stream,
             record,
+            ticket,
         )
 
 
@@ -146,6 +170,7 @@ class ProxyCall(Response):
         backends: Sequence[Backend],
         stream: bool,
         record: RequestRecord,
+        ticket: Ticket | None = None,
     ) -> None:
         self.background = None
         self.status_code = 200
@@ -157,6 +182,7 @@ class ProxyCall(Response):
         self._backends = backends
         self._stream = stream
         self._record = record
+        self._ticket = ticket
         self._client_headers = request.headers.raw
         self._started = False
         self._trace: RequestTrace = NO_TRACE
@@ -200,15 +226,35 @@ class ProxyCall(Response):
         balancer = proxy.registry.balancer_for(self._model)
         last: _Retry | None = None
         trace = self._trace
+        admission = proxy.admission
+
+        async def try_admit() -> Lease | None:
+            """One pick-and-count among backends with room by max_inflight and engine readings;
+            None sends the request to (or back to) the queue."""
+            assert admission is not None
+            eligible = proxy.health.eligible(self._backends, self._model)
+            if not eligible:
+                raise _NoneLeft  # nothing could take it however long it waited
+            all_readings = proxy.readings() if proxy.readings else None
+            if all_readings:
+                eligible = admission.open_backends(eligible, all_readings)
+                if not eligible:
+                    return None
+            readings = all_readings if needs_engine(balancer) else None
+            return await proxy.store.acquire(eligible, balancer, exclude, readings)
 
         async def attempt(number: int, answered: Callable[[], None]) -> None:
             nonlocal last
-            eligible = proxy.health.eligible(self._backends, self._model)
             trace.queued()
-            readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
-            lease = await proxy.store.acquire(eligible, balancer, exclude, readings)
-            if lease is None:
-                raise _NoneLeft
+            lease: Lease | None
+            if admission is not None and self._ticket is not None and number == 1:
+                lease = await admission.acquire(self._ticket, try_admit)
+            else:
+                eligible = proxy.health.eligible(self._backends, self._model)
+                readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
+                lease = await proxy.store.acquire(eligible, balancer, exclude, readings)
+                if lease is None:
+                    raise _NoneLeft
             proxy.metrics.routed(self._model, balancer.name, lease.backend)
             trace.picked(lease.backend, getattr(lease, "reason", None))
             trace.attempt(lease.backend, number)
@@ -292,6 +338,8 @@ class ProxyCall(Response):
             if response is not None:
                 await response.aclose()
             proxy.store.release(lease)
+            if proxy.admission is not None:
+                proxy.admission.released()
 
     async def _retryable_status(self, backend: Backend, response: httpx.Response) -> None:
         """Read the (small) error answer, note it, and hand it to the retry loop."""

@@ -87,6 +87,8 @@ class AdminAuth:
 class ClientKey:
     name: str | None
     models: frozenset[str] | None  # None: every model
+    priority: str = "standard"  # admission band
+    weight: float = 1.0  # share within the band
 
 
 class ClientKeys:
@@ -119,7 +121,7 @@ class ClientKeys:
         keys: dict[str, ClientKey] = {}
         for e in [*self._inline, *from_file]:
             keys[e.sha256] = ClientKey(
-                e.name, frozenset(e.models) if e.models is not None else None
+                e.name, frozenset(e.models) if e.models is not None else None, e.priority, e.weight
             )
         self._keys = keys
 
