@@ -137,12 +137,14 @@ class _Band:
 
 
 class _ModelQueue:
-    __slots__ = ("bands", "live", "waking")
+    __slots__ = ("bands", "live", "pending", "waking")
 
     def __init__(self) -> None:
         self.bands = (_Band(), _Band(), _Band())
         self.live = 0  # in the heaps
-        self.waking = 0  # woken, trying for a lease
+        # One woken request at a time, always the head: the fair order holds exactly.
+        self.waking = 0  # 1 while a woken request tries for a lease
+        self.pending = False  # room may have freed while it tried
 
 
 class AdmissionMetrics(Protocol):
@@ -225,6 +227,7 @@ class Admission:
                 lease = await try_once()
                 q.waking -= 1
                 t.woken = False
+                again, q.pending = q.pending, False
                 if lease is not None:
                     band = q.bands[t.band]
                     band.vtime = max(band.vtime, t.start)
@@ -234,6 +237,8 @@ class Admission:
                     self._wake(q)  # more room may have freed than this one slot
                     return lease
                 self._push(q, t)  # still full: back to its place
+                if again:  # a slot freed while it tried: the head (maybe itself) tries again
+                    self._wake(q)
         finally:
             if t.queued:
                 self._remove(q, t)
@@ -324,7 +329,11 @@ class Admission:
     # -- the side that frees room -------------------------------------------------------------
 
     def _wake(self, q: _ModelQueue) -> bool:
-        """Take the first queued request of `q` out and let it try; False if none."""
+        """Take the first queued request of `q` out and let it try; False if none. While one
+        tries, a wake is remembered and passed on when it is done."""
+        if q.waking:
+            q.pending = True
+            return False
         for band in q.bands:
             heap = band.heap
             while heap:
@@ -347,8 +356,8 @@ class Admission:
 
     def released(self) -> None:
         """A lease was released in this process: one slot, one request woken per model."""
-        if self._busy:
-            for q in list(self._busy):
+        if self._queues:  # empty unless something waits or tries: the common case costs this
+            for q in list(self._queues.values()):
                 self._wake(q)
 
     def changed(self) -> None:
@@ -360,7 +369,7 @@ class Admission:
             await asyncio.sleep(self.cfg.recheck)
             for q in list(self._busy):
                 if q.waking == 0:
-                    self._wake(q)
+                    self._wake(q)  # nothing else to do: the queue is idle-waiting
 
     async def aclose(self) -> None:
         task, self._ticker = self._ticker, None
