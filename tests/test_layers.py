@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "router.request.validate": 3,
     "router.request.failover": 3,
     "router.request.admission": 3,  # the admission queue: core and balancers only
+    "router.request.quota": 3,  # per-key rpm / tpm / max_parallel: core only
     "router.ops.metrics": 4,
     "router.discovery": 4,
     "router.request.proxy": 5,

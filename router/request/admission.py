@@ -121,9 +121,15 @@ def make_ticket(
             )
         if started + seconds < deadline:
             deadline, reason = started + seconds, "deadline"
+    cost = estimate_tokens(body_len, payload, cfg.default_max_tokens)
+    return Ticket(model, band, tenant, weight, cost, deadline, reason)
+
+
+def estimate_tokens(body_len: int, payload: Mapping[str, Any], default_max_tokens: int) -> float:
+    """Prompt estimate (body bytes / 4) plus the completion budget the request asks for."""
     out = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    completion = out if isinstance(out, int) and out > 0 else cfg.default_max_tokens
-    return Ticket(model, band, tenant, weight, body_len / 4 + completion, deadline, reason)
+    completion = out if isinstance(out, int) and out > 0 else default_max_tokens
+    return body_len / 4 + completion
 
 
 class _Band:

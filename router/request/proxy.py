@@ -38,10 +38,11 @@ from router.core.settings import Settings
 from router.ops.metrics import Metrics
 from router.ops.tracing import NO_TRACE, NO_TRACING, RequestTrace, Tracing
 from router.registry.fleet import Registry
-from router.request.admission import Admission, Ticket, make_ticket
+from router.request.admission import Admission, Ticket, estimate_tokens, make_ticket
 from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
+from router.request.quota import KeyLimits, Quotas, Reservation
 from router.request.record import RequestRecord
 from router.request.usage import ResponseUsage
 from router.request.validate import request_id_of, validate
@@ -92,6 +93,7 @@ class Proxy:
         self.health = health
         self.lifecycle = lifecycle
         self.admission = admission  # None: a full fleet answers 503 at once
+        self.quotas = Quotas()  # per-key rpm / tpm / max_parallel, in this process
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
     async def prepare(
@@ -102,6 +104,7 @@ class Proxy:
         key_name: str | None = None,
         priority: str = "standard",
         weight: float = 1.0,
+        limits: KeyLimits | None = None,
     ) -> Response:
         """`allowed_models`: the public names the client's key may use (None: any);
         `priority`, `weight`: the key's admission band and share."""
@@ -142,6 +145,17 @@ class Proxy:
             if isinstance(made, Response):
                 return made
             ticket = made
+        reservation = None
+        if limits is not None:
+            estimate = (
+                ticket.cost
+                if ticket is not None
+                else estimate_tokens(len(checked.body), checked.payload, DEFAULT_MAX_TOKENS)
+            )
+            held = self.quotas.admit(limits, estimate, request_id)
+            if isinstance(held, Response):
+                return held
+            reservation = held
         return ProxyCall(
             self,
             request,
@@ -153,6 +167,7 @@ class Proxy:
             checked.stream,
             record,
             ticket,
+            reservation,
         )
 
 
@@ -171,6 +186,7 @@ class ProxyCall(Response):
         stream: bool,
         record: RequestRecord,
         ticket: Ticket | None = None,
+        reservation: Reservation | None = None,
     ) -> None:
         self.background = None
         self.status_code = 200
@@ -183,6 +199,7 @@ class ProxyCall(Response):
         self._stream = stream
         self._record = record
         self._ticket = ticket
+        self._reservation = reservation
         self._client_headers = request.headers.raw
         self._started = False
         self._trace: RequestTrace = NO_TRACE
@@ -209,6 +226,8 @@ class ProxyCall(Response):
                 run.cancel()
                 await asyncio.wait((run,))
             lifecycle.leave()
+            if self._reservation is not None:
+                self._reservation.close(_tokens_used(self._record, len(self._body) / 4))
             self._record.emit()
             self._proxy.metrics.observe(self._record)
             self._trace.finish(self._record, self._record.usage)
@@ -326,6 +345,8 @@ class ProxyCall(Response):
             headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
             if proxy.settings.expose_backend_header:
                 headers.append((b"x-sluicegate-backend", backend.name.encode()))
+            if self._reservation is not None:
+                headers.extend(self._reservation.headers)
             rec.status = status
             self._trace.answered(status)
             await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -403,6 +424,20 @@ class ProxyCall(Response):
             return
         usage.close(readable and response.status_code < 400)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+DEFAULT_MAX_TOKENS = 256  # the completion estimate of a body without max_tokens (quotas)
+
+
+def _tokens_used(rec: RequestRecord, prompt_estimate: float) -> float:
+    """Prompt + completion tokens the response reported (completion events counted, and the
+    prompt estimated, when it did not report them); 0 when no backend answered."""
+    u = rec.usage
+    if u is None:
+        return 0.0
+    completion = u.reported_tokens if u.reported_tokens is not None else u.events
+    prompt = u.input_tokens if u.input_tokens is not None else prompt_estimate
+    return float(prompt + completion)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -37,7 +37,7 @@ def proxy_endpoints(proxy: Proxy, keys: ClientKeys | None = None) -> dict[str, E
             if isinstance(key, Response):
                 return key
             return await proxy.prepare(
-                request, path, key.models, key.name, key.priority, key.weight
+                request, path, key.models, key.name, key.priority, key.weight, key.limits
             )
 
         endpoint.__name__ = path.strip("/").replace("/", "_")

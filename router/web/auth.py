@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from router.core.errors import error_response
 from router.core.settings import ClientKeyConfig, read_api_keys_file
+from router.request.quota import KeyLimits
 
 log = logging.getLogger("sluicegate.auth")
 
@@ -89,6 +90,7 @@ class ClientKey:
     models: frozenset[str] | None  # None: every model
     priority: str = "standard"  # admission band
     weight: float = 1.0  # share within the band
+    limits: KeyLimits | None = None  # rpm / tpm / max_parallel, when the entry sets any
 
 
 class ClientKeys:
@@ -120,8 +122,15 @@ class ClientKeys:
     def _rebuild(self, from_file: Sequence[ClientKeyConfig]) -> None:
         keys: dict[str, ClientKey] = {}
         for e in [*self._inline, *from_file]:
+            limits = None
+            if e.rpm is not None or e.tpm is not None or e.max_parallel is not None:
+                limits = KeyLimits(e.name or e.sha256, e.rpm, e.tpm, e.max_parallel)
             keys[e.sha256] = ClientKey(
-                e.name, frozenset(e.models) if e.models is not None else None, e.priority, e.weight
+                e.name,
+                frozenset(e.models) if e.models is not None else None,
+                e.priority,
+                e.weight,
+                limits,
             )
         self._keys = keys
 
