@@ -78,6 +78,8 @@ def test_rpm_refuses_the_request_over_the_limit_in_openais_shape(fleet: dict[str
     assert h["x-ratelimit-limit-requests"] == "3"
     assert stats(mock)["requests"] == before  # refused before any backend saw it
     assert RPM not in err.response.text
+    text = httpx.get(router.url + "/metrics").text
+    assert 'sluicegate_ratelimited_total{key="rpm",limit="rpm"} 1.0' in text
 
 
 def test_tpm_counts_real_usage_and_refuses_past_the_limit(fleet: dict[str, Proc]) -> None:

@@ -273,6 +273,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        self.ratelimited_total = Counter(
+            "sluicegate_ratelimited_total",
+            "Requests refused with 429 by a client key's quota, by key name and limit "
+            "(rpm, tpm, max_parallel).",
+            ("key", "limit"),
+            registry=reg,
+        )
         self.shed_total = Counter(
             "sluicegate_shed_total",
             "Requests refused by the admission queue: max_wait, deadline (the client's "
@@ -342,6 +349,9 @@ class Metrics:
 
     def shed(self, reason: str) -> None:
         self.shed_total.labels(reason).inc()
+
+    def ratelimited(self, key: str, limit: str) -> None:
+        self.ratelimited_total.labels(key, limit).inc()
 
     def attempt_failed(self, backend: str, kind: str) -> None:
         self.upstream_errors.labels(backend, kind).inc()

@@ -93,7 +93,8 @@ class Proxy:
         self.health = health
         self.lifecycle = lifecycle
         self.admission = admission  # None: a full fleet answers 503 at once
-        self.quotas = Quotas()  # per-key rpm / tpm / max_parallel, in this process
+        # Per-key rpm / tpm / max_parallel, in this process.
+        self.quotas = Quotas(on_refused=self.metrics.ratelimited)
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
     async def prepare(

@@ -30,6 +30,7 @@ class KeyLimits:
     rpm: int | None = None
     tpm: int | None = None
     max_parallel: int | None = None
+    label: str = "unnamed"  # the key's name in metrics
 
 
 class _Window:
@@ -98,8 +99,13 @@ class Reservation:
 
 
 class Quotas:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.clock = clock
+        self._on_refused = on_refused  # (key label, limit): counts refusals
         self._keys: dict[str, _KeyState] = {}
 
     def admit(self, limits: KeyLimits, estimate: float, request_id: str) -> Reservation | Response:
@@ -109,11 +115,12 @@ class Quotas:
             st = self._keys[limits.key_id] = _KeyState()
         headers: list[tuple[bytes, bytes]] = []
         refusal: tuple[str, float] | None = None
+        limit = ""
         if limits.rpm is not None:
             used = st.requests.used(now)
             reset = st.requests.reset_after(now, 1, limits.rpm) if used + 1 > limits.rpm else 0
             if used + 1 > limits.rpm:
-                refusal = ("requests per minute", reset)
+                refusal, limit = ("requests per minute", reset), "rpm"
             headers += _headers("requests", limits.rpm, used + (refusal is None), reset, now, st)
         if limits.tpm is not None:
             used = st.tokens.used(now)
@@ -122,7 +129,7 @@ class Quotas:
             over = used + need > limits.tpm
             reset = st.tokens.reset_after(now, need, limits.tpm) if over else 0
             if over and refusal is None:
-                refusal = ("tokens per minute", reset)
+                refusal, limit = ("tokens per minute", reset), "tpm"
             taken = used + (estimate if refusal is None else 0)
             headers += _headers("tokens", limits.tpm, taken, reset, now, st)
         if (
@@ -130,9 +137,11 @@ class Quotas:
             and limits.max_parallel is not None
             and st.parallel >= limits.max_parallel
         ):
-            refusal = ("parallel requests", 1.0)
+            refusal, limit = ("parallel requests", 1.0), "max_parallel"
         if refusal is not None:
             what, reset = refusal
+            if self._on_refused is not None:
+                self._on_refused(limits.label, limit)
             headers.append((b"retry-after", str(max(1, math.ceil(reset))).encode()))
             headers.append((b"x-request-id", request_id.encode()))
             out = error_response(

@@ -124,7 +124,9 @@ class ClientKeys:
         for e in [*self._inline, *from_file]:
             limits = None
             if e.rpm is not None or e.tpm is not None or e.max_parallel is not None:
-                limits = KeyLimits(e.name or e.sha256, e.rpm, e.tpm, e.max_parallel)
+                limits = KeyLimits(
+                    e.name or e.sha256, e.rpm, e.tpm, e.max_parallel, e.name or "unnamed"
+                )
             keys[e.sha256] = ClientKey(
                 e.name,
                 frozenset(e.models) if e.models is not None else None,
