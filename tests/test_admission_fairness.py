@@ -111,3 +111,38 @@ def test_the_estimate_is_body_bytes_over_four_plus_the_completion_budget() -> No
     assert isinstance(t, Ticket) and t.cost == 100 + 7
     t = make_ticket(cfg, h, "r", "m", 400, {}, 0.0, "critical", 1.0, "")
     assert isinstance(t, Ticket) and t.cost == 100 + 256 and t.band == 0
+
+
+def test_real_usage_corrects_the_tenants_later_share() -> None:
+    async def main(used: float) -> list[str]:
+        adm, slots = Admission(AdmissionConfig()), Slots()
+        order: list[str] = []
+
+        async def one(t: Ticket) -> None:
+            await adm.acquire(t, slots.try_once)
+            order.append(t.tenant + str(t.seq))
+            if t.tenant == "a":
+                adm.settle(t, used)  # it used far more than its estimate of 100
+
+        a1, b1 = ticket("a"), ticket("b")
+        tasks = [asyncio.create_task(one(a1)), asyncio.create_task(one(b1))]
+        await asyncio.sleep(0)
+        slots.free = 1
+        adm.released()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert order == ["a1"]
+        a2, b2 = ticket("a"), ticket("b")
+        tasks += [asyncio.create_task(one(a2)), asyncio.create_task(one(b2))]
+        await asyncio.sleep(0)
+        for _ in range(3):
+            slots.free += 1
+            adm.released()
+            for _ in range(20):
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        await adm.aclose()
+        return [o[0] for o in order]
+
+    assert asyncio.run(main(1000)) == ["a", "b", "b", "a"]  # a's overrun pushed a2 back
+    assert asyncio.run(main(100)) == ["a", "b", "a", "b"]  # as estimated: a2 keeps its turn

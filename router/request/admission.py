@@ -70,6 +70,7 @@ class Ticket:
     queued: bool = False  # in its band's heap
     woken: bool = False  # taken out of the heap to try again, not yet back
     waiter: asyncio.Future[None] | None = None
+    queue: _ModelQueue | None = None  # the queue it was tagged in (for `settle`)
 
     @property
     def order(self) -> tuple[float, int]:
@@ -255,7 +256,19 @@ class Admission:
             if q.live == 0 and q.waking == 0 and self._queues.get(t.model) is q:
                 del self._queues[t.model]
 
+    def settle(self, t: Ticket, used_tokens: float) -> None:
+        """The request ended having used `used_tokens`: its tenant's later requests in the band
+        move by the difference from the estimate, so a short estimate buys no extra share. A
+        no-op when it never queued or its queue has drained since (tags restart then)."""
+        q = t.queue
+        if q is None or self._queues.get(t.model) is not q:
+            return
+        finish = q.bands[t.band].finish
+        if t.tenant in finish:
+            finish[t.tenant] += (used_tokens - t.cost) / t.weight
+
     def _tag(self, t: Ticket) -> None:
+        t.queue = self._queues.setdefault(t.model, _ModelQueue())
         band = self._band_of(t)
         t.start = max(band.vtime, band.finish.get(t.tenant, 0.0))
         band.finish[t.tenant] = t.start + t.cost / t.weight

@@ -227,8 +227,12 @@ class ProxyCall(Response):
                 run.cancel()
                 await asyncio.wait((run,))
             lifecycle.leave()
-            if self._reservation is not None:
-                self._reservation.close(_tokens_used(self._record, len(self._body) / 4))
+            if self._reservation is not None or self._ticket is not None:
+                used = _tokens_used(self._record, len(self._body) / 4)
+                if self._reservation is not None:
+                    self._reservation.close(used)
+                if self._ticket is not None and self._proxy.admission is not None:
+                    self._proxy.admission.settle(self._ticket, used)
             self._record.emit()
             self._proxy.metrics.observe(self._record)
             self._trace.finish(self._record, self._record.usage)
