@@ -227,11 +227,14 @@ class ProxyCall(Response):
                 run.cancel()
                 await asyncio.wait((run,))
             lifecycle.leave()
-            if self._reservation is not None or self._ticket is not None:
+            # Only a request that queued has a fair-queue tag to correct.
+            queued = self._ticket is not None and self._ticket.queue is not None
+            if self._reservation is not None or queued:
                 used = _tokens_used(self._record, len(self._body) / 4)
                 if self._reservation is not None:
                     self._reservation.close(used)
-                if self._ticket is not None and self._proxy.admission is not None:
+                if queued and self._proxy.admission is not None:
+                    assert self._ticket is not None
                     self._proxy.admission.settle(self._ticket, used)
             self._record.emit()
             self._proxy.metrics.observe(self._record)
