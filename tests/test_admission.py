@@ -28,9 +28,9 @@ def sha(key: str) -> str:
 
 @pytest.fixture(scope="module")
 def fleet(module_procs: Cluster) -> dict[str, Proc]:
-    # One slot per router; each request holds it ~0.3 s (a) or ~2 s (b).
+    # One slot per router; each request holds it ~0.3 s (a) or ~2.4 s (b).
     a = module_procs.mock("a", itl_ms=30, tokens=10)
-    b = module_procs.mock("b", itl_ms=40, tokens=50)
+    b = module_procs.mock("b", itl_ms=40, tokens=60)
     router = module_procs.router(
         {
             "backends": [backend("a", a, max_inflight=1)],
@@ -44,7 +44,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
     tight = module_procs.router(
         {
             "backends": [backend("b", b, max_inflight=1)],
-            "admission": {"max_wait": 1.2, "max_queue": 2},
+            "admission": {"max_wait": 1.5, "max_queue": 2},
         }
     )
     return {"a": a, "b": b, "router": router, "tight": tight}
@@ -133,7 +133,8 @@ def test_critical_before_standard_before_sheddable(fleet: dict[str, Proc]) -> No
     async def main() -> None:
         crit, std = sdk(router, CRIT), sdk(router, STD)
         base = len(served_ids(mock))
-        blocker = asyncio.create_task(chat(std, "order-blocker"))
+        # A long answer (~6 s) holds the only slot until all four are queued; then it leaves.
+        blocker = asyncio.create_task(chat(std, "order-blocker", max_tokens=200))
         await until_async(lambda: stats(mock)["running"] == 1)
         # Queued in the worst order: lowest band first. A critical key may lower itself;
         # a standard key asking for critical stays standard.
@@ -148,7 +149,9 @@ def test_critical_before_standard_before_sheddable(fleet: dict[str, Proc]) -> No
         ):
             calls.append(asyncio.create_task(chat(client, rid, hdr)))
             await until_async(lambda n=n: depth(router) == n + 1)  # type: ignore[misc]
-        await asyncio.gather(blocker, *calls)
+        blocker.cancel()
+        await asyncio.gather(blocker, return_exceptions=True)
+        await asyncio.gather(*calls)
         order = served_ids(mock)[base:]
         assert order == ["order-blocker", "order-crit", "order-std-1", "order-std-2", "order-shed"]
 
@@ -212,13 +215,13 @@ def test_max_wait_and_the_timeout_header_answer_503_with_retry_after(
             assert (await blocker).status_code == 200
         return late, waited
 
-    # admission.max_wait (1.2 s) runs out while the 2 s request holds the only slot.
+    # admission.max_wait (1.5 s) runs out while the 2.4 s request holds the only slot.
     late, waited = asyncio.run(expired(tight, None, {}))
     assert late.status_code == 503
     assert late.json()["error"]["code"] == "queue_timeout"
     assert set(late.json()["error"]) == {"message", "type", "code"}
     assert int(late.headers["retry-after"]) >= 1
-    assert 1.1 <= waited < 1.9
+    assert 1.4 <= waited < 2.3
     assert metric(tight, "sluicegate_shed_total", reason="max_wait") >= 1
     assert "expire-late" not in served_ids(fleet["b"])
     assert_idle(tight)
@@ -272,7 +275,7 @@ def test_a_full_queue_sheds_the_lowest_band_first(fleet: dict[str, Proc]) -> Non
         assert answers[name].status_code == 503
         assert answers[name].json()["error"]["code"] == "queue_full"
         assert int(answers[name].headers["retry-after"]) >= 1
-    # The standard ones waited for their turn (and here ran out of max_wait, 1.2 s).
+    # The standard ones waited for their turn (and here ran out of max_wait, 1.5 s).
     for name in ("first", "second"):
         assert answers[name].json()["error"]["code"] == "queue_timeout"
     assert metric(tight, "sluicegate_shed_total", reason="queue_full") >= 2
