@@ -146,3 +146,33 @@ def test_real_usage_corrects_the_tenants_later_share() -> None:
 
     assert asyncio.run(main(1000)) == ["a", "b", "b", "a"]  # a's overrun pushed a2 back
     assert asyncio.run(main(100)) == ["a", "b", "a", "b"]  # as estimated: a2 keeps its turn
+
+
+def test_a_release_while_the_head_tries_makes_it_try_again() -> None:
+    """The head finds no room, but a slot freed while it was trying: it tries once more."""
+
+    async def main() -> None:
+        adm = Admission(AdmissionConfig())
+        free = [0]
+        tries = [0]
+
+        async def try_once() -> Lease | None:
+            tries[0] += 1
+            await asyncio.sleep(0)  # a shared store's round trip
+            if tries[0] == 2:  # the first woken try: room frees meanwhile, too late for it
+                free[0] = 1
+                adm.released()
+                return None
+            if free[0]:
+                free[0] -= 1
+                return Lease("b")
+            return None
+
+        task = asyncio.create_task(adm.acquire(ticket("a"), try_once))
+        await asyncio.sleep(0)
+        adm.released()  # wakes it: try 2 fails, sees the release, try 3 succeeds
+        lease = await asyncio.wait_for(task, 1)
+        assert lease.backend == "b" and tries[0] == 3 and adm.depth == 0
+        await adm.aclose()
+
+    asyncio.run(main())

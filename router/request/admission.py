@@ -224,7 +224,7 @@ class Admission:
                 remaining = t.deadline - self._clock()
                 if remaining <= 0:
                     raise self._expired(t)
-                t.waiter = asyncio.get_running_loop().create_future()
+                assert t.waiter is not None  # each push gives it a fresh one
                 try:
                     async with asyncio.timeout(remaining):
                         await t.waiter
@@ -308,6 +308,7 @@ class Admission:
         band = q.bands[t.band]
         heapq.heappush(band.heap, (t.start, t.seq, t))
         t.queued = True
+        t.waiter = asyncio.get_running_loop().create_future()
         band.live += 1
         q.live += 1
         self._size += 1
