@@ -4,6 +4,7 @@ official openai SDK against a real router."""
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import httpx
 import openai
 import pytest
 import yaml
+from starlette.requests import Request
 
+from router.web.auth import ClientKey, ClientKeys
 from tests.harness import Cluster, Proc, backend, stats
 
 FULL = "sk-client-full-0123456789"
@@ -143,3 +146,23 @@ def test_a_raw_key_pasted_as_a_hash_stops_startup_without_echoing_it(procs: Clus
     out = router.log()
     assert "api_keys" in out and "sha256" in out
     assert "sk-pasted-raw-secret" not in out
+
+
+def test_a_key_file_caught_mid_write_keeps_the_keys_and_an_explicit_empty_list_revokes(
+    tmp_path: Path,
+) -> None:
+    """A reload that finds the file truncated (an editor between truncate and write) is not an
+    update: everyone keeps working. `api_keys: []` written on purpose does revoke every key."""
+    path = tmp_path / "keys.yaml"
+    _write_keys(path, ["sk-kept"])
+    keys = ClientKeys([], str(path))
+    request = Request({"type": "http", "headers": [(b"authorization", b"Bearer sk-kept")]})
+    assert isinstance(keys.check(request), ClientKey)
+    path.write_text("")
+    os.utime(path, ns=(1, 1))  # a new stamp even where the clock is coarse
+    assert keys.reload_if_changed() is False
+    assert isinstance(keys.check(request), ClientKey)
+    path.write_text("api_keys: []\n")
+    assert keys.reload_if_changed() is True
+    refused = keys.check(request)
+    assert not isinstance(refused, ClientKey) and refused.status_code == 401

@@ -148,6 +148,10 @@ class ClientKeys:
         if stamp in (self._stamp, self._bad_stamp):
             return False
         try:
+            if st.st_size == 0:
+                # Caught between truncate and write (an editor, `>`): not an update. Revoking
+                # every key takes an explicit `api_keys: []`.
+                raise ValueError("empty")
             entries = self._read_file()
         except (OSError, ValueError, ValidationError) as exc:
             self._bad_stamp = stamp  # warn once per broken version, not on every check
