@@ -28,6 +28,8 @@ LAYERS: dict[str, int] = {
     "router.request.headers": 3,
     "router.request.validate": 3,
     "router.request.failover": 3,
+    "router.request.prefix": 3,  # prompt -> block hash chain (pure)
+    "router.request.affinity": 3,  # hashing + prefix index + binding cache_aware
     "router.ops.metrics": 4,
     "router.discovery": 4,
     "router.request.proxy": 5,

@@ -291,8 +291,7 @@ class Engine:
             "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached "
             "tokens.\n"
             "# TYPE vllm:prefix_cache_hits counter\n"
-            f"vllm:prefix_cache_hits_total{lab} {float(self.prefix_hits)}\n"
-            + _filler("vllm", lab)
+            f"vllm:prefix_cache_hits_total{lab} {float(self.prefix_hits)}\n" + _filler("vllm", lab)
         ).encode()
 
 

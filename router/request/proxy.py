@@ -38,6 +38,7 @@ from router.core.settings import Settings
 from router.ops.metrics import Metrics
 from router.ops.tracing import NO_TRACE, NO_TRACING, RequestTrace, Tracing
 from router.registry.fleet import Registry
+from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
@@ -78,8 +79,11 @@ class Proxy:
         metrics: Metrics | None = None,
         tracing: Tracing = NO_TRACING,
         readings: Callable[[], Readings] | None = None,
+        affinity: Affinity | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
+        # The prefix index and prompt hashing, for balancers that route on cached prefixes.
+        self.affinity = affinity or Affinity(settings.affinity)
         self.tracing = tracing
         # The engine scraper's latest readings, for balancers that score engine load.
         self.readings = readings
@@ -200,16 +204,24 @@ class ProxyCall(Response):
         balancer = proxy.registry.balancer_for(self._model)
         last: _Retry | None = None
         trace = self._trace
+        prefix = proxy.affinity.hashes(balancer, self._payload)
 
         async def attempt(number: int, answered: Callable[[], None]) -> None:
             nonlocal last
             eligible = proxy.health.eligible(self._backends, self._model)
             trace.queued()
             readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
-            lease = await proxy.store.acquire(eligible, balancer, exclude, readings)
+            picker = proxy.affinity.bind(balancer, prefix, eligible) if prefix else balancer
+            lease = await proxy.store.acquire(eligible, picker, exclude, readings)
             if lease is None:
                 raise _NoneLeft
-            proxy.metrics.routed(self._model, balancer.name, lease.backend)
+            rec.reason = getattr(picker, "reason", "load")
+            proxy.metrics.routed(self._model, balancer.name, lease.backend, rec.reason)
+            if prefix:
+                held = getattr(picker, "held", 0)
+                rec.prefix_chars = held * proxy.settings.affinity.block_chars
+                proxy.affinity.dispatched(prefix, lease.backend, readings)
+                proxy.metrics.affinity(len(prefix), held, proxy.affinity.index.entries)
             trace.picked(lease.backend, getattr(lease, "reason", None))
             trace.attempt(lease.backend, number)
             rec.attempts = number
