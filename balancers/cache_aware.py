@@ -11,8 +11,10 @@ cost(c) = load(c) - cached_tokens(c) / TOKENS_PER_LOAD        (lowest cost wins)
   that many steps before our first token), so a 6k-token conversation outweighs a queue of 6.
 Guardrail (bounded loads, Mirrokni et al.): a holder of the prefix whose request load (load(c)
 without its KV term) plus this request would exceed ceil(load_factor x (total + 1) / n) over the
-n candidates is passed over; if every holder is, the request spills to the least loaded
-candidate (`least_load`'s pick), which then joins the prefix's holders (the proxy records it).
+n candidates, and that is SPILL_MIN_GAP requests above the least loaded one, is passed over (the
+gap keeps affinity at low load, where a scrape taken mid-turn still shows the last turn running);
+if every holder is, the request spills to the least loaded candidate (`least_load`'s pick), which
+then joins the prefix's holders (the proxy records it).
 Reasons: `prefix` (the pick holds part of the prompt), `spill` (a holder was passed over for the
 bound), `load` (no candidate holds any of it, or load outweighed the cache).
 It only ever sees eligible candidates (health, ejection, draining, `max_inflight` and the retry's
@@ -34,6 +36,7 @@ from balancers.least_load import KV_WEIGHT, LeastLoad
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_LOAD = 1000.0
+SPILL_MIN_GAP = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +98,13 @@ class PrefixPick:
             return self._load.pick(pool)
         requests = [s - _kv_term(c) for s, c in live]
         cap = math.ceil(self._factor * (sum(requests) + 1) / len(live))
+        floor = min(requests) + SPILL_MIN_GAP
         per_token = self._match.block_chars / CHARS_PER_TOKEN / TOKENS_PER_LOAD
         options: list[tuple[float, Candidate]] = []
         passed_over = False
         for (s, c), r in zip(live, requests, strict=True):
             blocks = held.get(c.name, 0)
-            if blocks and r + 1 / c.weight > cap:
+            if blocks and r + 1 / c.weight > cap and r >= floor:
                 passed_over = True
                 continue
             options.append((s - blocks * per_token, c))
