@@ -15,11 +15,15 @@ n candidates, and that is SPILL_MIN_GAP requests above the least loaded one, is 
 gap keeps affinity at low load, where a scrape taken mid-turn still shows the last turn running);
 if every holder is, the request spills to the least loaded candidate (`least_load`'s pick), which
 then joins the prefix's holders (the proxy records it).
-Reasons: `prefix` (the pick holds part of the prompt), `spill` (a holder was passed over for the
-bound), `load` (no candidate holds any of it, or load outweighed the cache).
+Session affinity comes first when the request names a session (`Hints.session`: the ring point
+of its key): consistent hashing with bounded loads over the candidates (balancers/session_ring.py),
+the key's home unless it is over the same bound, else the next backend clockwise under it.
+Reasons: `session` (the key's home), `prefix` (the pick holds part of the prompt), `spill` (a
+holder or the key's home was passed over for the bound), `load` (no candidate holds any of the
+prompt, or load outweighed the cache).
 It only ever sees eligible candidates (health, ejection, draining, `max_inflight` and the retry's
 `exclude` are applied before), so affinity never overrides them. Pure: the match arrives as data
-through `with_prefix()`, which returns this request's picker; plain `pick()` is `least_load`'s.
+through `with_hints()`, which returns this request's picker; plain `pick()` is `least_load`'s.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import ClassVar
 from balancers.base import Candidate
 from balancers.least_inflight import weighted_choice
 from balancers.least_load import KV_WEIGHT, LeastLoad
+from balancers.session_ring import Ring
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_LOAD = 1000.0
@@ -40,10 +45,13 @@ SPILL_MIN_GAP = 2.0
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixMatch:
+class Hints:
+    """What one request brings to the choice, computed outside the balancer."""
+
     blocks: int  # blocks in the request's prefix chain
     block_chars: int
     held: Mapping[str, int]  # backend -> how many leading blocks the index says it holds
+    session: int | None = None  # the session key's point on the ring (None: no session)
 
 
 class CacheAware:
@@ -54,29 +62,36 @@ class CacheAware:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
         self._load = LeastLoad(self._rng)
+        self._rings: dict[frozenset[str], Ring] = {}  # candidate set -> its ring
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
     ) -> Candidate | None:
         return self._load.pick(candidates, exclude)
 
-    def with_prefix(self, match: PrefixMatch, load_factor: float) -> PrefixPick:
-        return PrefixPick(self._load, self._rng, match, load_factor)
+    def with_hints(self, hints: Hints, load_factor: float) -> HintedPick:
+        return HintedPick(self, hints, load_factor)
+
+    def ring(self, names: frozenset[str]) -> Ring:
+        ring = self._rings.get(names)
+        if ring is None:
+            if len(self._rings) >= 16:  # health and capacity reshape the set; keep recent ones
+                self._rings.clear()
+            ring = self._rings[names] = Ring(names)
+        return ring
 
 
-class PrefixPick:
+class HintedPick:
     """One request's `cache_aware` picker; after `pick()`, `reason` and `held` say why."""
 
     name: ClassVar[str] = "cache_aware"
     needs_counts: ClassVar[bool] = True
     needs_engine: ClassVar[bool] = True
 
-    def __init__(
-        self, load: LeastLoad, rng: random.Random, match: PrefixMatch, load_factor: float
-    ) -> None:
-        self._load = load
-        self._rng = rng
-        self._match = match
+    def __init__(self, owner: CacheAware, hints: Hints, load_factor: float) -> None:
+        self._owner = owner
+        self._load = owner._load
+        self._hints = hints
         self._factor = load_factor
         self.reason = "load"
         self.held = 0  # leading blocks the picked backend holds
@@ -85,26 +100,43 @@ class PrefixPick:
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
     ) -> Candidate | None:
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
-        held = self._match.held
+        hints = self._hints
+        held = hints.held
         self.reason, self.held = "load", 0
         if not pool:
             return None
-        if not held or not any(c.name in held for c in pool):
+        if hints.session is None and not any(c.name in held for c in pool):
             return self._load.pick(pool)
         score = self._load.score
-        scored = [(score(c), c) for c in pool]
-        live = [(s, c) for s, c in scored if s != math.inf]
+        live = [(s, c) for c in pool if (s := score(c)) != math.inf]
         if not live:  # only stale readings: nothing to weigh the cache against
             return self._load.pick(pool)
-        requests = [s - _kv_term(c) for s, c in live]
-        cap = math.ceil(self._factor * (sum(requests) + 1) / len(live))
-        floor = min(requests) + SPILL_MIN_GAP
-        per_token = self._match.block_chars / CHARS_PER_TOKEN / TOKENS_PER_LOAD
+        requests = {c.name: s - _kv_term(c) for s, c in live}
+        cap = math.ceil(self._factor * (sum(requests.values()) + 1) / len(live))
+        floor = min(requests.values()) + SPILL_MIN_GAP
+
+        def over(c: Candidate) -> bool:
+            r = requests[c.name]
+            return r + 1 / c.weight > cap and r >= floor
+
+        if hints.session is not None:
+            by_name = {c.name: c for _, c in live}
+            ring = self._owner.ring(frozenset(by_name))
+            for i, name in enumerate(ring.walk(hints.session)):
+                c = by_name[name]
+                if not over(c):
+                    self.reason = "session" if i == 0 else "spill"
+                    self.held = held.get(name, 0)
+                    return c
+            self.reason = "spill"
+            return self._load.pick(pool)
+
+        per_token = hints.block_chars / CHARS_PER_TOKEN / TOKENS_PER_LOAD
         options: list[tuple[float, Candidate]] = []
         passed_over = False
-        for (s, c), r in zip(live, requests, strict=True):
+        for s, c in live:
             blocks = held.get(c.name, 0)
-            if blocks and r + 1 / c.weight > cap and r >= floor:
+            if blocks and over(c):
                 passed_over = True
                 continue
             options.append((s - blocks * per_token, c))
@@ -113,7 +145,7 @@ class PrefixPick:
             return self._load.pick([c for _, c in live if c.name not in held] or pool)
         best = min(cost for cost, _ in options)
         tied = [c for cost, c in options if cost == best]
-        chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._rng.random())
+        chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._owner._rng.random())
         self.held = held.get(chosen.name, 0)
         self.reason = "prefix" if self.held else ("spill" if passed_over else "load")
         return chosen

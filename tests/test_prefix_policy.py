@@ -7,13 +7,14 @@ import random
 from types import MappingProxyType
 
 from balancers.base import Candidate
-from balancers.cache_aware import CacheAware, PrefixMatch, PrefixPick
+from balancers.cache_aware import CacheAware, HintedPick, Hints
 from balancers.inflight.local import LocalInflight
 from balancers.prefix_index import PrefixIndex
+from balancers.session_ring import Ring, point
 from router.core.backend import Backend
 from router.core.engine import EngineReading
 from router.core.settings import AffinityConfig
-from router.request.affinity import Affinity
+from router.request.affinity import MAX_SESSION_KEY_CHARS, Affinity
 from router.request.prefix import block_hashes, prefix_hashes, prompt_text
 
 SYSTEM = "You are a careful assistant. " * 40  # 1160 characters
@@ -89,22 +90,22 @@ def reading(running: float, kv: float = 0.0) -> EngineReading:
 def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     bal = CacheAware(random.Random(1))
     # 8000 characters = 2000 tokens: worth two requests of queueing.
-    match = PrefixMatch(blocks=32, block_chars=256, held={"a": 32})
+    match = Hints(blocks=32, block_chars=256, held={"a": 32})
     a, b, c = (Candidate(n, 1.0, 0, reading(r)) for n, r in (("a", 3), ("b", 2), ("c", 2)))
-    pick = bal.with_prefix(match, 1.25)
+    pick = bal.with_hints(match, 1.25)
     assert pick.pick([a, b, c]) == a and (pick.reason, pick.held) == ("prefix", 32)
     # Far above the mean (cap = ceil(1.25 x (10 + 1) / 3) = 5): it spills to the least loaded.
     a = Candidate("a", 1.0, 0, reading(8))
     b, c = Candidate("b", 1.0, 0, reading(2)), Candidate("c", 1.0, 0, reading(0))
-    pick = bal.with_prefix(match, 1.25)
+    pick = bal.with_hints(match, 1.25)
     assert pick.pick([a, b, c]) == c and (pick.reason, pick.held) == ("spill", 0)
     # A looser bound keeps it on the holder only while the cache is worth the queue.
-    pick = bal.with_prefix(match, 4.0)
+    pick = bal.with_hints(match, 4.0)
     assert pick.pick([a, b, c]) == c and pick.reason == "load"
     # The holder excluded (its attempt failed) or absent: plain least_load, reason load.
-    pick = bal.with_prefix(match, 1.25)
+    pick = bal.with_hints(match, 1.25)
     assert pick.pick([a, b, c], exclude={"a"}) == c and pick.reason == "load"
-    assert bal.with_prefix(PrefixMatch(0, 256, {}), 1.25).pick([b, c]) == c
+    assert bal.with_hints(Hints(0, 256, {}), 1.25).pick([b, c]) == c
 
 
 def _backends(*names: str) -> list[Backend]:
@@ -117,19 +118,61 @@ def test_a_hot_prefix_spreads_over_holders_and_never_melts_one() -> None:
     affinity = Affinity(AffinityConfig(block_chars=64, capacity_tokens=65536))
     store, bal = LocalInflight(), CacheAware(random.Random(3))
     backends = _backends("a", "b", "c", "d")
-    hashes = affinity.hashes(bal, chat("Summarise our contract. " * 400))
-    assert hashes
-    affinity.dispatched(hashes, "a", None)
+    request = affinity.prepare(bal, [], chat("Summarise our contract. " * 400))
+    assert request is not None and request.hashes and request.session is None
+    affinity.dispatched(request.hashes, "a", None)
     picked, reasons = [], []
     for _ in range(16):
-        picker = affinity.bind(bal, hashes, backends)
+        picker = affinity.bind(bal, request, backends)
         lease = store.acquire_now(backends, picker, set())
         assert lease is not None
-        affinity.dispatched(hashes, lease.backend, None)
+        affinity.dispatched(request.hashes, lease.backend, None)
         picked.append(lease.backend)
-        assert isinstance(picker, PrefixPick)
+        assert isinstance(picker, HintedPick)
         reasons.append(picker.reason)
     counts = {n: picked.count(n) for n in "abcd"}
     assert max(counts.values()) <= 5, counts  # 16 over 4 with bounded loads
     assert "spill" in reasons and reasons[0] == "prefix"
     assert reasons.count("prefix") >= 12  # once joined, the holders share the burst
+
+
+def test_the_session_key_comes_from_header_then_prompt_cache_key_then_user() -> None:
+    cfg = AffinityConfig(session_headers=["X-Session-Id", "x-conversation"])
+    aff = Affinity(cfg)
+    body = {"prompt_cache_key": "pck", "user": "u"}
+    assert aff.session_key([(b"x-conversation", b"conv")], body) == "conv"
+    assert aff.session_key([(b"x-session-id", b"s"), (b"x-conversation", b"c")], body) == "s"
+    assert aff.session_key([], body) == "pck"
+    assert aff.session_key([], {"user": "u", "prompt_cache_key": 5}) == "u"
+    assert aff.session_key([], {"user": ["not", "a", "string"]}) is None
+    # A 10 MB key is ignored (served without session affinity), never hashed whole.
+    assert aff.session_key([], {"user": "k" * 10_000_000}) is None
+    assert aff.session_key([], {"user": "k" * MAX_SESSION_KEY_CHARS}) is not None
+    assert aff.prepare(CacheAware(), [], {"user": "k" * 10_000_000}) is None
+
+
+def test_the_ring_moves_only_the_new_backends_share() -> None:
+    keys = [point(f"session-{i}") for i in range(4000)]
+    three, four = Ring(["a", "b", "c"]), Ring(["a", "b", "c", "d"])
+    before = [next(three.walk(k)) for k in keys]
+    after = [next(four.walk(k)) for k in keys]
+    moved = [(x, y) for x, y in zip(before, after, strict=True) if x != y]
+    assert all(y == "d" for _, y in moved)  # nobody moves between the old three
+    assert 0.15 < len(moved) / len(keys) < 0.35  # about 1/4
+    assert sorted(set(before)) == ["a", "b", "c"]
+    assert len(list(four.walk(keys[0]))) == 4  # the walk meets every backend once
+
+
+def test_a_session_sticks_under_the_bound_and_walks_the_ring_past_it() -> None:
+    bal = CacheAware(random.Random(1))
+    session = point("user-42")
+    home = next(Ring(["a", "b", "c"]).walk(session))
+    idle = [Candidate(n, 1.0, 0, reading(0)) for n in ("a", "b", "c")]
+    pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
+    assert all(pick.pick(idle).name == home for _ in range(20)) and pick.reason == "session"
+    busy = [Candidate(n, 1.0, 0, reading(9 if n == home else 1)) for n in ("a", "b", "c")]
+    second = list(Ring(["a", "b", "c"]).walk(session))[1]
+    pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
+    assert pick.pick(busy).name == second and pick.reason == "spill"
+    # Its home excluded (a failed attempt): the next one on the ring, never the excluded.
+    assert pick.pick(idle, exclude={home}).name == second

@@ -223,6 +223,17 @@ class AffinityConfig(_Strict):
     # A prefix holder above this times the mean load (counting the new request) is passed over
     # for the least loaded backend, which then joins the holders.
     load_factor: float = Field(1.25, ge=1.0, le=100.0)
+    # Session affinity: the first of these headers present names the session (then the body's
+    # prompt_cache_key, then user).
+    session_headers: list[str] = Field(default_factory=lambda: ["x-session-id"], max_length=16)
+
+    @field_validator("session_headers")
+    @classmethod
+    def _header_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}", name):
+                raise ValueError(f"{name!r} is not a header name")
+        return [name.lower() for name in v]
 
 
 _TEMPLATE_FIXED = ("name", "url", "models")

@@ -204,24 +204,25 @@ class ProxyCall(Response):
         balancer = proxy.registry.balancer_for(self._model)
         last: _Retry | None = None
         trace = self._trace
-        prefix = proxy.affinity.hashes(balancer, self._payload)
+        affinity = proxy.affinity.prepare(balancer, self._client_headers, self._payload)
 
         async def attempt(number: int, answered: Callable[[], None]) -> None:
             nonlocal last
             eligible = proxy.health.eligible(self._backends, self._model)
             trace.queued()
             readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
-            picker = proxy.affinity.bind(balancer, prefix, eligible) if prefix else balancer
+            picker = proxy.affinity.bind(balancer, affinity, eligible) if affinity else balancer
             lease = await proxy.store.acquire(eligible, picker, exclude, readings)
             if lease is None:
                 raise _NoneLeft
             rec.reason = getattr(picker, "reason", "load")
             proxy.metrics.routed(self._model, balancer.name, lease.backend, rec.reason)
-            if prefix:
+            if affinity:
                 held = getattr(picker, "held", 0)
                 rec.prefix_chars = held * proxy.settings.affinity.block_chars
-                proxy.affinity.dispatched(prefix, lease.backend, readings)
-                proxy.metrics.affinity(len(prefix), held, proxy.affinity.index.entries)
+                proxy.affinity.dispatched(affinity.hashes, lease.backend, readings)
+                entries = proxy.affinity.index.entries
+                proxy.metrics.affinity(len(affinity.hashes), held, entries)
             trace.picked(lease.backend, getattr(lease, "reason", None))
             trace.attempt(lease.backend, number)
             rec.attempts = number
