@@ -5,19 +5,22 @@ cost(c) = load(c) - cached_tokens(c) / TOKENS_PER_LOAD        (lowest cost wins)
 - load(c): `least_load`'s score (engine queue, batch, KV use, our dispatches since the scrape,
   per weight; in-flight count without a reading), i.e. the expected queueing ahead of us;
 - cached_tokens(c): the prompt's leading blocks that the prefix index says c was last sent
-  (`PrefixMatch.held`, blocks x block_chars / CHARS_PER_TOKEN), i.e. prefill it would skip;
-- TOKENS_PER_LOAD: saving this much prefill is worth one request of queueing (an engine
-  prefills ~1k tokens in the time of a few decode steps; a request ahead of us costs about
-  that many steps before our first token), so a 6k-token conversation outweighs a queue of 6.
+  (`Hints.held`, blocks x block_chars / CHARS_PER_TOKEN), i.e. prefill it would skip;
+- TOKENS_PER_LOAD: prefill worth one unit of `least_load` (a running request; a waiting one is
+  4): with continuous batching a running request barely delays our first token, a queued one
+  delays it by about one prefill of ~1k tokens; so a 6k-token conversation outweighs 24 running
+  or 6 queued requests elsewhere. The load bound, not the score, keeps a hot prefix in check.
 Guardrail (bounded loads, Mirrokni et al.): a holder of the prefix whose request load (load(c)
 without its KV term) plus this request would exceed ceil(load_factor x (total + 1) / n) over the
-n candidates, and that is SPILL_MIN_GAP requests above the least loaded one, is passed over (the
-gap keeps affinity at low load, where a scrape taken mid-turn still shows the last turn running);
+n candidates, and that is SPILL_MIN_GAP above the least loaded one (one queued request's worth:
+at low load the signals lag, a scrape taken mid-turn still shows the last turn running and its
+lease may not be released yet, and that must not break affinity), is passed over;
 if every holder is, the request spills to the least loaded candidate (`least_load`'s pick), which
 then joins the prefix's holders (the proxy records it).
 Session affinity comes first when the request names a session (`Hints.session`: the ring point
 of its key): consistent hashing with bounded loads over the candidates (balancers/session_ring.py),
-the key's home unless it is over the same bound, else the next backend clockwise under it.
+the key's home unless it is over the same bound, else the next backend clockwise under it (a
+backend whose engine reading is stale is left off the ring until it is read again).
 Reasons: `session` (the key's home), `prefix` (the pick holds part of the prompt), `spill` (a
 holder or the key's home was passed over for the bound), `load` (no candidate holds any of the
 prompt, or load outweighed the cache).
@@ -36,12 +39,12 @@ from typing import ClassVar
 
 from balancers.base import Candidate
 from balancers.least_inflight import weighted_choice
-from balancers.least_load import KV_WEIGHT, LeastLoad
+from balancers.least_load import KV_WEIGHT, QUEUE_WEIGHT, LeastLoad
 from balancers.session_ring import Ring
 
 CHARS_PER_TOKEN = 4
-TOKENS_PER_LOAD = 1000.0
-SPILL_MIN_GAP = 2.0
+TOKENS_PER_LOAD = 250.0
+SPILL_MIN_GAP = QUEUE_WEIGHT
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@ with `balancer: cache_aware`, the openai SDK as the client.
 
 A follow-up turn lands where the first turn went and the engine reports the cached prefix; a
 hot prefix spills past the load bound and the spill targets become holders; bad or huge prompts
-never fail a request. Scrape interval 0.1 s; every wait is a poll with a deadline.
+never fail a request; a session key sticks and moves only to a backend added. Scrape interval
+0.1 s (stale only after 3 s: a busy test machine must not make an engine look gone); every wait
+is a poll with a deadline.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +38,7 @@ def fleet() -> Iterator[dict[str, Proc]]:
             {
                 "backends": [backend(n, m) for n, m in mocks.items()],
                 "balancer": "cache_aware",
-                "engine_metrics": {"interval": 0.1, "timeout": 0.2, "stale_after": 0.5},
+                "engine_metrics": {"interval": 0.1, "timeout": 1, "stale_after": 3},
                 "expose_backend_header": True,
                 "health": {"interval": 60},
             }
@@ -67,12 +70,18 @@ def router_metrics(router: Proc) -> str:
     return httpx.get(router.url + "/metrics", timeout=5).text
 
 
-def log_lines(router: Proc) -> list[dict[str, Any]]:
-    out = []
-    for line in router.log().splitlines():
-        if '"request_id"' in line and line.startswith("{"):
-            out.append(json.loads(line))
-    return out
+def log_lines(router: Proc, *ids: str) -> dict[str, dict[str, Any]]:
+    """The request log lines by id, once those of `ids` are written (the log writer batches)."""
+    deadline = time.monotonic() + 5
+    while True:
+        out = {}
+        for line in router.log().splitlines():
+            if '"request_id"' in line and line.startswith("{"):
+                record = json.loads(line)
+                out[record["request_id"]] = record
+        if all(i in out for i in ids) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
 
 
 def test_a_follow_up_turn_lands_on_the_engine_that_served_the_first(
@@ -113,7 +122,7 @@ def test_a_follow_up_turn_lands_on_the_engine_that_served_the_first(
     lookup = counter(after, "sluicegate_affinity_lookup_blocks_total")
     assert 0 < hit < lookup
     assert counter(after, "sluicegate_affinity_index_entries") > 0
-    lines = {line["request_id"]: line for line in log_lines(router)}
+    lines = log_lines(router, *(f"{t}{k}" for t in "fs" for k in range(6)))
     for k in range(6):
         assert lines[f"s{k}"]["reason"] == "prefix"
         assert lines[f"s{k}"]["prefix_chars"] >= 6000 - 256  # whole blocks of the first turn
@@ -142,7 +151,9 @@ def test_a_hot_prefix_spills_past_the_load_bound(fleet: dict[str, Proc]) -> None
         served = Counter(b for b, _ in pool.map(ask, range(12)))
     spills = counter(router_metrics(router), "sluicegate_routing_decisions_total", reason="spill")
     assert spills > counter(before, "sluicegate_routing_decisions_total", reason="spill")
-    assert len(served) >= 2 and max(served.values()) <= 6, served
+    # Without the bound all 12 stay on the holder (8000 cached tokens outweigh any queue here);
+    # with it the holder keeps about its fair share, give or take the scrape's lag.
+    assert len(served) >= 2 and max(served.values()) <= 8, served
     # The spill targets joined the holders: later turns hit a cache wherever they land.
     for i in range(4):
         _, cached = ask(100 + i, 2)
@@ -219,6 +230,75 @@ def test_bad_input_never_fails_a_request(fleet: dict[str, Proc]) -> None:
         resp = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=10)
         assert resp.status_code == 200, resp.text
     assert in_flight(router) == 0
-    lines = {line["request_id"]: line for line in log_lines(router)}
+    lines = log_lines(router, "huge")
     assert lines["huge"]["status"] == 200 and lines["huge"]["prefix_chars"] <= 128 * 1024
     assert re.search(r'"reason": "(prefix|load|spill)"', router.log())
+
+
+def test_a_session_key_sticks_and_moves_minimally_when_a_backend_is_added(
+    fleet: dict[str, Proc],
+) -> None:
+    c = Cluster()
+    token = "session-test-admin-token"
+    try:
+        router = c.router(
+            {
+                "backends": [backend("a", fleet["a"]), backend("b", fleet["b"])],
+                "balancer": "cache_aware",
+                "engine_metrics": {"interval": 0.1, "timeout": 1, "stale_after": 3},
+                "expose_backend_header": True,
+                "health": {"interval": 60},
+            },
+            env={"SLUICEGATE_ADMIN_TOKEN": token},
+        )
+
+        def where(key: str, how: str = "header") -> str:
+            extra: dict[str, Any] = {"user": key} if how == "user" else {}
+            headers = {"x-session-id": key} if how == "header" else {}
+            r = httpx.post(
+                router.url + "/v1/chat/completions",
+                json={
+                    "model": "m",
+                    "max_tokens": 1,
+                    **extra,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+                headers=headers,
+                timeout=10,
+            )
+            assert r.status_code == 200, r.text
+            return r.headers["x-sluicegate-backend"]
+
+        keys = [f"session-{i}" for i in range(90)]
+        home = {k: where(k) for k in keys}
+        assert set(home.values()) == {"a", "b"}
+        assert all(where(k) == home[k] for k in keys[:30])  # it sticks
+        via_user = {k: where(k, "user") for k in keys[30:45]}
+        assert all(via_user[k] == home[k] for k in via_user)  # the same key, from `user`
+        added = httpx.post(
+            router.url + "/admin/backends",
+            json=backend("c", fleet["c"]),
+            headers={"authorization": f"Bearer {token}"},
+            timeout=5,
+        )
+        assert added.status_code == 201, added.text
+
+        def c_is_read() -> bool:
+            auth = {"authorization": f"Bearer {token}"}
+            listed = httpx.get(router.url + "/admin/backends", headers=auth, timeout=5).json()
+            return any(
+                b["name"] == "c" and b["engine"] and not b["engine"]["stale"] for b in listed
+            )
+
+        deadline = time.monotonic() + 5
+        while not c_is_read():
+            assert time.monotonic() < deadline, "the added backend was never scraped"
+            time.sleep(0.05)
+        now = {k: where(k) for k in keys}
+        moved = [k for k in keys if now[k] != home[k]]
+        assert all(now[k] == "c" for k in moved)  # no key moves between a and b
+        assert 0.15 <= len(moved) / len(keys) <= 0.55, len(moved)  # about 1/3
+        text = router_metrics(router)
+        assert counter(text, "sluicegate_routing_decisions_total", reason="session") >= 200
+    finally:
+        c.close()

@@ -89,7 +89,7 @@ def reading(running: float, kv: float = 0.0) -> EngineReading:
 
 def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     bal = CacheAware(random.Random(1))
-    # 8000 characters = 2000 tokens: worth two requests of queueing.
+    # 8192 characters = 2048 tokens: worth 8 running requests elsewhere.
     match = Hints(blocks=32, block_chars=256, held={"a": 32})
     a, b, c = (Candidate(n, 1.0, 0, reading(r)) for n, r in (("a", 3), ("b", 2), ("c", 2)))
     pick = bal.with_hints(match, 1.25)
@@ -101,6 +101,8 @@ def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     assert pick.pick([a, b, c]) == c and (pick.reason, pick.held) == ("spill", 0)
     # A looser bound keeps it on the holder only while the cache is worth the queue.
     pick = bal.with_hints(match, 4.0)
+    assert pick.pick([a, b, c]) == a and pick.reason == "prefix"
+    a = Candidate("a", 1.0, 0, reading(12))
     assert pick.pick([a, b, c]) == c and pick.reason == "load"
     # The holder excluded (its attempt failed) or absent: plain least_load, reason load.
     pick = bal.with_hints(match, 1.25)
