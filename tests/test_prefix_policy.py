@@ -178,3 +178,32 @@ def test_a_session_sticks_under_the_bound_and_walks_the_ring_past_it() -> None:
     assert pick.pick(busy).name == second and pick.reason == "spill"
     # Its home excluded (a failed attempt): the next one on the ring, never the excluded.
     assert pick.pick(idle, exclude={home}).name == second
+
+
+def test_the_redis_store_runs_the_hinted_picker() -> None:
+    """Through the shared store the picker's choice and reason hold, and the lease counts."""
+    import asyncio
+
+    from balancers.inflight.redis import RedisInflight
+    from tests.harness import Cluster
+
+    c = Cluster()
+    try:
+        redis = c.redis()
+
+        async def run() -> tuple[str, str, dict[str, int]]:
+            store = RedisInflight(redis.url, timeout=1.0, heartbeat=False)
+            await store.start()
+            try:
+                readings = {n: reading(1) for n in ("a", "b", "c")}
+                hints = Hints(blocks=32, block_chars=256, held={"b": 32})
+                picker = CacheAware(random.Random(2)).with_hints(hints, 1.25)
+                lease = await store.acquire(_backends("a", "b", "c"), picker, set(), readings)
+                assert lease is not None and isinstance(picker, HintedPick)
+                return lease.backend, picker.reason, await store.counts(["a", "b", "c"])
+            finally:
+                await store.aclose()
+
+        assert asyncio.run(run()) == ("b", "prefix", {"a": 0, "b": 1, "c": 0})
+    finally:
+        c.close()
