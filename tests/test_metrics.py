@@ -47,7 +47,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
             "balancer": "round_robin",
             # One probe at start, then none during the module: `dead` stays in rotation for the
             # retry test however long the tests before it take on a loaded machine.
-            "health": {"interval": 300},
+            "health": {"interval": 300, "unhealthy_interval": 300},
         },
         workers=2,
     )

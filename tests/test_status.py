@@ -30,7 +30,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
             "outlier": {"max_ejection_percent": 100},
             # One probe at start, then none during the module: `dead` is out by ejection (what
             # the test reads), not by failed probes, however slowly the tests before it run.
-            "health": {"interval": 300},
+            "health": {"interval": 300, "unhealthy_interval": 300},
         },
         env={"SLUICEGATE_ADMIN_TOKEN": "status-admin-token-123"},
     )
