@@ -10,11 +10,12 @@ cost(c) = load(c) - cached_tokens(c) / TOKENS_PER_LOAD        (lowest cost wins)
   4): with continuous batching a running request barely delays our first token, a queued one
   delays it by about one prefill of ~1k tokens; so a 6k-token conversation outweighs 24 running
   or 6 queued requests elsewhere. The load bound, not the score, keeps a hot prefix in check.
-Guardrail (bounded loads, Mirrokni et al.): a holder of the prefix whose request load (load(c)
-without its KV term) plus this request would exceed ceil(load_factor x (total + 1) / n) over the
-n candidates, and that is SPILL_MIN_GAP above the least loaded one (one queued request's worth:
-at low load the signals lag, a scrape taken mid-turn still shows the last turn running and its
-lease may not be released yet, and that must not break affinity), is passed over;
+Guardrail (bounded loads, Mirrokni et al.): a holder of the prefix whose requests in flight
+through sluicegate (`Candidate.inflight` per weight: exact, and shared across replicas with the
+Redis store, where a scrape lags) plus this one would exceed ceil(load_factor x (total + 1) / n)
+over the n candidates, and that is SPILL_MIN_GAP above the least loaded one (at low load the
+last turn's lease may not be released yet when the next turn arrives; that must not break
+affinity), is passed over;
 if every holder is, the request spills to the least loaded candidate (`least_load`'s pick), which
 then joins the prefix's holders (the proxy records it).
 Session affinity comes first when the request names a session (`Hints.session`: the ring point
@@ -39,12 +40,12 @@ from typing import ClassVar
 
 from balancers.base import Candidate
 from balancers.least_inflight import weighted_choice
-from balancers.least_load import KV_WEIGHT, QUEUE_WEIGHT, LeastLoad
+from balancers.least_load import LeastLoad
 from balancers.session_ring import Ring
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_LOAD = 250.0
-SPILL_MIN_GAP = QUEUE_WEIGHT
+SPILL_MIN_GAP = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +115,7 @@ class HintedPick:
         live = [(s, c) for c in pool if (s := score(c)) != math.inf]
         if not live:  # only stale readings: nothing to weigh the cache against
             return self._load.pick(pool)
-        requests = {c.name: s - _kv_term(c) for s, c in live}
+        requests = {c.name: c.inflight / c.weight for _, c in live}
         cap = math.ceil(self._factor * (sum(requests.values()) + 1) / len(live))
         floor = min(requests.values()) + SPILL_MIN_GAP
 
@@ -152,8 +153,3 @@ class HintedPick:
         self.held = held.get(chosen.name, 0)
         self.reason = "prefix" if self.held else ("spill" if passed_over else "load")
         return chosen
-
-
-def _kv_term(c: Candidate) -> float:
-    r = c.engine
-    return KV_WEIGHT * r.kv_usage / c.weight if r is not None and not r.stale else 0.0

@@ -89,25 +89,30 @@ def reading(running: float, kv: float = 0.0) -> EngineReading:
 
 def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     bal = CacheAware(random.Random(1))
-    # 8192 characters = 2048 tokens: worth 8 running requests elsewhere.
+    # 8192 characters = 2048 tokens: worth 8 requests in flight elsewhere. No engine readings
+    # here: the score is the in-flight count, like the bound.
     match = Hints(blocks=32, block_chars=256, held={"a": 32})
-    a, b, c = (Candidate(n, 1.0, 0, reading(r)) for n, r in (("a", 3), ("b", 2), ("c", 2)))
+    a, b, c = Candidate("a", 1.0, 3), Candidate("b", 1.0, 2), Candidate("c", 1.0, 2)
     pick = bal.with_hints(match, 1.25)
     assert pick.pick([a, b, c]) == a and (pick.reason, pick.held) == ("prefix", 32)
     # Far above the mean (cap = ceil(1.25 x (10 + 1) / 3) = 5): it spills to the least loaded.
-    a = Candidate("a", 1.0, 0, reading(8))
-    b, c = Candidate("b", 1.0, 0, reading(2)), Candidate("c", 1.0, 0, reading(0))
+    a, b, c = Candidate("a", 1.0, 8), Candidate("b", 1.0, 2), Candidate("c", 1.0, 0)
     pick = bal.with_hints(match, 1.25)
     assert pick.pick([a, b, c]) == c and (pick.reason, pick.held) == ("spill", 0)
     # A looser bound keeps it on the holder only while the cache is worth the queue.
     pick = bal.with_hints(match, 4.0)
     assert pick.pick([a, b, c]) == a and pick.reason == "prefix"
-    a = Candidate("a", 1.0, 0, reading(12))
+    a = Candidate("a", 1.0, 12)
     assert pick.pick([a, b, c]) == c and pick.reason == "load"
     # The holder excluded (its attempt failed) or absent: plain least_load, reason load.
     pick = bal.with_hints(match, 1.25)
     assert pick.pick([a, b, c], exclude={"a"}) == c and pick.reason == "load"
     assert bal.with_hints(Hints(0, 256, {}), 1.25).pick([b, c]) == c
+    # Engine load enters the score: a holder whose engine is swamped by hidden load loses.
+    hot = Candidate("a", 1.0, 0, reading(running=40))
+    cool = Candidate("b", 1.0, 0, reading(running=1))
+    pick = bal.with_hints(match, 1.25)
+    assert pick.pick([hot, cool]) == cool and pick.reason == "load"
 
 
 def _backends(*names: str) -> list[Backend]:
@@ -172,7 +177,7 @@ def test_a_session_sticks_under_the_bound_and_walks_the_ring_past_it() -> None:
     idle = [Candidate(n, 1.0, 0, reading(0)) for n in ("a", "b", "c")]
     pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
     assert all(pick.pick(idle).name == home for _ in range(20)) and pick.reason == "session"
-    busy = [Candidate(n, 1.0, 0, reading(9 if n == home else 1)) for n in ("a", "b", "c")]
+    busy = [Candidate(n, 1.0, 9 if n == home else 1, reading(1)) for n in ("a", "b", "c")]
     second = list(Ring(["a", "b", "c"]).walk(session))[1]
     pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
     assert pick.pick(busy).name == second and pick.reason == "spill"
