@@ -2,7 +2,8 @@
 
 CPU per request, for a 32k-character chat prompt (a long system prompt and a few turns):
 hashing the prompt into its block chain (router/request/prefix.py), then the prefix index's
-lookup over 8 backends and its update (balancers/prefix_index.py), and the whole routing step.
+lookup over 8 backends and its update (balancers/prefix_index.py), and the whole routing step;
+a session key's ring point and home, and building a ring of 8 (once per candidate set).
 Targets (issue 11): hashing <= 0.3 ms, hash + lookup + update <= 0.5 ms.
 """
 
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from balancers.prefix_index import PrefixIndex
+from balancers.session_ring import Ring, point
 from router.request.prefix import prefix_hashes
 
 BLOCK = 256
@@ -64,6 +66,9 @@ def main() -> dict[str, float]:
         index.record(h, "b3", 2048)
 
     out["hash_lookup_update_ms"] = _cpu_ms(route, 2000)
+    ring = Ring(names)
+    out["session_point_and_walk_ms"] = _cpu_ms(lambda: next(ring.walk(point("user-42"))), 20000)
+    out["session_ring_build_8_ms"] = _cpu_ms(lambda: Ring(names), 200)
     return {k: round(v, 4) for k, v in out.items()}
 
 
