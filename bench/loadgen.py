@@ -27,10 +27,11 @@ class Result:
     cpu_s: float = 0.0
 
 
-def build_request(host: str, port: int, path: str, body: bytes) -> bytes:
+def build_request(host: str, port: int, path: str, body: bytes, extra: str = "") -> bytes:
+    """`extra`: more header lines, each ending in CRLF."""
     return (
         f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"{extra}content-length: {len(body)}\r\n\r\n"
     ).encode() + body
 
 
@@ -125,6 +126,7 @@ async def run_load(
     abort_after_chunks: int = 0,
     request_timeout: float = 120.0,
     ramp: float = 0.0,
+    extra_headers: str = "",
 ) -> Result:
     """`concurrency` users until `requests` are done or `duration` seconds pass (bounded)."""
     if not ipaddress.ip_address(host).is_loopback:
@@ -132,7 +134,7 @@ async def run_load(
     if not duration and not requests:
         raise ValueError("give a duration or a request count")
     loop = asyncio.get_running_loop()
-    req = build_request(host, port, path, body)
+    req = build_request(host, port, path, body, extra_headers)
     res = Result()
     stop_at = time.perf_counter() + (duration or request_timeout)
     budget = [requests or 10**9]

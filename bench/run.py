@@ -474,6 +474,12 @@ def engine(bench: Bench) -> None:
     bench.results["engine"] = {**res, "plot": PNG if made else None}
 
 
+def admission(bench: Bench) -> None:
+    from bench.admission import run as admission_run
+
+    bench.results["admission"] = admission_run(bench.cluster, bench.quick)
+
+
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "overhead": Bench.overhead,
     "streaming": Bench.streaming,
@@ -481,6 +487,7 @@ SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "soak": Bench.soak,
     "multi": Bench.multi,
     "engine": engine,
+    "admission": admission,
 }
 
 

@@ -36,6 +36,7 @@ from router.registry.fleet import (
     Registry,
     Snapshot,
 )
+from router.request.admission import Admission
 from router.request.drain import Lifecycle
 from router.request.proxy import Proxy
 from router.upstream.pools import Pools
@@ -115,6 +116,9 @@ def create_app(settings: Settings) -> FastPath:
     store = MeteredInflight(make_store(settings), metrics)
     lifecycle = Lifecycle()
     tracing = make_tracing(settings.tracing)
+    admission = Admission(settings.admission, metrics) if settings.admission else None
+    if admission is not None:
+        engine.on_change = admission.changed
     proxy = Proxy(
         settings,
         registry,
@@ -125,6 +129,7 @@ def create_app(settings: Settings) -> FastPath:
         metrics,
         tracing,
         readings=lambda: engine.readings,
+        admission=admission,
     )
 
     async def counts(names: Sequence[str]) -> dict[str, int]:
@@ -202,6 +207,8 @@ def create_app(settings: Settings) -> FastPath:
             await pools.aclose()
             await store.aclose()
             await tracing.aclose()
+            if admission is not None:
+                await admission.aclose()
             # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the
             # queued log lines now (bounded wait).
             stop_logging()

@@ -51,13 +51,18 @@ ALL_ON: dict[str, Any] = {
     ],
     "adminToken": {"existingSecret": "sg-admin", "key": "token"},
     "clientKeys": {"existingSecret": "sg-clients", "key": "api_keys.yaml"},
-    "config": {"api_keys": [{"sha256": "ab" * 32, "name": "ci"}]},
     "extraEnv": [
         {"name": "LATER_KEY", "valueFrom": {"secretKeyRef": {"name": "later", "key": "k"}}}
     ],
     "extraEnvFrom": [{"secretRef": {"name": "more-backend-keys"}}],
     "redis": {"enabled": True},
-    "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
+    "autoscaling": {
+        "enabled": True,
+        "minReplicas": 3,
+        "maxReplicas": 12,
+        "queueDepth": {"enabled": True},
+    },
+    "config": {"api_keys": [{"sha256": "ab" * 32, "name": "ci"}], "admission": {"max_wait": 20}},
     "podDisruptionBudget": {"enabled": True},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     "ingress": {
@@ -454,3 +459,12 @@ def test_schema_names_only_settings_the_router_knows() -> None:
         kind = source["properties"]["kind"]["const"]
         model = {"kubernetes": KubernetesDiscovery, "dns": DnsDiscovery}[kind]
         assert set(source["properties"]) <= set(model.model_fields)
+
+
+def test_autoscaling_can_follow_the_admission_queue() -> None:
+    (hpa,) = by_kind(manifests(ALL_ON), "HorizontalPodAutoscaler")
+    metrics = {m["type"]: m for m in hpa["spec"]["metrics"]}
+    assert metrics["Pods"]["pods"]["metric"]["name"] == "sluicegate_queue_depth"
+    assert metrics["Pods"]["pods"]["target"] == {"type": "AverageValue", "averageValue": "10"}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["autoscaling"]["queueDepth"]["enabled"] is False  # off by default

@@ -236,6 +236,26 @@ class AffinityConfig(_Strict):
         return [name.lower() for name in v]
 
 
+class SaturationConfig(_Strict):
+    """When an engine's own readings say it is full, even under its `max_inflight`."""
+
+    waiting: float = Field(8, gt=0)  # requests in the engine's queue
+    kv_usage: float = Field(0.95, gt=0, le=1)  # share of the KV cache in use
+
+
+class AdmissionConfig(_Strict):
+    """The admission queue (router/request/admission.py); absent: a full fleet answers 503."""
+
+    max_wait: float = Field(30.0, gt=0, le=3600)  # seconds a request may wait for a slot
+    max_queue: int = Field(10000, ge=1, le=1_000_000)  # requests waiting, all models together
+    saturation: SaturationConfig = SaturationConfig()
+    # Token estimate of a request whose body gives neither max_tokens nor max_completion_tokens.
+    default_max_tokens: int = Field(256, ge=1, le=1_000_000)
+    # Seconds between re-checks while something waits: catches slots freed by other replicas
+    # and workers (a local release or a new engine reading wakes the queue at once).
+    recheck: float = Field(0.5, gt=0, le=60)
+
+
 _TEMPLATE_FIXED = ("name", "url", "models")
 _PORT_NAME = r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$"  # an IANA_SVC_NAME, as Kubernetes has it
 
@@ -345,6 +365,13 @@ class ClientKeyConfig(_Strict):
     sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
     name: str | None = None
     models: list[str] | None = None  # None: every model
+    # Admission (only with `admission:` set): the key's band and its share within the band.
+    priority: Literal["critical", "standard", "sheddable"] = "standard"
+    weight: float = Field(1.0, gt=0, le=1000)
+    # Quotas, enforced per process (router/request/quota.py); None: no limit.
+    rpm: int | None = Field(None, ge=1, le=10_000_000)  # requests per minute
+    tpm: int | None = Field(None, ge=1, le=10_000_000_000)  # prompt + completion tokens / minute
+    max_parallel: int | None = Field(None, ge=1, le=1_000_000)  # requests in flight at once
 
     @model_validator(mode="before")
     @classmethod
@@ -436,6 +463,7 @@ class Settings(BaseSettings):
     # Backends that follow the cluster (EndpointSlices) or DNS answers; see router/discovery/.
     discovery: list[DiscoverySource] = Field(default_factory=list)
     tracing: TracingConfig = TracingConfig()
+    admission: AdmissionConfig | None = None
 
     @field_validator("backends")
     @classmethod

@@ -65,6 +65,8 @@ class EngineScraper:
         self._loop_task: asyncio.Task[None] | None = None
         self.readings: Mapping[str, EngineReading] = MappingProxyType({})
         self.scrapes = 0
+        # Called after new readings are published (the admission queue re-checks on it).
+        self.on_change: Callable[[], None] | None = None
 
     # --- what the rest of the router reads --------------------------------------------------
 
@@ -200,11 +202,15 @@ class EngineScraper:
 
     def _publish(self) -> None:
         self.readings = MappingProxyType({n: t.reading for n, t in self._targets.items()})
+        if self.on_change is not None:
+            self.on_change()
 
     def _publish_one(self, name: str, reading: EngineReading) -> None:
         new = dict(self.readings)
         new[name] = reading
         self.readings = MappingProxyType(new)
+        if self.on_change is not None:
+            self.on_change()
 
     async def aclose(self) -> None:
         if self._loop_task is not None:

@@ -275,6 +275,35 @@ class Metrics:
             "Log lines dropped because the log writer fell behind (its queue was full).",
             registry=reg,
         )
+        # Admission queue (router/request/admission.py): only moves while requests queue.
+        self.queue_depth_gauge = Gauge(
+            "sluicegate_queue_depth",
+            "Requests waiting in the admission queue for a backend slot, by model and priority.",
+            ("model", "priority"),
+            multiprocess_mode="livesum",
+            registry=reg,
+        )
+        self.queue_wait_seconds = Histogram(
+            "sluicegate_queue_wait_seconds",
+            "Time requests waited in the admission queue before a backend took them.",
+            ("model", "priority"),
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.ratelimited_total = Counter(
+            "sluicegate_ratelimited_total",
+            "Requests refused with 429 by a client key's quota, by key name and limit "
+            "(rpm, tpm, max_parallel).",
+            ("key", "limit"),
+            registry=reg,
+        )
+        self.shed_total = Counter(
+            "sluicegate_shed_total",
+            "Requests refused by the admission queue: max_wait, deadline (the client's "
+            "x-sluicegate-timeout) or queue_full.",
+            ("reason",),
+            registry=reg,
+        )
         # Label lookups take a lock and validate; resolve each combination once.
         self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
         self._by_backend: dict[str, tuple[Any, Any]] = {}
@@ -328,6 +357,18 @@ class Metrics:
         if rec.error in ("mid_stream", "timeout") and rec.backend:
             # Failures after the first byte; those before it went through attempt_failed().
             self.upstream_errors.labels(rec.backend, rec.error).inc()
+
+    def queue_depth(self, model: str, priority: str, delta: int) -> None:
+        self.queue_depth_gauge.labels(model, priority).inc(delta)
+
+    def queue_wait(self, model: str, priority: str, seconds: float) -> None:
+        self.queue_wait_seconds.labels(model, priority).observe(seconds)
+
+    def shed(self, reason: str) -> None:
+        self.shed_total.labels(reason).inc()
+
+    def ratelimited(self, key: str, limit: str) -> None:
+        self.ratelimited_total.labels(key, limit).inc()
 
     def attempt_failed(self, backend: str, kind: str) -> None:
         self.upstream_errors.labels(backend, kind).inc()

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from balancers.base import needs_engine
+from balancers.base import Balancer, needs_engine
 from balancers.inflight.base import InflightStore, Lease, Readings
 from health.state import HealthBook
 from router.core.backend import Backend
@@ -38,10 +38,12 @@ from router.core.settings import Settings
 from router.ops.metrics import Metrics
 from router.ops.tracing import NO_TRACE, NO_TRACING, RequestTrace, Tracing
 from router.registry.fleet import Registry
+from router.request.admission import Admission, Ticket, estimate_tokens, make_ticket
 from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
+from router.request.quota import KeyLimits, Quotas, Reservation
 from router.request.record import RequestRecord
 from router.request.usage import ResponseUsage
 from router.request.validate import request_id_of, validate
@@ -79,6 +81,7 @@ class Proxy:
         metrics: Metrics | None = None,
         tracing: Tracing = NO_TRACING,
         readings: Callable[[], Readings] | None = None,
+        admission: Admission | None = None,
         affinity: Affinity | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
@@ -93,6 +96,9 @@ class Proxy:
         self.store = store
         self.health = health
         self.lifecycle = lifecycle
+        self.admission = admission  # None: a full fleet answers 503 at once
+        # Per-key rpm / tpm / max_parallel, in this process.
+        self.quotas = Quotas(on_refused=self.metrics.ratelimited)
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
     async def prepare(
@@ -101,8 +107,12 @@ class Proxy:
         path: str,
         allowed_models: Set[str] | None = None,
         key_name: str | None = None,
+        priority: str = "standard",
+        weight: float = 1.0,
+        limits: KeyLimits | None = None,
     ) -> Response:
-        """`allowed_models`: the public names the client's key may use (None: any)."""
+        """`allowed_models`: the public names the client's key may use (None: any);
+        `priority`, `weight`: the key's admission band and share."""
         request_id = request_id_of(request.headers.get("x-request-id"))
         if self.lifecycle.draining:
             return error_response(
@@ -123,6 +133,34 @@ class Proxy:
             return checked
         record = RequestRecord(request_id, checked.model, path, checked.stream, time.perf_counter())
         record.key_name = key_name
+        ticket: Ticket | None = None
+        if self.admission is not None:
+            made = make_ticket(
+                self.admission.cfg,
+                request.headers,
+                request_id,
+                checked.model,
+                len(checked.body),
+                checked.payload,
+                record.started,
+                priority,
+                weight,
+                key_name or "",
+            )
+            if isinstance(made, Response):
+                return made
+            ticket = made
+        reservation = None
+        if limits is not None:
+            estimate = (
+                ticket.cost
+                if ticket is not None
+                else estimate_tokens(len(checked.body), checked.payload, DEFAULT_MAX_TOKENS)
+            )
+            held = self.quotas.admit(limits, estimate, request_id)
+            if isinstance(held, Response):
+                return held
+            reservation = held
         return ProxyCall(
             self,
             request,
@@ -133,6 +171,8 @@ class Proxy:
             checked.backends,
             checked.stream,
             record,
+            ticket,
+            reservation,
         )
 
 
@@ -150,6 +190,8 @@ class ProxyCall(Response):
         backends: Sequence[Backend],
         stream: bool,
         record: RequestRecord,
+        ticket: Ticket | None = None,
+        reservation: Reservation | None = None,
     ) -> None:
         self.background = None
         self.status_code = 200
@@ -161,6 +203,8 @@ class ProxyCall(Response):
         self._backends = backends
         self._stream = stream
         self._record = record
+        self._ticket = ticket
+        self._reservation = reservation
         self._client_headers = request.headers.raw
         self._started = False
         self._trace: RequestTrace = NO_TRACE
@@ -187,6 +231,15 @@ class ProxyCall(Response):
                 run.cancel()
                 await asyncio.wait((run,))
             lifecycle.leave()
+            # Only a request that queued has a fair-queue tag to correct.
+            queued = self._ticket is not None and self._ticket.queue is not None
+            if self._reservation is not None or queued:
+                used = _tokens_used(self._record, len(self._body) / 4)
+                if self._reservation is not None:
+                    self._reservation.close(used)
+                if queued and self._proxy.admission is not None:
+                    assert self._ticket is not None
+                    self._proxy.admission.settle(self._ticket, used)
             self._record.emit()
             self._proxy.metrics.observe(self._record)
             self._trace.finish(self._record, self._record.usage)
@@ -204,17 +257,44 @@ class ProxyCall(Response):
         balancer = proxy.registry.balancer_for(self._model)
         last: _Retry | None = None
         trace = self._trace
+        admission = proxy.admission
         affinity = proxy.affinity.prepare(balancer, self._client_headers, self._payload)
+        picker: Balancer = balancer  # this attempt's: `balancer` bound to the request's affinity
+        readings: Readings | None = None
+
+        def bound(eligible: Sequence[Backend]) -> Balancer:
+            nonlocal picker
+            picker = proxy.affinity.bind(balancer, affinity, eligible) if affinity else balancer
+            return picker
+
+        async def try_admit() -> Lease | None:
+            """One pick-and-count among backends with room by max_inflight and engine readings;
+            None sends the request to (or back to) the queue."""
+            nonlocal readings
+            assert admission is not None
+            eligible = proxy.health.eligible(self._backends, self._model)
+            if not eligible:
+                raise _NoneLeft  # nothing could take it however long it waited
+            all_readings = proxy.readings() if proxy.readings else None
+            if all_readings:
+                eligible = admission.open_backends(eligible, all_readings)
+                if not eligible:
+                    return None
+            readings = all_readings if needs_engine(balancer) else None
+            return await proxy.store.acquire(eligible, bound(eligible), exclude, readings)
 
         async def attempt(number: int, answered: Callable[[], None]) -> None:
-            nonlocal last
-            eligible = proxy.health.eligible(self._backends, self._model)
+            nonlocal last, readings
             trace.queued()
-            readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
-            picker = proxy.affinity.bind(balancer, affinity, eligible) if affinity else balancer
-            lease = await proxy.store.acquire(eligible, picker, exclude, readings)
-            if lease is None:
-                raise _NoneLeft
+            lease: Lease | None
+            if admission is not None and self._ticket is not None and number == 1:
+                lease = await admission.acquire(self._ticket, try_admit)
+            else:
+                eligible = proxy.health.eligible(self._backends, self._model)
+                readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
+                lease = await proxy.store.acquire(eligible, bound(eligible), exclude, readings)
+                if lease is None:
+                    raise _NoneLeft
             rec.reason = getattr(picker, "reason", "load")
             proxy.metrics.routed(self._model, balancer.name, lease.backend, rec.reason)
             if affinity:
@@ -293,6 +373,8 @@ class ProxyCall(Response):
             headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
             if proxy.settings.expose_backend_header:
                 headers.append((b"x-sluicegate-backend", backend.name.encode()))
+            if self._reservation is not None:
+                headers.extend(self._reservation.headers)
             rec.status = status
             self._trace.answered(status)
             await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -305,6 +387,8 @@ class ProxyCall(Response):
             if response is not None:
                 await response.aclose()
             proxy.store.release(lease)
+            if proxy.admission is not None:
+                proxy.admission.released()
 
     async def _retryable_status(self, backend: Backend, response: httpx.Response) -> None:
         """Read the (small) error answer, note it, and hand it to the retry loop."""
@@ -368,6 +452,20 @@ class ProxyCall(Response):
             return
         usage.close(readable and response.status_code < 400)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+DEFAULT_MAX_TOKENS = 256  # the completion estimate of a body without max_tokens (quotas)
+
+
+def _tokens_used(rec: RequestRecord, prompt_estimate: float) -> float:
+    """Prompt + completion tokens the response reported (completion events counted, and the
+    prompt estimated, when it did not report them); 0 when no backend answered."""
+    u = rec.usage
+    if u is None:
+        return 0.0
+    completion = u.reported_tokens if u.reported_tokens is not None else u.events
+    prompt = u.input_tokens if u.input_tokens is not None else prompt_estimate
+    return float(prompt + completion)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -36,7 +36,9 @@ def proxy_endpoints(proxy: Proxy, keys: ClientKeys | None = None) -> dict[str, E
             key = check(request)
             if isinstance(key, Response):
                 return key
-            return await proxy.prepare(request, path, key.models, key.name)
+            return await proxy.prepare(
+                request, path, key.models, key.name, key.priority, key.weight, key.limits
+            )
 
         endpoint.__name__ = path.strip("/").replace("/", "_")
         return endpoint

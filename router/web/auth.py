@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from router.core.errors import error_response
 from router.core.settings import ClientKeyConfig, read_api_keys_file
+from router.request.quota import KeyLimits
 
 log = logging.getLogger("sluicegate.auth")
 
@@ -87,6 +88,9 @@ class AdminAuth:
 class ClientKey:
     name: str | None
     models: frozenset[str] | None  # None: every model
+    priority: str = "standard"  # admission band
+    weight: float = 1.0  # share within the band
+    limits: KeyLimits | None = None  # rpm / tpm / max_parallel, when the entry sets any
 
 
 class ClientKeys:
@@ -118,8 +122,17 @@ class ClientKeys:
     def _rebuild(self, from_file: Sequence[ClientKeyConfig]) -> None:
         keys: dict[str, ClientKey] = {}
         for e in [*self._inline, *from_file]:
+            limits = None
+            if e.rpm is not None or e.tpm is not None or e.max_parallel is not None:
+                limits = KeyLimits(
+                    e.name or e.sha256, e.rpm, e.tpm, e.max_parallel, e.name or "unnamed"
+                )
             keys[e.sha256] = ClientKey(
-                e.name, frozenset(e.models) if e.models is not None else None
+                e.name,
+                frozenset(e.models) if e.models is not None else None,
+                e.priority,
+                e.weight,
+                limits,
             )
         self._keys = keys
 

@@ -1,0 +1,178 @@
+"""The admission queue's order inside one band, as a policy: slots freed one at a time go to
+tenants in proportion to weight, counted in estimated tokens; a woken request that leaves hands
+its wake on. (The end-to-end behaviour through a router is in test_admission.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from balancers.inflight.base import Lease
+from router.core.settings import AdmissionConfig
+from router.request.admission import Admission, Ticket, make_ticket
+
+
+class Slots:
+    """A fleet with `free` slots; a lease takes one."""
+
+    def __init__(self) -> None:
+        self.free = 0
+
+    async def try_once(self) -> Lease | None:
+        if self.free <= 0:
+            return None
+        self.free -= 1
+        return Lease("b")
+
+
+def ticket(tenant: str, weight: float = 1.0, cost: float = 100.0, band: int = 1) -> Ticket:
+    return Ticket("m", band, tenant, weight, cost, deadline=1e12, deadline_reason="max_wait")
+
+
+async def serve(adm: Admission, slots: Slots, tickets: list[Ticket], n: int) -> list[str]:
+    """Queue every ticket, then free `n` slots one by one; the tenants in the order served."""
+    order: list[str] = []
+
+    async def one(t: Ticket) -> None:
+        await adm.acquire(t, slots.try_once)
+        order.append(t.tenant)
+
+    tasks = [asyncio.create_task(one(t)) for t in tickets]
+    await asyncio.sleep(0)
+    assert adm.depth == len(tickets)
+    for i in range(n):
+        slots.free += 1
+        adm.released()
+        for _ in range(100):  # a handful of loop turns serve it; bounded all the same
+            if len(order) > i:
+                break
+            await asyncio.sleep(0)
+        assert len(order) == i + 1  # one slot, exactly one request admitted
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert adm.depth == 0  # cancelled waiters left the queue
+    await adm.aclose()
+    return order
+
+
+def test_weights_share_slots_in_proportion() -> None:
+    tickets = [t for _ in range(12) for t in (ticket("a", 1.0), ticket("b", 3.0))]
+    order = asyncio.run(serve(Admission(AdmissionConfig()), Slots(), tickets, 8))
+    assert Counter(order) == {"b": 6, "a": 2}
+
+
+def test_shares_count_tokens_not_requests() -> None:
+    # a sends prompts four times as long: the same share of tokens is a quarter of the requests.
+    tickets = [t for _ in range(12) for t in (ticket("a", cost=4000), ticket("b", cost=1000))]
+    order = asyncio.run(serve(Admission(AdmissionConfig()), Slots(), tickets, 10))
+    assert Counter(order) == {"b": 8, "a": 2}
+
+
+def test_bands_are_strict_whatever_the_weights() -> None:
+    tickets = [ticket("low", weight=1000, band=2), ticket("std"), ticket("top", band=0)]
+    order = asyncio.run(serve(Admission(AdmissionConfig()), Slots(), tickets, 3))
+    assert order == ["top", "std", "low"]
+
+
+def test_a_woken_request_that_leaves_hands_its_wake_on() -> None:
+    async def main() -> None:
+        adm, slots = Admission(AdmissionConfig()), Slots()
+        first, second = ticket("a"), ticket("b")
+        got: list[str] = []
+
+        async def one(t: Ticket) -> None:
+            await adm.acquire(t, slots.try_once)
+            got.append(t.tenant)
+
+        a = asyncio.create_task(one(first))
+        b = asyncio.create_task(one(second))
+        await asyncio.sleep(0)
+        slots.free = 1
+        adm.released()  # wakes `first`...
+        a.cancel()  # ...which leaves before it runs
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert got == ["b"] and adm.depth == 0
+        await b
+        await adm.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_estimate_is_body_bytes_over_four_plus_the_completion_budget() -> None:
+    from starlette.datastructures import Headers
+
+    cfg = AdmissionConfig(default_max_tokens=256)
+    h = Headers({})
+    t = make_ticket(cfg, h, "r", "m", 4000, {"max_tokens": 50}, 0.0, "standard", 1.0, "k")
+    assert isinstance(t, Ticket) and t.cost == 1000 + 50
+    t = make_ticket(cfg, h, "r", "m", 400, {"max_completion_tokens": 7}, 0.0, "standard", 1.0, "")
+    assert isinstance(t, Ticket) and t.cost == 100 + 7
+    t = make_ticket(cfg, h, "r", "m", 400, {}, 0.0, "critical", 1.0, "")
+    assert isinstance(t, Ticket) and t.cost == 100 + 256 and t.band == 0
+
+
+def test_real_usage_corrects_the_tenants_later_share() -> None:
+    async def main(used: float) -> list[str]:
+        adm, slots = Admission(AdmissionConfig()), Slots()
+        order: list[str] = []
+
+        async def one(t: Ticket) -> None:
+            await adm.acquire(t, slots.try_once)
+            order.append(t.tenant + str(t.seq))
+            if t.tenant == "a":
+                adm.settle(t, used)  # it used far more than its estimate of 100
+
+        a1, b1 = ticket("a"), ticket("b")
+        tasks = [asyncio.create_task(one(a1)), asyncio.create_task(one(b1))]
+        await asyncio.sleep(0)
+        slots.free = 1
+        adm.released()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert order == ["a1"]
+        a2, b2 = ticket("a"), ticket("b")
+        tasks += [asyncio.create_task(one(a2)), asyncio.create_task(one(b2))]
+        await asyncio.sleep(0)
+        for _ in range(3):
+            slots.free += 1
+            adm.released()
+            for _ in range(20):
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        await adm.aclose()
+        return [o[0] for o in order]
+
+    assert asyncio.run(main(1000)) == ["a", "b", "b", "a"]  # a's overrun pushed a2 back
+    assert asyncio.run(main(100)) == ["a", "b", "a", "b"]  # as estimated: a2 keeps its turn
+
+
+def test_a_release_while_the_head_tries_makes_it_try_again() -> None:
+    """The head finds no room, but a slot freed while it was trying: it tries once more."""
+
+    async def main() -> None:
+        adm = Admission(AdmissionConfig())
+        free = [0]
+        tries = [0]
+
+        async def try_once() -> Lease | None:
+            tries[0] += 1
+            await asyncio.sleep(0)  # a shared store's round trip
+            if tries[0] == 2:  # the first woken try: room frees meanwhile, too late for it
+                free[0] = 1
+                adm.released()
+                return None
+            if free[0]:
+                free[0] -= 1
+                return Lease("b")
+            return None
+
+        task = asyncio.create_task(adm.acquire(ticket("a"), try_once))
+        await asyncio.sleep(0)
+        adm.released()  # wakes it: try 2 fails, sees the release, try 3 succeeds
+        lease = await asyncio.wait_for(task, 1)
+        assert lease.backend == "b" and tries[0] == 3 and adm.depth == 0
+        await adm.aclose()
+
+    asyncio.run(main())
