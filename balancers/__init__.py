@@ -6,6 +6,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from balancers.base import Balancer, Candidate
+from balancers.cache_aware import CacheAware
 from balancers.least_inflight import LeastInflight
 from balancers.least_load import LeastLoad
 from balancers.round_robin import RoundRobin
@@ -15,6 +16,7 @@ BUILTIN: dict[str, type[Balancer]] = {
     RoundRobin.name: RoundRobin,
     LeastInflight.name: LeastInflight,
     LeastLoad.name: LeastLoad,
+    CacheAware.name: CacheAware,
 }
 
 __all__ = ["BUILTIN", "Balancer", "Candidate", "available", "balancer_class"]

@@ -234,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     eng.add_argument("--background-tokens", type=int, default=200)
     eng.add_argument("--old-kv-metric", action="store_true", help="vllm:gpu_cache_usage_perc")
     eng.add_argument("--sglang-metrics", action="store_true", help="export SGLang's names")
+    eng.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn off automatic prefix caching"
+    )
 
     args = parser.parse_args(argv)
     if args.command == "status":
@@ -264,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.old_kv_metric
                 else "vllm:kv_cache_usage_perc",
                 flavor="sglang" if args.sglang_metrics else "vllm",
+                prefix_caching=not args.no_prefix_caching,
             )
         run(args.host, args.port, args.name, args.ttft_ms, args.itl_ms, args.tokens, engine=engine)
         return 0

@@ -213,6 +213,29 @@ class EngineMetricsConfig(_Strict):
     stale_after: float = Field(1.0, gt=0, le=3600)
 
 
+class AffinityConfig(_Strict):
+    """Cache-aware routing (`balancer: cache_aware`): the prompt's prefix index and its bounds."""
+
+    block_chars: int = Field(256, ge=16, le=65536)  # characters per hashed block (~64 tokens)
+    max_prefix_chars: int = Field(128 * 1024, ge=0, le=16 * 1024 * 1024)  # hash at most this
+    # Per backend KV capacity when its engine does not report vllm:cache_config_info.
+    capacity_tokens: int = Field(131072, ge=1, le=1 << 31)
+    # A prefix holder above this times the mean load (counting the new request) is passed over
+    # for the least loaded backend, which then joins the holders.
+    load_factor: float = Field(1.25, ge=1.0, le=100.0)
+    # Session affinity: the first of these headers present names the session (then the body's
+    # prompt_cache_key, then user).
+    session_headers: list[str] = Field(default_factory=lambda: ["x-session-id"], max_length=16)
+
+    @field_validator("session_headers")
+    @classmethod
+    def _header_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}", name):
+                raise ValueError(f"{name!r} is not a header name")
+        return [name.lower() for name in v]
+
+
 class SaturationConfig(_Strict):
     """When an engine's own readings say it is full, even under its `max_inflight`."""
 
@@ -434,6 +457,7 @@ class Settings(BaseSettings):
     # Seconds between full registry reloads from Redis, which heal a missed pub/sub message.
     registry_resync: float = Field(1.0, gt=0, le=60)
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
+    affinity: AffinityConfig = AffinityConfig()
     # Adds `x-sluicegate-backend: <name>` to responses; off by default: it reveals topology.
     expose_backend_header: bool = False
     # Backends that follow the cluster (EndpointSlices) or DNS answers; see router/discovery/.

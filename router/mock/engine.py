@@ -15,11 +15,22 @@ Models (one step loop per engine, continuous batching):
 - vLLM's metric names (`vllm:num_requests_running/waiting`, `vllm:kv_cache_usage_perc` or the
   old `vllm:gpu_cache_usage_perc`, `vllm:num_preemptions_total`, `vllm:cache_config_info`) with
   the `model_name`/`engine` labels, plus a few histogram families of the size a real engine
-  exposes, or SGLang's (`sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`).
+  exposes, or SGLang's (`sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`);
+- automatic prefix caching (vLLM's APC, on by default as in vLLM v1; `prefix_caching=False` turns
+  it off): the prompt's full blocks of `block_size` tokens are hashed as a chain (each hash covers
+  its predecessor, so a hit is always a true prefix); at admission the longest cached run of them
+  is not prefilled again (never the whole prompt: its last token is always computed, as in vLLM);
+  the cache is an LRU of block hashes bounded by the KV capacity (`num_gpu_blocks`), a prompt's
+  blocks touched tail first so that eviction takes a prompt's tail before its head (vLLM frees a
+  request's blocks in reverse order); the response's `usage.prompt_tokens_details.cached_tokens`
+  and the token counters `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` report
+  it.
 
-Does not model: chunked-prefill token budgets, prefix caching, swapping, speculative decoding,
-priorities, tensor parallelism, real tokenisation (a prompt is `len(text) // 4` tokens), or GPU
-noise. Timing comes from the asyncio clock, so a busy host stretches every step alike.
+Does not model: chunked-prefill token budgets, swapping, speculative decoding, priorities, tensor
+parallelism, real tokenisation (a prompt is `len(text) // 4` tokens), or GPU noise. The prefix
+cache is bounded by the whole KV capacity, not by what the running batch leaves free (in vLLM a
+cached block is reclaimed when a running sequence needs it), and background sequences never hit
+it. Timing comes from the asyncio clock, so a busy host stretches every step alike.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -44,6 +56,7 @@ class EngineConfig:
     background_tokens: int = 200
     kv_metric: str = "vllm:kv_cache_usage_perc"  # or the old "vllm:gpu_cache_usage_perc"
     flavor: str = "vllm"  # "vllm" | "sglang": which metric names /metrics uses
+    prefix_caching: bool = True  # vLLM v1's default
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -60,6 +73,8 @@ class Seq:
     done: bool = False
     gone: bool = False
     blocks: int = 0
+    prefix: Sequence[int] = ()  # chained hashes of the prompt's full blocks
+    cached: int = 0  # prompt tokens found in the prefix cache at (the last) admission
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -74,14 +89,20 @@ class Engine:
         self.used_blocks = 0
         self.preemptions = 0
         self.steps = 0
+        self.prefix_cache: OrderedDict[int, None] = OrderedDict()  # block hash, LRU first
+        self.prefix_queries = 0  # tokens looked up (vllm:prefix_cache_queries_total)
+        self.prefix_hits = 0  # tokens found (vllm:prefix_cache_hits_total)
         self._rng = random.Random(0)  # same hidden load on every run
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     # --- the HTTP side ---------------------------------------------------------------------
 
-    def submit(self, prompt: int, max_tokens: int, background: bool = False) -> Seq:
-        seq = Seq(max(1, prompt), max(1, max_tokens), background)
+    def submit(
+        self, prompt: int, max_tokens: int, background: bool = False, prefix: Sequence[int] = ()
+    ) -> Seq:
+        """`prefix`: the prompt's chained block hashes (`block_hashes()`), for the prefix cache."""
+        seq = Seq(max(1, prompt), max(1, max_tokens), background, prefix=prefix)
         self.waiting.append(seq)
         self._ensure_running()
         return seq
@@ -183,9 +204,31 @@ class Engine:
             self.waiting.popleft()
             seq.blocks = need
             self.used_blocks += need
-            prefill += seq.prompt + seq.generated
+            if cfg.prefix_caching and not seq.background:
+                seq.cached = self._lookup_prefix(seq)
+            prefill += seq.prompt + seq.generated - seq.cached
             self.running.append(seq)
         return prefill
+
+    def _lookup_prefix(self, seq: Seq) -> int:
+        """Prompt tokens already cached (a true prefix, whole blocks, never the last token);
+        the prompt's blocks then join the cache as its most recent entries."""
+        cfg = self.config
+        cache = self.prefix_cache
+        hit = 0
+        for h in seq.prefix:
+            if h not in cache:
+                break
+            hit += 1
+        cached = min(hit * cfg.block_size, (seq.prompt - 1) // cfg.block_size * cfg.block_size)
+        self.prefix_queries += seq.prompt
+        self.prefix_hits += cached
+        for h in reversed(seq.prefix):  # tail first: the head is evicted last
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > cfg.num_gpu_blocks:
+            cache.popitem(last=False)
+        return cached
 
     def _grow(self) -> None:
         """Each running sequence's next token may need one more block; preempt the newest
@@ -239,10 +282,28 @@ class Engine:
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{cfg.block_size}",cache_dtype="auto",'
-            f'enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
+            f'enable_prefix_caching="{cfg.prefix_caching}",engine="0",gpu_memory_utilization="0.9",'
             f'num_cpu_blocks="None",num_gpu_blocks="{cfg.num_gpu_blocks}"}} 1.0\n'
-            + _filler("vllm", lab)
+            "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of "
+            "queried tokens.\n"
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f"vllm:prefix_cache_queries_total{lab} {float(self.prefix_queries)}\n"
+            "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached "
+            "tokens.\n"
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f"vllm:prefix_cache_hits_total{lab} {float(self.prefix_hits)}\n" + _filler("vllm", lab)
         ).encode()
+
+
+def block_hashes(text: str, block_chars: int) -> tuple[int, ...]:
+    """Chained hashes of `text`'s full blocks of `block_chars` characters: block i's hash covers
+    blocks 0..i, so equal hashes mean an equal prefix (a partial tail block is not cached)."""
+    out = []
+    h = 0
+    for i in range(0, len(text) - block_chars + 1, block_chars):
+        h = hash((h, text[i : i + block_chars]))
+        out.append(h)
+    return tuple(out)
 
 
 _BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)

@@ -28,7 +28,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from router.mock.engine import Engine, EngineConfig
+from router.mock.engine import Engine, EngineConfig, block_hashes
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -507,7 +507,10 @@ class MockUpstream:
         if n is None:
             return
         prompt = prompt_tokens(req)
-        seq = engine.submit(prompt, n)
+        prefix: tuple[int, ...] = ()
+        if engine.config.prefix_caching:
+            prefix = block_hashes(prompt_text(req), engine.config.block_size * 4)
+        seq = engine.submit(prompt, n, prefix=prefix)
 
         def left(_: object) -> None:
             if gone.is_set():
@@ -549,12 +552,17 @@ class MockUpstream:
                 else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
             ).replace(b'"delta":{"content":""}', b'"delta":{}')
             if _wants_usage(req):
-                tail += _usage_chunk(rid, model, chat, prompt, n)
+                tail += _usage_chunk(rid, model, chat, prompt, n, seq.cached)
             tail += b"data: [DONE]\n\n"
             await send({"type": "http.response.body", "body": tail, "more_body": False})
             return
         content = "".join(token_text(i) for i in range(n))
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n}
+        usage = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + n,
+            "completion_tokens": n,
+            "prompt_tokens_details": {"cached_tokens": seq.cached},
+        }
         choice: dict[str, Any] = (
             {
                 "index": 0,
@@ -597,12 +605,32 @@ def prompt_tokens(req: dict[str, Any]) -> int:
     return max(1, chars // 4)
 
 
+def prompt_text(req: dict[str, Any]) -> str:
+    """The prompt as the engine's prefix cache sees it: what a chat template would render
+    (roles and contents in order; non-string content as its JSON), or the completion prompt."""
+    messages = req.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if not isinstance(content, str):
+                content = json.dumps(content, sort_keys=True)
+            parts.append(f"<|{m.get('role')}|>{content}")
+        return "".join(parts)
+    prompt = req.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
 def _wants_usage(req: dict[str, Any]) -> bool:
     opts = req.get("stream_options")
     return isinstance(opts, dict) and opts.get("include_usage") is True
 
 
-def _usage_chunk(rid: str, model: str, chat: bool, prompt: int, completion: int) -> bytes:
+def _usage_chunk(
+    rid: str, model: str, chat: bool, prompt: int, completion: int, cached: int = 0
+) -> bytes:
     """vLLM's last chunk with `include_usage`: no choices, the request's token counts."""
     return (
         b"data: "
@@ -617,6 +645,7 @@ def _usage_chunk(rid: str, model: str, chat: bool, prompt: int, completion: int)
                     "prompt_tokens": prompt,
                     "total_tokens": prompt + completion,
                     "completion_tokens": completion,
+                    "prompt_tokens_details": {"cached_tokens": cached},
                 },
             },
             separators=(",", ":"),

@@ -186,8 +186,25 @@ class Metrics:
         )
         self.routing_decisions = Counter(
             "sluicegate_routing_decisions_total",
-            "Backends picked, by public model and balancer (each attempt counts once).",
-            ("model", "balancer", "backend"),
+            "Backends picked, by public model, balancer and reason (prefix, session, load, "
+            "spill; each attempt counts once).",
+            ("model", "balancer", "backend", "reason"),
+            registry=reg,
+        )
+        self.affinity_entries = Gauge(
+            "sluicegate_affinity_index_entries",
+            "(block, backend) pairs in the prefix index (each worker keeps its own; summed).",
+            multiprocess_mode="livesum",
+            registry=reg,
+        )
+        self.affinity_lookup_blocks = Counter(
+            "sluicegate_affinity_lookup_blocks_total",
+            "Prompt blocks looked up in the prefix index (cache_aware).",
+            registry=reg,
+        )
+        self.affinity_hit_blocks = Counter(
+            "sluicegate_affinity_hit_blocks_total",
+            "Looked-up prompt blocks that the picked backend held (hit rate: hit / lookup).",
             registry=reg,
         )
         # Engine metrics as this process last read them (each worker scrapes on its own).
@@ -225,7 +242,7 @@ class Metrics:
             ("backend",),
             registry=reg,
         )
-        self._routed: dict[tuple[str, str, str], Any] = {}
+        self._routed: dict[tuple[str, str, str, str], Any] = {}
         self.discovery_backends = Gauge(
             "sluicegate_discovery_backends",
             "Backends discovered by each kind of source (kubernetes, dns), draining ones included.",
@@ -365,12 +382,19 @@ class Metrics:
             )
         return children
 
-    def routed(self, model: str, balancer: str, backend: str) -> None:
-        key = (model, balancer, backend)
+    def routed(self, model: str, balancer: str, backend: str, reason: str = "load") -> None:
+        key = (model, balancer, backend, reason)
         child = self._routed.get(key)
         if child is None:
-            child = self._routed[key] = self.routing_decisions.labels(model, balancer, backend)
+            child = self._routed[key] = self.routing_decisions.labels(*key)
         child.inc()
+
+    def affinity(self, lookup_blocks: int, hit_blocks: int, entries: int) -> None:
+        """One cache-aware dispatch: blocks looked up, blocks the pick held, index size."""
+        self.affinity_lookup_blocks.inc(lookup_blocks)
+        if hit_blocks:
+            self.affinity_hit_blocks.inc(hit_blocks)
+        self.affinity_entries.set(entries)
 
     def engine_readings(self, readings: Mapping[str, EngineReading], now: float) -> None:
         """Move the engine gauges to the scraper's latest readings (called at each /metrics)."""

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from balancers.base import needs_engine
+from balancers.base import Balancer, needs_engine
 from balancers.inflight.base import InflightStore, Lease, Readings
 from health.state import HealthBook
 from router.core.backend import Backend
@@ -39,6 +39,7 @@ from router.ops.metrics import Metrics
 from router.ops.tracing import NO_TRACE, NO_TRACING, RequestTrace, Tracing
 from router.registry.fleet import Registry
 from router.request.admission import Admission, Ticket, estimate_tokens, make_ticket
+from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
@@ -81,8 +82,11 @@ class Proxy:
         tracing: Tracing = NO_TRACING,
         readings: Callable[[], Readings] | None = None,
         admission: Admission | None = None,
+        affinity: Affinity | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
+        # The prefix index and prompt hashing, for balancers that route on cached prefixes.
+        self.affinity = affinity or Affinity(settings.affinity)
         self.tracing = tracing
         # The engine scraper's latest readings, for balancers that score engine load.
         self.readings = readings
@@ -254,10 +258,19 @@ class ProxyCall(Response):
         last: _Retry | None = None
         trace = self._trace
         admission = proxy.admission
+        affinity = proxy.affinity.prepare(balancer, self._client_headers, self._payload)
+        picker: Balancer = balancer  # this attempt's: `balancer` bound to the request's affinity
+        readings: Readings | None = None
+
+        def bound(eligible: Sequence[Backend]) -> Balancer:
+            nonlocal picker
+            picker = proxy.affinity.bind(balancer, affinity, eligible) if affinity else balancer
+            return picker
 
         async def try_admit() -> Lease | None:
             """One pick-and-count among backends with room by max_inflight and engine readings;
             None sends the request to (or back to) the queue."""
+            nonlocal readings
             assert admission is not None
             eligible = proxy.health.eligible(self._backends, self._model)
             if not eligible:
@@ -268,10 +281,10 @@ class ProxyCall(Response):
                 if not eligible:
                     return None
             readings = all_readings if needs_engine(balancer) else None
-            return await proxy.store.acquire(eligible, balancer, exclude, readings)
+            return await proxy.store.acquire(eligible, bound(eligible), exclude, readings)
 
         async def attempt(number: int, answered: Callable[[], None]) -> None:
-            nonlocal last
+            nonlocal last, readings
             trace.queued()
             lease: Lease | None
             if admission is not None and self._ticket is not None and number == 1:
@@ -279,10 +292,17 @@ class ProxyCall(Response):
             else:
                 eligible = proxy.health.eligible(self._backends, self._model)
                 readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
-                lease = await proxy.store.acquire(eligible, balancer, exclude, readings)
+                lease = await proxy.store.acquire(eligible, bound(eligible), exclude, readings)
                 if lease is None:
                     raise _NoneLeft
-            proxy.metrics.routed(self._model, balancer.name, lease.backend)
+            rec.reason = getattr(picker, "reason", "load")
+            proxy.metrics.routed(self._model, balancer.name, lease.backend, rec.reason)
+            if affinity:
+                held = getattr(picker, "held", 0)
+                rec.prefix_chars = held * proxy.settings.affinity.block_chars
+                proxy.affinity.dispatched(affinity.hashes, lease.backend, readings)
+                entries = proxy.affinity.index.entries
+                proxy.metrics.affinity(len(affinity.hashes), held, entries)
             trace.picked(lease.backend, getattr(lease, "reason", None))
             trace.attempt(lease.backend, number)
             rec.attempts = number

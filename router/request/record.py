@@ -33,6 +33,8 @@ class RequestRecord:
     error: str | None = None
     key_name: str | None = None  # the client key's configured name, never the key
     usage: ResponseUsage | None = None  # tokens and their timing, read from the response
+    reason: str | None = None  # why the last attempt's backend: prefix, session, load, spill
+    prefix_chars: int | None = None  # prompt characters that backend was known to hold
 
     def emit(self) -> None:
         if not log.isEnabledFor(logging.INFO):
@@ -53,6 +55,8 @@ class RequestRecord:
                     "bytes": self.bytes_out,
                     "disconnected": self.disconnected,
                     "error": self.error,
+                    "reason": self.reason,
+                    "prefix_chars": self.prefix_chars,
                 }
             },
         )

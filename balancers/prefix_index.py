@@ -1,0 +1,92 @@
+"""Which backends recently served which prompt prefix: the per-process index `cache_aware` reads.
+
+It maps a block hash (router/request/prefix.py: hash i covers blocks 0..i) to the backends that
+were last sent a prompt containing that block. Each backend's blocks form an LRU bounded by what
+its engine can keep (`record(..., max_blocks)`: its KV capacity in blocks), so the index forgets
+roughly when the engine does. A prompt's blocks are touched tail first, so a backend's oldest
+entries are prompt tails and a prefix stays matchable longest (vLLM evicts a freed request's
+blocks in the same order). Memory is bounded: at most `max_blocks` entries per backend (capped
+at MAX_BLOCKS_PER_BACKEND) and `max_backends` backends (the least recently recorded one goes).
+No I/O, no clock: the proxy records a dispatch, the balancer receives `match()`'s result as data.
+Per process: with several workers each keeps its own index (affinity then holds within a worker).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+MAX_BLOCKS_PER_BACKEND = 1 << 20
+
+
+class PrefixIndex:
+    def __init__(self, max_backends: int = 1024) -> None:
+        self._holders: dict[bytes, set[str]] = {}
+        # backend -> its blocks, least recently used first; backends in least recent order too
+        self._lru: OrderedDict[str, OrderedDict[bytes, None]] = OrderedDict()
+        self._max_backends = max_backends
+        self.entries = 0  # (block, backend) pairs held: the index's size
+
+    def match(self, hashes: Sequence[bytes], names: Iterable[str]) -> dict[str, int]:
+        """For each of `names` holding at least the first block: how many leading blocks."""
+        lru = self._lru
+        alive = [n for n in names if n in lru]
+        found: dict[str, int] = {}
+        if not alive or not hashes:
+            return found
+        holders = self._holders
+        for i, h in enumerate(hashes):
+            held = holders.get(h)
+            still = [n for n in alive if n in held] if held else []
+            if len(still) != len(alive):
+                if i:
+                    for n in alive:
+                        if n not in still:
+                            found[n] = i
+                if not still:
+                    return found
+                alive = still
+        for n in alive:
+            found[n] = len(hashes)
+        return found
+
+    def record(self, hashes: Sequence[bytes], backend: str, max_blocks: int) -> None:
+        """`backend` was sent this prompt: it now holds every block of it, most recently."""
+        if not hashes:
+            return
+        lru = self._lru.get(backend)
+        if lru is None:
+            if len(self._lru) >= self._max_backends:
+                self.forget(next(iter(self._lru)))
+            lru = self._lru[backend] = OrderedDict()
+        else:
+            self._lru.move_to_end(backend)
+        holders = self._holders
+        for h in reversed(hashes):  # tail first: the prefix's head ends most recent
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                held = holders.get(h)
+                if held is None:
+                    holders[h] = {backend}
+                else:
+                    held.add(backend)
+                self.entries += 1
+        limit = max(1, min(max_blocks, MAX_BLOCKS_PER_BACKEND))
+        while len(lru) > limit:
+            self._drop(lru.popitem(last=False)[0], backend)
+
+    def forget(self, backend: str) -> None:
+        """Drop everything `backend` held (it left the fleet, or room is needed)."""
+        lru = self._lru.pop(backend, None)
+        for h in lru or ():
+            self._drop(h, backend)
+
+    def _drop(self, h: bytes, backend: str) -> None:
+        held = self._holders.get(h)
+        if held is not None:
+            held.discard(backend)
+            if not held:
+                del self._holders[h]
+        self.entries -= 1

@@ -1,0 +1,214 @@
+"""Cache-aware routing's pure parts: the prompt's block-hash chain, the prefix index, and the
+`cache_aware` policy's choice between cached prefix and load (bounded loads, spill)."""
+
+from __future__ import annotations
+
+import random
+from types import MappingProxyType
+
+from balancers.base import Candidate
+from balancers.cache_aware import CacheAware, HintedPick, Hints
+from balancers.inflight.local import LocalInflight
+from balancers.prefix_index import PrefixIndex
+from balancers.session_ring import Ring, point
+from router.core.backend import Backend
+from router.core.engine import EngineReading
+from router.core.settings import AffinityConfig
+from router.request.affinity import MAX_SESSION_KEY_CHARS, Affinity
+from router.request.prefix import block_hashes, prefix_hashes, prompt_text
+
+SYSTEM = "You are a careful assistant. " * 40  # 1160 characters
+
+
+def chat(*turns: str, **extra: object) -> dict[str, object]:
+    roles = ("user", "assistant")
+    messages = [{"role": "system", "content": SYSTEM}]
+    messages += [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+    return {"model": "m", "messages": messages, **extra}
+
+
+def test_a_follow_up_turn_extends_the_first_turns_chain() -> None:
+    first = prefix_hashes(chat("What is a KV cache? " * 20), 64, 1 << 20)
+    second = prefix_hashes(chat("What is a KV cache? " * 20, "It is..." * 30, "And?"), 64, 1 << 20)
+    assert len(first) >= 20 and len(second) > len(first)
+    assert second[: len(first)] == first
+    # Another system prompt shares nothing, not even later blocks equal in text.
+    other = prefix_hashes({"messages": [{"role": "system", "content": "x" + SYSTEM}]}, 64, 1 << 20)
+    assert not set(other) & set(first)
+
+
+def test_roles_tools_and_content_parts_are_part_of_the_prefix() -> None:
+    as_user = {"messages": [{"role": "user", "content": SYSTEM}]}
+    as_system = {"messages": [{"role": "system", "content": SYSTEM}]}
+    assert prefix_hashes(as_user, 64, 4096)[0] != prefix_hashes(as_system, 64, 4096)[0]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert prefix_hashes(chat(tools=tools), 64, 4096)[0] != prefix_hashes(chat(), 64, 4096)[0]
+    parts = [{"type": "text", "text": SYSTEM}, {"type": "image_url", "image_url": {"url": "u"}}]
+    text = prompt_text({"messages": [{"role": "user", "content": parts}]}, 1 << 20)
+    assert '"image_url"' in text and SYSTEM in text.replace("\\n", "\n")
+    # Key order in a part does not change the hash (canonical JSON).
+    flipped = [{"text": SYSTEM, "type": "text"}, {"image_url": {"url": "u"}, "type": "image_url"}]
+    assert prefix_hashes({"messages": [{"role": "user", "content": parts}]}, 64, 4096) == (
+        prefix_hashes({"messages": [{"role": "user", "content": flipped}]}, 64, 4096)
+    )
+
+
+def test_bad_shapes_give_no_hashes_or_capped_ones_never_an_error() -> None:
+    assert prefix_hashes({"model": "m", "input": "embed me " * 100}, 64, 4096) == []
+    assert prefix_hashes({"messages": "not a list", "prompt": None}, 64, 4096) == []
+    assert len(prefix_hashes({"messages": [None, 3, {"role": 7, "content": None}]}, 8, 4096)) == 1
+    assert len(prefix_hashes({"prompt": [1, 2, 3] * 1000}, 64, 4096)) == 4096 // 64
+    assert len(prefix_hashes({"prompt": "x" * 10_000_000}, 256, 128 * 1024)) == 512
+    assert prefix_hashes({"prompt": "short"}, 256, 4096) == []
+    # Non-ASCII: blocks are characters, not bytes; a lone surrogate does not raise.
+    assert len(block_hashes("é" * 640 + "\udc80", 64)) == 10
+
+
+def test_index_matches_true_prefixes_and_forgets_the_tail_first() -> None:
+    idx = PrefixIndex()
+    chain = [bytes([i]) * 8 for i in range(10)]
+    idx.record(chain, "a", 100)
+    idx.record(chain[:4], "b", 100)
+    assert idx.match(chain, ["a", "b", "c"]) == {"a": 10, "b": 4}
+    assert idx.match([b"z" * 8, *chain[1:]], ["a", "b"]) == {}
+    # Bounded: room for 6 blocks keeps the head of the prompt, not its tail.
+    idx.record(chain, "c", 6)
+    assert idx.match(chain, ["c"]) == {"c": 6}
+    assert idx.entries == 10 + 4 + 6
+    idx.forget("a")
+    assert idx.match(chain, ["a", "b"]) == {"b": 4} and idx.entries == 10
+    small = PrefixIndex(max_backends=2)
+    for name in ("x", "y", "z"):
+        small.record(chain, name, 100)
+    assert small.match(chain, ["x", "y", "z"]) == {"y": 10, "z": 10}
+
+
+def reading(running: float, kv: float = 0.0) -> EngineReading:
+    return EngineReading(0.0, running, kv, 65536, None, 1.0, 1)
+
+
+def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
+    bal = CacheAware(random.Random(1))
+    # 8192 characters = 2048 tokens: worth 8 requests in flight elsewhere. No engine readings
+    # here: the score is the in-flight count, like the bound.
+    match = Hints(blocks=32, block_chars=256, held={"a": 32})
+    a, b, c = Candidate("a", 1.0, 3), Candidate("b", 1.0, 2), Candidate("c", 1.0, 2)
+    pick = bal.with_hints(match, 1.25)
+    assert pick.pick([a, b, c]) == a and (pick.reason, pick.held) == ("prefix", 32)
+    # Far above the mean (cap = ceil(1.25 x (10 + 1) / 3) = 5): it spills to the least loaded.
+    a, b, c = Candidate("a", 1.0, 8), Candidate("b", 1.0, 2), Candidate("c", 1.0, 0)
+    pick = bal.with_hints(match, 1.25)
+    assert pick.pick([a, b, c]) == c and (pick.reason, pick.held) == ("spill", 0)
+    # A looser bound keeps it on the holder only while the cache is worth the queue.
+    pick = bal.with_hints(match, 4.0)
+    assert pick.pick([a, b, c]) == a and pick.reason == "prefix"
+    a = Candidate("a", 1.0, 12)
+    assert pick.pick([a, b, c]) == c and pick.reason == "load"
+    # The holder excluded (its attempt failed) or absent: plain least_load, reason load.
+    pick = bal.with_hints(match, 1.25)
+    assert pick.pick([a, b, c], exclude={"a"}) == c and pick.reason == "load"
+    assert bal.with_hints(Hints(0, 256, {}), 1.25).pick([b, c]) == c
+    # Engine load enters the score: a holder whose engine is swamped by hidden load loses.
+    hot = Candidate("a", 1.0, 0, reading(running=40))
+    cool = Candidate("b", 1.0, 0, reading(running=1))
+    pick = bal.with_hints(match, 1.25)
+    assert pick.pick([hot, cool]) == cool and pick.reason == "load"
+
+
+def _backends(*names: str) -> list[Backend]:
+    return [Backend(n, "http://127.0.0.1:1", "vllm", MappingProxyType({"m": "m"})) for n in names]
+
+
+def test_a_hot_prefix_spreads_over_holders_and_never_melts_one() -> None:
+    """Requests in flight through the store: the first holder fills to the bound, the spill
+    target joins the holders, and the burst ends spread while every one still hits a holder."""
+    affinity = Affinity(AffinityConfig(block_chars=64, capacity_tokens=65536))
+    store, bal = LocalInflight(), CacheAware(random.Random(3))
+    backends = _backends("a", "b", "c", "d")
+    request = affinity.prepare(bal, [], chat("Summarise our contract. " * 400))
+    assert request is not None and request.hashes and request.session is None
+    affinity.dispatched(request.hashes, "a", None)
+    picked, reasons = [], []
+    for _ in range(16):
+        picker = affinity.bind(bal, request, backends)
+        lease = store.acquire_now(backends, picker, set())
+        assert lease is not None
+        affinity.dispatched(request.hashes, lease.backend, None)
+        picked.append(lease.backend)
+        assert isinstance(picker, HintedPick)
+        reasons.append(picker.reason)
+    counts = {n: picked.count(n) for n in "abcd"}
+    assert max(counts.values()) <= 5, counts  # 16 over 4 with bounded loads
+    assert "spill" in reasons and reasons[0] == "prefix"
+    assert reasons.count("prefix") >= 12  # once joined, the holders share the burst
+
+
+def test_the_session_key_comes_from_header_then_prompt_cache_key_then_user() -> None:
+    cfg = AffinityConfig(session_headers=["X-Session-Id", "x-conversation"])
+    aff = Affinity(cfg)
+    body = {"prompt_cache_key": "pck", "user": "u"}
+    assert aff.session_key([(b"x-conversation", b"conv")], body) == "conv"
+    assert aff.session_key([(b"x-session-id", b"s"), (b"x-conversation", b"c")], body) == "s"
+    assert aff.session_key([], body) == "pck"
+    assert aff.session_key([], {"user": "u", "prompt_cache_key": 5}) == "u"
+    assert aff.session_key([], {"user": ["not", "a", "string"]}) is None
+    # A 10 MB key is ignored (served without session affinity), never hashed whole.
+    assert aff.session_key([], {"user": "k" * 10_000_000}) is None
+    assert aff.session_key([], {"user": "k" * MAX_SESSION_KEY_CHARS}) is not None
+    assert aff.prepare(CacheAware(), [], {"user": "k" * 10_000_000}) is None
+
+
+def test_the_ring_moves_only_the_new_backends_share() -> None:
+    keys = [point(f"session-{i}") for i in range(4000)]
+    three, four = Ring(["a", "b", "c"]), Ring(["a", "b", "c", "d"])
+    before = [next(three.walk(k)) for k in keys]
+    after = [next(four.walk(k)) for k in keys]
+    moved = [(x, y) for x, y in zip(before, after, strict=True) if x != y]
+    assert all(y == "d" for _, y in moved)  # nobody moves between the old three
+    assert 0.15 < len(moved) / len(keys) < 0.35  # about 1/4
+    assert sorted(set(before)) == ["a", "b", "c"]
+    assert len(list(four.walk(keys[0]))) == 4  # the walk meets every backend once
+
+
+def test_a_session_sticks_under_the_bound_and_walks_the_ring_past_it() -> None:
+    bal = CacheAware(random.Random(1))
+    session = point("user-42")
+    home = next(Ring(["a", "b", "c"]).walk(session))
+    idle = [Candidate(n, 1.0, 0, reading(0)) for n in ("a", "b", "c")]
+    pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
+    assert all(pick.pick(idle).name == home for _ in range(20)) and pick.reason == "session"
+    busy = [Candidate(n, 1.0, 9 if n == home else 1, reading(1)) for n in ("a", "b", "c")]
+    second = list(Ring(["a", "b", "c"]).walk(session))[1]
+    pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
+    assert pick.pick(busy).name == second and pick.reason == "spill"
+    # Its home excluded (a failed attempt): the next one on the ring, never the excluded.
+    assert pick.pick(idle, exclude={home}).name == second
+
+
+def test_the_redis_store_runs_the_hinted_picker() -> None:
+    """Through the shared store the picker's choice and reason hold, and the lease counts."""
+    import asyncio
+
+    from balancers.inflight.redis import RedisInflight
+    from tests.harness import Cluster
+
+    c = Cluster()
+    try:
+        redis = c.redis()
+
+        async def run() -> tuple[str, str, dict[str, int]]:
+            store = RedisInflight(redis.url, timeout=1.0, heartbeat=False)
+            await store.start()
+            try:
+                readings = {n: reading(1) for n in ("a", "b", "c")}
+                hints = Hints(blocks=32, block_chars=256, held={"b": 32})
+                picker = CacheAware(random.Random(2)).with_hints(hints, 1.25)
+                lease = await store.acquire(_backends("a", "b", "c"), picker, set(), readings)
+                assert lease is not None and isinstance(picker, HintedPick)
+                return lease.backend, picker.reason, await store.counts(["a", "b", "c"])
+            finally:
+                await store.aclose()
+
+        assert asyncio.run(run()) == ("b", "prefix", {"a": 0, "b": 1, "c": 0})
+    finally:
+        c.close()
