@@ -223,8 +223,11 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
 
 
 def test_410_gone_relists_without_duplicates_or_losses(
-    router: Proc, kube: FakeKube, mocks: dict[str, Proc]
+    procs: Cluster, kube: FakeKube, mocks: dict[str, Proc]
 ) -> None:
+    # Its own router with no periodic re-list in the way: the module router's 1 s resync could
+    # fetch a fresh version before the watch resumes, and then no 410 would ever be asked for.
+    router = start_router(procs, kube, resync=300, env={"SLUICEGATE_ADMIN_TOKEN": TOKEN})
     a, b, c = mocks["a"], mocks["b"], mocks["c"]
     put(kube, a, "vllm-a")
     put(kube, b, "vllm-b")
