@@ -320,6 +320,16 @@ class Admission:
     def _remove(self, q: _ModelQueue, t: Ticket) -> None:
         """Out of the heap, lazily: the heap drops dead entries as they reach its top."""
         band = q.bands[t.band]
+        self._dequeued(q, band, t)
+        if q.live == 0:
+            for b in q.bands:
+                b.heap.clear()
+        elif len(band.heap) > 2 * band.live + 64:
+            band.heap = [e for e in band.heap if e[2].queued]
+            heapq.heapify(band.heap)
+
+    def _dequeued(self, q: _ModelQueue, band: _Band, t: Ticket) -> None:
+        """`t` no longer waits in `band` of `q`: the counts and the depth gauge follow."""
         t.queued = False
         band.live -= 1
         q.live -= 1
@@ -327,11 +337,6 @@ class Admission:
         self._metrics.queue_depth(t.model, BANDS[t.band], -1)
         if q.live == 0:
             self._busy.discard(q)
-            for b in q.bands:
-                b.heap.clear()
-        elif len(band.heap) > 2 * band.live + 64:
-            band.heap = [e for e in band.heap if e[2].queued]
-            heapq.heapify(band.heap)
 
     def _expired(self, t: Ticket) -> NoCapacity:
         what = "its own deadline" if t.deadline_reason == "deadline" else "admission.max_wait"
@@ -360,13 +365,7 @@ class Admission:
                 t = heapq.heappop(heap)[2]
                 if not t.queued:
                     continue
-                t.queued = False
-                band.live -= 1
-                q.live -= 1
-                self._size -= 1
-                self._metrics.queue_depth(t.model, BANDS[t.band], -1)
-                if q.live == 0:
-                    self._busy.discard(q)
+                self._dequeued(q, band, t)
                 t.woken = True
                 q.waking += 1
                 assert t.waiter is not None
