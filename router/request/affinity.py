@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from balancers.base import Balancer
 from balancers.cache_aware import CHARS_PER_TOKEN, Hints
@@ -44,12 +44,15 @@ class Affinity:
         self.config = config
         self.index = index or PrefixIndex()
         self._headers = [h.lower().encode("latin-1") for h in config.session_headers]
+        # Balancer class -> does it take hints. A runtime Protocol check costs ~7 us, too much
+        # to pay on every request for the balancers (most) that don't.
+        self._aware: dict[type, bool] = {}
 
     def prepare(
         self, balancer: Balancer, headers: Sequence[tuple[bytes, bytes]], payload: dict[str, Any]
     ) -> RequestAffinity | None:
         """What the request brings, when `balancer` routes on it (None: nothing to route on)."""
-        if not isinstance(balancer, HintAware):
+        if not self._hint_aware(balancer):
             return None
         cfg = self.config
         hashes = prefix_hashes(payload, cfg.block_chars, cfg.max_prefix_chars)
@@ -57,6 +60,13 @@ class Affinity:
         if not hashes and key is None:
             return None
         return RequestAffinity(hashes, point(key) if key is not None else None)
+
+    def _hint_aware(self, balancer: Balancer) -> bool:
+        cls = type(balancer)
+        aware = self._aware.get(cls)
+        if aware is None:
+            aware = self._aware[cls] = isinstance(balancer, HintAware)
+        return aware
 
     def session_key(
         self, headers: Sequence[tuple[bytes, bytes]], payload: dict[str, Any]
@@ -75,11 +85,11 @@ class Affinity:
         self, balancer: Balancer, request: RequestAffinity, eligible: Sequence[Backend]
     ) -> Balancer:
         """This attempt's picker: `balancer` with the index's view of the eligible backends."""
-        if not isinstance(balancer, HintAware):
+        if not self._hint_aware(balancer):
             return balancer
         held = self.index.match(request.hashes, [b.name for b in eligible])
         hints = Hints(len(request.hashes), self.config.block_chars, held, request.session)
-        return balancer.with_hints(hints, self.config.load_factor)
+        return cast(HintAware, balancer).with_hints(hints, self.config.load_factor)
 
     def dispatched(self, hashes: list[bytes], backend: str, readings: Readings | None) -> None:
         """`backend` was sent this prompt: from now on it holds the prefix."""

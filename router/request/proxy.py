@@ -34,7 +34,7 @@ from router.core.errors import (
     sse_error_event,
     upstream_failure,
 )
-from router.core.settings import Settings
+from router.core.settings import AdmissionConfig, Settings
 from router.ops.metrics import Metrics
 from router.ops.tracing import NO_TRACE, NO_TRACING, RequestTrace, Tracing
 from router.registry.fleet import Registry
@@ -99,6 +99,8 @@ class Proxy:
         self.admission = admission  # None: a full fleet answers 503 at once
         # Per-key rpm / tpm / max_parallel, in this process.
         self.quotas = Quotas(on_refused=self.metrics.ratelimited)
+        # The completion estimate of a body without max_tokens: admission's, also for quotas.
+        self._default_max_tokens = (settings.admission or AdmissionConfig()).default_max_tokens
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
     async def prepare(
@@ -155,7 +157,7 @@ class Proxy:
             estimate = (
                 ticket.cost
                 if ticket is not None
-                else estimate_tokens(len(checked.body), checked.payload, DEFAULT_MAX_TOKENS)
+                else estimate_tokens(len(checked.body), checked.payload, self._default_max_tokens)
             )
             held = self.quotas.admit(limits, estimate, request_id)
             if isinstance(held, Response):
@@ -303,7 +305,7 @@ class ProxyCall(Response):
                 proxy.affinity.dispatched(affinity.hashes, lease.backend, readings)
                 entries = proxy.affinity.index.entries
                 proxy.metrics.affinity(len(affinity.hashes), held, entries)
-            trace.picked(lease.backend, getattr(lease, "reason", None))
+            trace.picked(lease.backend, rec.reason)
             trace.attempt(lease.backend, number)
             rec.attempts = number
             try:
@@ -401,8 +403,8 @@ class ProxyCall(Response):
                 if len(body) > limit:
                     body = body[:limit]
                     break
-        except httpx.HTTPError:
-            pass
+        except UPSTREAM_FAILURES:
+            pass  # what arrived of the error answer is enough
         status = response.status_code
         retry_after = _retry_after(response.headers.get("retry-after"))
         if retry_after is not None and status in (429, 503):
@@ -452,9 +454,6 @@ class ProxyCall(Response):
             return
         usage.close(readable and response.status_code < 400)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-DEFAULT_MAX_TOKENS = 256  # the completion estimate of a body without max_tokens (quotas)
 
 
 def _tokens_used(rec: RequestRecord, prompt_estimate: float) -> float:
