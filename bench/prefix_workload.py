@@ -672,6 +672,7 @@ def section(res: dict[str, Any], png: str | None, date: str = "") -> list[str]:
         "p90 ms",
         "p99 ms",
         "tokens/s",
+        "full prefill",
         "done",
         "errors",
         "decisions",
@@ -691,6 +692,7 @@ def section(res: dict[str, Any], png: str | None, date: str = "") -> list[str]:
                     str(r["ttft_p90_ms"]),
                     str(r["ttft_p99_ms"]),
                     str(r["tokens_s"]),
+                    f"{r['full_prefill_share']:.2f}",
                     str(r["requests"]),
                     str(r["errors"]),
                     reasons,
@@ -704,7 +706,25 @@ def section(res: dict[str, Any], png: str | None, date: str = "") -> list[str]:
     ]
     out += [_md(rows2), ""]
     out += [f"![{png}]({png})", ""] if png else [*_bars(res), ""]
-    return out
+    return [*out, *READING]
+
+
+READING = [
+    "How to read it: *full prefill* is the share of requests that found less than half their",
+    "prompt cached (usage `cached_tokens`); on this engine model each one holds its engine's",
+    "whole batch for its prefill (no chunked prefill), so it sets the TTFT tail of everyone",
+    "co-scheduled with it. Under `cache_aware` such requests come from three decisions:",
+    "`spill` (the holder was past the load bound: `load_factor` x the mean of sluicegate's",
+    "in-flight counts, and 2 above the least loaded; at a few requests per engine ordinary",
+    "fluctuation crosses it, which the `load_factor: 2` row measures), `load` (no engine known to",
+    "hold the prompt: evicted by capacity, or the engine load outweighed the cached tokens in the",
+    "score, `TOKENS_PER_LOAD` = 250 tokens per unit of load), and, with separate indexes, a",
+    "replica routing by what only it has seen (its index believes an engine holds blocks that",
+    "the other replica's traffic evicted, and each replica settles a customer on its own engine,",
+    "so prompts are cached twice). The *fresh* rows' A/A pair is this run's noise floor for the",
+    "5 % target: every request there is a full prefill and queues build and drain at random.",
+    "",
+]
 
 
 def splice(doc: Path, lines: list[str]) -> None:
