@@ -31,7 +31,9 @@ def fleet() -> Iterator[dict[str, Any]]:
     c = Cluster()
     try:
         redis = c.redis()
-        mocks = {n: c.mock(n, engine_args=ENGINE) for n in NAMES}
+        with concurrent.futures.ThreadPoolExecutor(len(NAMES)) as pool:  # they start together
+            started = {n: pool.submit(c.mock, n, engine_args=ENGINE) for n in NAMES}
+            mocks = {n: f.result() for n, f in started.items()}
         config = {
             "backends": [backend(n, m) for n, m in mocks.items()],
             "balancer": "cache_aware",

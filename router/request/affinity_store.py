@@ -72,7 +72,7 @@ while at <= #ARGV do
     local args = {}
     local stop = math.min(n, i + 256)
     for j = i, stop - 1 do
-      args[#args + 1] = string.format('%.3f', t - j * 0.001)
+      args[#args + 1] = t - j * 0.001  -- Redis passes numbers on exactly (%.17g)
       args[#args + 1] = string.sub(blob, j * 8 + 1, j * 8 + 8)
     end
     redis.call('ZADD', key, unpack(args))
@@ -153,6 +153,7 @@ class SharedPrefixIndex:
         self.degraded = False
         self.fallbacks = 0  # lookups answered by the local index instead
         self.scripts = 0  # scripts sent (lookups and lone record flushes)
+        self.round_trips = 0  # pipelines sent (concurrent requests' scripts share one)
         self.entries = 0
 
     def key(self, backend: str) -> str:
@@ -282,6 +283,7 @@ class SharedPrefixIndex:
     # --- faults ----------------------------------------------------------------------------
 
     def _round_trip(self, ok: bool) -> None:
+        self.round_trips += 1
         self._failures = 0 if ok else self._failures + 1
 
     def _degrade(self) -> None:
