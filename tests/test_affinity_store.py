@@ -11,7 +11,8 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 import redis
@@ -29,7 +30,7 @@ def rds(module_procs: Cluster) -> Proc:
     return module_procs.redis()
 
 
-def run(body: Callable[[], Awaitable[None]]) -> None:
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(body())
 
 
