@@ -17,9 +17,9 @@ earlier dispatches (write-behind: `record()` only queues) and then answers the l
 lookup comes within FLUSH_AFTER (a lull), a timer sends the queued records alone. Concurrent
 requests' scripts share pipelined round trips (balancers/inflight/batch.py).
 Faults: a lookup waits at most `timeout` (`redis_timeout`); on failure or timeout the caller
-uses its local index (`match()` returns None, `fallbacks` += 1). After DEGRADE_AFTER failed round
-trips in a row lookups go local at once (one warning per outage) and a probe PINGs every
-PROBE_EVERY s until Redis answers; queued records (the latest MAX_PENDING) are then replayed.
+uses its local index (`match()` returns None, `fallbacks` += 1). After DEGRADE_AFTER failed
+scripts in a row lookups go local at once (one warning per outage) and a probe write every
+PROBE_EVERY s waits for Redis; queued records (the latest MAX_PENDING) are then replayed.
 `entries`: (block, backend) pairs Redis held for the backends of this process's last scripts.
 """
 
@@ -147,7 +147,7 @@ class SharedPrefixIndex:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._cards: dict[str, int] = {}
-        self._failures = 0  # round trips failed in a row
+        self._failures = 0  # scripts failed in a row
         self._probing = asyncio.Event()
         self._probe_task: asyncio.Task[None] | None = None
         self.degraded = False
@@ -213,7 +213,7 @@ class SharedPrefixIndex:
                 out = await self._script(hashes, names)
         except STORE_FAILURES:
             self.fallbacks += 1
-            self._degrade()
+            self._failed()
             return None
         return {n: v for n, v in zip(names, out, strict=True) if v}
 
@@ -243,6 +243,7 @@ class SharedPrefixIndex:
         for backend, card in zip(order, out[len(names) :], strict=True):
             cards[backend] = int(card)
         self.entries = sum(cards.values())
+        self._failures = 0
         return [int(v) for v in out[: len(names)]]
 
     def _take(self) -> list[_Record]:
@@ -274,7 +275,7 @@ class SharedPrefixIndex:
             async with asyncio.timeout(self._timeout):
                 await self._send_records()
         except STORE_FAILURES:
-            self._degrade()
+            self._failed()
 
     async def _send_records(self) -> None:
         while self._pending:
@@ -284,9 +285,11 @@ class SharedPrefixIndex:
 
     def _round_trip(self, ok: bool) -> None:
         self.round_trips += 1
-        self._failures = 0 if ok else self._failures + 1
 
-    def _degrade(self) -> None:
+    def _failed(self) -> None:
+        """A script failed (no answer in time, a lost connection, or an error reply such as OOM
+        or READONLY): after a few in a row, stop asking until a probe write succeeds."""
+        self._failures += 1
         if not self.degraded and self._failures >= DEGRADE_AFTER:
             self.degraded = True
             log.warning("redis prefix index unavailable; routing on this process's own index")
@@ -299,7 +302,8 @@ class SharedPrefixIndex:
             try:
                 await follow_master(self._redis, self._timeout)
                 async with asyncio.timeout(self._timeout):
-                    await self._batch.call("PING")
+                    # A write: a demoted master or a full Redis answers PING but not this.
+                    await self._batch.call("SET", self._prefix + "probe", 1, "PX", 1000)
             except STORE_FAILURES:
                 continue
             self._probing.clear()
