@@ -7,7 +7,8 @@ a session key's ring point and home, and building a ring of 8 (once per candidat
 Then the whole per-request affinity step as the proxy runs it (`Affinity`: hash, lookup, bind,
 record), local against shared in a redis-server started here (router/request/affinity_store.py):
 router CPU per request and its ratio to the local path, wall time per request, Redis's own CPU
-per request, scripts and round trips per request; sequential and 32 at a time.
+per request, scripts and round trips per request (sequential and 32 at a time), and Redis's
+memory per (block, backend) entry.
 Targets (issue 11): hashing <= 0.3 ms, hash + lookup + update <= 0.5 ms (also shared).
 """
 
@@ -18,6 +19,8 @@ import json
 import time
 from collections.abc import Callable
 from types import MappingProxyType
+
+import redis as redis_py
 
 from balancers.cache_aware import CacheAware
 from balancers.prefix_index import PrefixIndex
@@ -146,6 +149,11 @@ def shared_path(n: int = 2000) -> dict[str, float]:
                 out[f"shared_{label}_cpu_ms"] / out[f"local_{label}_cpu_ms"]
             )
             out["shared_entries"] = shared.entries
+            with redis_py.Redis.from_url(redis.url) as r:  # Redis memory per (block, backend)
+                keys = list(r.scan_iter(shared.key("*")))
+                used = sum(int(r.memory_usage(k, samples=0) or 0) for k in keys)
+                out["shared_redis_bytes_per_entry"] = used / max(1, shared.entries)
+                r.delete(*keys)
             await shared.aclose()
 
         asyncio.run(run(1))
