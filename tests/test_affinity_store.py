@@ -129,3 +129,31 @@ def test_a_stopped_redis_answers_locally_in_time_and_recovers(
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1  # one per outage, not one per request
     assert any("answers again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_full_redis_refusing_writes_sends_lookups_local_until_it_takes_them(
+    procs: Cluster,
+) -> None:
+    rd = procs.redis()
+    p = chain("m", "n")
+
+    async def body() -> None:
+        shared = SharedPrefixIndex(rd.url, timeout=0.5, flush_after=60)
+        await shared.start()
+        with redis.Redis.from_url(rd.url) as r:
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", 1)  # every write now answers OOM: quickly, not slowly
+            shared.record(p, "e", 100)
+            for _ in range(4):
+                assert await shared.match(p, ["e"]) is None
+            assert shared.degraded
+            await asyncio.sleep(0.7)  # a probe ran, and its write was refused too
+            assert shared.degraded
+            r.config_set("maxmemory", 0)
+        deadline = time.monotonic() + 5
+        while (held := await shared.match(p, ["e"])) != {"e": 2}:
+            assert time.monotonic() < deadline, held
+            await asyncio.sleep(0.05)
+        await shared.aclose()
+
+    run(body)

@@ -148,8 +148,7 @@ class SharedPrefixIndex:
         self._tasks: set[asyncio.Task[None]] = set()
         self._cards: dict[str, int] = {}
         self._failures = 0  # scripts failed in a row
-        self._probing = asyncio.Event()
-        self._probe_task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[None] | None = None  # only while degraded
         self.degraded = False
         self.fallbacks = 0  # lookups answered by the local index instead
         self.scripts = 0  # scripts sent (lookups and lone record flushes)
@@ -167,21 +166,18 @@ class SharedPrefixIndex:
         with contextlib.suppress(*STORE_FAILURES):
             async with asyncio.timeout(self._timeout * 4):
                 await self._batch.call("SCRIPT", "LOAD", _SCRIPT)
-        if self._probe_task is None:
-            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
 
     async def aclose(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._probe_task is not None:
-            self._probe_task.cancel()
+        probe = self._probe_task
+        if probe is not None:
+            probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._probe_task
-            self._probe_task = None
+                await probe
         if self._pending and not self.degraded:
-            with contextlib.suppress(*STORE_FAILURES):
-                await self._send_records()
+            await self._flush()
         for task in list(self._tasks):
             task.cancel()
         await self._batch.drain(self._timeout * 4)
@@ -293,25 +289,29 @@ class SharedPrefixIndex:
         if not self.degraded and self._failures >= DEGRADE_AFTER:
             self.degraded = True
             log.warning("redis prefix index unavailable; routing on this process's own index")
-            self._probing.set()
+            if self._probe_task is None:
+                self._probe_task = asyncio.get_running_loop().create_task(self._probe())
 
-    async def _probe_loop(self) -> None:
-        while True:
-            await self._probing.wait()
-            await asyncio.sleep(PROBE_EVERY)
-            try:
-                await follow_master(self._redis, self._timeout)
-                async with asyncio.timeout(self._timeout):
-                    # A write: a demoted master or a full Redis answers PING but not this.
-                    await self._batch.call("SET", self._prefix + "probe", 1, "PX", 1000)
-            except STORE_FAILURES:
-                continue
-            self._probing.clear()
-            self.degraded = False
-            self._failures = 0
-            log.info(
-                "redis prefix index answers again; routing on the shared index",
-                extra={"fields": {"replayed": len(self._pending)}},
-            )
-            if self._pending:
-                self._flush_due()
+    async def _probe(self) -> None:
+        """While degraded: until Redis takes a write again, then back to shared lookups."""
+        try:
+            while True:
+                await asyncio.sleep(PROBE_EVERY)
+                try:
+                    await follow_master(self._redis, self._timeout)
+                    async with asyncio.timeout(self._timeout):
+                        # A write: a demoted master or a full Redis answers PING, not this.
+                        await self._batch.call("SET", self._prefix + "probe", 1, "PX", 1000)
+                    break
+                except STORE_FAILURES:
+                    continue
+        finally:
+            self._probe_task = None
+        self.degraded = False
+        self._failures = 0
+        log.info(
+            "redis prefix index answers again; routing on the shared index",
+            extra={"fields": {"replayed": len(self._pending)}},
+        )
+        if self._pending:
+            self._flush_due()
