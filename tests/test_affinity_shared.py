@@ -41,7 +41,7 @@ def fleet() -> Iterator[dict[str, Any]]:
             "expose_backend_header": True,
             "health": {"interval": 60},
         }
-        shared = {"SLUICEGATE_REDIS_URL": redis.url, "SLUICEGATE_REDIS_TIMEOUT": "0.2"}
+        shared = {"SLUICEGATE_REDIS_URL": redis.url, "SLUICEGATE_REDIS_TIMEOUT": "0.5"}
         routers = [c.router(config, env=shared, wait=False) for _ in range(2)]
         routers.append(c.router(config, wait=False))  # the control: its own index only
         for r in routers:

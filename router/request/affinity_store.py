@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from balancers.inflight.batch import Batcher
@@ -161,11 +161,19 @@ class SharedPrefixIndex:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # Loaded up front so the first requests don't pay a NOSCRIPT round trip; Redis down now
-        # only means the first lookups fall back.
+        """Loads the script in the background (startup never waits on Redis), so the first
+        requests don't pay a NOSCRIPT round trip; if it fails, the first lookup loads it."""
+        self._spawn(self._load())
+
+    async def _load(self) -> None:
         with contextlib.suppress(*STORE_FAILURES):
             async with asyncio.timeout(self._timeout * 4):
                 await self._batch.call("SCRIPT", "LOAD", _SCRIPT)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
         if self._timer is not None:
@@ -262,9 +270,7 @@ class SharedPrefixIndex:
     def _flush_due(self) -> None:
         self._timer = None
         if self._pending and not self.degraded:
-            task = asyncio.get_running_loop().create_task(self._flush())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._flush())
 
     async def _flush(self) -> None:
         try:
