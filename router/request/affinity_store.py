@@ -39,9 +39,8 @@ from router.core.redis_client import KeyConnections, RedisTarget, follow_master
 
 log = logging.getLogger("sluicegate.affinity")
 
-HASH_BYTES = 8
 FLUSH_AFTER = 0.005  # s a record waits for a lookup to ride on before it is sent alone
-MAX_CARRY = 64  # records one script applies
+MAX_CARRY = 16  # records one script applies (steady load: ~1; a replay spreads over several)
 MAX_PENDING = 1024  # records queued (an outage keeps the latest); older ones are dropped
 DEGRADE_AFTER = 3
 PROBE_EVERY = 0.5
