@@ -1,8 +1,8 @@
 """Cache-aware routing's part of a request: hash the prompt and read the session key once, bind
 the balancer to what the prefix index knows for each attempt's candidates, record the dispatch.
 
-Only balancers offering `with_hints()` (`cache_aware`) pay for it: ~0.17 ms CPU for a
-32k-character prompt (hash, lookup and update, bench/prefix.py). Each backend's share of the
+Only balancers offering `with_hints()` (`cache_aware`) pay for it: ~0.13-0.17 ms CPU for a
+32k-character prompt (hash, lookup and update, bench/prefix.py; shared in Redis 0.2-0.3 ms). Each backend's share of the
 index is bounded by its engine's KV capacity (`vllm:cache_config_info` through the engine
 readings) or `affinity.capacity_tokens`. The local index (`balancers/prefix_index.py`) is per
 process; with Redis the index is shared (`router/request/affinity_store.py`): `look_up()` asks it
