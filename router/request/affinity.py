@@ -2,14 +2,14 @@
 the balancer to what the prefix index knows for each attempt's candidates, record the dispatch.
 
 Only balancers offering `with_hints()` (`cache_aware`) pay for it: ~0.13-0.17 ms CPU for a
-32k-character prompt (hash, lookup and update, bench/prefix.py; shared in Redis 0.2-0.3 ms). Each backend's share of the
-index is bounded by its engine's KV capacity (`vllm:cache_config_info` through the engine
-readings) or `affinity.capacity_tokens`. The local index (`balancers/prefix_index.py`) is per
-process; with Redis the index is shared (`router/request/affinity_store.py`): `look_up()` asks it
-once per request for the model's backends (one round trip that also carries earlier dispatches'
-records) and every attempt binds to that answer; the local index is still updated on every
-dispatch, so it is warm when a lookup falls back to it (Redis down or slower than
-`redis_timeout`).
+32k-character prompt (hash, lookup and update, bench/prefix.py; shared in Redis 0.2-0.3 ms).
+Each backend's share of the index is bounded by its engine's KV capacity
+(`vllm:cache_config_info` through the engine readings) or `affinity.capacity_tokens`.
+The local index (`balancers/prefix_index.py`) is per process; with Redis the index is shared
+(`router/request/affinity_store.py`): `look_up()` asks it once per request for the model's
+backends (one round trip that also carries earlier dispatches' records) and every attempt binds
+to that answer; the local index is still updated on every dispatch, so it is warm when a lookup
+falls back to it (Redis down or slower than `redis_timeout`).
 The session key is the first present of the `affinity.session_headers`, the body's
 `prompt_cache_key`, the body's `user`; a key longer than MAX_SESSION_KEY_CHARS is ignored (the
 request is served without session affinity, never refused: the key is a routing hint only).
