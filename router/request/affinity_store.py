@@ -131,7 +131,8 @@ class SharedPrefixIndex:
         self._redis = target.client(timeout=timeout, max_connections=POOL_SIZE, blocking=True)
         self._timeout = timeout
         self._ttl_ms = int(ttl * 1000)
-        self._prefix = "{" + prefix + ":affinity}:blocks:"
+        self._tag = "{" + prefix + ":affinity}"
+        self._prefix = self._tag + ":blocks:"
         self._clock = clock  # seconds; None: Redis's clock (one clock for every replica)
         self._flush_after = flush_after
         script = self._redis.register_script(_SCRIPT)
@@ -306,7 +307,7 @@ class SharedPrefixIndex:
                     await follow_master(self._redis, self._timeout)
                     async with asyncio.timeout(self._timeout):
                         # A write: a demoted master or a full Redis answers PING, not this.
-                        await self._batch.call("SET", self._prefix + "probe", 1, "PX", 1000)
+                        await self._batch.call("SET", self._tag + ":probe", 1, "PX", 1000)
                     break
                 except STORE_FAILURES:
                     continue
