@@ -15,9 +15,9 @@ measures a fleet in steady state, not every customer's first prefill at once.
 Variants, same plan and seed, each on emptied engine caches (`reset_prefix_cache`, as vLLM's)
 and an emptied Redis: `least_inflight` and `least_load` (2 replicas, counts shared in Redis),
 `cache_aware` with two separate indexes (no Redis), `cache_aware` with Redis (`redis_url` set:
-one shared index once the index lives in Redis; before that, separate ones), `cache_aware` on a
-single replica (the reference hit rate for a shared index), and `cache_aware` with Redis and
-`load_factor: 2` (not a target: what the default load bound costs at this load).
+the replicas share one index), `cache_aware` on a single replica (the reference hit rate for a
+shared index), and `cache_aware` with Redis and `load_factor: 2` (not a target: what the
+default load bound costs at this load).
 Workload *fresh*: every request a new random prompt (nothing to share): `cache_aware` against
 `least_load` (and `least_load` again: this run's noise floor).
 Measured per variant: TTFT (request sent to the first content token, client side) p50/p90/p99,
