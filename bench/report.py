@@ -118,8 +118,8 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     if "prefix" in r:
         from bench.prefix_workload import targets as prefix_targets
 
-        for name, goal, value, ok in prefix_targets(r["prefix"]):
-            add(name, goal, value, ok)
+        for name, goal, value, met in prefix_targets(r["prefix"]):
+            add(name, goal, value, met)
     mr = r.get("multi_replica")
     if mr:
         add("multi-replica: 2 routers vs 1 (req/s)", ">= 1.7", mr["ratio"], mr["ratio"] >= 1.7)
