@@ -691,7 +691,7 @@ def section(res: dict[str, Any], png: str | None, date: str = "") -> list[str]:
         f"{s.get('out_tokens')}-token answers, all resent each turn); "
         f"{s.get('concurrency')} conversations at once, each turn {s.get('think_s')} s "
         "(mean, exponential) after the last answer, through one of 2 router replicas drawn at "
-        "random. 4 mock engines (`{s.get('engine')}`, "
+        f"random. 4 mock engines (`{s.get('engine')}`, "
         f"{s.get('kv_tokens_per_engine')} KV tokens each: the four together hold about every "
         "system prompt plus the live conversations). Every variant replays the same plan on "
         "emptied engine caches and an emptied Redis, after a warm-up that sends each system "
