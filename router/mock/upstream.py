@@ -428,12 +428,7 @@ class MockUpstream:
         )
         tail = tail.replace(b'"delta":{"content":""}', b'"delta":{}')
         if usage:
-            rid = rec["request_id"] or "0"
-            kind = "chat.completion.chunk" if chat else "text_completion"
-            counts = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            event = {"id": f"x-{rid}", "object": kind, "created": 0, "model": model}
-            event |= {"choices": [], "usage": counts}
-            tail += b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+            tail += _usage_chunk(rid, model, chat, 1, n, None)
         tail += b"data: [DONE]\n\n"
         if compressor is not None:
             await send(
@@ -629,29 +624,29 @@ def _wants_usage(req: dict[str, Any]) -> bool:
 
 
 def _usage_chunk(
-    rid: str, model: str, chat: bool, prompt: int, completion: int, cached: int = 0
+    rid: str, model: str, chat: bool, prompt: int, completion: int, cached: int | None = 0
 ) -> bytes:
-    """vLLM's last chunk with `include_usage`: no choices, the request's token counts."""
-    return (
-        b"data: "
-        + json.dumps(
-            {
-                "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": 0,
-                "model": model,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "total_tokens": prompt + completion,
-                    "completion_tokens": completion,
-                    "prompt_tokens_details": {"cached_tokens": cached},
-                },
-            },
-            separators=(",", ":"),
-        ).encode()
-        + b"\n\n"
-    )
+    """vLLM's last chunk with `include_usage` (only then: vLLM sends no `usage` key in other
+    chat chunks): no choices, the request's token counts in vLLM's field order, compact JSON.
+    `cached` None leaves out `prompt_tokens_details`, as vLLM does without
+    `--enable-prompt-tokens-details`; the engine model always reports it (also 0, where vLLM
+    would leave it out), which is what cache-aware routing is tried with."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    event: dict[str, Any] = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _watch(receive: Receive, gone: asyncio.Event, rec: dict[str, Any]) -> None:
