@@ -49,6 +49,7 @@ from router.request.usage import ResponseUsage
 from router.request.usage_book import UsageBook
 from router.request.usage_stream import (
     STREAMED_PATHS,
+    USAGE_OBJECT,
     UsageStrip,
     inject,
     needs_injection,
@@ -482,7 +483,9 @@ class ProxyCall(Response):
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
                 tail = chunk[-2:]
                 watch(chunk)
-                if strip is not None:
+                if strip is not None and (
+                    strip.slow or USAGE_OBJECT in chunk or not chunk.endswith(b"\n\n")
+                ):
                     chunk = strip.feed(chunk)
                     if not chunk:
                         continue
