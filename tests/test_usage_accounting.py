@@ -28,23 +28,27 @@ def sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+KEYS = [{"sha256": sha(ALPHA), "name": "alpha"}, {"sha256": sha(BETA), "name": "beta"}]
+ENV = {"SLUICEGATE_ADMIN_TOKEN": ADMIN}
+
+
+def config(mock: Proc, **extra: Any) -> dict[str, Any]:
+    # "m" is renamed upstream (the body is serialised again), "mock-model" is not (spliced).
+    be = backend("u", mock, {"m": "mock-model", "mock-model": "mock-model"})
+    return {"backends": [be], "api_keys": KEYS, **extra}
+
+
 @pytest.fixture(scope="module")
 def fleet(module_procs: Cluster) -> dict[str, Proc]:
     c = module_procs
     mock = c.mock("u", tokens=6, engine_args=ENGINE)
     redis = c.redis()
-    keys = [{"sha256": sha(ALPHA), "name": "alpha"}, {"sha256": sha(BETA), "name": "beta"}]
-    # "m" is renamed upstream (the body is serialised again), "mock-model" is not (spliced).
-    be = backend("u", mock, {"m": "mock-model", "mock-model": "mock-model"})
-    env = {"SLUICEGATE_ADMIN_TOKEN": ADMIN}
-    shared = {"backends": [be], "api_keys": keys, "redis_url": redis.url, "usage_flush": 0.2}
+    shared = config(mock, redis_url=redis.url, usage_flush=0.2)
     return {
         "mock": mock,
-        "r1": c.router(shared, env=env),
-        "r2": c.router(shared, env=env),
-        "passive": c.router(
-            {"backends": [be], "api_keys": keys, "usage_accounting": "passive"}, env=env
-        ),
+        "r1": c.router(shared, env=ENV),
+        "r2": c.router(shared, env=ENV),
+        "passive": c.router(config(mock, usage_accounting="passive"), env=ENV),
     }
 
 
@@ -230,3 +234,29 @@ def test_usage_needs_the_admin_token(fleet: dict[str, Proc]) -> None:
         assert wrong.status_code == 401
         assert wrong.json()["error"]["code"] == "invalid_admin_token"
         assert ADMIN not in wrong.text
+
+
+def test_usage_counted_while_redis_is_down_is_written_when_it_returns(
+    fleet: dict[str, Proc], module_procs: Cluster
+) -> None:
+    c = module_procs
+    redis = c.redis()
+    router = c.router(config(fleet["mock"], redis_url=redis.url, usage_flush=0.2), env=ENV)
+    hi = [{"role": "user", "content": "hi"}]
+    sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
+    assert total(usage(router).json()["data"], "requests") == 1
+    redis.stop()
+    for _ in range(2):  # requests never wait for Redis
+        sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
+    down = usage(router)
+    assert down.status_code == 503 and down.json()["error"]["code"] == "usage_unavailable"
+    c.redis(port=redis.port)  # back, empty: the router writes what it kept since the first
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        answer = usage(router)
+        if answer.status_code == 200 and total(answer.json()["data"], "requests") == 2:
+            break
+        time.sleep(0.1)
+    assert answer.status_code == 200
+    assert total(answer.json()["data"], "requests") == 2
+    assert total(answer.json()["data"], "completion_tokens") == 2 * 6

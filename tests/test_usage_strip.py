@@ -89,4 +89,7 @@ def test_the_body_gains_include_usage_and_keeps_the_rest() -> None:
     again = json.loads(inject(json.dumps(payload).encode(), payload))
     assert again["stream_options"] == {"include_usage": True, "x": 1}
     assert not needs_injection({"stream_options": {"include_usage": True}})
+    assert not needs_injection({"stream_options": {"include_usage": "true"}})
+    assert not needs_injection({"stream_options": "bad"})  # the backend's 400 stays its own
     assert needs_injection({"stream_options": None})
+    assert needs_injection({"stream_options": {"include_usage": False}})

@@ -36,9 +36,14 @@ STREAMED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 def needs_injection(payload: dict[str, Any]) -> bool:
-    """A stream whose client did not ask for usage itself."""
+    """A stream whose client did not ask for usage itself. Anything but absent, null or false
+    (`"true"`, 1: what an engine's lax parsing may take as true) counts as asking, and
+    `stream_options` that is not an object is left for the backend to refuse: sluicegate never
+    removes a usage event the client might have got, nor mends a body the backend would refuse."""
     options = payload.get("stream_options")
-    return not (isinstance(options, dict) and options.get("include_usage") is True)
+    if options is None:
+        return True
+    return isinstance(options, dict) and options.get("include_usage") in (None, False)
 
 
 def inject(body: bytes, payload: dict[str, Any]) -> bytes:
