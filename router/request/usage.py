@@ -134,11 +134,14 @@ class ResponseUsage:
         tail = self._tail if self.first_token_at is not None else (self._prev + self._last)
         tail = tail[-_TAIL:]
         # A plain substring test first: most streams carry no usage, and regexes cost more.
-        if b'"prompt_tokens"' in tail:
+        # The last usage object only (a few hundred bytes, not the whole tail): regexes cost.
+        at = tail.rfind(b'"usage"')
+        found = tail[at:] if at >= 0 else b""
+        if b'"prompt_tokens"' in found:
             # Embeddings report prompt tokens only.
-            self.reported_tokens = _last_match(_COMPLETION, tail)
-            self.input_tokens = _last_match(_PROMPT, tail)
-            self.cached_tokens = _last_match(_CACHED, tail)
+            self.reported_tokens = _last_match(_COMPLETION, found)
+            self.input_tokens = _last_match(_PROMPT, found)
+            self.cached_tokens = _last_match(_CACHED, found)
         self._end = tail
 
     @property
