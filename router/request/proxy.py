@@ -483,9 +483,9 @@ class ProxyCall(Response):
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
                 tail = chunk[-2:]
                 watch(chunk)
-                if strip is not None and (
-                    strip.slow or USAGE_OBJECT in chunk or not chunk.endswith(b"\n\n")
-                ):
+                # Inline (a method call per chunk costs more): only a chunk that holds the usage
+                # object, ends inside an event, or follows a held part needs the strip.
+                if strip is not None and (strip.slow or tail != b"\n\n" or USAGE_OBJECT in chunk):
                     chunk = strip.feed(chunk)
                     if not chunk:
                         continue
