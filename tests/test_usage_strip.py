@@ -56,7 +56,7 @@ def test_client_gets_the_stream_it_would_have_got(
     strip = UsageStrip(strip_nulls=openai_nulls)
     relayed = []
     for c in chunks:
-        skip = not strip.slow and USAGE_OBJECT not in c and c.endswith(b"\n\n")
+        skip = not strip.slow and c[-2:] == b"\n\n" and c.rfind(USAGE_OBJECT) < 0
         relayed.append(c if skip else strip.feed(c))
     assert b"".join(relayed) + strip.flush() == expected
     assert strip.stripped

@@ -483,9 +483,12 @@ class ProxyCall(Response):
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
                 tail = chunk[-2:]
                 watch(chunk)
-                # Inline (a method call per chunk costs more): only a chunk that holds the usage
-                # object, ends inside an event, or follows a held part needs the strip.
-                if strip is not None and (strip.slow or tail != b"\n\n" or USAGE_OBJECT in chunk):
+                # Inline (a method call per chunk costs more; `rfind` less than `in`): only a chunk
+                # holding the usage object, ending inside an event or following a held part
+                # needs the strip.
+                if strip is not None and (
+                    strip.slow or tail != b"\n\n" or chunk.rfind(USAGE_OBJECT) >= 0
+                ):
                     chunk = strip.feed(chunk)
                     if not chunk:
                         continue
