@@ -83,11 +83,12 @@ def test_the_body_gains_include_usage_and_keeps_the_rest() -> None:
     injected = inject(body, payload)
     assert injected.startswith(b'{"model":"m","stream":true,"messages":[]')
     assert json.loads(injected)["stream_options"] == {"include_usage": True}
-    # Other stream options stay; vLLM's continuous usage would change every chunk: dropped.
-    options = {"include_usage": False, "continuous_usage_stats": True, "x": 1}
-    payload = {"model": "m", "stream": True, "stream_options": options}
+    # Other stream options stay.
+    payload = {"model": "m", "stream": True, "stream_options": {"include_usage": False, "x": 1}}
     again = json.loads(inject(json.dumps(payload).encode(), payload))
     assert again["stream_options"] == {"include_usage": True, "x": 1}
+    # Continuous usage: vLLM and SGLang differ on what include_usage then changes; untouched.
+    assert not needs_injection({"stream_options": {"continuous_usage_stats": True}})
     assert not needs_injection({"stream_options": {"include_usage": True}})
     assert not needs_injection({"stream_options": {"include_usage": "true"}})
     assert not needs_injection({"stream_options": "bad"})  # the backend's 400 stays its own

@@ -10,10 +10,10 @@ What the engines send with `include_usage` (their serving code, read): vLLM and 
 the final usage-only event (other chunks are unchanged: vLLM's chat chunks never carry `usage`, its
 completion chunks always carry `"usage":null`, with or without the option). OpenAI adds
 `"usage":null` to every other chunk as well; for `kind: openai` backends `,"usage":null` is also
-removed from each chunk (one `bytes.replace` per chunk, only there). A client's
-`continuous_usage_stats` (vLLM: usage in every chunk, but only when `include_usage` is set) is
-dropped from what goes upstream when sluicegate sets `include_usage`, as without it the option
-does nothing.
+removed from each chunk (one `bytes.replace` per chunk, only there). A request with
+`continuous_usage_stats` goes untouched: vLLM then puts usage in every chunk only with
+`include_usage`, SGLang with or without it, so no edit is right for both (SGLang's chunks then
+carry the usage anyway).
 
 Cost per chunk of an injected stream: the relay's inline test (an attribute, the chunk's last
 two bytes, one `rfind` of `"usage":{`; ~0.1 us) and nothing more for a chunk of whole events
@@ -44,7 +44,11 @@ def needs_injection(payload: dict[str, Any]) -> bool:
     options = payload.get("stream_options")
     if options is None:
         return True
-    return isinstance(options, dict) and options.get("include_usage") in (None, False)
+    return (
+        isinstance(options, dict)
+        and options.get("include_usage") in (None, False)
+        and options.get("continuous_usage_stats") in (None, False)
+    )
 
 
 def inject(body: bytes, payload: dict[str, Any]) -> bytes:
@@ -61,10 +65,9 @@ def inject(body: bytes, payload: dict[str, Any]) -> bytes:
 
 
 def with_usage(payload: dict[str, Any]) -> dict[str, Any]:
-    """The payload with `include_usage` set (and `continuous_usage_stats` dropped)."""
+    """The payload with `include_usage` set, its other stream options kept."""
     options = payload.get("stream_options")
-    kept = dict(options) if isinstance(options, dict) else {}
-    kept.pop("continuous_usage_stats", None)
+    kept = options if isinstance(options, dict) else {}
     return {**payload, "stream_options": {**kept, "include_usage": True}}
 
 
