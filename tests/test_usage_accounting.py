@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.harness import Cluster, Proc, backend
+from tests.harness import Cluster, Proc, backend, wait_http
 
 ADMIN = "admin-usage-token-0123456789"
 ALPHA = "sk-usage-alpha-0123456789"
@@ -42,14 +42,19 @@ def config(mock: Proc, **extra: Any) -> dict[str, Any]:
 def fleet(module_procs: Cluster) -> dict[str, Proc]:
     c = module_procs
     mock = c.mock("u", tokens=6, engine_args=ENGINE)
-    redis = c.redis()
+    redis, own = c.redis(), c.redis()
     shared = config(mock, redis_url=redis.url, usage_flush=0.2)
-    return {
-        "mock": mock,
-        "r1": c.router(shared, env=ENV),
-        "r2": c.router(shared, env=ENV),
-        "passive": c.router(config(mock, usage_accounting="passive"), env=ENV),
+    # Started together, then waited for: three imports in parallel instead of one by one.
+    routers = {
+        "r1": c.router(shared, env=ENV, wait=False),
+        "r2": c.router(shared, env=ENV, wait=False),
+        "passive": c.router(config(mock, usage_accounting="passive"), env=ENV, wait=False),
+        # Its Redis is stopped and started again by one test.
+        "alone": c.router(config(mock, redis_url=own.url, usage_flush=0.2), env=ENV, wait=False),
     }
+    for r in routers.values():
+        wait_http(r.url + "/healthz", proc=r.popen)
+    return {"mock": mock, "own_redis": own, **routers}
 
 
 def engine_counts(mock: Proc) -> dict[str, float]:
@@ -239,9 +244,7 @@ def test_usage_needs_the_admin_token(fleet: dict[str, Proc]) -> None:
 def test_usage_counted_while_redis_is_down_is_written_when_it_returns(
     fleet: dict[str, Proc], module_procs: Cluster
 ) -> None:
-    c = module_procs
-    redis = c.redis()
-    router = c.router(config(fleet["mock"], redis_url=redis.url, usage_flush=0.2), env=ENV)
+    redis, router = fleet["own_redis"], fleet["alone"]
     hi = [{"role": "user", "content": "hi"}]
     sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
     assert total(usage(router).json()["data"], "requests") == 1
@@ -250,7 +253,8 @@ def test_usage_counted_while_redis_is_down_is_written_when_it_returns(
         sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
     down = usage(router)
     assert down.status_code == 503 and down.json()["error"]["code"] == "usage_unavailable"
-    c.redis(port=redis.port)  # back, empty: the router writes what it kept since the first
+    # Back, empty: the router writes what it kept since the first request.
+    module_procs.redis(port=redis.port)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         answer = usage(router)
