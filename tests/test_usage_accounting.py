@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.harness import Cluster, Proc, backend, wait_http
 
@@ -96,10 +97,10 @@ def test_tokens_counted_equal_the_engines_own_counts(fleet: dict[str, Proc]) -> 
     client = sdk(r1, ALPHA)
     before_engine = engine_counts(mock)
     before = router_tokens(r1, "alpha", "m")
-    messages = [{"role": "user", "content": LONG}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": LONG}]
 
     # A stream whose client did not ask for usage: it sees no usage event and no usage field.
-    chunks = list(client.chat.completions.create(model="m", messages=messages, stream=True))  # type: ignore[arg-type]
+    chunks = list(client.chat.completions.create(model="m", messages=messages, stream=True))
     assert chunks and all(c.usage is None and c.choices for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == "".join(f"tok{i} " for i in range(6))
@@ -109,7 +110,7 @@ def test_tokens_counted_equal_the_engines_own_counts(fleet: dict[str, Proc]) -> 
     asked = list(
         client.chat.completions.create(
             model="m",
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -245,12 +246,12 @@ def test_usage_counted_while_redis_is_down_is_written_when_it_returns(
     fleet: dict[str, Proc], module_procs: Cluster
 ) -> None:
     redis, router = fleet["own_redis"], fleet["alone"]
-    hi = [{"role": "user", "content": "hi"}]
-    sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
+    hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)
     assert total(usage(router).json()["data"], "requests") == 1
     redis.stop()
     for _ in range(2):  # requests never wait for Redis
-        sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
+        sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)
     down = usage(router)
     assert down.status_code == 503 and down.json()["error"]["code"] == "usage_unavailable"
     # Back, empty: the router writes what it kept since the first request.

@@ -133,8 +133,8 @@ class ResponseUsage:
         self._count()
         tail = self._tail if self.first_token_at is not None else (self._prev + self._last)
         tail = tail[-_TAIL:]
-        # A plain substring test first: most streams carry no usage, and regexes cost more.
-        # The last usage object only (a few hundred bytes, not the whole tail): regexes cost.
+        # Regexes cost: they read only the last usage object (a few hundred bytes, not the
+        # whole tail), and only after a plain substring test (most streams carry no usage).
         at = tail.rfind(b'"usage"')
         found = tail[at:] if at >= 0 else b""
         if b'"prompt_tokens"' in found:
