@@ -1,6 +1,8 @@
 """What usage accounting costs: router CPU per streamed request, `active` vs `passive`, one run.
 
     python -m bench.usage [--rounds 3] [--seconds 4]
+    python -m bench.usage --baseline-src DIR      # also a router from another checkout (e.g.
+                                                  # the commit before usage accounting)
 
 `active` (the default) adds `stream_options.include_usage` to each streamed request whose client
 did not ask for usage and takes the usage event out of the relayed bytes; `passive` forwards the
@@ -16,13 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
 from bench.loadgen import run_load
 from bench.procstat import cpu_seconds
 from router.request.usage_stream import USAGE_OBJECT, UsageStrip
-from tests.harness import Cluster, Proc
+from tests.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "stream": True, "max_tokens": 64}).encode()
@@ -39,6 +44,23 @@ def _router(c: Cluster, up: Proc, mode: str) -> Proc:
         },
         env={"SLUICEGATE_LOG_LEVEL": "warning"},
     )
+
+
+def _baseline(c: Cluster, up: Proc, src: str) -> Proc:
+    """A router run from another checkout's code (cwd and PYTHONPATH), the same backend."""
+    port = free_port()
+    path = c.write_config(
+        {"backends": [{"name": "b", "url": up.url, "models": {"m": "mock-model"}}]}
+    )
+    args = [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port)]
+    env = {**os.environ, "SLUICEGATE_LOG_LEVEL": "warning", "PYTHONPATH": src}
+    popen = subprocess.Popen(
+        args, cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
+    proc = Proc(popen, port, c.tmp / "baseline.log")
+    c.procs.append(proc)
+    wait_http(proc.url + "/healthz", proc=popen)
+    return proc
 
 
 def strip_cost(chunks: int = 200_000) -> dict[str, float]:
@@ -69,6 +91,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--baseline-src", default=None, help="another checkout's directory")
     opts = ap.parse_args()
     c = Cluster()
     try:
@@ -78,6 +101,8 @@ def main() -> int:
             "active": (_router(c, up, "active"), BODY),
             "client_asks": (_router(c, up, "active"), ASKS),
         }
+        if opts.baseline_src:
+            routers["baseline"] = (_baseline(c, up, opts.baseline_src), BODY)
         totals = {k: [0.0, 0] for k in routers}
         for r, body in routers.values():  # warm-up
             asyncio.run(run_load("127.0.0.1", r.port, CHAT, body, 32, duration=1.0))
@@ -100,6 +125,9 @@ def main() -> int:
             "client_asks_vs_passive": round(out["client_asks"] / out["passive"], 3),
             **strip_cost(),
         }
+        if "baseline" in out:
+            report["passive_vs_baseline"] = round(out["passive"] / out["baseline"], 3)
+            report["active_vs_baseline"] = round(out["active"] / out["baseline"], 3)
         print(json.dumps(report, indent=2))
     finally:
         c.close()
