@@ -54,6 +54,7 @@ class UsageBook:
         self._pending: dict[Bucket, list[int]] = {}  # with Redis: not written yet
         self._hour = 0  # the hour of the last record: pruning runs when it changes
         self._flushing: asyncio.Lock | None = None
+        self._failing = False  # logged once when writes start failing, once when they recover
 
     @property
     def shared(self) -> bool:
@@ -118,11 +119,19 @@ class UsageBook:
                         await pipe.execute()
             except STORE_FAILURES as exc:
                 self._merge_back(batch)
-                log.warning(
-                    "usage not written to Redis; kept in memory",
-                    extra={"fields": {"error": type(exc).__name__, "buckets": len(batch)}},
-                )
+                if not self._failing:
+                    self._failing = True
+                    log.warning(
+                        "usage not written to Redis; kept in memory until it answers",
+                        extra={"fields": {"error": type(exc).__name__, "buckets": len(batch)}},
+                    )
                 raise
+            except asyncio.CancelledError:  # shutdown mid-write: aclose() tries once more
+                self._merge_back(batch)
+                raise
+            if self._failing:
+                self._failing = False
+                log.info("usage written to Redis again", extra={"fields": {"buckets": len(batch)}})
 
     def _merge_back(self, batch: dict[Bucket, list[int]]) -> None:
         pending = self._pending
@@ -146,7 +155,9 @@ class UsageBook:
             try:
                 await self.flush()
             except STORE_FAILURES:
-                pass  # logged; kept for the next round
+                pass  # kept for the next round
+            except Exception as exc:  # a background chore must outlive one bad round
+                log.warning("usage write failed", extra={"fields": {"error": type(exc).__name__}})
 
     async def aclose(self) -> None:
         if self._redis is None:
