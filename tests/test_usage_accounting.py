@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.harness import Cluster, Proc, backend, wait_http
+from tests.harness import Cluster, Proc, backend, control, wait_http
 
 ADMIN = "admin-usage-token-0123456789"
 ALPHA = "sk-usage-alpha-0123456789"
@@ -33,29 +33,34 @@ KEYS = [{"sha256": sha(ALPHA), "name": "alpha"}, {"sha256": sha(BETA), "name": "
 ENV = {"SLUICEGATE_ADMIN_TOKEN": ADMIN}
 
 
-def config(mock: Proc, **extra: Any) -> dict[str, Any]:
+def config(mock: Proc, openai_like: Proc, **extra: Any) -> dict[str, Any]:
     # "m" is renamed upstream (the body is serialised again), "mock-model" is not (spliced).
     be = backend("u", mock, {"m": "mock-model", "mock-model": "mock-model"})
-    return {"backends": [be], "api_keys": KEYS, **extra}
+    oa = backend("oa", openai_like, {"oa": "mock-model"}, kind="openai", api_key="sk-oa-0123")
+    return {"backends": [be, oa], "api_keys": KEYS, **extra}
 
 
 @pytest.fixture(scope="module")
 def fleet(module_procs: Cluster) -> dict[str, Proc]:
     c = module_procs
     mock = c.mock("u", tokens=6, engine_args=ENGINE)
+    oa = c.mock("oa")
+    control(oa, usage_nulls=True)  # OpenAI's shape: "usage":null in chunks with include_usage
     redis, own = c.redis(), c.redis()
-    shared = config(mock, redis_url=redis.url, usage_flush=0.2)
+    shared = config(mock, oa, redis_url=redis.url, usage_flush=0.2)
     # Started together, then waited for: three imports in parallel instead of one by one.
     routers = {
         "r1": c.router(shared, env=ENV, wait=False),
         "r2": c.router(shared, env=ENV, wait=False),
-        "passive": c.router(config(mock, usage_accounting="passive"), env=ENV, wait=False),
+        "passive": c.router(config(mock, oa, usage_accounting="passive"), env=ENV, wait=False),
         # Its Redis is stopped and started again by one test.
-        "alone": c.router(config(mock, redis_url=own.url, usage_flush=0.2), env=ENV, wait=False),
+        "alone": c.router(
+            config(mock, oa, redis_url=own.url, usage_flush=0.2), env=ENV, wait=False
+        ),
     }
     for r in routers.values():
         wait_http(r.url + "/healthz", proc=r.popen)
-    return {"mock": mock, "own_redis": own, **routers}
+    return {"mock": mock, "oa": oa, "own_redis": own, **routers}
 
 
 def engine_counts(mock: Proc) -> dict[str, float]:
@@ -172,6 +177,22 @@ def test_the_client_gets_the_engines_bytes(
         for router in (r1, passive):
             for model in ("m", "mock-model"):
                 assert raw_stream(router.url + path, model, "same-id", **extra) == direct
+
+
+def test_openai_shape_loses_its_usage_nulls_too(fleet: dict[str, Proc]) -> None:
+    oa, r1 = fleet["oa"], fleet["r1"]
+    chat = "/v1/chat/completions"
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    direct = raw_stream(oa.url + chat, "mock-model", "oa-id", **hi)
+    asked = raw_stream(
+        oa.url + chat, "mock-model", "oa-id", **hi, stream_options={"include_usage": True}
+    )
+    assert b'"usage"' not in direct and asked.count(b'"usage":null') == 6  # 5 tokens, finish
+    before = total(usage(r1, model="oa").json()["data"], "completion_tokens")
+    assert raw_stream(r1.url + chat, "oa", "oa-id", **hi) == direct
+    rows = usage(r1, model="oa").json()["data"]
+    assert total(rows, "completion_tokens") - before == 5
+    assert total(rows, "estimated_requests") == 0
 
 
 def test_passive_counts_content_events_marked_estimated(fleet: dict[str, Proc]) -> None:

@@ -5,8 +5,10 @@ and `/stats` (requests, completed, aborted, tokens generated after its client we
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
-metrics_delay_ms, metrics_body, background) so fault tests need no second implementation. Streams
-end with vLLM's usage event when the request asks for it (`stream_options.include_usage`).
+metrics_delay_ms, metrics_body, background, usage_nulls) so fault tests need no second
+implementation. Streams end with vLLM's usage event when the request asks for it
+(`stream_options.include_usage`); with `usage_nulls` every other chunk then also carries
+`"usage":null`, as OpenAI's API does.
 `role_chunk` sends vLLM's role-only first event
 (`"delta":{"role":"assistant","content":""}`) right after the headers, before the prefill wait
 (vLLM sends it with the first token; sending it early lets tests tell the first byte from the
@@ -53,6 +55,8 @@ class Behaviour:
     metrics_delay_ms: float = 0.0  # a slow /metrics
     metrics_body: str | None = None  # served instead of the real metrics (malformed, NaN...)
     role_chunk: bool = False  # a role-only first event before the prefill wait
+    # OpenAI's shape with include_usage: `"usage":null` in every chunk before the usage one
+    usage_nulls: bool = False
 
 
 @dataclass
@@ -379,6 +383,9 @@ class MockUpstream:
         rid = rec["request_id"] or "0"
         pre = ((self._chat_pre if chat else self._cmpl_pre) % (rid, model)).encode()
         post = b'"}}]}\n\n' if chat else b'"}]}\n\n'
+        nulls = usage and bh.usage_nulls
+        if nulls:
+            post = post.replace(b"]}\n\n", b'],"usage":null}\n\n')
         headers = list(_SSE)
         compressor = None
         if bh.gzip:
@@ -427,6 +434,8 @@ class MockUpstream:
             else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
         )
         tail = tail.replace(b'"delta":{"content":""}', b'"delta":{}')
+        if nulls:
+            tail = tail.replace(b"]}\n\n", b'],"usage":null}\n\n')
         if usage:
             tail += _usage_chunk(rid, model, chat, 1, n, None)
         tail += b"data: [DONE]\n\n"
