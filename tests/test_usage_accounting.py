@@ -195,6 +195,24 @@ def test_openai_shape_loses_its_usage_nulls_too(fleet: dict[str, Proc]) -> None:
     assert total(rows, "estimated_requests") == 0
 
 
+@pytest.mark.parametrize("nulls", [False, True])
+def test_a_usage_event_cut_across_reads_is_still_removed(
+    fleet: dict[str, Proc], nulls: bool
+) -> None:
+    oa, r1 = fleet["oa"], fleet["r1"]
+    chat = "/v1/chat/completions"
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    control(oa, split_tail_ms=30, usage_nulls=nulls)
+    try:
+        direct = raw_stream(oa.url + chat, "mock-model", "cut-id", **hi)
+        options = {"stream_options": {"include_usage": True}}
+        asked = raw_stream(oa.url + chat, "mock-model", "cut-id", **hi, **options)
+        assert b'"choices":[],"usage"' in asked
+        assert raw_stream(r1.url + chat, "oa", "cut-id", **hi) == direct
+    finally:
+        control(oa, split_tail_ms=0, usage_nulls=True)
+
+
 def test_passive_counts_content_events_marked_estimated(fleet: dict[str, Proc]) -> None:
     passive, mock = fleet["passive"], fleet["mock"]
     before_engine = engine_counts(mock)

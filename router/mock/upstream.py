@@ -5,8 +5,8 @@ and `/stats` (requests, completed, aborted, tokens generated after its client we
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
-metrics_delay_ms, metrics_body, background, usage_nulls) so fault tests need no second
-implementation. Streams end with vLLM's usage event when the request asks for it
+metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms) so fault tests need no
+second implementation. Streams end with vLLM's usage event when the request asks for it
 (`stream_options.include_usage`); with `usage_nulls` every other chunk then also carries
 `"usage":null`, as OpenAI's API does.
 `role_chunk` sends vLLM's role-only first event
@@ -57,6 +57,7 @@ class Behaviour:
     role_chunk: bool = False  # a role-only first event before the prefill wait
     # OpenAI's shape with include_usage: `"usage":null` in every chunk before the usage one
     usage_nulls: bool = False
+    split_tail_ms: float = 0.0  # > 0: the stream's last events in three writes this far apart
 
 
 @dataclass
@@ -448,6 +449,13 @@ class MockUpstream:
                 }
             )
             return
+        if bh.split_tail_ms > 0:
+            # Events cut across writes (and so across a proxy's reads): thirds of the tail.
+            third = len(tail) // 3
+            for part in (tail[:third], tail[third : 2 * third]):
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+                await self._sleep(bh.split_tail_ms, gone)
+            tail = tail[2 * third :]
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _whole(
