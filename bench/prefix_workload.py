@@ -334,12 +334,24 @@ class Fleet:
     store: Proc
 
 
-def fleet(c: Cluster, shape: Shape) -> Fleet:
+def calibrated(overrides: dict[str, str]) -> list[str]:
+    """ENGINE with some of its `--flag value` pairs replaced (the robustness check: the policy
+    must not depend on one engine calibration), e.g. {"--prefill-ms-per-1k": "30"}."""
+    out = list(ENGINE)
+    for flag, value in overrides.items():
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
+def fleet(c: Cluster, shape: Shape, engine: Sequence[str] = ENGINE) -> Fleet:
     with ThreadPoolExecutor(ENGINES) as pool:  # start together: each takes seconds to import
         mocks = list(
             pool.map(
                 lambda i: c.mock(
-                    f"e{i}", engine_args=[*ENGINE, "--kv-tokens", str(shape.kv_tokens)]
+                    f"e{i}", engine_args=[*engine, "--kv-tokens", str(shape.kv_tokens)]
                 ),
                 range(ENGINES),
             )
@@ -480,8 +492,11 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(c: Cluster, quick: bool = False, only: Sequence[str] = ()) -> dict[str, Any]:
-    """Every variant (or those named in `only`, as `chat:label` / `fresh:label`)."""
+def run(
+    c: Cluster, quick: bool = False, only: Sequence[str] = (), engine: Sequence[str] = ENGINE
+) -> dict[str, Any]:
+    """Every variant (or those named in `only`, as `chat:label` / `fresh:label`), on engines
+    calibrated as `engine` (default ENGINE)."""
     shape = QUICK if quick else FULL
     p = plan(shape)
     res: dict[str, Any] = {
@@ -497,12 +512,12 @@ def run(c: Cluster, quick: bool = False, only: Sequence[str] = ()) -> dict[str, 
             "kv_tokens_per_engine": shape.kv_tokens,
             "fresh_requests": shape.fresh_requests,
             "fresh_rounds": FRESH_ROUNDS,
-            "engine": " ".join(ENGINE[1:]),
+            "engine": " ".join(engine[1:]),
         },
         "chat": {},
         "fresh": {},
     }
-    f = fleet(c, shape)
+    f = fleet(c, shape, engine)
     for label, balancer, replicas, redis, extra in CHAT_VARIANTS:
         if only and f"chat:{label}" not in only:
             continue
@@ -788,7 +803,10 @@ if __name__ == "__main__":
     cluster = Cluster()
     try:
         names = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--variants=")]
-        result = run(cluster, "--quick" in sys.argv, names[0].split(",") if names else ())
+        # Another engine calibration: --engine=--prefill-ms-per-1k=30,--max-num-seqs=8
+        pairs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--engine=")]
+        engine = calibrated(dict(kv.split("=", 1) for kv in pairs[0].split(",")) if pairs else {})
+        result = run(cluster, "--quick" in sys.argv, names[0].split(",") if names else (), engine)
     finally:
         cluster.close()
     split_samples(result)
