@@ -1,36 +1,39 @@
 """Send a prompt to the engine that probably still caches its prefix, unless that engine queues.
 
-cost(c) = queue(c) - cached(c) / prompt        (lowest wins; ties: `least_load`'s score)
+cost(c) = (queue(c) + uncached(c) x (1 + batch(c))) / weight      (lowest wins; ties: least_load)
 
-in units of one prefill of this prompt, i.e. in time to our first token, where
-- cached(c) / prompt: the share of the prompt's leading blocks the prefix index says c was last
-  sent (`Hints.held` of `Hints.blocks`): the prefill c would skip (a whole hit is worth 1);
-- queue(c): (waiting + ahead) / weight from c's engine reading: a request in its queue delays
-  ours by about one prefill (ours is the best guess of a neighbour's length); ahead is 1 when
-  our prompt would not fit in the KV the engine has free (kv_usage, `kv_capacity_tokens`, less
-  one prompt per request we sent it since the reading), because admission then waits for a
-  running request to end; without a reported capacity, when kv_usage >= KV_NEAR_FULL.
-Why not `least_load`'s score minus a fixed TOKENS_PER_LOAD: its units do not map onto time.
-Continuous batching absorbs a running request (it slows each step by a fraction of a
-millisecond, against tens of milliseconds per 1k tokens of prefill), KV use costs nothing
-until admission runs out of blocks (vLLM's usage counts running requests' blocks; cached free
-ones are evictable), while a queued request costs a whole prefill. One exchange rate fits one of
-those terms and misprices the other: at 250 tokens per unit, 3-5 running requests or a
-half-full KV outweighed a 2-5k-token cached prompt (`docs/benchmarks.md`). So running, KV and
-our dispatches since the reading only break ties (least loaded among equal costs, exactly
-`least_load` when no candidate holds anything); they reach the cost through queue(c).
+in prefills of this prompt, i.e. in time, ours and that of the requests we would delay:
+- uncached(c): the share of the prompt c would prefill, 1 minus the leading blocks the prefix
+  index says c was last sent (`Hints.held` of `Hints.blocks`);
+- batch(c): the requests running there (engine reading, plus those we sent since it): a prefill
+  delays each of them as much as ours (vLLM computes it inside the batch's steps, chunked or
+  not), so a full prefill on a busy engine costs 1 + batch, a cached prompt nearly nothing;
+- queue(c): requests waiting there (each about one prefill ahead of ours: ours is the best
+  guess of a neighbour's length), plus 1 when our prompt would not fit in the KV it has free
+  (kv_usage x `kv_capacity_tokens`, less one prompt per request we sent since the reading):
+  admission then waits for a running request to end (without a reported capacity: kv_usage
+  >= KV_NEAR_FULL). A queue costs our time only, not the batch's.
+Why not `least_load`'s score minus cached tokens / TOKENS_PER_LOAD, as before: its units do not
+map onto time. Continuous batching absorbs a running request (a fraction of a millisecond per
+step, against tens of milliseconds per 1k prefilled tokens), KV use costs nothing until
+admission runs out of blocks (vLLM counts running requests' blocks; cached free ones are
+evictable), a queued request costs a whole prefill. One fixed rate misprices some term: at 250
+tokens per unit, 3-5 running requests plus half-full KV (16 x kv_usage) outweighed a
+2-5k-token cached prompt (`docs/benchmarks.md`). Here running requests and KV enter only as
+what they cost in time; least_load's score only breaks ties (with no holder among the
+candidates the pick is `least_load`'s).
 Guardrail (bounded loads, Mirrokni et al.): a holder is passed over when its requests in flight
 through sluicegate (`Candidate.inflight` per weight: exact, and shared across replicas through
 Redis) plus this one exceed ceil(load_factor x (total + 1) / n) over the n candidates, are
 SPILL_MIN_GAP above the least loaded (a lease not released yet must not break affinity at low
-load), AND its engine is saturated (queue(c) > 0: continuous batching no longer absorbs one
-more); without a reading the count bound alone decides. A hot prefix spills as soon as its holder
-starts queuing, ordinary fluctuation inside a batch does not (at 3-5 requests per engine the
-count bound alone sent 7-11 % of requests to a full prefill). If every holder is passed over,
-the least loaded candidate (`least_load`'s pick) takes it and joins the holders (the proxy
-records it). Candidates without an engine reading (`kind: openai`, not scraped) have no queue to
-read: then cost = in-flight per weight - cached tokens / TOKENS_PER_LOAD (an in-flight request
-may be running or queued; 4 of them ~ one 1k-token prefill), with the count bound alone.
+load), AND its engine is saturated (queue(c) > 0: continuous batching no longer absorbs one more
+request); without a reading the count bound alone decides. A hot prefix spills as soon as its
+holder starts queuing; ordinary fluctuation inside a batch does not (at 3-5 requests per engine
+the count bound alone sent 7-11 % of requests to a full prefill). If every holder is passed
+over, the least loaded candidate (`least_load`'s pick) takes it and joins the holders (the proxy
+records it). Candidates without an engine reading (`kind: openai`, not scraped) have no queue
+or batch to read: then cost = in-flight per weight - cached tokens / TOKENS_PER_LOAD (an
+in-flight request may be running or queued; 4 of them ~ one 1k-token prefill), count bound only.
 Session affinity comes first when the request names a session (`Hints.session`: the ring point
 of its key): consistent hashing with bounded loads over the candidates (balancers/session_ring.py),
 the key's home unless it is over the count bound (`affinity.load_factor`), else the next backend
@@ -38,7 +41,7 @@ clockwise under it (a backend whose engine reading is stale is left off the ring
 again).
 Reasons: `session` (the key's home), `prefix` (the pick holds part of the prompt), `spill` (a
 holder or the key's home was passed over for the bound), `load` (no candidate holds any of the
-prompt, or its queue outweighed the cache).
+prompt, or the holder's queue outweighed the prefill saved).
 It only ever sees eligible candidates (health, ejection, draining, `max_inflight` and the retry's
 `exclude` are applied before), so affinity never overrides them. Pure: the match arrives as data
 through `with_hints()`, which returns this request's picker; plain `pick()` is `least_load`'s.
@@ -174,7 +177,7 @@ class HintedPick:
         pool: Sequence[Candidate],
         over: Callable[[Candidate], bool],
     ) -> Candidate | None:
-        """Every live candidate has a fresh reading: cost in prefills of this prompt."""
+        """Every live candidate has a fresh reading: the cost in prefills of this prompt."""
         hints = self._hints
         held = hints.held
         prompt = max(1.0, hints.blocks * hints.block_chars / CHARS_PER_TOKEN)
@@ -184,19 +187,21 @@ class HintedPick:
         for s, c in live:
             r = c.engine
             assert r is not None
+            sent = since(c)
             ahead = r.waiting
             cap = r.kv_capacity_tokens
             if cap:
-                free = min(cap, (1.0 - r.kv_usage) * cap - since(c) * prompt)
-                ahead += free < prompt
+                free = min(cap, (1.0 - r.kv_usage) * cap - sent * prompt)
+                ahead += 1.0 if free < prompt else 0.0
             else:
-                ahead += r.kv_usage >= KV_NEAR_FULL
-            queue = ahead / c.weight
+                ahead += 1.0 if r.kv_usage >= KV_NEAR_FULL else 0.0
             blocks = held.get(c.name, 0)
-            if blocks and queue > 0 and over(c):
+            if blocks and ahead and over(c):
                 passed_over = True
                 continue
-            options.append((queue - min(1.0, blocks / hints.blocks), s, c))
+            uncached = 1.0 - min(1.0, blocks / hints.blocks)
+            batch = max(0.0, r.running + sent)
+            options.append(((ahead + uncached * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
             self.reason = "spill"
             return self._load.pick([c for _, c in live if c.name not in held] or pool)

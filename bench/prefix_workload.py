@@ -1,5 +1,8 @@
 """Cache-aware routing on multi-turn chat (`python -m bench.run --only prefix`, ~4 minutes).
 
+Alone: `python -m bench.prefix_workload [--quick] [--variants=chat:least_inflight,...]
+[--engine=--prefill-ms-per-1k=30,--max-num-seqs=8]` (another engine calibration) prints JSON.
+
 Workload *chat*: many customers, each with its own long system prompt (2k-5k tokens), each
 holding a few conversations, one after another, that grow turn by turn (every turn resends the
 system prompt and all earlier user and assistant messages). A fixed number of conversations run
@@ -454,7 +457,7 @@ CHAT_VARIANTS: tuple[Variant, ...] = (
     ("cache_aware_separate", "cache_aware", 2, False, {}),
     ("cache_aware_redis", "cache_aware", 2, True, {}),
     ("cache_aware_single", "cache_aware", 1, False, {}),
-    # Not a target: how much the default load bound (1.25) costs at this load.
+    # Not a target: what the default count bound (1.25) still costs at this load.
     ("cache_aware_redis_lf2", "cache_aware", 2, True, {"affinity": {"load_factor": 2.0}}),
 )
 FRESH_VARIANTS: tuple[Variant, ...] = (
@@ -767,11 +770,12 @@ READING = [
     "prompt cached (usage `cached_tokens`); on this engine model each one holds its engine's",
     "whole batch for its prefill (no chunked prefill), so it sets the TTFT tail of everyone",
     "co-scheduled with it. Under `cache_aware` such requests come from three decisions:",
-    "`spill` (the holder was past the load bound: `load_factor` x the mean of sluicegate's",
-    "in-flight counts, and 2 above the least loaded; at a few requests per engine ordinary",
-    "fluctuation crosses it, which the `load_factor: 2` row measures), `load` (no engine known to",
-    "hold the prompt: evicted by capacity, or the engine load outweighed the cached tokens in the",
-    "score, `TOKENS_PER_LOAD` = 250 tokens per unit of load), and, with separate indexes, a",
+    "`spill` (a holder past the load bound: `load_factor` x the mean of sluicegate's in-flight",
+    "counts and 2 above the least loaded, while its engine queues or has no room in its KV for",
+    "the prompt; the `load_factor: 2` row shows what the count part still costs), `load` (no",
+    "engine known to hold the prompt: evicted by capacity, or the holder's queue outweighed the",
+    "cached share of the prompt: the cost counts prefills, a queued request as one), and, with",
+    "separate indexes, a",
     "replica routing by what only it has seen (its index believes an engine holds blocks that",
     "the other replica's traffic evicted, and each replica settles a customer on its own engine,",
     "so prompts are cached twice). *fresh*: every request there is a full prefill and queues",

@@ -121,8 +121,8 @@ def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     cool = Candidate("b", 1.0, 0, reading(running=1, kv=0.1))
     pick = bal.with_hints(match, 1.25)
     assert pick.pick([busy, cool]) == busy and pick.reason == "prefix"
-    queuing = Candidate("a", 1.0, 0, reading(running=16, kv=0.6, waiting=2))
-    assert pick.pick([queuing, cool]) == cool and pick.reason == "load"
+    queuing = Candidate("a", 1.0, 0, reading(running=16, kv=0.6, waiting=3))
+    assert pick.pick([queuing, cool]) == cool and pick.reason == "load"  # 3 ahead > 1 + 1
     # Among equal costs (no holder, no queue) the least loaded wins, as with least_load.
     other = Candidate("c", 1.0, 0, reading(running=3, kv=0.1))
     assert bal.with_hints(Hints(32, 256, {}), 1.25).pick([other, busy, cool]) == cool
@@ -155,9 +155,11 @@ def test_a_holder_spills_when_its_engine_queues_not_when_its_batch_fluctuates() 
     assert pick(Candidate("a", 1.0, 6, reading(6, 0.5, seq=7)), bal) == ("a", "prefix")
     assert pick(Candidate("a", 1.0, 21, reading(6, 0.5, seq=7)), bal) == ("a", "prefix")
     assert pick(Candidate("a", 1.0, 22, reading(6, 0.5, seq=7)), bal) == ("c", "spill")
-    # A queuing holder under the count bound is not passed over: its queue enters the cost
-    # (2 prefills ahead against 1 saved), so it loses on time, reason load.
-    assert pick(Candidate("a", 1.0, 2, reading(2, 0.4, waiting=2))) == ("c", "load")
+    # A queuing holder under the count bound is not passed over: its queue enters the cost.
+    # 2 waiting is less than a full prefill on c, which delays c's 2 running requests too; 4 is
+    # more: lost on time, reason load.
+    assert pick(Candidate("a", 1.0, 2, reading(2, 0.4, waiting=2))) == ("a", "prefix")
+    assert pick(Candidate("a", 1.0, 2, reading(2, 0.4, waiting=4))) == ("c", "load")
     # Without a reading the count bound alone decides (as in the test above).
     assert pick(Candidate("a", 1.0, 6)) == ("c", "spill")
 
