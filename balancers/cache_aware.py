@@ -199,7 +199,7 @@ class HintedPick:
             if blocks and ahead and over(c):
                 passed_over = True
                 continue
-            uncached = 1.0 - min(1.0, blocks / hints.blocks)
+            uncached = 1.0 - min(1.0, blocks / max(1, hints.blocks))
             batch = max(0.0, r.running + sent)
             options.append(((ahead + uncached * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
