@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "router.request.affinity": 3,  # hashing + prefix index + binding cache_aware
     "router.request.admission": 3,  # the admission queue: core and balancers only
     "router.request.quota": 3,  # per-key rpm / tpm / max_parallel: core only
+    "router.request.quota_shared": 3,  # the same shared through Redis: core, inflight batcher
     "router.ops.metrics": 4,
     "router.discovery": 4,
     "router.request.proxy": 5,
