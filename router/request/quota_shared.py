@@ -68,9 +68,9 @@ local first = sec - BUCKETS + 1
 """
 
 # KEYS: requests hash, tokens hash, slots zset. ARGV: now_ms (0: Redis's clock), rpm, tpm,
-# max_parallel (0: no limit), estimate, slot id (or ''), slot ttl ms. Returns {refused (0 ok,
-# 1 rpm, 2 tpm, 3 parallel), requests used, tokens used, requests reset ms, tokens reset ms,
-# the bucket reserved in}; "used" includes this request when admitted.
+# max_parallel (0: no limit), estimate, slot id (or ''), slot ttl ms. Returns "refused (0 ok,
+# 1 rpm, 2 tpm, 3 parallel) requests-used tokens-used requests-reset-ms tokens-reset-ms bucket"
+# ("used" includes this request when admitted).
 _ADMIT = (
     _NOW
     + """
@@ -122,7 +122,11 @@ if refused == 0 and par > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   if redis.call('ZCARD', KEYS[3]) >= par then refused = 3 end
 end
-if refused ~= 0 then return {refused, r_used, t_used, r_reset, t_reset, sec} end
+local function reply(code)
+  -- one bulk string: a client parses it in one read, an array costs one per element
+  return table.concat({code, r_used, t_used, r_reset, t_reset, sec}, ' ')
+end
+if refused ~= 0 then return reply(refused) end
 local keep = BUCKETS * 1000 + 1000
 if rpm > 0 then
   redis.call('HINCRBY', KEYS[1], sec, 1)
@@ -139,27 +143,31 @@ if par > 0 then
   redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])
   redis.call('PEXPIRE', KEYS[3], ttl * 3)
 end
-return {0, r_used, t_used, r_reset, t_reset, sec}
+return reply(0)
 """
 )
 
-# KEYS: tokens hash, slots zset. ARGV: now_ms, the reservation's bucket, tokens delta, slot id
-# (or ''). The correction goes to the bucket the estimate went to while that still counts (a
+# KEYS: tokens hash, slots zset. ARGV: now_ms, then per request: its bucket, tokens delta, slot
+# id (or ''). A correction goes to the bucket the estimate went to while that still counts (a
 # refund never outlives its estimate); past it, only an overrun is charged, to the current one.
 _RELEASE = (
     _NOW
     + """
-if ARGV[4] ~= '' then redis.call('ZREM', KEYS[2], ARGV[4]) end
-local delta = tonumber(ARGV[3])
-if delta ~= 0 then
-  local b = tonumber(ARGV[2])
+local touched = false
+for i = 2, #ARGV, 3 do
+  if ARGV[i + 2] ~= '' then redis.call('ZREM', KEYS[2], ARGV[i + 2]) end
+  local delta = tonumber(ARGV[i + 1])
+  local b = tonumber(ARGV[i])
   if b < first then
-    if delta < 0 then return 0 end
     b = sec
+    if delta < 0 then delta = 0 end
   end
-  if redis.call('HINCRBY', KEYS[1], b, delta) <= 0 then redis.call('HDEL', KEYS[1], b) end
-  redis.call('PEXPIRE', KEYS[1], BUCKETS * 1000 + 1000)
+  if delta ~= 0 then
+    if redis.call('HINCRBY', KEYS[1], b, delta) <= 0 then redis.call('HDEL', KEYS[1], b) end
+    touched = true
+  end
 end
+if touched then redis.call('PEXPIRE', KEYS[1], BUCKETS * 1000 + 1000) end
 return 1
 """
 )
@@ -190,6 +198,7 @@ return redis.call('ZCARD', KEYS[1])
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 DEGRADE_AFTER = 3
+RELEASE_DELAY = 0.01  # seconds releases are gathered before one command per key goes out
 _OWED_MAX = 100_000  # releases still owed; past this they are left to expire
 _Owed = tuple[str, int, int, str]  # (key tag, bucket, tokens delta, slot id)
 
@@ -274,6 +283,9 @@ class SharedQuotas:
         self._tags: dict[str, str] = {}  # key id -> its hash tag
         self._live: dict[str, str] = {}  # slot id -> key tag, for this process
         self._owed: list[_Owed] = []
+        self._releasing: list[_Owed] = []  # gathered for the next release command
+        self._release_timer: asyncio.TimerHandle | None = None
+        self._key_names: dict[str, tuple[bytes, bytes, bytes]] = {}
         # The fallback: this process's share of each limit, in this process.
         self.local = Quotas(on_refused=on_refused)
         self._shares: dict[KeyLimits, KeyLimits] = {}
@@ -305,6 +317,17 @@ class SharedQuotas:
         if tag is None:
             tag = self._tags[key_id] = key_tag(self._prefix, key_id)
         return tag
+
+    def _keys(self, tag: str) -> tuple[bytes, bytes, bytes]:
+        """The key's requests hash, tokens hash and slots set, as bytes (packed as they are)."""
+        names = self._key_names.get(tag)
+        if names is None:
+            names = self._key_names[tag] = (
+                (tag + ":r").encode(),
+                (tag + ":t").encode(),
+                (tag + ":p").encode(),
+            )
+        return names
 
     def _now_ms(self) -> int:
         return 0 if self._clock is None else int(self._clock() * 1000)
@@ -338,6 +361,10 @@ class SharedQuotas:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
+            for source in self._sources.values():
+                await self._call(self._members_key, "SCRIPT", "LOAD", source)
         await self.heartbeat()
         if self._run_heartbeat and self._beat_task is None:
             self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
@@ -363,7 +390,7 @@ class SharedQuotas:
             by_tag.setdefault(tag, []).append(slot)
         owed, self._owed = self._owed, []
         now = self._now_ms()
-        settled = 0
+        settled: set[int] = set()
         try:
             await follow_master(self._redis, self._timeout)
             key = self._members_key
@@ -372,12 +399,13 @@ class SharedQuotas:
             for tag, slots in by_tag.items():
                 stamp = (now, self._ttl_ms, *slots)
                 await self._call(tag, "EVALSHA", self._refresh_sha, 1, tag + ":p", *stamp)
-            for entry in owed:
-                await self._call(entry[0], *self._release_command(entry))
-                settled += 1
+            for tag, mine in _by_tag(owed).items():
+                await self._call(tag, *self._release_command(tag, mine))
+                settled.update(map(id, mine))
         except StoreUnavailable as exc:
-            for entry in owed[settled:]:
-                self._owe(entry)
+            for entry in owed:
+                if id(entry) not in settled:
+                    self._owe(entry)
             self._degrade(str(exc))
             return False
         self.processes = max(1, int(members))
@@ -397,7 +425,10 @@ class SharedQuotas:
         return True
 
     async def flush(self, within: float = 5.0) -> None:
-        """Wait (bounded) for queued releases to be answered."""
+        """Send the releases gathered so far and wait (bounded) for every queued command."""
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._send_releases()
         for batcher in list(self._batchers.values()):
             await batcher.drain(within)
 
@@ -433,9 +464,7 @@ class SharedQuotas:
                 "EVALSHA",
                 self._admit_sha,
                 3,
-                tag + ":r",
-                tag + ":t",
-                tag + ":p",
+                *self._keys(tag),
                 self._now_ms(),
                 limits.rpm or 0,
                 limits.tpm or 0,
@@ -453,7 +482,7 @@ class SharedQuotas:
             if slot:  # cancelled mid-call: same doubt, Redis is fine
                 self._release((tag, 0, 0, slot))
             raise
-        refused, r_used, t_used, r_reset, t_reset, bucket = (int(v) for v in out)
+        refused, r_used, t_used, r_reset, t_reset, bucket = (int(v) for v in out.split())
         headers: list[tuple[bytes, bytes]] = []
         if limits.rpm is not None:
             headers += rate_headers(b"requests", limits.rpm, r_used, r_reset / 1000)
@@ -483,40 +512,55 @@ class SharedQuotas:
 
     # --- releases ----------------------------------------------------------------------------
 
-    def _release_command(self, entry: _Owed) -> tuple[Any, ...]:
-        tag, bucket, delta, slot = entry
-        return (
-            "EVALSHA",
-            self._release_sha,
-            2,
-            tag + ":t",
-            tag + ":p",
-            self._now_ms(),
-            bucket,
-            delta,
-            slot,
-        )
+    def _release_command(self, tag: str, entries: list[_Owed]) -> tuple[Any, ...]:
+        args: list[Any] = []
+        for _, bucket, delta, slot in entries:
+            args += (bucket, delta, slot)
+        keys = self._keys(tag)
+        return ("EVALSHA", self._release_sha, 2, keys[1], keys[2], self._now_ms(), *args)
 
     def _release(self, entry: _Owed) -> None:
-        """On the next pipeline, without waiting; a lost one is retried by the heartbeat."""
+        """Soon, with the others of its key in one command; never waited for. Releases are
+        gathered for RELEASE_DELAY so a burst costs a command per key, not one per request (a
+        slot is held that much longer). A lost one is retried by the heartbeat."""
         if self.degraded:
             self._owe(entry)
             return
         try:
-            asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
         except RuntimeError:
             self._owe(entry)
             return
+        self._releasing.append(entry)
+        if self._release_timer is None:
+            self._release_timer = loop.call_later(RELEASE_DELAY, self._send_releases)
 
-        def lost() -> None:
-            self._owe(entry)
-            self._degrade("release lost")
+    def _send_releases(self) -> None:
+        self._release_timer = None
+        entries, self._releasing = self._releasing, []
+        if self.degraded:
+            for entry in entries:
+                self._owe(entry)
+            return
+        for tag, mine in _by_tag(entries).items():
 
-        self._batcher(entry[0]).post(self._release_command(entry), lost)
+            def lost(mine: list[_Owed] = mine) -> None:
+                for entry in mine:
+                    self._owe(entry)
+                self._degrade("release lost")
+
+            self._batcher(tag).post(self._release_command(tag, mine), lost)
 
     def _owe(self, entry: _Owed) -> None:
         if len(self._owed) < _OWED_MAX:
             self._owed.append(entry)
+
+
+def _by_tag(entries: list[_Owed]) -> dict[str, list[_Owed]]:
+    out: dict[str, list[_Owed]] = {}
+    for entry in entries:
+        out.setdefault(entry[0], []).append(entry)
+    return out
 
 
 def _share(limits: KeyLimits, processes: int) -> KeyLimits:
