@@ -19,7 +19,9 @@ import httpx
 import openai
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
+from router.core.redis_client import RedisTarget
 from router.request.quota import KeyLimits, Reservation
 from router.request.quota_shared import SharedQuotas, SharedReservation, key_tag
 from tests.harness import Cluster, Proc, backend, wait_http
@@ -46,7 +48,7 @@ def rds(module_procs: Cluster) -> Proc:
     return module_procs.redis()
 
 
-def book(url: str, prefix: str, clock: Clock, **kw: Any) -> SharedQuotas:
+def book(url: str | RedisTarget, prefix: str, clock: Clock, **kw: Any) -> SharedQuotas:
     return SharedQuotas(url, prefix=prefix, clock=clock, heartbeat=False, **{"timeout": 1.0, **kw})
 
 
@@ -159,6 +161,39 @@ def test_redis_slower_than_the_timeout_costs_at_most_the_timeout_then_shares_loc
         await other.aclose()
 
     run(body)
+
+
+def test_keys_spread_over_a_redis_cluster_and_each_key_is_enforced_on_its_shard(
+    procs: Cluster,
+) -> None:
+    nodes = procs.redis_cluster(3)
+    target = RedisTarget(url=nodes[0].url, cluster=True)
+    prefix, clock = uuid.uuid4().hex, Clock()
+    names = [f"team-{i}" for i in range(6)]
+
+    async def body() -> None:
+        a, b = book(target, prefix, clock), book(target, prefix, clock)
+        await a.start()
+        await b.start()
+        assert b.processes == 2 and await a.heartbeat() and a.processes == 2
+        for name in names:
+            limits = KeyLimits(name, rpm=3, max_parallel=2)
+            held = [await q.admit(limits, 1, "r") for q in (a, b, a)]
+            assert [isinstance(h, SharedReservation) for h in held] == [True, True, False]
+            assert "parallel" in bytes(held[2].body).decode()  # type: ignore[union-attr]
+            held[0].close(None)  # type: ignore[union-attr]
+            await a.flush()
+            assert isinstance(await b.admit(limits, 1, "r"), SharedReservation)
+            refused = await a.admit(limits, 1, "r")  # the third request: rpm 3 reached
+            assert "requests per minute" in bytes(refused.body).decode()  # type: ignore[union-attr]
+        await a.aclose()
+        await b.aclose()
+
+    run(body)
+    # Keys of different client keys live on different shards.
+    with RedisCluster(host="127.0.0.1", port=nodes[0].port) as rc:
+        owners = {rc.get_node_from_key(key_tag(prefix, n) + ":r").port for n in names}
+    assert len(owners) > 1
 
 
 # --- real routers ----------------------------------------------------------------------------

@@ -12,10 +12,10 @@ bucket its reservation went to, so a refund never outlives the estimate it corre
 - admit, one round trip (`redis_timeout` at most): 1 request, the token estimate and a parallel
   slot (a sorted-set member scored by expiry) are reserved, or the script says which limit is
   full and when it frees. Reservation.close(used) hands the correction (real - estimate, either
-  sign) and the slot's removal to a pipeline this store owns (no task per request, never
-  cancelled with the client); a lost one is retried by the heartbeat, and a crashed replica's
-  slots expire `redis_lease_ttl` after its last heartbeat (which re-stamps live slots every
-  ttl/3).
+  sign) and the slot's removal to this store: gathered for 10 ms, then one command per key on a
+  pipeline the store owns (no task per request, never cancelled with the client); a lost one is
+  retried by the heartbeat, and a crashed replica's slots expire `redis_lease_ttl` after its
+  last heartbeat (which re-stamps live slots every ttl/3).
 - keys `{<prefix>:quota:<key id>}:r|t|p`: one hash tag per client key (Cluster spreads keys
   over shards; one key's script touches one slot). The key id is the entry's name or its
   sha256, never the key.
