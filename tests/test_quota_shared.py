@@ -341,25 +341,29 @@ def test_redis_killed_each_process_enforces_its_share_and_says_so(procs: Cluster
     def quotas() -> dict[str, Any]:
         return dict(httpx.get(router.url + "/readyz", timeout=5).json()["quotas"])
 
-    def wait_for(mode: str) -> None:
-        # Each answer comes from either worker: both must say it, several times in a row.
-        end, seen = time.monotonic() + 10, 0
-        while seen < 6:
+    def eventually(check: Callable[[], bool], within: float = 10) -> None:
+        end = time.monotonic() + within
+        while not check():
             assert time.monotonic() < end, quotas()
-            seen = seen + 1 if quotas()["mode"] == mode else 0
             time.sleep(0.05)
 
-    wait_for("shared")
-    assert quotas()["processes"] == 2
+    def all_say(mode: str) -> Callable[[], bool]:
+        # Each answer comes from either worker: several in a row must say it.
+        return lambda: all(quotas() == {"mode": mode, "processes": 2} for _ in range(8))
+
+    def degraded_metric() -> str:
+        text = httpx.get(router.url + "/metrics", timeout=5).text
+        return next(x for x in text.splitlines() if x.startswith("sluicegate_quota_degraded "))
+
+    eventually(all_say("shared"))  # both workers registered and see each other
     assert ask().headers["x-ratelimit-limit-requests"] == "1000"
     port = server.port
     server.kill9()
-    wait_for("local_share")
-    assert "sluicegate_quota_degraded 1.0" in httpx.get(router.url + "/metrics").text
-    for _ in range(6):
-        raw = ask()  # served, with this process's share of the limit
-        assert raw.headers["x-ratelimit-limit-requests"] == "500"
+    eventually(all_say("local_share"))
+    eventually(lambda: degraded_metric() == "sluicegate_quota_degraded 1.0")
+    # Served, each worker against its share of the limit.
+    eventually(lambda: all(ask().headers["x-ratelimit-limit-requests"] == "500" for _ in range(6)))
     procs.redis(port=port)
-    wait_for("shared")
-    assert "sluicegate_quota_degraded 0.0" in httpx.get(router.url + "/metrics").text
-    assert ask().headers["x-ratelimit-limit-requests"] == "1000"
+    eventually(all_say("shared"))
+    eventually(lambda: degraded_metric() == "sluicegate_quota_degraded 0.0")
+    eventually(lambda: all(ask().headers["x-ratelimit-limit-requests"] == "1000" for _ in range(6)))
