@@ -285,10 +285,11 @@ class Admission:
                 raise self._refused(QueueFull, "queue_full", "The admission queue is full")
             vq = self._queues[victim.model]
             self._remove(vq, victim)
-            assert victim.waiter is not None and not victim.waiter.done()
-            victim.waiter.set_exception(
-                self._refused(QueueFull, "queue_full", "The admission queue is full")
-            )
+            assert victim.waiter is not None
+            if not victim.waiter.done():  # done: it is leaving already (see `_wake`)
+                victim.waiter.set_exception(
+                    self._refused(QueueFull, "queue_full", "The admission queue is full")
+                )
         self._push(q, t)
 
     def _lowest(self) -> Ticket | None:
@@ -366,9 +367,13 @@ class Admission:
                 if not t.queued:
                     continue
                 self._dequeued(q, band, t)
+                assert t.waiter is not None
+                if t.waiter.done():
+                    # Its wait ended (deadline, client gone: both cancel the future) and its
+                    # task has not run yet: it is leaving, the wake goes to the next one.
+                    continue
                 t.woken = True
                 q.waking += 1
-                assert t.waiter is not None
                 t.waiter.set_result(None)
                 return True
         return False
