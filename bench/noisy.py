@@ -1,0 +1,411 @@
+"""Noisy neighbour (`python -m bench.run --only noisy`, or `python -m bench.noisy [--quick]`).
+
+A fleet of mock engines with a known number of slots (`max_inflight`), the admission queue on,
+two client keys A and B in the same band with equal weights. B alone first (its solo TTFT), then
+A floods at 10x the fleet's capacity while B keeps sending at 20 % of it. Targets (issue 12):
+B gets no error and its TTFT p99 stays within its solo p99 plus 5 slot turnovers (mean request
+duration / slots); A is queued, then refused with 503 (or 429 over a quota) carrying
+`Retry-After`, and every A request is answered within `max_wait` plus a margin: none hangs.
+
+Traffic is like real traffic in the one way that matters here: output lengths differ from request
+to request (`max_tokens` drawn uniformly from `LENGTHS`, which the mock generates exactly), so
+the slots free one at a time, not all together. Arrivals are open-loop (Poisson): a flood that
+waited for its own answers would slow down with the fleet and flood nothing. A's load runs in a
+child process (`python -m bench.noisy flood ...`), so B's timings are not taken on a loop busy
+with A's hundreds of connections. Loopback only, bounded in requests and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen
+from tests.harness import Cluster, Proc
+
+CHAT = "/v1/chat/completions"
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = range(10, 51)  # output tokens per request: uniform, mean 30 (0.3 s at ITL_MS)
+ITL_MS = 10.0
+BACKENDS = 2
+SLOTS = 3  # max_inflight per backend
+MAX_WAIT = 2.0  # admission.max_wait in this scenario
+MARGIN = 0.5  # seconds past max_wait an answer may take before it counts as a hang
+
+
+def bodies(lengths: range = LENGTHS) -> list[bytes]:
+    """One pre-built streaming body per output length."""
+    return [
+        json.dumps(
+            {
+                "model": "m",
+                "stream": True,
+                "max_tokens": n,
+                "messages": [{"role": "user", "content": "hello"}],
+            }
+        ).encode()
+        for n in lengths
+    ]
+
+
+def key_entry(secret: str, name: str, **extra: Any) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(secret.encode()).hexdigest(), "name": name, **extra}
+
+
+class _Conn(loadgen._Conn):
+    """The load generator's connection, keeping the response head (for `Retry-After`) and
+    telling a lost connection from a refused request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = b""
+        self.lost = False
+
+    def start(self, request: bytes) -> asyncio.Future[bool]:
+        self.head = b""
+        return super().start(request)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.in_body and not self.head:
+            seen = bytes(self.buf) + data
+            end = seen.find(b"\r\n\r\n")
+            if end >= 0:
+                self.head = seen[:end].lower()
+        super().data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        super().connection_lost(exc)
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: int  # 0: no answer (connection failed or the client gave up: a hang)
+    first: float  # seconds to the first body byte (the first token of a stream)
+    total: float  # seconds to the end of the response
+    retry_after: bool
+
+
+@dataclass
+class Traffic:
+    outcomes: list[Outcome] = field(default_factory=list)
+    cpu_s: float = 0.0
+
+
+class _Client:
+    """Keep-alive connections to one router, reused across requests (one request each at a
+    time), opened on demand."""
+
+    def __init__(self, host: str, port: int, headers: str, timeout: float) -> None:
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ValueError("benchmark traffic only targets loopback addresses")
+        self.host, self.port, self.headers, self.timeout = host, port, headers, timeout
+        self.idle: list[_Conn] = []
+        self.open: set[_Conn] = set()
+
+    async def send(self, body: bytes) -> Outcome:
+        loop = asyncio.get_running_loop()
+        conn = self.idle.pop() if self.idle else None
+        if conn is None or conn.lost:
+            try:
+                _, conn = await loop.create_connection(_Conn, self.host, self.port)
+            except OSError:
+                return Outcome(0, 0.0, 0.0, False)
+            self.open.add(conn)
+        req = loadgen.build_request(self.host, self.port, CHAT, body, self.headers)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(conn.start(req), self.timeout)
+        except TimeoutError:
+            pass
+        t1 = time.perf_counter()
+        done = not conn.lost and conn.done is not None and conn.done.done()
+        if not done:  # lost or timed out: this connection is finished either way
+            assert conn.transport is not None
+            conn.transport.close()
+            self.open.discard(conn)
+            return Outcome(0, 0.0, t1 - t0, False)
+        self.idle.append(conn)
+        first = conn.first - t0 if conn.first else t1 - t0
+        return Outcome(conn.status, first, t1 - t0, b"\r\nretry-after:" in conn.head)
+
+    def close(self) -> None:
+        for conn in self.open:
+            if conn.transport is not None:
+                conn.transport.close()
+        self.open.clear()
+        self.idle.clear()
+
+
+async def open_loop(
+    port: int,
+    rate: float,
+    seconds: float,
+    headers: str,
+    give_up: float,
+    seed: int,
+    lengths: range = LENGTHS,
+) -> Traffic:
+    """Poisson arrivals at `rate` per second for `seconds`; each request's output length drawn
+    from `LENGTHS`. Waits for every request (each bounded by `give_up` seconds)."""
+    rng = random.Random(seed)
+    pool = bodies(lengths)
+    client = _Client("127.0.0.1", port, headers, give_up)
+    out = Traffic()
+    tasks: list[asyncio.Task[Outcome]] = []
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    due = t0
+    while True:
+        due += rng.expovariate(rate)
+        if due - t0 > seconds:
+            break
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(client.send(rng.choice(pool))))
+    out.outcomes = list(await asyncio.gather(*tasks))
+    out.cpu_s = time.process_time() - c0
+    client.close()
+    return out
+
+
+async def closed_loop(
+    port: int,
+    users: int,
+    seconds: float,
+    headers: str,
+    give_up: float,
+    seed: int,
+    lengths: range = LENGTHS,
+) -> Traffic:
+    """`users` clients, each sending its next request when the last one ends."""
+    rng = random.Random(seed)
+    pool = bodies(lengths)
+    client = _Client("127.0.0.1", port, headers, give_up)
+    out = Traffic()
+    stop = time.perf_counter() + seconds
+    c0 = time.process_time()
+
+    async def user() -> None:
+        while time.perf_counter() < stop:
+            res = await client.send(rng.choice(pool))
+            out.outcomes.append(res)
+            if res.status == 0:
+                await asyncio.sleep(0.05)
+
+    await asyncio.gather(*(user() for _ in range(users)))
+    out.cpu_s = time.process_time() - c0
+    client.close()
+    return out
+
+
+def summary(t: Traffic) -> dict[str, Any]:
+    """Counts by status, refusals without `Retry-After`, and the slowest answer per status."""
+    by_status: dict[str, int] = {}
+    slowest: dict[str, float] = {}
+    missing = 0
+    for o in t.outcomes:
+        s = str(o.status)
+        by_status[s] = by_status.get(s, 0) + 1
+        # A served stream's answer is its first byte; a refusal's is the whole (small) body.
+        took = o.first if o.status == 200 else o.total
+        slowest[s] = max(slowest.get(s, 0.0), took)
+        if o.status in (429, 503) and not o.retry_after:
+            missing += 1
+    return {
+        "requests": len(t.outcomes),
+        "status": by_status,
+        "slowest_answer_s": {k: round(v, 3) for k, v in slowest.items()},
+        "refusals_without_retry_after": missing,
+        "loadgen_cpu_s": round(t.cpu_s, 2),
+    }
+
+
+def flood(spec: dict[str, Any]) -> subprocess.Popen[str]:
+    """Start a load in a child process (its own event loop and core share): `port`, `secret`,
+    `seconds`, `lengths` ([lo, hi)), and `rate` (open loop) or `users` (closed loop). Its
+    `summary` comes back as JSON on stdout."""
+    args = [sys.executable, "-m", "bench.noisy", "flood", json.dumps(spec)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+def durations(port: int, auth: str, lengths: range = LENGTHS) -> list[float]:
+    """Request durations on the idle fleet, one request at a time, every other length of
+    `lengths` once, shuffled: the mean over slots is the turnover."""
+
+    async def go() -> list[float]:
+        client = _Client("127.0.0.1", port, auth, 30)
+        order = bodies(lengths)[:: 2 if len(lengths) > 8 else 1]
+        random.Random(7).shuffle(order)
+        took = []
+        for body in order:
+            o = await client.send(body)
+            if o.status == 200:
+                took.append(o.total)
+        client.close()
+        return took
+
+    return asyncio.run(go())
+
+
+def scenario(c: Cluster, seconds: float, a_limits: dict[str, int] | None = None) -> dict[str, Any]:
+    mocks = [c.mock(f"n{i}", itl_ms=ITL_MS) for i in range(BACKENDS)]
+    slots = BACKENDS * SLOTS
+    cfg = {
+        "backends": [
+            {"name": f"n{i}", "url": m.url, "models": {"m": "mock-model"}, "max_inflight": SLOTS}
+            for i, m in enumerate(mocks)
+        ],
+        "health": {"interval": 60},
+        "admission": {"max_wait": MAX_WAIT, "max_queue": 2000},
+        "api_keys": [
+            key_entry("sk-noisy-a", "a", **(a_limits or {})),
+            key_entry("sk-noisy-b", "b"),
+        ],
+    }
+    router = c.router(cfg, env={"SLUICEGATE_LOG_LEVEL": "warning"})
+    try:
+        b_auth = "authorization: Bearer sk-noisy-b\r\n"
+        took = durations(router.port, b_auth)
+        mean_s = sum(took) / len(took)
+        turnover = mean_s / slots
+        capacity = slots / mean_s  # requests per second the fleet completes, all slots busy
+        solo = asyncio.run(open_loop(router.port, 0.2 * capacity, seconds, b_auth, 30, seed=1))
+        spec = {"port": router.port, "rate": 10 * capacity, "seconds": seconds + 2}
+        a_load = flood({**spec, "secret": "sk-noisy-a", "lengths": [LENGTHS[0], LENGTHS[-1] + 1]})
+        time.sleep(1.0)  # the queue fills
+        noisy = asyncio.run(open_loop(router.port, 0.2 * capacity, seconds, b_auth, 30, seed=2))
+        out, _ = a_load.communicate(timeout=seconds + 60)
+        a = json.loads(out)
+        metrics = _metrics(router)
+    finally:
+        router.stop()
+        for m in mocks:
+            m.stop()
+    return _judge(solo, noisy, a, turnover, mean_s, capacity, slots, metrics)
+
+
+def _metrics(router: Proc) -> dict[str, Any]:
+    import httpx
+
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    shed: dict[str, float] = {}
+    limited: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("sluicegate_shed_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            shed[reason] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("sluicegate_ratelimited_total{"):
+            limit = line.split('limit="', 1)[1].split('"', 1)[0]
+            limited[limit] = limited.get(limit, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {"shed_total": shed, "ratelimited_total": limited}
+
+
+def _judge(
+    solo: Traffic,
+    noisy: Traffic,
+    a: dict[str, Any],
+    turnover: float,
+    mean_s: float,
+    capacity: float,
+    slots: int,
+    metrics: dict[str, Any],
+) -> dict[str, Any]:
+    solo_ttft = [o.first for o in solo.outcomes if o.status == 200]
+    noisy_ttft = [o.first for o in noisy.outcomes if o.status == 200]
+    b_errors = sum(1 for o in noisy.outcomes if o.status != 200)
+    solo_p99 = _pct(solo_ttft, 0.99)
+    noisy_p99 = _pct(noisy_ttft, 0.99)
+    goal = solo_p99 + 5 * turnover
+    a_status = a["status"]
+    refused = a_status.get("503", 0) + a_status.get("429", 0)
+    limit = MAX_WAIT + MARGIN
+    a_slowest = max(a["slowest_answer_s"].values(), default=0.0)
+    a_ok = (
+        a_status.get("0", 0) == 0
+        and refused > 0
+        and a["refusals_without_retry_after"] == 0
+        and a_slowest <= limit
+    )
+    return {
+        "fleet": {
+            "backends": BACKENDS,
+            "slots": slots,
+            "mean_request_s": round(mean_s, 4),
+            "turnover_s": round(turnover, 4),
+            "capacity_rps": round(capacity, 2),
+        },
+        "b": {
+            "rate_rps": round(0.2 * capacity, 2),
+            "solo_requests": len(solo.outcomes),
+            "solo_errors": sum(1 for o in solo.outcomes if o.status != 200),
+            "solo_ttft_p50_ms": round(1000 * _pct(solo_ttft, 0.5), 2),
+            "solo_ttft_p99_ms": round(1000 * solo_p99, 2),
+            "requests": len(noisy.outcomes),
+            "errors": b_errors,
+            "ttft_p50_ms": round(1000 * _pct(noisy_ttft, 0.5), 2),
+            "ttft_p99_ms": round(1000 * noisy_p99, 2),
+            "ttft_p99_extra_turnovers": round((noisy_p99 - solo_p99) / turnover, 2),
+            "goal_ttft_p99_ms": round(1000 * goal, 2),
+            "met": b_errors == 0 and noisy_p99 <= goal,
+        },
+        "a": {
+            "rate_rps": round(10 * capacity, 2),
+            **a,
+            "answer_limit_s": limit,
+            "met": a_ok,
+        },
+        "router": metrics,
+    }
+
+
+def run(c: Cluster, quick: bool = False) -> dict[str, Any]:
+    seconds = 6.0 if quick else 25.0
+    res = {"noisy": scenario(c, seconds)}
+    print("noisy neighbour", json.dumps(res["noisy"]), flush=True)
+    return res
+
+
+def _flood_main(raw: str) -> None:
+    import uvloop
+
+    spec = json.loads(raw)
+    auth = f"authorization: Bearer {spec['secret']}\r\n"
+    lengths = range(*spec["lengths"])
+    # A client that gives up well after max_wait: an answer that late counts as a hang.
+    give_up = MAX_WAIT + 10
+    load = (
+        open_loop(spec["port"], spec["rate"], spec["seconds"], auth, give_up, 3, lengths)
+        if "rate" in spec
+        else closed_loop(spec["port"], spec["users"], spec["seconds"], auth, give_up, 3, lengths)
+    )
+    print(json.dumps(summary(uvloop.run(load))), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "flood":
+        _flood_main(sys.argv[2])
+    else:
+        import uvloop
+
+        uvloop.install()
+        cluster = Cluster()
+        try:
+            print(json.dumps(run(cluster, quick="--quick" in sys.argv), indent=2))
+        finally:
+            cluster.close()
