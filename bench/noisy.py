@@ -1,4 +1,5 @@
-"""Noisy neighbour (`python -m bench.run --only noisy`, or `python -m bench.noisy [--quick]`).
+"""Noisy neighbour (`python -m bench.run --only noisy`; `python -m bench.noisy [--quick]
+[--write-docs]` runs it with the priority scenario and updates its section of the docs).
 
 A fleet of mock engines with a known number of slots (`max_inflight`), the admission queue on,
 two client keys A and B in the same band with equal weights. B alone first (its solo TTFT), then
@@ -101,7 +102,7 @@ class Traffic:
     cpu_s: float = 0.0
 
 
-class _Client:
+class Client:
     """Keep-alive connections to one router, reused across requests (one request each at a
     time), opened on demand."""
 
@@ -159,7 +160,7 @@ async def open_loop(
     from `LENGTHS`. Waits for every request (each bounded by `give_up` seconds)."""
     rng = random.Random(seed)
     pool = bodies(lengths)
-    client = _Client("127.0.0.1", port, headers, give_up)
+    client = Client("127.0.0.1", port, headers, give_up)
     out = Traffic()
     tasks: list[asyncio.Task[Outcome]] = []
     t0 = time.perf_counter()
@@ -191,7 +192,7 @@ async def closed_loop(
     """`users` clients, each sending its next request when the last one ends."""
     rng = random.Random(seed)
     pool = bodies(lengths)
-    client = _Client("127.0.0.1", port, headers, give_up)
+    client = Client("127.0.0.1", port, headers, give_up)
     out = Traffic()
     stop = time.perf_counter() + seconds
     c0 = time.process_time()
@@ -249,7 +250,7 @@ def durations(port: int, auth: str, lengths: range = LENGTHS) -> list[float]:
     `lengths` once, shuffled: the mean over slots is the turnover."""
 
     async def go() -> list[float]:
-        client = _Client("127.0.0.1", port, auth, 30)
+        client = Client("127.0.0.1", port, auth, 30)
         order = bodies(lengths)[:: 2 if len(lengths) > 8 else 1]
         random.Random(7).shuffle(order)
         took = []
@@ -378,7 +379,130 @@ def run(c: Cluster, quick: bool = False) -> dict[str, Any]:
     seconds = 6.0 if quick else 25.0
     res = {"noisy": scenario(c, seconds)}
     print("noisy neighbour", json.dumps(res["noisy"]), flush=True)
+    # A with a quota: refused at the door with 429 once past it, queued (then 503) before.
+    # 600 rpm is about half a minute of this fleet's capacity.
+    res["noisy_quota"] = scenario(c, seconds / 2, {"rpm": 600})
+    print("noisy neighbour, A with rpm", json.dumps(res["noisy_quota"]), flush=True)
     return res
+
+
+BEGIN, END = "<!-- admission:begin -->", "<!-- admission:end -->"
+
+
+def targets(r: dict[str, Any]) -> list[tuple[str, str, Any, bool | None]]:
+    """Issue 12's noisy-neighbour and priority targets beside what this run measured."""
+    rows: list[tuple[str, str, Any, bool | None]] = []
+    for name in ("noisy", "noisy_quota"):
+        n = r.get(name)
+        if not n:
+            continue
+        b, a = n["b"], n["a"]
+        tag = "noisy neighbour" + (" (A with rpm)" if name == "noisy_quota" else "")
+        rows.append((f"{tag}: B errors", "0", b["errors"], b["errors"] == 0))
+        rows.append(
+            (
+                f"{tag}: B TTFT p99 ms",
+                f"<= solo p99 + 5 turnovers = {b['goal_ttft_p99_ms']}",
+                b["ttft_p99_ms"],
+                b["ttft_p99_ms"] <= b["goal_ttft_p99_ms"],
+            )
+        )
+        refused = {k: v for k, v in a["status"].items() if k in ("429", "503")}
+        rows.append(
+            (
+                f"{tag}: A refused with Retry-After, none hangs",
+                f"all answered <= {a['answer_limit_s']} s",
+                f"{refused}, slowest {max(a['slowest_answer_s'].values(), default=0)} s",
+                a["met"],
+            )
+        )
+    pr = r.get("admission", {}).get("priority", {}).get("jittered")
+    if pr:
+        mean = pr["critical_extra_wait_turnovers"]["mean"]
+        rows.append(
+            (
+                "priority: critical wait behind a sheddable flood (turnovers, mean)",
+                "<= 1",
+                mean,
+                mean is not None and mean <= 1,
+            )
+        )
+    return rows
+
+
+def section(r: dict[str, Any]) -> list[str]:
+    out = ["## Fair admission (`--only noisy`, `--only admission`)", ""]
+    n = r.get("noisy")
+    if n:
+        f = n["fleet"]
+        out += [
+            f"Noisy neighbour: {f['backends']} mock engines x {SLOTS} slots (`max_inflight`), "
+            f"output lengths uniform {LENGTHS[0]}..{LENGTHS[-1]} tokens at {ITL_MS:.0f} ms a "
+            f"token: mean request {f['mean_request_s']} s, turnover (mean / slots) "
+            f"{f['turnover_s']} s, capacity {f['capacity_rps']} req/s. Admission "
+            f"`max_wait: {MAX_WAIT:g}`; keys A and B, same band, weight 1. A: Poisson arrivals at "
+            "10x capacity (a child process); B: Poisson at 0.2x, alone first, then beside A.",
+            "",
+            "| run | B TTFT p50 / p99 ms | B solo p99 ms | B p99 extra (turnovers) | B errors "
+            "| A statuses | A slowest answer s | A refusals without Retry-After |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name in ("noisy", "noisy_quota"):
+            if name not in r:
+                continue
+            b, a = r[name]["b"], r[name]["a"]
+            label = "A without quota" if name == "noisy" else "A with `rpm: 600`"
+            out.append(
+                f"| {label} | {b['ttft_p50_ms']} / {b['ttft_p99_ms']} | {b['solo_ttft_p99_ms']} "
+                f"| {b['ttft_p99_extra_turnovers']} | {b['errors']} | {a['status']} "
+                f"| {max(a['slowest_answer_s'].values(), default=0)} "
+                f"| {a['refusals_without_retry_after']} |"
+            )
+        out.append("")
+    pr = r.get("admission", {}).get("priority")
+    if pr:
+        out += [
+            "Priority: one engine, 4 slots, 64 `sheddable` clients in a closed loop, one "
+            "`critical` stream at a time at a random phase. Extra time to first token over the "
+            "idle fleet's, in slot turnovers; the router's own queue wait for the band "
+            "(`sluicegate_queue_wait_seconds`) beside it; *independent slots*: the mean wait for "
+            "the first of 4 slots to free had they run these durations independently.",
+            "",
+            "| output lengths | turnover ms | critical extra wait mean / p50 / p99 | router queue "
+            "wait mean | independent slots | critical requests |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, p in pr.items():
+            w = p["critical_extra_wait_turnovers"]
+            lo, hi = p["lengths"]
+            lengths = f"{name}: {lo}" if lo == hi else f"{name}: {lo}..{hi}"
+            out.append(
+                f"| {lengths} | {1000 * p['turnover_s']:.0f} | {w['mean']} / {w['p50']} / "
+                f"{w['p99']} | {p['router_critical_queue_wait_turnovers']} "
+                f"| {p['ideal_wait_turnovers']} | {p['critical_requests']} |"
+            )
+        out += [
+            "",
+            "With every request the same length the slots free together once a request time, "
+            "so a critical request waits for that one release: about half a request time, two "
+            "turnovers. The queue itself wakes the critical request on the first release (the "
+            "mock's start times put it first of every batch); with lengths that vary the wait "
+            "is the time to the next free slot, under one turnover on average.",
+            "",
+        ]
+    return out
+
+
+def splice(doc: Path, lines: list[str]) -> None:
+    """Replace (or add) this section of an existing benchmarks page, keeping the rest."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = "\n".join([BEGIN, *lines, END])
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(text)
 
 
 def _flood_main(raw: str) -> None:
@@ -403,9 +527,22 @@ if __name__ == "__main__":
     else:
         import uvloop
 
+        from bench.admission import priority_realistic
+
         uvloop.install()
+        quick = "--quick" in sys.argv
         cluster = Cluster()
         try:
-            print(json.dumps(run(cluster, quick="--quick" in sys.argv), indent=2))
+            results = run(cluster, quick)
+            seconds = 8.0 if quick else 20.0
+            results["admission"] = {
+                "priority": {
+                    "lockstep": priority_realistic(cluster, seconds, range(30, 31)),
+                    "jittered": priority_realistic(cluster, seconds, LENGTHS),
+                }
+            }
         finally:
             cluster.close()
+        print(json.dumps(results, indent=2))
+        if "--write-docs" in sys.argv:
+            splice(ROOT / "docs" / "benchmarks.md", section(results))

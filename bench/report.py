@@ -110,6 +110,11 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
         for name, goal, value, ok in engine_targets(r["engine"]):
             add(name, goal, value, ok)
+    if "noisy" in r or "admission" in r:
+        from bench.noisy import targets as admission_targets
+
+        for name, goal, value, ok in admission_targets(r):
+            add(name, goal, value, ok)
     mr = r.get("multi_replica")
     if mr:
         add("multi-replica: 2 routers vs 1 (req/s)", ">= 1.7", mr["ratio"], mr["ratio"] >= 1.7)
@@ -195,6 +200,12 @@ def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: 
         from bench.engine import BEGIN, END, section
 
         out += [BEGIN, *section(r["engine"], r["engine"].get("plot")), END, ""]
+    if "noisy" in r or "admission" in r:
+        from bench.noisy import BEGIN as ADM_BEGIN
+        from bench.noisy import END as ADM_END
+        from bench.noisy import section as admission_section
+
+        out += [ADM_BEGIN, *admission_section(r), ADM_END, ""]
     for png in plots(samples, docs):
         out += [f"![{png}]({png})", ""]
     reading = Path(__file__).with_name("reading.md")

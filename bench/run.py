@@ -480,6 +480,12 @@ def admission(bench: Bench) -> None:
     bench.results["admission"] = admission_run(bench.cluster, bench.quick)
 
 
+def noisy(bench: Bench) -> None:
+    from bench.noisy import run as noisy_run
+
+    bench.results.update(noisy_run(bench.cluster, bench.quick))
+
+
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "overhead": Bench.overhead,
     "streaming": Bench.streaming,
@@ -488,6 +494,7 @@ SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "multi": Bench.multi,
     "engine": engine,
     "admission": admission,
+    "noisy": noisy,
 }
 
 
