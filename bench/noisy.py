@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen
+from bench.procstat import cpu_seconds
 from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
@@ -94,12 +95,22 @@ class Outcome:
     first: float  # seconds to the first body byte (the first token of a stream)
     total: float  # seconds to the end of the response
     retry_after: bool
+    sent: float = 0.0  # perf_counter when it was sent
 
 
 @dataclass
 class Traffic:
     outcomes: list[Outcome] = field(default_factory=list)
     cpu_s: float = 0.0
+    lag_max_s: float = 0.0  # this generator's own worst event-loop stall (a busy machine's)
+
+
+async def _lag(out: Traffic, stop: asyncio.Event) -> None:
+    """Record how late a 10 ms sleep wakes: a stall here delays every timing this loop takes."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.01)
+        out.lag_max_s = max(out.lag_max_s, time.perf_counter() - t0 - 0.01)
 
 
 class Client:
@@ -137,7 +148,7 @@ class Client:
             return Outcome(0, 0.0, t1 - t0, False)
         self.idle.append(conn)
         first = conn.first - t0 if conn.first else t1 - t0
-        return Outcome(conn.status, first, t1 - t0, b"\r\nretry-after:" in conn.head)
+        return Outcome(conn.status, first, t1 - t0, b"\r\nretry-after:" in conn.head, t0)
 
     def close(self) -> None:
         for conn in self.open:
@@ -162,6 +173,8 @@ async def open_loop(
     pool = bodies(lengths)
     client = Client("127.0.0.1", port, headers, give_up)
     out = Traffic()
+    stop = asyncio.Event()
+    lag = asyncio.ensure_future(_lag(out, stop))
     tasks: list[asyncio.Task[Outcome]] = []
     t0 = time.perf_counter()
     c0 = time.process_time()
@@ -176,6 +189,8 @@ async def open_loop(
         tasks.append(asyncio.ensure_future(client.send(rng.choice(pool))))
     out.outcomes = list(await asyncio.gather(*tasks))
     out.cpu_s = time.process_time() - c0
+    stop.set()
+    await lag
     client.close()
     return out
 
@@ -196,6 +211,8 @@ async def closed_loop(
     out = Traffic()
     stop = time.perf_counter() + seconds
     c0 = time.process_time()
+    done = asyncio.Event()
+    lag = asyncio.ensure_future(_lag(out, done))
 
     async def user() -> None:
         while time.perf_counter() < stop:
@@ -206,6 +223,8 @@ async def closed_loop(
 
     await asyncio.gather(*(user() for _ in range(users)))
     out.cpu_s = time.process_time() - c0
+    done.set()
+    await lag
     client.close()
     return out
 
@@ -229,6 +248,7 @@ def summary(t: Traffic) -> dict[str, Any]:
         "slowest_answer_s": {k: round(v, 3) for k, v in slowest.items()},
         "refusals_without_retry_after": missing,
         "loadgen_cpu_s": round(t.cpu_s, 2),
+        "loadgen_lag_max_s": round(t.lag_max_s, 3),
     }
 
 
@@ -288,12 +308,14 @@ def scenario(c: Cluster, seconds: float, a_limits: dict[str, int] | None = None)
         capacity = slots / mean_s  # requests per second the fleet completes, all slots busy
         solo = asyncio.run(open_loop(router.port, 0.2 * capacity, seconds, b_auth, 30, seed=1))
         spec = {"port": router.port, "rate": 10 * capacity, "seconds": seconds + 2}
+        cpu0, wall0 = cpu_seconds(router.pid), time.perf_counter()
         a_load = flood({**spec, "secret": "sk-noisy-a", "lengths": [LENGTHS[0], LENGTHS[-1] + 1]})
         time.sleep(1.0)  # the queue fills
         noisy = asyncio.run(open_loop(router.port, 0.2 * capacity, seconds, b_auth, 30, seed=2))
         out, _ = a_load.communicate(timeout=seconds + 60)
+        cpu_share = (cpu_seconds(router.pid) - cpu0) / (time.perf_counter() - wall0)
         a = json.loads(out)
-        metrics = _metrics(router)
+        metrics = {**_metrics(router), "cpu_share_under_flood": round(cpu_share, 3)}
     finally:
         router.stop()
         for m in mocks:
@@ -362,6 +384,7 @@ def _judge(
             "ttft_p50_ms": round(1000 * _pct(noisy_ttft, 0.5), 2),
             "ttft_p99_ms": round(1000 * noisy_p99, 2),
             "ttft_p99_extra_turnovers": round((noisy_p99 - solo_p99) / turnover, 2),
+            "loadgen_lag_max_s": round(noisy.lag_max_s, 3),
             "goal_ttft_p99_ms": round(1000 * goal, 2),
             "met": b_errors == 0 and noisy_p99 <= goal,
         },

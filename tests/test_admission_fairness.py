@@ -229,3 +229,45 @@ def test_a_full_queue_racing_a_leaving_request_still_admits_the_newcomer() -> No
         await adm.aclose()
 
     asyncio.run(main())
+
+
+def test_requests_that_leave_unserved_are_not_refunded_to_their_tenant() -> None:
+    """A key whose queued requests leave without a slot (expired, shed, client gone) keeps the
+    place it took in the fair order: refunding their estimate (the proxy settles them with 0
+    tokens used) would put its next requests level with a quiet key's, and a key flooding past
+    max_wait would take the quiet key's share."""
+
+    async def main() -> list[str]:
+        adm, slots = Admission(AdmissionConfig()), Slots()
+        order: list[str] = []
+
+        async def one(t: Ticket) -> None:
+            used = 0.0  # as the proxy counts it: nothing without a backend's answer
+            try:
+                await adm.acquire(t, slots.try_once)
+                order.append(t.tenant)
+                used = t.cost
+            finally:
+                adm.settle(t, used)
+
+        keep = asyncio.create_task(one(ticket("c")))  # keeps the queue (and its tags) alive
+        flood = [asyncio.create_task(one(ticket("a"))) for _ in range(10)]
+        await asyncio.sleep(0)
+        for task in flood:
+            task.cancel()  # a's clients give up
+        await asyncio.gather(*flood, return_exceptions=True)
+        later = [asyncio.create_task(one(ticket("a"))) for _ in range(3)]
+        later.append(asyncio.create_task(one(ticket("b"))))
+        await asyncio.sleep(0)
+        for i in range(5):
+            slots.free += 1
+            adm.released()
+            for _ in range(100):
+                if len(order) > i:
+                    break
+                await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(keep, *later), 1)
+        await adm.aclose()
+        return order
+
+    assert asyncio.run(main()) == ["c", "b", "a", "a", "a"]
