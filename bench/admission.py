@@ -203,7 +203,7 @@ def _queue_wait(metrics: str) -> dict[str, tuple[float, float]]:
 def run(c: Cluster, quick: bool = False) -> dict[str, Any]:
     res = {"overhead": overhead(c, 6.0 if quick else 12.0)}
     print("admission overhead", res["overhead"], flush=True)
-    seconds = 8.0 if quick else 20.0
+    seconds = 8.0 if quick else 15.0
     res["priority"] = {
         "lockstep": priority_realistic(c, seconds, range(30, 31)),
         "jittered": priority_realistic(c, seconds, range(10, 51)),

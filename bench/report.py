@@ -110,11 +110,6 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
         for name, goal, value, ok in engine_targets(r["engine"]):
             add(name, goal, value, ok)
-    if "noisy" in r or "admission" in r:
-        from bench.noisy import targets as admission_targets
-
-        for name, goal, value, ok in admission_targets(r):
-            add(name, goal, value, ok)
     mr = r.get("multi_replica")
     if mr:
         add("multi-replica: 2 routers vs 1 (req/s)", ">= 1.7", mr["ratio"], mr["ratio"] >= 1.7)
