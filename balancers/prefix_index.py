@@ -8,7 +8,9 @@ entries are prompt tails and a prefix stays matchable longest (vLLM evicts a fre
 blocks in the same order). Memory is bounded: at most `max_blocks` entries per backend (capped
 at MAX_BLOCKS_PER_BACKEND) and `max_backends` backends (the least recently recorded one goes).
 No I/O, no clock: the proxy records a dispatch, the balancer receives `match()`'s result as data.
-Per process: with several workers each keeps its own index (affinity then holds within a worker).
+Per process: without Redis each worker and replica keeps its own (affinity then holds within
+one); with Redis the index is shared (router/request/affinity_store.py, same eviction order) and
+this one is kept warm beside it as the fallback while Redis is down or slow.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Each backend owns VNODES points on a 64-bit ring (blake2b of `name#i`); a sessio
 point and walks clockwise: the first backend met is the key's home, the next distinct ones are
 where it overflows to (consistent hashing with bounded loads: the caller skips a backend above
 the bound). Adding or removing one backend moves only the keys whose home it takes or leaves,
-about 1/N of them. Pure and immutable; `cache_aware` keeps one per candidate set.
+about 1/N of them. Pure and immutable; `cache_aware` keeps one per candidate set. Nothing to
+share across replicas: the ring follows from the names alone, so every replica builds the same
+one, and the load bound reads `Candidate.inflight`, which the Redis in-flight store shares.
 """
 
 from __future__ import annotations

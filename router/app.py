@@ -37,6 +37,7 @@ from router.registry.fleet import (
     Snapshot,
 )
 from router.request.admission import Admission
+from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.proxy import Proxy
 from router.upstream.pools import Pools
@@ -68,6 +69,22 @@ def make_store(settings: Settings) -> InflightStore:
         lease_ttl=settings.redis_lease_ttl,
         prefix=settings.redis_prefix,
     )
+
+
+def make_affinity(settings: Settings, metrics: Metrics) -> Affinity:
+    """The prefix index: this process's own, plus the one shared in Redis when configured."""
+    target = RedisTarget.from_settings(settings)
+    shared = None
+    if target is not None:
+        from router.request.affinity_store import SharedPrefixIndex
+
+        shared = SharedPrefixIndex(
+            target,
+            timeout=settings.redis_timeout,
+            ttl=settings.affinity.ttl,
+            prefix=settings.redis_prefix,
+        )
+    return Affinity(settings.affinity, shared=shared, on_fallback=metrics.affinity_fallbacks.inc)
 
 
 def _record_store(settings: Settings) -> RecordStore:
@@ -117,6 +134,7 @@ def create_app(settings: Settings) -> FastPath:
     lifecycle = Lifecycle()
     tracing = make_tracing(settings.tracing)
     admission = Admission(settings.admission, metrics) if settings.admission else None
+    affinity = make_affinity(settings, metrics)
     if admission is not None:
         engine.on_change = admission.changed
     proxy = Proxy(
@@ -130,6 +148,7 @@ def create_app(settings: Settings) -> FastPath:
         tracing,
         readings=lambda: engine.readings,
         admission=admission,
+        affinity=affinity,
     )
 
     async def counts(names: Sequence[str]) -> dict[str, int]:
@@ -159,6 +178,8 @@ def create_app(settings: Settings) -> FastPath:
         for b in registry.snapshot.backends:
             pools.get(b)
         await store.start()
+        if affinity.shared is not None:
+            await affinity.shared.start()
         chores = [
             asyncio.create_task(fleet.store.watch(fleet.apply)),
             asyncio.create_task(_every(1.0, close_removed_pools, "closing removed pools")),
@@ -206,6 +227,8 @@ def create_app(settings: Settings) -> FastPath:
             await engine.aclose()
             await pools.aclose()
             await store.aclose()
+            if affinity.shared is not None:
+                await affinity.shared.aclose()
             await tracing.aclose()
             if admission is not None:
                 await admission.aclose()
@@ -230,6 +253,8 @@ def create_app(settings: Settings) -> FastPath:
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         store.check_fallback()
+        if affinity.shared is not None:
+            metrics.affinity_shared_entries.set(affinity.shared.entries)
         metrics.engine_readings(engine.readings, time.time())
         discovery.refresh_metrics()
         return Response(metrics.render(), media_type=CONTENT_TYPE)

@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "router.request.failover": 3,
     "router.request.prefix": 3,  # prompt -> block hash chain (pure)
     "router.request.affinity": 3,  # hashing + prefix index + binding cache_aware
+    "router.request.affinity_store": 3,  # the prefix index shared in Redis
     "router.request.admission": 3,  # the admission queue: core and balancers only
     "router.request.quota": 3,  # per-key rpm / tpm / max_parallel: core only
     "router.ops.metrics": 4,

@@ -226,6 +226,9 @@ class AffinityConfig(_Strict):
     # Session affinity: the first of these headers present names the session (then the body's
     # prompt_cache_key, then user).
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id"], max_length=16)
+    # With Redis: seconds after its last use a block leaves the shared index (and a backend's
+    # key after its last record), so a gone fleet leaves nothing. Capacity, not this, bounds it.
+    ttl: float = Field(3600.0, ge=1, le=7 * 86400)
 
     @field_validator("session_headers")
     @classmethod

@@ -193,8 +193,22 @@ class Metrics:
         )
         self.affinity_entries = Gauge(
             "sluicegate_affinity_index_entries",
-            "(block, backend) pairs in the prefix index (each worker keeps its own; summed).",
+            "(block, backend) pairs in the process's own prefix index (each worker keeps its "
+            "own, also with Redis, where it is the fallback; summed).",
             multiprocess_mode="livesum",
+            registry=reg,
+        )
+        self.affinity_shared_entries = Gauge(
+            "sluicegate_affinity_shared_entries",
+            "(block, backend) pairs in the prefix index shared in Redis, for the backends this "
+            "process last looked up or recorded.",
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
+        self.affinity_fallbacks = Counter(
+            "sluicegate_affinity_fallbacks_total",
+            "Prefix lookups answered by the process's own index because the shared one (Redis) "
+            "was down or slower than redis_timeout.",
             registry=reg,
         )
         self.affinity_lookup_blocks = Counter(

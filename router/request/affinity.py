@@ -1,10 +1,15 @@
 """Cache-aware routing's part of a request: hash the prompt and read the session key once, bind
 the balancer to what the prefix index knows for each attempt's candidates, record the dispatch.
 
-Only balancers offering `with_hints()` (`cache_aware`) pay for it: ~0.17 ms CPU for a
-32k-character prompt (hash, lookup and update, bench/prefix.py). The index is per process
-(`balancers/prefix_index.py`); each backend's share of it is bounded by its engine's KV capacity
+Only balancers offering `with_hints()` (`cache_aware`) pay for it: ~0.13-0.17 ms CPU for a
+32k-character prompt (hash, lookup and update, bench/prefix.py; shared in Redis 0.2-0.3 ms).
+Each backend's share of the index is bounded by its engine's KV capacity
 (`vllm:cache_config_info` through the engine readings) or `affinity.capacity_tokens`.
+The local index (`balancers/prefix_index.py`) is per process; with Redis the index is shared
+(`router/request/affinity_store.py`): `look_up()` asks it once per request for the model's
+backends (one round trip that also carries earlier dispatches' records) and every attempt binds
+to that answer; the local index is still updated on every dispatch, so it is warm when a lookup
+falls back to it (Redis down or slower than `redis_timeout`).
 The session key is the first present of the `affinity.session_headers`, the body's
 `prompt_cache_key`, the body's `user`; a key longer than MAX_SESSION_KEY_CHARS is ignored (the
 request is served without session affinity, never refused: the key is a routing hint only).
@@ -12,9 +17,9 @@ request is served without session affinity, never refused: the key is a routing 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from balancers.base import Balancer
 from balancers.cache_aware import CHARS_PER_TOKEN, Hints
@@ -24,6 +29,9 @@ from balancers.session_ring import point
 from router.core.backend import Backend
 from router.core.settings import AffinityConfig
 from router.request.prefix import prefix_hashes
+
+if TYPE_CHECKING:
+    from router.request.affinity_store import SharedPrefixIndex
 
 MAX_SESSION_KEY_CHARS = 256
 
@@ -37,12 +45,22 @@ class HintAware(Protocol):
 class RequestAffinity:
     hashes: list[bytes]  # the prompt's block chain (may be empty)
     session: int | None  # the session key's ring point
+    # backend -> leading blocks held, as the shared index answered (None: ask the local index)
+    held: dict[str, int] | None = None
 
 
 class Affinity:
-    def __init__(self, config: AffinityConfig, index: PrefixIndex | None = None) -> None:
+    def __init__(
+        self,
+        config: AffinityConfig,
+        index: PrefixIndex | None = None,
+        shared: SharedPrefixIndex | None = None,
+        on_fallback: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
         self.index = index or PrefixIndex()
+        self.shared = shared  # None: the local index is all there is
+        self._on_fallback = on_fallback  # a shared lookup answered locally
         self._headers = [h.lower().encode("latin-1") for h in config.session_headers]
         # Balancer class -> does it take hints. A runtime Protocol check costs ~7 us, too much
         # to pay on every request for the balancers (most) that don't.
@@ -81,13 +99,33 @@ class Affinity:
                 return _capped(given)
         return None
 
+    async def look_up(
+        self, request: RequestAffinity, backends: Sequence[Backend]
+    ) -> RequestAffinity:
+        """`request` with the shared index's answer for `backends` (once per request; the
+        local index's when Redis does not answer in time). Without Redis: `request` as is."""
+        shared = self.shared
+        if shared is None or not request.hashes:
+            return request
+        names = [b.name for b in backends]
+        held = await shared.match(request.hashes, names)
+        if held is None:
+            held = self.index.match(request.hashes, names)
+            if self._on_fallback is not None:
+                self._on_fallback()
+        return RequestAffinity(request.hashes, request.session, held)
+
     def bind(
         self, balancer: Balancer, request: RequestAffinity, eligible: Sequence[Backend]
     ) -> Balancer:
         """This attempt's picker: `balancer` with the index's view of the eligible backends."""
         if not self._hint_aware(balancer):
             return balancer
-        held = self.index.match(request.hashes, [b.name for b in eligible])
+        known = request.held
+        if known is None:
+            held = self.index.match(request.hashes, [b.name for b in eligible])
+        else:
+            held = {b.name: known[b.name] for b in eligible if b.name in known}
         hints = Hints(len(request.hashes), self.config.block_chars, held, request.session)
         return cast(HintAware, balancer).with_hints(hints, self.config.load_factor)
 
@@ -101,6 +139,8 @@ class Affinity:
         )
         block_tokens = max(1, self.config.block_chars // CHARS_PER_TOKEN)
         self.index.record(hashes, backend, capacity // block_tokens)
+        if self.shared is not None:
+            self.shared.record(hashes, backend, capacity // block_tokens)
 
 
 def _capped(key: str) -> str | None:

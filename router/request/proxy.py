@@ -261,6 +261,8 @@ class ProxyCall(Response):
         trace = self._trace
         admission = proxy.admission
         affinity = proxy.affinity.prepare(balancer, self._client_headers, self._payload)
+        if affinity is not None and proxy.affinity.shared is not None:
+            affinity = await proxy.affinity.look_up(affinity, self._backends)  # one round trip
         picker: Balancer = balancer  # this attempt's: `balancer` bound to the request's affinity
         readings: Readings | None = None
 
