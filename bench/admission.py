@@ -132,7 +132,7 @@ def priority_realistic(c: Cluster, seconds: float, lengths: range) -> dict[str, 
     request the same, the slots free together) and critical requests at random phases: a
     critical request's extra time to first token under a sheddable flood (64 clients, closed
     loop, in a child process), in slot turnovers, against the router's own queue wait."""
-    from bench.noisy import durations, flood
+    from bench.noisy import collect, durations, flood
 
     slots = 4
     mock = c.mock("p", itl_ms=10)
@@ -157,7 +157,7 @@ def priority_realistic(c: Cluster, seconds: float, lengths: range) -> dict[str, 
         sheddable = flood({**spec, "secret": "sheddable", "lengths": [lengths[0], lengths[-1] + 1]})
         time.sleep(1.0)  # the queue fills
         under = asyncio.run(_critical_probe(router.port, seconds, mean, lengths))
-        out, _ = sheddable.communicate(timeout=seconds + 60)
+        flooded = collect(sheddable, seconds + 60)
         metrics = httpx.get(router.url + "/metrics", timeout=10).text
     finally:
         router.stop()
@@ -185,7 +185,7 @@ def priority_realistic(c: Cluster, seconds: float, lengths: range) -> dict[str, 
         else None,
         "router_critical_queued": int(crit[0]),
         "ideal_wait_turnovers": round(ideal_wait(took, slots) / turnover, 2),
-        "sheddable": json.loads(out),
+        "sheddable": flooded,
     }
 
 

@@ -265,6 +265,18 @@ def flood(spec: dict[str, Any]) -> subprocess.Popen[str]:
     return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
 
+def collect(load: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The child load's summary; a child past `timeout` is killed (by its own id), not left."""
+    try:
+        out, _ = load.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        load.kill()
+        load.wait(5)
+        raise
+    summary: dict[str, Any] = json.loads(out)
+    return summary
+
+
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
@@ -329,7 +341,7 @@ def scenario(c: Cluster, seconds: float) -> dict[str, dict[str, Any]]:
             noisy = asyncio.run(
                 open_loop(router.port, b_rate, seconds, b_auth, 30, seed, steady=True)
             )
-            out, _ = a_load.communicate(timeout=seconds + 60)
+            a = collect(a_load, seconds + 60)
             cpu_share = (cpu_seconds(router.pid) - cpu0) / (time.perf_counter() - wall0)
             after = _metrics(router)
             metrics: dict[str, Any] = {
@@ -337,7 +349,6 @@ def scenario(c: Cluster, seconds: float) -> dict[str, dict[str, Any]]:
                 for kind in after
             }
             metrics["cpu_share_under_flood"] = round(cpu_share, 3)
-            a = json.loads(out)
             if name == "noisy_quota":
                 a["rpm"] = rpm
             res[name] = _judge(solo, noisy, a, turnover, mean_s, capacity, slots, metrics)
