@@ -40,9 +40,11 @@ from router.request.admission import Admission
 from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.proxy import Proxy
+from router.request.usage_book import UsageBook
 from router.upstream.pools import Pools
 from router.web.api import FastPath, openai_routes, proxy_endpoints
 from router.web.auth import AdminAuth, ClientKeys
+from router.web.usage_admin import usage_routes
 
 log = logging.getLogger("sluicegate.app")
 
@@ -94,6 +96,13 @@ def _record_store(settings: Settings) -> RecordStore:
     from router.registry.sync import RedisRecords
 
     return RedisRecords(target, resync=settings.registry_resync)
+
+
+def _usage_book(settings: Settings, metrics: Metrics) -> UsageBook:
+    """Hourly usage in this process, or written to Redis in batches when it is configured."""
+    target = RedisTarget.from_settings(settings)
+    client = target.client(timeout=2.0, max_connections=4) if target is not None else None
+    return UsageBook(client, settings.redis_prefix, on_dropped=metrics.usage_dropped.inc)
 
 
 def create_app(settings: Settings) -> FastPath:
@@ -149,6 +158,7 @@ def create_app(settings: Settings) -> FastPath:
         readings=lambda: engine.readings,
         admission=admission,
         affinity=affinity,
+        usage=_usage_book(settings, metrics),
     )
 
     async def counts(names: Sequence[str]) -> dict[str, int]:
@@ -184,6 +194,8 @@ def create_app(settings: Settings) -> FastPath:
             asyncio.create_task(fleet.store.watch(fleet.apply)),
             asyncio.create_task(_every(1.0, close_removed_pools, "closing removed pools")),
         ]
+        if proxy.usage.shared:
+            chores.append(asyncio.create_task(proxy.usage.run(settings.usage_flush)))
         if settings.api_keys_file:
             chores.append(
                 asyncio.create_task(
@@ -230,6 +242,7 @@ def create_app(settings: Settings) -> FastPath:
             if affinity.shared is not None:
                 await affinity.shared.aclose()
             await tracing.aclose()
+            await proxy.usage.aclose()
             if admission is not None:
                 await admission.aclose()
             # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the
@@ -245,6 +258,8 @@ def create_app(settings: Settings) -> FastPath:
             fleet, store, health, admin_auth, settings.drain_grace, lambda: engine.readings
         )
     )
+
+    app.include_router(usage_routes(proxy.usage, admin_auth))
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:

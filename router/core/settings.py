@@ -467,6 +467,10 @@ class Settings(BaseSettings):
     discovery: list[DiscoverySource] = Field(default_factory=list)
     tracing: TracingConfig = TracingConfig()
     admission: AdmissionConfig | None = None
+    # Token usage per request (router/request/usage_stream.py): `active` asks a stream's backend
+    # for its usage when the client did not and hides that event; `passive` counts content events.
+    usage_accounting: Literal["active", "passive"] = "active"
+    usage_flush: float = Field(5.0, gt=0, le=3600)  # seconds between usage writes to Redis
 
     @field_validator("backends")
     @classmethod

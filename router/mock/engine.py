@@ -24,7 +24,10 @@ Models (one step loop per engine, continuous batching):
   blocks touched tail first so that eviction takes a prompt's tail before its head (vLLM frees a
   request's blocks in reverse order); the response's `usage.prompt_tokens_details.cached_tokens`
   and the token counters `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` report
-  it.
+  it;
+- vLLM's token counters `vllm:prompt_tokens_total` (a request's prompt, counted once, when its
+  first token is generated) and `vllm:generation_tokens_total` (every token generated, background
+  load included).
 
 Does not model: chunked-prefill token budgets, swapping, speculative decoding, priorities, tensor
 parallelism, real tokenisation (a prompt is `len(text) // 4` tokens), or GPU noise. The prefix
@@ -92,6 +95,8 @@ class Engine:
         self.prefix_cache: OrderedDict[int, None] = OrderedDict()  # block hash, LRU first
         self.prefix_queries = 0  # tokens looked up (vllm:prefix_cache_queries_total)
         self.prefix_hits = 0  # tokens found (vllm:prefix_cache_hits_total)
+        self.prompt_tokens = 0  # vllm:prompt_tokens_total: each request's prompt, at its 1st token
+        self.generation_tokens = 0  # vllm:generation_tokens_total
         self._rng = random.Random(0)  # same hidden load on every run
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -166,8 +171,11 @@ class Engine:
             for seq in self.running:
                 if seq.gone:
                     continue
+                if seq.generated == 0:
+                    self.prompt_tokens += seq.prompt
                 seq.prefilled = True
                 seq.generated += 1
+                self.generation_tokens += 1
                 if seq.generated >= seq.max_tokens:
                     seq.done = True
                     finished = True
@@ -291,7 +299,14 @@ class Engine:
             "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached "
             "tokens.\n"
             "# TYPE vllm:prefix_cache_hits counter\n"
-            f"vllm:prefix_cache_hits_total{lab} {float(self.prefix_hits)}\n" + _filler("vllm", lab)
+            f"vllm:prefix_cache_hits_total{lab} {float(self.prefix_hits)}\n"
+            "# HELP vllm:prompt_tokens Number of prefill tokens processed.\n"
+            "# TYPE vllm:prompt_tokens counter\n"
+            f"vllm:prompt_tokens_total{lab} {float(self.prompt_tokens)}\n"
+            "# HELP vllm:generation_tokens Number of generation tokens processed.\n"
+            "# TYPE vllm:generation_tokens counter\n"
+            f"vllm:generation_tokens_total{lab} {float(self.generation_tokens)}\n"
+            + _filler("vllm", lab)
         ).encode()
 
 

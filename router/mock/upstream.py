@@ -5,8 +5,10 @@ and `/stats` (requests, completed, aborted, tokens generated after its client we
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
-metrics_delay_ms, metrics_body, background) so fault tests need no second implementation. Streams
-end with vLLM's usage event when the request asks for it (`stream_options.include_usage`).
+metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms) so fault tests need no
+second implementation. Streams end with vLLM's usage event when the request asks for it
+(`stream_options.include_usage`); with `usage_nulls` every other chunk then also carries
+`"usage":null`, as OpenAI's API does.
 `role_chunk` sends vLLM's role-only first event
 (`"delta":{"role":"assistant","content":""}`) right after the headers, before the prefill wait
 (vLLM sends it with the first token; sending it early lets tests tell the first byte from the
@@ -53,6 +55,9 @@ class Behaviour:
     metrics_delay_ms: float = 0.0  # a slow /metrics
     metrics_body: str | None = None  # served instead of the real metrics (malformed, NaN...)
     role_chunk: bool = False  # a role-only first event before the prefill wait
+    # OpenAI's shape with include_usage: `"usage":null` in every chunk before the usage one
+    usage_nulls: bool = False
+    split_tail_ms: float = 0.0  # > 0: the stream's last events in three writes this far apart
 
 
 @dataclass
@@ -379,6 +384,9 @@ class MockUpstream:
         rid = rec["request_id"] or "0"
         pre = ((self._chat_pre if chat else self._cmpl_pre) % (rid, model)).encode()
         post = b'"}}]}\n\n' if chat else b'"}]}\n\n'
+        nulls = usage and bh.usage_nulls
+        if nulls:
+            post = post.replace(b"]}\n\n", b'],"usage":null}\n\n')
         headers = list(_SSE)
         compressor = None
         if bh.gzip:
@@ -427,13 +435,10 @@ class MockUpstream:
             else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
         )
         tail = tail.replace(b'"delta":{"content":""}', b'"delta":{}')
+        if nulls:
+            tail = tail.replace(b"]}\n\n", b'],"usage":null}\n\n')
         if usage:
-            rid = rec["request_id"] or "0"
-            kind = "chat.completion.chunk" if chat else "text_completion"
-            counts = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            event = {"id": f"x-{rid}", "object": kind, "created": 0, "model": model}
-            event |= {"choices": [], "usage": counts}
-            tail += b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+            tail += _usage_chunk(rid, model, chat, 1, n, None)
         tail += b"data: [DONE]\n\n"
         if compressor is not None:
             await send(
@@ -444,6 +449,13 @@ class MockUpstream:
                 }
             )
             return
+        if bh.split_tail_ms > 0:
+            # Events cut across writes (and so across a proxy's reads): thirds of the tail.
+            third = len(tail) // 3
+            for part in (tail[:third], tail[third : 2 * third]):
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+                await self._sleep(bh.split_tail_ms, gone)
+            tail = tail[2 * third :]
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _whole(
@@ -629,29 +641,29 @@ def _wants_usage(req: dict[str, Any]) -> bool:
 
 
 def _usage_chunk(
-    rid: str, model: str, chat: bool, prompt: int, completion: int, cached: int = 0
+    rid: str, model: str, chat: bool, prompt: int, completion: int, cached: int | None = 0
 ) -> bytes:
-    """vLLM's last chunk with `include_usage`: no choices, the request's token counts."""
-    return (
-        b"data: "
-        + json.dumps(
-            {
-                "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": 0,
-                "model": model,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "total_tokens": prompt + completion,
-                    "completion_tokens": completion,
-                    "prompt_tokens_details": {"cached_tokens": cached},
-                },
-            },
-            separators=(",", ":"),
-        ).encode()
-        + b"\n\n"
-    )
+    """vLLM's last chunk with `include_usage` (only then: vLLM sends no `usage` key in other
+    chat chunks): no choices, the request's token counts in vLLM's field order, compact JSON.
+    `cached` None leaves out `prompt_tokens_details`, as vLLM does without
+    `--enable-prompt-tokens-details`; the engine model always reports it (also 0, where vLLM
+    would leave it out), which is what cache-aware routing is tried with."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    event: dict[str, Any] = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _watch(receive: Receive, gone: asyncio.Event, rec: dict[str, Any]) -> None:

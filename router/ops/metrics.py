@@ -49,6 +49,9 @@ TPOT_BUCKETS = (
 )  # fmt: skip
 
 NO_BACKEND = "none"
+# sluicegate_tokens_total: at most this many (key, model) pairs; later ones count as OTHER.
+MAX_USAGE_SERIES = 1000
+OTHER = "_other"
 
 
 def multiprocess_dir() -> str | None:
@@ -318,6 +321,20 @@ class Metrics:
             ("reason",),
             registry=reg,
         )
+        self.tokens_total = Counter(
+            "sluicegate_tokens_total",
+            "Tokens used by answered requests, by client key name, model and kind (prompt, "
+            "completion, cached prompt tokens); estimated where the backend sent no usage.",
+            ("key", "model", "kind"),
+            registry=reg,
+        )
+        self.usage_dropped = Counter(
+            "sluicegate_usage_dropped_total",
+            "Hourly usage buckets lost: over the in-memory cap, or kept past 8 days while Redis "
+            "was unreachable.",
+            registry=reg,
+        )
+        self._by_usage: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         # Label lookups take a lock and validate; resolve each combination once.
         self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
         self._by_backend: dict[str, tuple[Any, Any]] = {}
@@ -380,6 +397,24 @@ class Metrics:
 
     def shed(self, reason: str) -> None:
         self.shed_total.labels(reason).inc()
+
+    def tokens(self, key: str, model: str, prompt: int, completion: int, cached: int) -> None:
+        children = self._by_usage.get((key, model))
+        if children is None:
+            # Keys come from the config and models are validated against the registry, yet
+            # both can grow at run time (a rotated key file, admin-added models): cap the series.
+            room = len(self._by_usage) < MAX_USAGE_SERIES
+            k, m = (key, model) if room else (OTHER, OTHER)
+            children = (
+                self.tokens_total.labels(k, m, "prompt"),
+                self.tokens_total.labels(k, m, "completion"),
+                self.tokens_total.labels(k, m, "cached"),
+            )
+            if room:
+                self._by_usage[(key, model)] = children
+        for child, n in zip(children, (prompt, completion, cached), strict=True):
+            if n:
+                child.inc(n)
 
     def ratelimited(self, key: str, limit: str) -> None:
         self.ratelimited_total.labels(key, limit).inc()

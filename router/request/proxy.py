@@ -46,6 +46,15 @@ from router.request.headers import downstream_response_headers, upstream_request
 from router.request.quota import KeyLimits, Quotas, Reservation
 from router.request.record import RequestRecord
 from router.request.usage import ResponseUsage
+from router.request.usage_book import UsageBook
+from router.request.usage_stream import (
+    STREAMED_PATHS,
+    USAGE_OBJECT,
+    UsageStrip,
+    inject,
+    needs_injection,
+    with_usage,
+)
 from router.request.validate import request_id_of, validate
 from router.upstream.pools import Pools
 
@@ -83,8 +92,13 @@ class Proxy:
         readings: Callable[[], Readings] | None = None,
         admission: Admission | None = None,
         affinity: Affinity | None = None,
+        usage: UsageBook | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
+        # Hourly token usage per key and model (/admin/usage); written at each request's end.
+        self.usage = usage or UsageBook()
+        # Ask streams' backends for usage the client did not ask for (and hide it from them).
+        self.inject_usage = settings.usage_accounting == "active"
         # The prefix index and prompt hashing, for balancers that route on cached prefixes.
         self.affinity = affinity or Affinity(settings.affinity)
         self.tracing = tracing
@@ -208,6 +222,10 @@ class ProxyCall(Response):
         self._ticket = ticket
         self._reservation = reservation
         self._client_headers = request.headers.raw
+        self._inject = (
+            proxy.inject_usage and stream and path in STREAMED_PATHS and needs_injection(payload)
+        )
+        self._injected: bytes | None = None  # the body with include_usage, made once
         self._started = False
         self._trace: RequestTrace = NO_TRACE
 
@@ -242,15 +260,41 @@ class ProxyCall(Response):
                 if queued and self._proxy.admission is not None:
                     assert self._ticket is not None
                     self._proxy.admission.settle(self._ticket, used)
+            self._account()
             self._record.emit()
             self._proxy.metrics.observe(self._record)
             self._trace.finish(self._record, self._record.usage)
 
+    def _account(self) -> None:
+        """Tokens of an answered request into the usage book and metrics (estimated when the
+        backend sent no usage: completion events counted, the prompt as body bytes / 4)."""
+        rec = self._record
+        u = rec.usage
+        if u is None or not 200 <= rec.status < 300:
+            return
+        prompt = u.input_tokens
+        completion = u.reported_tokens
+        estimated = prompt is None or (completion is None and self._stream)
+        if prompt is None:
+            prompt = round(len(self._body) / 4)
+        if completion is None:
+            completion = u.events if self._stream else 0
+        cached = u.cached_tokens or 0
+        key = rec.key_name or "unnamed"
+        rec.tokens_estimated = estimated
+        self._proxy.usage.record(key, self._model, prompt, completion, cached, estimated)
+        self._proxy.metrics.tokens(key, self._model, prompt, completion, cached)
+
     def _body_for(self, backend: Backend) -> bytes:
         target = backend.models.get(self._model, self._model)
         if target == self._model:
-            return self._body
-        return json.dumps({**self._payload, "model": target}).encode()
+            if not self._inject:
+                return self._body
+            if self._injected is None:
+                self._injected = inject(self._body, self._payload)
+            return self._injected
+        payload = {**self._payload, "model": target}
+        return json.dumps(with_usage(payload) if self._inject else payload).encode()
 
     async def _run(self, send: Send) -> None:
         proxy = self._proxy
@@ -353,14 +397,17 @@ class ProxyCall(Response):
         rec.backend = backend.name
         response: httpx.Response | None = None
         try:
+            headers = upstream_request_headers(
+                self._client_headers, rec.request_id, list(backend.auth_headers)
+            )
+            if self._inject:
+                # The usage event can only be taken out of bytes that are not compressed.
+                headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
+                headers.append((b"accept-encoding", b"identity"))
             transport, request = proxy.pools.request(
                 backend,
                 self._path,
-                self._trace.upstream_headers(
-                    upstream_request_headers(
-                        self._client_headers, rec.request_id, list(backend.auth_headers)
-                    )
-                ),
+                self._trace.upstream_headers(headers),
                 self._body_for(backend),
             )
             try:
@@ -427,6 +474,10 @@ class ProxyCall(Response):
         usage = rec.usage = ResponseUsage(self._path)
         readable = response.headers.get("content-encoding", "identity") == "identity"
         watch = usage.feed if streaming and readable else usage.keep
+        # The usage event sluicegate asked for is read (by `watch`), then taken out.
+        strip = None
+        if self._inject and streaming and readable:
+            strip = UsageStrip(backend.kind == "openai")
         # `bytes` counts what the client was sent, also when it left mid-stream.
         try:
             async for chunk in response.stream:  # type: ignore[union-attr]
@@ -434,6 +485,15 @@ class ProxyCall(Response):
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
                 tail = chunk[-2:]
                 watch(chunk)
+                # Inline (a method call per chunk costs more; `rfind` less than `in`): only a chunk
+                # holding the usage object, ending inside an event or following a held part
+                # needs the strip.
+                if strip is not None and (
+                    strip.slow or tail != b"\n\n" or chunk.rfind(USAGE_OBJECT) >= 0
+                ):
+                    chunk = strip.feed(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 rec.bytes_out += len(chunk)
         except UPSTREAM_FAILURES as exc:
@@ -449,13 +509,16 @@ class ProxyCall(Response):
                 else f"Backend `{backend.name}` failed mid-stream."
             )
             event = sse_error_event(message, "upstream_error", f"upstream_{kind}")
-            if tail != b"\n\n":
-                event = b"\n\n" + event  # end the half event so the error parses on its own
+            held = strip.flush() if strip is not None else b""
+            if held or tail != b"\n\n":
+                event = held + b"\n\n" + event  # end the half event so the error parses alone
             await send({"type": "http.response.body", "body": event, "more_body": False})
             rec.bytes_out += len(event)
             return
         usage.close(readable and response.status_code < 400)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        held = strip.flush() if strip is not None else b""
+        rec.bytes_out += len(held)
+        await send({"type": "http.response.body", "body": held, "more_body": False})
 
 
 def _tokens_used(rec: RequestRecord, prompt_estimate: float) -> float:

@@ -35,6 +35,7 @@ class RequestRecord:
     usage: ResponseUsage | None = None  # tokens and their timing, read from the response
     reason: str | None = None  # why the last attempt's backend: prefix, session, load, spill
     prefix_chars: int | None = None  # prompt characters that backend was known to hold
+    tokens_estimated: bool | None = None  # usage counted without the backend's own numbers
 
     def emit(self) -> None:
         if not log.isEnabledFor(logging.INFO):
@@ -57,6 +58,7 @@ class RequestRecord:
                     "error": self.error,
                     "reason": self.reason,
                     "prefix_chars": self.prefix_chars,
+                    "tokens_estimated": self.tokens_estimated,
                 }
             },
         )

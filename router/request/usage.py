@@ -11,7 +11,7 @@ first count even when empty: vLLM sends one per generated token, the last (finis
 and holds back the text of a token that ends mid-character. `keep(chunk)` is all a non-streamed
 or compressed body gets. `close()` reads the final `usage`, when present, from the body's last
 bytes: the engine's completion tokens win over the event count (an event may carry several
-tokens); prompt tokens come only from there.
+tokens); prompt tokens and cached prompt tokens come only from there.
 
 Compact JSON is assumed (what vLLM, SGLang and OpenAI send); a body with spaces after its colons
 gets token counts only from its `usage`, and no time to first token.
@@ -29,6 +29,7 @@ _FIRST_TEXT = re.compile(rb'"text":"[^"]')
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,9})')
 _TAIL = 4096  # the final usage object sits in the last event (or at the end of a JSON body)
 BATCH = 16  # chunks counted together after the first token
 
@@ -45,6 +46,7 @@ class ResponseUsage:
         "_pending",
         "_prev",
         "_tail",
+        "cached_tokens",
         "first_token_at",
         "input_tokens",
         "last_token_at",
@@ -66,6 +68,7 @@ class ResponseUsage:
         self.last_token_at: float | None = None
         self.reported_tokens: int | None = None  # completion_tokens of the final usage
         self.input_tokens: int | None = None
+        self.cached_tokens: int | None = None  # prompt_tokens_details.cached_tokens
         self._end = b""  # the last bytes, kept at close for response_model
 
     def feed(self, chunk: bytes) -> None:
@@ -130,12 +133,15 @@ class ResponseUsage:
         self._count()
         tail = self._tail if self.first_token_at is not None else (self._prev + self._last)
         tail = tail[-_TAIL:]
-        # A plain substring test first: most streams carry no usage, and regexes cost more.
-        if b'"completion_tokens"' in tail:
-            completion = _last_match(_COMPLETION, tail)
-            if completion is not None:
-                self.reported_tokens = completion
-                self.input_tokens = _last_match(_PROMPT, tail)
+        # Regexes cost: they read only the last usage object (a few hundred bytes, not the
+        # whole tail), and only after a plain substring test (most streams carry no usage).
+        at = tail.rfind(b'"usage"')
+        found = tail[at:] if at >= 0 else b""
+        if b'"prompt_tokens"' in found:
+            # Embeddings report prompt tokens only.
+            self.reported_tokens = _last_match(_COMPLETION, found)
+            self.input_tokens = _last_match(_PROMPT, found)
+            self.cached_tokens = _last_match(_CACHED, found)
         self._end = tail
 
     @property
