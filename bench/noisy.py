@@ -442,12 +442,22 @@ def run(c: Cluster, quick: bool = False) -> dict[str, Any]:
     return res
 
 
-BEGIN, END = "<!-- admission:begin -->", "<!-- admission:end -->"
+Row = tuple[str, str, Any, bool | None]
 
 
-def targets(r: dict[str, Any]) -> list[tuple[str, str, Any, bool | None]]:
-    """Issue 12's noisy-neighbour and priority targets beside what this run measured."""
-    rows: list[tuple[str, str, Any, bool | None]] = []
+def _target_table(rows: list[Row]) -> list[str]:
+    if not rows:
+        return []
+    out = ["| target | goal | measured | met |", "|---|---|---|---|"]
+    for name, goal, value, ok in rows:
+        met = "-" if ok is None else ("yes" if ok else "no")
+        out.append(f"| {name} | {goal} | {value} | {met} |")
+    return [*out, ""]
+
+
+def targets(r: dict[str, Any]) -> list[Row]:
+    """Issue 12's noisy-neighbour targets beside what this run measured."""
+    rows: list[Row] = []
     for name in ("noisy", "noisy_quota"):
         n = r.get(name)
         if not n:
@@ -472,6 +482,12 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, Any, bool | None]]:
                 a["met"],
             )
         )
+    return rows
+
+
+def priority_targets(r: dict[str, Any]) -> list[Row]:
+    """Issue 12's priority target beside what this run measured."""
+    rows: list[Row] = []
     pr = r.get("admission", {}).get("priority", {}).get("jittered")
     if pr:
         mean = pr["critical_extra_wait_turnovers"]["mean"]
@@ -488,19 +504,13 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, Any, bool | None]]:
 
 
 def section(r: dict[str, Any]) -> list[str]:
-    out = ["## Fair admission (`--only noisy`, `--only admission`)", ""]
-    rows = [
-        (n, g, str(v), "-" if ok is None else ("yes" if ok else "no")) for n, g, v, ok in targets(r)
-    ]
-    if rows:
-        out += ["| target | goal | measured | met |", "|---|---|---|---|"]
-        out += ["| " + " | ".join(row) + " |" for row in rows]
-        out.append("")
+    """The noisy-neighbour section of docs/benchmarks.md."""
+    out = ["## Noisy neighbour (`--only noisy`)", "", *_target_table(targets(r))]
     n = r.get("noisy")
     if n:
         f = n["fleet"]
         out += [
-            f"Noisy neighbour: {f['backends']} mock engines x {SLOTS} slots (`max_inflight`), "
+            f"{f['backends']} mock engines x {SLOTS} slots (`max_inflight`), "
             f"output lengths uniform {LENGTHS[0]}..{LENGTHS[-1]} tokens at {ITL_MS:.0f} ms a "
             f"token: mean request {f['mean_request_s']} s, turnover (mean / slots) "
             f"{f['turnover_s']} s, capacity {f['capacity_rps']} req/s. Admission "
@@ -537,10 +547,20 @@ def section(r: dict[str, Any]) -> list[str]:
             "between runs.",
         ]
         out.append("")
+    return out
+
+
+def priority_section(r: dict[str, Any]) -> list[str]:
+    """The admission priority section of docs/benchmarks.md."""
+    out = [
+        "## Admission priority (`--only admission`)",
+        "",
+        *_target_table(priority_targets(r)),
+    ]
     pr = r.get("admission", {}).get("priority")
     if pr:
         out += [
-            "Priority: one engine, 4 slots, 64 `sheddable` clients in a closed loop, one "
+            "One engine, 4 slots, 64 `sheddable` clients in a closed loop, one "
             "`critical` stream at a time at a random phase. Extra time to first token over the "
             "idle fleet's, in slot turnovers; the router's own queue wait for the band "
             "(`sluicegate_queue_wait_seconds`) beside it; *independent slots*: the mean wait for "
@@ -573,16 +593,15 @@ def section(r: dict[str, Any]) -> list[str]:
     return out
 
 
-def splice(doc: Path, lines: list[str]) -> None:
-    """Replace (or add) this section of an existing benchmarks page, keeping the rest."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = "\n".join([BEGIN, *lines, END])
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(text)
+def write_docs(results: dict[str, Any]) -> None:
+    """Replace this scenario's and the priority one's sections of docs/benchmarks.md."""
+    from bench.report import _marked, splice
+
+    page = ROOT / "docs" / "benchmarks.md"
+    text = page.read_text() if page.exists() else "# Benchmarks\n"
+    for name, lines in (("noisy", section(results)), ("admission", priority_section(results))):
+        text = splice(text, name, "\n".join(_marked(name, lines)))
+    page.write_text(text)
 
 
 def _flood_main(raw: str) -> None:
@@ -620,4 +639,4 @@ if __name__ == "__main__":
         print(json.dumps(results, indent=2))
         (ROOT / "bench" / "results" / "noisy.json").write_text(json.dumps(results, indent=2))
         if "--write-docs" in sys.argv:
-            splice(ROOT / "docs" / "benchmarks.md", section(results))
+            write_docs(results)

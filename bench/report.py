@@ -1,4 +1,9 @@
-"""Turn a benchmark run into docs/benchmarks.md tables and PNG plots."""
+"""Turn a benchmark run into docs/benchmarks.md tables and PNG plots.
+
+Each scenario's section sits between `<!-- name:begin -->` and `<!-- name:end -->`: a partial run
+(`--only`) replaces the sections of the scenarios it ran (or adds them at the end) and keeps
+everything else in the page as the last run wrote it.
+"""
 
 from __future__ import annotations
 
@@ -110,14 +115,46 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
         for name, goal, value, ok in engine_targets(r["engine"]):
             add(name, goal, value, ok)
+    if "prefix" in r:
+        from bench.prefix_workload import targets as prefix_targets
+
+        for name, goal, value, met in prefix_targets(r["prefix"]):
+            add(name, goal, value, met)
     mr = r.get("multi_replica")
     if mr:
         add("multi-replica: 2 routers vs 1 (req/s)", ">= 1.7", mr["ratio"], mr["ratio"] >= 1.7)
     return rows
 
 
-def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: Path) -> None:
+def _marked(name: str, lines: list[str]) -> list[str]:
+    return [f"<!-- {name}:begin -->", *lines, f"<!-- {name}:end -->"]
+
+
+def splice(text: str, name: str, block: str) -> str:
+    """`text` with scenario `name`'s marked section replaced by `block` (or added at the end)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        return head + block + rest.split(end, 1)[1]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def write_report(
+    report: dict[str, Any],
+    samples: dict[str, list[float]],
+    docs: Path,
+    only: list[str] | None = None,
+) -> None:
+    """The whole page; with `only` (a partial run) and a page already there, just the sections
+    of the scenarios that ran."""
     docs.mkdir(parents=True, exist_ok=True)
+    page = docs / "benchmarks.md"
+    if only and page.exists():
+        text = page.read_text()
+        for name, lines in sections(report):
+            text = splice(text, name, "\n".join(_marked(name, lines)))
+        page.write_text(text)
+        return
     r = report["results"]
     m = report["machine"]
     out = [
@@ -134,8 +171,22 @@ def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: 
     rows = targets(r)
     if rows:
         out += ["## Targets", "", _table([("target", "goal", "measured", "met"), *rows]), ""]
+    for name, lines in sections(report):
+        out += [*_marked(name, lines), ""]
+    for png in plots(samples, docs):
+        out += [f"![{png}]({png})", ""]
+    reading = Path(__file__).with_name("reading.md")
+    if reading.exists():
+        out += [reading.read_text()]
+    page.write_text("\n".join(out))
+
+
+def sections(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """Each scenario of this run that has a section of the page: (name, its lines)."""
+    r = report["results"]
+    found: list[tuple[str, list[str]]] = []
     if "overhead" in r:
-        out += ["## Overhead (64-token streams, no token delay)", ""]
+        out = ["## Overhead (64-token streams, no token delay)", ""]
         rows = [
             (
                 "concurrency",
@@ -183,6 +234,7 @@ def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: 
                 )
             )
         out += [_table(rows), ""]
+        found.append(("overhead", out))
     for key, title in (
         ("streaming", "Realistic streaming (500 streams, 20 ms/token, 256 tokens)"),
         ("storm", "Disconnect storm (500 users, close after the 5th chunk)"),
@@ -190,20 +242,24 @@ def write_report(report: dict[str, Any], samples: dict[str, list[float]], docs: 
         ("multi_replica", "Multi-replica (Redis in-flight store)"),
     ):
         if key in r:
-            out += [f"## {title}", "", "```json", json.dumps(r[key], indent=2), "```", ""]
+            found.append(
+                (key, [f"## {title}", "", "```json", json.dumps(r[key], indent=2), "```", ""])
+            )
     if "engine" in r:
-        from bench.engine import BEGIN, END, section
+        from bench.engine import section as engine_section
 
-        out += [BEGIN, *section(r["engine"], r["engine"].get("plot")), END, ""]
-    if "noisy" in r or "admission" in r:
-        from bench.noisy import BEGIN as ADM_BEGIN
-        from bench.noisy import END as ADM_END
-        from bench.noisy import section as admission_section
+        found.append(("engine", engine_section(r["engine"], r["engine"].get("plot"))))
+    if "prefix" in r:
+        from bench.prefix_workload import section as prefix_section
 
-        out += [ADM_BEGIN, *admission_section(r), ADM_END, ""]
-    for png in plots(samples, docs):
-        out += [f"![{png}]({png})", ""]
-    reading = Path(__file__).with_name("reading.md")
-    if reading.exists():
-        out += [reading.read_text()]
-    (docs / "benchmarks.md").write_text("\n".join(out))
+        p = r["prefix"]
+        found.append(("prefix", prefix_section(p, p.get("plot"), report["machine"]["date"])))
+    if "noisy" in r:
+        from bench.noisy import section as noisy_section
+
+        found.append(("noisy", noisy_section(r)))
+    if "priority" in r.get("admission", {}):
+        from bench.noisy import priority_section
+
+        found.append(("admission", priority_section(r)))
+    return found

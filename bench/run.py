@@ -1,8 +1,9 @@
 """The benchmark: sluicegate beside a direct connection (and nginx, when installed), one run.
 
     python -m bench.run --quick          # under 2 minutes
-    python -m bench.run                  # the full run, under 10 minutes (soak included)
-    python -m bench.run --only overhead  # one scenario
+    python -m bench.run                  # the full run, about 15 minutes (soak, prefix included)
+    python -m bench.run --only overhead  # one scenario (its section of the docs is replaced,
+                                         # the others are kept)
 
 Targets are started and stopped here (mock upstreams, the router, nginx, redis-server), all on
 127.0.0.1; loads alternate between targets in rounds so noise on this shared machine spreads
@@ -486,6 +487,15 @@ def noisy(bench: Bench) -> None:
     bench.results.update(noisy_run(bench.cluster, bench.quick))
 
 
+def prefix(bench: Bench) -> None:
+    from bench.prefix_workload import PNG, plot, split_samples
+    from bench.prefix_workload import run as prefix_run
+
+    res = prefix_run(bench.cluster, bench.quick)
+    made = plot(res, split_samples(res), ROOT / "docs" / PNG)
+    bench.results["prefix"] = {**res, "plot": PNG if made else None}
+
+
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "overhead": Bench.overhead,
     "streaming": Bench.streaming,
@@ -495,6 +505,7 @@ SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "engine": engine,
     "admission": admission,
     "noisy": noisy,
+    "prefix": prefix,
 }
 
 
@@ -521,10 +532,20 @@ def main() -> int:
         "seconds": time.monotonic() - started,
         "results": bench.results,
     }
-    (out / "latest.json").write_text(json.dumps(_short(report), indent=2))
+    saved = report
+    if args.only and (out / "latest.json").exists():
+        # A partial run keeps the last full run's figures (and header) beside its own.
+        try:
+            last = json.loads((out / "latest.json").read_text())
+            updated = {**last.get("updated", {}), **dict.fromkeys(args.only, machine()["date"])}
+            results = {**last.get("results", {}), **bench.results}
+            saved = {**last, "results": results, "updated": updated}
+        except (OSError, ValueError):
+            pass
+    (out / "latest.json").write_text(json.dumps(_short(saved), indent=2))
     from bench.report import write_report
 
-    write_report(report, bench.samples, ROOT / "docs")
+    write_report(report, bench.samples, ROOT / "docs", only=args.only)
     print(f"done in {report['seconds']:.0f}s; results in {out / 'latest.json'}", flush=True)
     return 0
 

@@ -30,7 +30,7 @@ def free_port() -> int:
 
 
 def wait_http(
-    url: str, deadline_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None
+    url: str, deadline_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None
 ) -> None:
     end = time.monotonic() + deadline_s
     last: Exception | None = None

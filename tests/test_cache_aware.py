@@ -22,7 +22,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.harness import Cluster, Proc, backend, in_flight
+from tests.harness import Cluster, Proc, backend, control, in_flight
 
 ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "65536", "--decode-ms", "5"]
 ENGINE += ["--decode-ms-per-seq", "0", "--prefill-ms-per-1k", "5"]
@@ -198,6 +198,14 @@ def test_the_mock_engine_reports_cached_tokens(fleet: dict[str, Proc]) -> None:
     last = chunks[-1][-1].usage
     assert last is not None and last.prompt_tokens_details is not None
     assert last.prompt_tokens_details.cached_tokens > 900
+    # vLLM's reset_prefix_cache (the benchmark's cold start between variants): the cache
+    # forgets, the counters keep counting.
+    control(mock, reset_prefix_cache=True)
+    again = sdk.completions.create(model="mock-model", prompt=prompt, max_tokens=2).usage
+    assert again is not None and again.prompt_tokens_details is not None
+    assert again.prompt_tokens_details.cached_tokens == 0
+    q2, _ = counts()
+    assert q2 > q1
 
 
 def test_bad_input_never_fails_a_request(fleet: dict[str, Proc]) -> None:

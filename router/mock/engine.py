@@ -117,6 +117,10 @@ class Engine:
         seq.gone = True
         self._kick.set()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM's `reset_prefix_cache()`); the counters keep counting."""
+        self.prefix_cache.clear()
+
     def set_background(self, n: int) -> None:
         """Keep `n` hidden sequences in the engine: more are queued, extra ones end now."""
         self.config.background = max(0, n)

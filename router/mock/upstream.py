@@ -5,10 +5,10 @@ and `/stats` (requests, completed, aborted, tokens generated after its client we
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
-metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms) so fault tests need no
-second implementation. Streams end with vLLM's usage event when the request asks for it
-(`stream_options.include_usage`); with `usage_nulls` every other chunk then also carries
-`"usage":null`, as OpenAI's API does.
+metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms; `reset_prefix_cache`
+empties the engine's prefix cache) so fault tests need no second implementation. Streams end
+with vLLM's usage event when the request asks for it (`stream_options.include_usage`); with
+`usage_nulls` every other chunk then also carries `"usage":null`, as OpenAI's API does.
 `role_chunk` sends vLLM's role-only first event
 (`"delta":{"role":"assistant","content":""}`) right after the headers, before the prefill wait
 (vLLM sends it with the first token; sending it early lets tests tell the first byte from the
@@ -220,6 +220,10 @@ class MockUpstream:
             changes = json.loads(body or b"{}")
             if changes.pop("reset_stats", False):
                 self.stats = Stats()
+            if changes.pop("reset_prefix_cache", False):  # vLLM: POST /reset_prefix_cache
+                if self.engine is None:
+                    raise ValueError("reset_prefix_cache needs the engine model (--engine)")
+                self.engine.reset_prefix_cache()
             background = changes.pop("background", None)
             if background is not None:
                 if self.engine is None:
