@@ -1,7 +1,7 @@
 """The benchmark: sluicegate beside a direct connection (and nginx, when installed), one run.
 
     python -m bench.run --quick          # under 2 minutes
-    python -m bench.run                  # the full run, about 15 minutes (soak, prefix included)
+    python -m bench.run                  # the full run, about 17 minutes (soak, prefix, noisy)
     python -m bench.run --only overhead  # one scenario (its section of the docs is replaced,
                                          # the others are kept)
 
