@@ -158,6 +158,7 @@ def test_redis_slower_than_the_timeout_costs_at_most_the_timeout_then_shares_loc
         assert not q.degraded and changes == [True, False]
         assert isinstance(await q.admit(limits, 1, "y"), SharedReservation)
         await q.aclose()
+        assert await other.heartbeat() and other.processes == 1  # a stopped one leaves at once
         await other.aclose()
 
     run(body)

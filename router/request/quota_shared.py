@@ -449,6 +449,9 @@ class SharedQuotas:
                 await self._beat_task
             self._beat_task = None
         await self.flush(max(1.0, self._timeout * 4))
+        with contextlib.suppress(StoreUnavailable):  # the others' share grows at once
+            key = self._members_key
+            await self._call(key, "ZREM", key, self.process_id)
         if self._held is not None:
             await self._held.drop()
         await self._redis.aclose()
