@@ -254,4 +254,12 @@ def sections(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
 
         p = r["prefix"]
         found.append(("prefix", prefix_section(p, p.get("plot"), report["machine"]["date"])))
+    if "noisy" in r:
+        from bench.noisy import section as noisy_section
+
+        found.append(("noisy", noisy_section(r)))
+    if "priority" in r.get("admission", {}):
+        from bench.noisy import priority_section
+
+        found.append(("admission", priority_section(r)))
     return found

@@ -1,7 +1,7 @@
 """The benchmark: sluicegate beside a direct connection (and nginx, when installed), one run.
 
     python -m bench.run --quick          # under 2 minutes
-    python -m bench.run                  # the full run, about 15 minutes (soak, prefix included)
+    python -m bench.run                  # the full run, about 17 minutes (soak, prefix, noisy)
     python -m bench.run --only overhead  # one scenario (its section of the docs is replaced,
                                          # the others are kept)
 
@@ -481,6 +481,12 @@ def admission(bench: Bench) -> None:
     bench.results["admission"] = admission_run(bench.cluster, bench.quick)
 
 
+def noisy(bench: Bench) -> None:
+    from bench.noisy import run as noisy_run
+
+    bench.results.update(noisy_run(bench.cluster, bench.quick))
+
+
 def prefix(bench: Bench) -> None:
     from bench.prefix_workload import PNG, plot, split_samples
     from bench.prefix_workload import run as prefix_run
@@ -498,6 +504,7 @@ SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "multi": Bench.multi,
     "engine": engine,
     "admission": admission,
+    "noisy": noisy,
     "prefix": prefix,
 }
 

@@ -40,6 +40,7 @@ from router.request.admission import Admission
 from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.proxy import Proxy
+from router.request.quota import QuotaBook, Quotas
 from router.request.usage_book import UsageBook
 from router.upstream.pools import Pools
 from router.web.api import FastPath, openai_routes, proxy_endpoints
@@ -70,6 +71,23 @@ def make_store(settings: Settings) -> InflightStore:
         timeout=settings.redis_timeout,
         lease_ttl=settings.redis_lease_ttl,
         prefix=settings.redis_prefix,
+    )
+
+
+def make_quotas(settings: Settings, metrics: Metrics) -> QuotaBook:
+    """Per-key quotas in this process, or shared by every replica when Redis is configured."""
+    target = RedisTarget.from_settings(settings)
+    if target is None:
+        return Quotas(on_refused=metrics.ratelimited)
+    from router.request.quota_shared import SharedQuotas
+
+    return SharedQuotas(
+        target,
+        timeout=settings.redis_timeout,
+        slot_ttl=settings.redis_lease_ttl,
+        prefix=settings.redis_prefix,
+        on_refused=metrics.ratelimited,
+        on_degraded=metrics.quota_degraded,
     )
 
 
@@ -146,6 +164,7 @@ def create_app(settings: Settings) -> FastPath:
     affinity = make_affinity(settings, metrics)
     if admission is not None:
         engine.on_change = admission.changed
+    quotas = make_quotas(settings, metrics)
     proxy = Proxy(
         settings,
         registry,
@@ -157,6 +176,7 @@ def create_app(settings: Settings) -> FastPath:
         tracing,
         readings=lambda: engine.readings,
         admission=admission,
+        quotas=quotas,
         affinity=affinity,
         usage=_usage_book(settings, metrics),
     )
@@ -188,6 +208,7 @@ def create_app(settings: Settings) -> FastPath:
         for b in registry.snapshot.backends:
             pools.get(b)
         await store.start()
+        await quotas.start()
         if affinity.shared is not None:
             await affinity.shared.start()
         chores = [
@@ -239,6 +260,7 @@ def create_app(settings: Settings) -> FastPath:
             await engine.aclose()
             await pools.aclose()
             await store.aclose()
+            await quotas.aclose()
             if affinity.shared is not None:
                 await affinity.shared.aclose()
             await tracing.aclose()
@@ -277,7 +299,11 @@ def create_app(settings: Settings) -> FastPath:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         # Stale discovery keeps serving its last known set: a detail, not a reason to be unready.
-        details = {"discovery": discovery.status()} if discovery.sources else {}
+        details: dict[str, object] = {"discovery": discovery.status()} if discovery.sources else {}
+        quota_status = quotas.status()
+        if quota_status is not None:
+            # Redis down: still ready (each process enforces its share), and says so.
+            details["quotas"] = quota_status
         if lifecycle.draining:
             return JSONResponse({"status": "draining", **details}, status_code=503)
         if not registry.snapshot.backends:

@@ -176,3 +176,98 @@ def test_a_release_while_the_head_tries_makes_it_try_again() -> None:
         await adm.aclose()
 
     asyncio.run(main())
+
+
+def test_a_release_racing_a_leaving_request_wakes_the_next_one() -> None:
+    """A queued request whose wait just ended (its client left, or its deadline passed: both
+    cancel its future) but whose task has not run yet: a release in that window must not fail
+    the releasing request, and the slot goes to the next one in the queue."""
+
+    async def main() -> None:
+        adm, slots = Admission(AdmissionConfig()), Slots()
+        first, second = ticket("a"), ticket("b")
+        got: list[str] = []
+
+        async def one(t: Ticket) -> None:
+            await adm.acquire(t, slots.try_once)
+            got.append(t.tenant)
+
+        a = asyncio.create_task(one(first))
+        b = asyncio.create_task(one(second))
+        await asyncio.sleep(0)
+        a.cancel()  # the client leaves...
+        slots.free = 1
+        adm.released()  # ...and a slot frees before its task runs
+        await asyncio.wait_for(b, 1)
+        assert got == ["b"] and adm.depth == 0 and a.cancelled()
+        await adm.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_full_queue_racing_a_leaving_request_still_admits_the_newcomer() -> None:
+    """The entry a full queue would shed has just ended its wait: it leaves by itself and the
+    higher-band newcomer takes its place."""
+
+    async def main() -> None:
+        adm, slots = Admission(AdmissionConfig(max_queue=1)), Slots()
+        low = asyncio.create_task(adm.acquire(ticket("low", band=2), slots.try_once))
+        await asyncio.sleep(0)
+        assert adm.depth == 1
+        low.cancel()
+
+        async def free_later() -> None:
+            await asyncio.sleep(0)
+            slots.free = 1
+            adm.released()
+
+        freer = asyncio.create_task(free_later())
+        # Awaited here, not in a task: it reaches the full queue before `low`'s task runs.
+        lease = await adm.acquire(ticket("top", band=0), slots.try_once)
+        assert lease.backend == "b" and low.cancelled() and adm.depth == 0
+        await freer
+        await adm.aclose()
+
+    asyncio.run(main())
+
+
+def test_requests_that_leave_unserved_are_not_refunded_to_their_tenant() -> None:
+    """A key whose queued requests leave without a slot (expired, shed, client gone) keeps the
+    place it took in the fair order: refunding their estimate (the proxy settles them with 0
+    tokens used) would put its next requests level with a quiet key's, and a key flooding past
+    max_wait would take the quiet key's share."""
+
+    async def main() -> list[str]:
+        adm, slots = Admission(AdmissionConfig()), Slots()
+        order: list[str] = []
+
+        async def one(t: Ticket) -> None:
+            used = 0.0  # as the proxy counts it: nothing without a backend's answer
+            try:
+                await adm.acquire(t, slots.try_once)
+                order.append(t.tenant)
+                used = t.cost
+            finally:
+                adm.settle(t, used)
+
+        keep = asyncio.create_task(one(ticket("c")))  # keeps the queue (and its tags) alive
+        flood = [asyncio.create_task(one(ticket("a"))) for _ in range(10)]
+        await asyncio.sleep(0)
+        for task in flood:
+            task.cancel()  # a's clients give up
+        await asyncio.gather(*flood, return_exceptions=True)
+        later = [asyncio.create_task(one(ticket("a"))) for _ in range(3)]
+        later.append(asyncio.create_task(one(ticket("b"))))
+        await asyncio.sleep(0)
+        for i in range(5):
+            slots.free += 1
+            adm.released()
+            for _ in range(100):
+                if len(order) > i:
+                    break
+                await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(keep, *later), 1)
+        await adm.aclose()
+        return order
+
+    assert asyncio.run(main()) == ["c", "b", "a", "a", "a"]

@@ -13,8 +13,10 @@ import httpx
 import openai
 import pytest
 import yaml
+from starlette.responses import Response
 
 from router.core.settings import ConfigError, load_settings
+from router.request.quota import KeyLimits, Quotas, Reservation
 from tests.harness import Cluster, Proc, backend, in_flight, stats
 
 RPM = "sk-quota-rpm-0123456789"
@@ -73,7 +75,7 @@ def test_rpm_refuses_the_request_over_the_limit_in_openais_shape(fleet: dict[str
     assert body["type"] == "rate_limit_exceeded" and body["code"] == "rate_limit_exceeded"
     assert "requests per minute" in body["message"]
     h = err.response.headers
-    assert 1 <= int(h["retry-after"]) <= 60
+    assert 1 <= int(h["retry-after"]) <= 61  # a use counts 60 s plus the second it began in
     assert h["x-ratelimit-remaining-requests"] == "0"
     assert h["x-ratelimit-limit-requests"] == "3"
     assert stats(mock)["requests"] == before  # refused before any backend saw it
@@ -133,3 +135,28 @@ def test_absurd_limits_stop_startup_naming_the_field(
     with pytest.raises(ConfigError) as info:
         load_settings(path)
     assert f"api_keys[0].{field}" in str(info.value)
+
+
+def test_local_window_slides_by_the_second_and_a_refund_leaves_with_its_estimate() -> None:
+    clock = [1000.0]
+    quotas = Quotas(clock=lambda: clock[0])
+    limits = KeyLimits("k", rpm=2, tpm=1000)
+    first = quotas.admit_now(limits, 600, "a")
+    assert isinstance(first, Reservation)
+    assert isinstance(quotas.admit_now(limits, 500, "b"), Response)  # 600 + 500 > 1000
+    clock[0] += 30
+    first.close(100)  # 500 back, into the bucket of 30 s ago
+    held = quotas.admit_now(limits, 500, "c")
+    assert isinstance(held, Reservation)
+    held.close(500)
+    assert dict(held.headers)[b"x-ratelimit-remaining-requests"] == b"0"
+    refused = quotas.admit_now(limits, 1, "d")  # rpm 2 reached
+    assert isinstance(refused, Response)
+    # The first request's second leaves 61 s after it began: 31 s from now, not 30.
+    assert dict(refused.raw_headers)[b"retry-after"] == b"31"
+    clock[0] += 30.5
+    assert isinstance(quotas.admit_now(limits, 1, "e"), Response)
+    clock[0] += 0.5
+    third = quotas.admit_now(limits, 500, "f")  # the first one's tokens and refund are gone
+    assert isinstance(third, Reservation)
+    assert dict(third.headers)[b"x-ratelimit-remaining-tokens"] == b"0"

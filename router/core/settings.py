@@ -372,7 +372,7 @@ class ClientKeyConfig(_Strict):
     # Admission (only with `admission:` set): the key's band and its share within the band.
     priority: Literal["critical", "standard", "sheddable"] = "standard"
     weight: float = Field(1.0, gt=0, le=1000)
-    # Quotas, enforced per process (router/request/quota.py); None: no limit.
+    # Quotas (router/request/quota.py; shared through Redis: quota_shared.py); None: no limit.
     rpm: int | None = Field(None, ge=1, le=10_000_000)  # requests per minute
     tpm: int | None = Field(None, ge=1, le=10_000_000_000)  # prompt + completion tokens / minute
     max_parallel: int | None = Field(None, ge=1, le=1_000_000)  # requests in flight at once

@@ -314,6 +314,13 @@ class Metrics:
             ("key", "limit"),
             registry=reg,
         )
+        self.quota_degraded_gauge = Gauge(
+            "sluicegate_quota_degraded",
+            "1 while Redis is unreachable for quotas and each process enforces its share of "
+            "every key's limits (limit / processes) on its own traffic.",
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
         self.shed_total = Counter(
             "sluicegate_shed_total",
             "Requests refused by the admission queue: max_wait, deadline (the client's "
@@ -477,6 +484,9 @@ class Metrics:
     def discovery_state(self, source: str, backends: int, age: float | None) -> None:
         self.discovery_backends.labels(source).set(backends)
         self.discovery_last_sync.labels(source).set(-1 if age is None else round(age, 3))
+
+    def quota_degraded(self, active: bool) -> None:
+        self.quota_degraded_gauge.set(1 if active else 0)
 
     def redis_fallback(self, active: bool) -> None:
         self.fallback.set(1 if active else 0)

@@ -69,6 +69,7 @@ class Ticket:
     seq: int = 0
     queued: bool = False  # in its band's heap
     woken: bool = False  # taken out of the heap to try again, not yet back
+    admitted: bool = False  # left the queue with a lease (only then does `settle` correct)
     waiter: asyncio.Future[None] | None = None
     queue: _ModelQueue | None = None  # the queue it was tagged in (for `settle`)
 
@@ -236,6 +237,7 @@ class Admission:
                 t.woken = False
                 again, q.pending = q.pending, False
                 if lease is not None:
+                    t.admitted = True
                     band = q.bands[t.band]
                     band.vtime = max(band.vtime, t.start)
                     waited = self._clock() - entered
@@ -259,9 +261,12 @@ class Admission:
     def settle(self, t: Ticket, used_tokens: float) -> None:
         """The request ended having used `used_tokens`: its tenant's later requests in the band
         move by the difference from the estimate, so a short estimate buys no extra share. A
-        no-op when it never queued or its queue has drained since (tags restart then)."""
+        no-op when it never queued or its queue has drained since (tags restart then), and when
+        it left the queue without a slot (expired, shed, client gone): a refund then would pull
+        the tenant's next tags back below those of its own requests still queued, and a key
+        flooding past `max_wait` would get each new request placed level with a quiet key's."""
         q = t.queue
-        if q is None or self._queues.get(t.model) is not q:
+        if q is None or not t.admitted or self._queues.get(t.model) is not q:
             return
         finish = q.bands[t.band].finish
         if t.tenant in finish:
@@ -285,10 +290,11 @@ class Admission:
                 raise self._refused(QueueFull, "queue_full", "The admission queue is full")
             vq = self._queues[victim.model]
             self._remove(vq, victim)
-            assert victim.waiter is not None and not victim.waiter.done()
-            victim.waiter.set_exception(
-                self._refused(QueueFull, "queue_full", "The admission queue is full")
-            )
+            assert victim.waiter is not None
+            if not victim.waiter.done():  # done: it is leaving already (see `_wake`)
+                victim.waiter.set_exception(
+                    self._refused(QueueFull, "queue_full", "The admission queue is full")
+                )
         self._push(q, t)
 
     def _lowest(self) -> Ticket | None:
@@ -366,9 +372,13 @@ class Admission:
                 if not t.queued:
                     continue
                 self._dequeued(q, band, t)
+                assert t.waiter is not None
+                if t.waiter.done():
+                    # Its wait ended (deadline, client gone: both cancel the future) and its
+                    # task has not run yet: it is leaving, the wake goes to the next one.
+                    continue
                 t.woken = True
                 q.waking += 1
-                assert t.waiter is not None
                 t.waiter.set_result(None)
                 return True
         return False

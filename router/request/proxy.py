@@ -43,7 +43,7 @@ from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
-from router.request.quota import KeyLimits, Quotas, Reservation
+from router.request.quota import Hold, KeyLimits, QuotaBook, Quotas
 from router.request.record import RequestRecord
 from router.request.usage import ResponseUsage
 from router.request.usage_book import UsageBook
@@ -92,6 +92,7 @@ class Proxy:
         readings: Callable[[], Readings] | None = None,
         admission: Admission | None = None,
         affinity: Affinity | None = None,
+        quotas: QuotaBook | None = None,
         usage: UsageBook | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
@@ -111,8 +112,8 @@ class Proxy:
         self.health = health
         self.lifecycle = lifecycle
         self.admission = admission  # None: a full fleet answers 503 at once
-        # Per-key rpm / tpm / max_parallel, in this process.
-        self.quotas = Quotas(on_refused=self.metrics.ratelimited)
+        # Per-key rpm / tpm / max_parallel: shared through Redis, or in this process.
+        self.quotas = quotas or Quotas(on_refused=self.metrics.ratelimited)
         # The completion estimate of a body without max_tokens: admission's, also for quotas.
         self._default_max_tokens = (settings.admission or AdmissionConfig()).default_max_tokens
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
@@ -173,7 +174,7 @@ class Proxy:
                 if ticket is not None
                 else estimate_tokens(len(checked.body), checked.payload, self._default_max_tokens)
             )
-            held = self.quotas.admit(limits, estimate, request_id)
+            held = await self.quotas.admit(limits, estimate, request_id)
             if isinstance(held, Response):
                 return held
             reservation = held
@@ -207,7 +208,7 @@ class ProxyCall(Response):
         stream: bool,
         record: RequestRecord,
         ticket: Ticket | None = None,
-        reservation: Reservation | None = None,
+        reservation: Hold | None = None,
     ) -> None:
         self.background = None
         self.status_code = 200

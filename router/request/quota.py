@@ -4,9 +4,12 @@
 429 in OpenAI's shape (`rate_limit_exceeded`, `Retry-After`, `x-ratelimit-*`) or reserves one
 request, `estimate` tokens and one parallel slot, and returns a `Reservation` whose `close(used)`
 (called in the lifecycle's `finally`) frees the slot and corrects the token count with the
-tokens the response really used. Windows are sliding 60 s logs of (time, amount) per key: exact,
-and bounded (an entry is added only for an admitted request). With several workers or replicas
-each enforces the limits on its own traffic (per process); a shared Redis window is future work.
+tokens the response really used. Windows slide over 1 s sub-buckets, the same as the shared
+form in Redis (`quota_shared.py`, which says why): a use stops counting 61 s after its bucket
+began, so no 60 s ever sees more than the limit; memory is a few dozen buckets per key whatever
+the traffic (a log of every request held ~360k entries at 2k requests/s and cost CPU in cache
+misses and allocation). Without Redis each worker and replica enforces the limits on its own
+traffic (per process); with Redis this is the fallback, fed each process's share.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from starlette.responses import Response
 
 from router.core.errors import error_response
 
-WINDOW = 60.0
+BUCKETS = 61  # 1 s sub-buckets a use counts in: 60 s plus the one it began in
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,31 +37,80 @@ class KeyLimits:
     label: str = "unnamed"  # the key's name in metrics
 
 
+class Hold(Protocol):
+    """What an admitted request holds: its response's `x-ratelimit-*` headers, and `close`."""
+
+    headers: list[tuple[bytes, bytes]]
+
+    def close(self, used_tokens: float | None) -> None: ...
+
+
+class QuotaBook(Protocol):
+    """Per process (`Quotas`) or shared through Redis (`quota_shared.SharedQuotas`)."""
+
+    kind: str
+
+    async def admit(self, limits: KeyLimits, estimate: float, request_id: str) -> Hold | Response:
+        """A hold on one request, its estimate and a slot; or the 429 to send."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    def status(self) -> dict[str, Any] | None:
+        """For /readyz details (None: nothing to say)."""
+        ...
+
+
 class _Window:
-    __slots__ = ("log", "total")
+    """(second, amount) buckets, oldest first, and their total."""
+
+    __slots__ = ("buckets", "total")
 
     def __init__(self) -> None:
-        self.log: deque[tuple[float, float]] = deque()
+        self.buckets: deque[list[float]] = deque()
         self.total = 0.0
 
-    def used(self, now: float) -> float:
-        log = self.log
-        while log and log[0][0] <= now - WINDOW:
-            self.total -= log.popleft()[1]
+    def used(self, sec: int) -> float:
+        buckets = self.buckets
+        first = sec - BUCKETS + 1
+        while buckets and buckets[0][0] < first:
+            self.total -= buckets.popleft()[1]
         return self.total
 
-    def add(self, now: float, amount: float) -> None:
-        self.log.append((now, amount))
+    def add(self, sec: int, amount: float) -> None:
+        buckets = self.buckets
+        if buckets and buckets[-1][0] == sec:
+            buckets[-1][1] += amount
+        else:
+            buckets.append([sec, amount])
         self.total += amount
 
+    def correct(self, bucket: int, delta: float, sec: int) -> None:
+        """Into the bucket the estimate went to while it counts (a refund never outlives the
+        estimate); past it, only an overrun is charged, to the current bucket."""
+        for entry in reversed(self.buckets):
+            if entry[0] == bucket:
+                entry[1] += delta
+                self.total += delta
+                return
+            if entry[0] < bucket:
+                break
+        if delta > 0:
+            self.add(sec, delta)
+
     def reset_after(self, now: float, need: float, limit: float) -> float:
-        """Seconds until `need` more fits under `limit` (entries leave in order)."""
+        """Seconds until `need` more fits under `limit` (buckets leave in order)."""
         over = self.total + need - limit
-        for t, amount in self.log:
+        for sec, amount in self.buckets:
             over -= amount
             if over <= 0:
-                return max(0.0, t + WINDOW - now)
-        return WINDOW
+                return max(0.0, sec + BUCKETS - now)
+        return float(BUCKETS)
+
+    def oldest_leaves(self, now: float) -> float:
+        return max(0.0, self.buckets[0][0] + BUCKETS - now) if self.buckets else 0.0
 
 
 class _KeyState:
@@ -77,14 +130,56 @@ def _duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60}s" if s >= 60 else f"{s}s"
 
 
+_NAMES = {
+    kind: (
+        b"x-ratelimit-limit-" + kind,
+        b"x-ratelimit-remaining-" + kind,
+        b"x-ratelimit-reset-" + kind,
+    )
+    for kind in (b"requests", b"tokens")
+}
+
+
+def rate_headers(kind: bytes, limit: int, used: float, reset: float) -> list[tuple[bytes, bytes]]:
+    """OpenAI's three `x-ratelimit-*` headers of one limit (`kind`: requests or tokens)."""
+    limit_name, remaining_name, reset_name = _NAMES[kind]
+    return [
+        (limit_name, b"%d" % limit),
+        (remaining_name, b"%d" % max(0, int(limit - used))),
+        (reset_name, _duration(reset).encode()),
+    ]
+
+
+def refusal(
+    what: str, reset: float, headers: list[tuple[bytes, bytes]], request_id: str
+) -> Response:
+    """The 429: OpenAI's shape, `Retry-After`, the limits' headers."""
+    headers.append((b"retry-after", b"%d" % max(1, math.ceil(reset))))
+    headers.append((b"x-request-id", request_id.encode()))
+    out = error_response(
+        429,
+        f"Rate limit reached for {what} on this key; retry after {_duration(reset)}.",
+        "rate_limit_exceeded",
+        "rate_limit_exceeded",
+    )
+    out.raw_headers.extend(headers)
+    return out
+
+
 class Reservation:
-    __slots__ = ("_book", "_estimate", "_state", "headers")
+    __slots__ = ("_book", "_bucket", "_estimate", "_state", "headers")
 
     def __init__(
-        self, book: Quotas, state: _KeyState, estimate: float, headers: list[tuple[bytes, bytes]]
+        self,
+        book: Quotas,
+        state: _KeyState,
+        bucket: int,
+        estimate: float,
+        headers: list[tuple[bytes, bytes]],
     ) -> None:
         self._book = book
         self._state: _KeyState | None = state
+        self._bucket = bucket
         self._estimate = estimate
         self.headers = headers  # x-ratelimit-* for the response
 
@@ -95,10 +190,13 @@ class Reservation:
             return
         state.parallel -= 1
         if used_tokens is not None and used_tokens != self._estimate:
-            state.tokens.add(self._book.clock(), used_tokens - self._estimate)
+            sec = int(self._book.clock())
+            state.tokens.correct(self._bucket, used_tokens - self._estimate, sec)
 
 
 class Quotas:
+    kind = "local"
+
     def __init__(
         self,
         clock: Callable[[], float] = time.monotonic,
@@ -108,66 +206,68 @@ class Quotas:
         self._on_refused = on_refused  # (key label, limit): counts refusals
         self._keys: dict[str, _KeyState] = {}
 
-    def admit(self, limits: KeyLimits, estimate: float, request_id: str) -> Reservation | Response:
+    async def admit(
+        self, limits: KeyLimits, estimate: float, request_id: str
+    ) -> Reservation | Response:
+        return self.admit_now(limits, estimate, request_id)
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+    def status(self) -> dict[str, Any] | None:
+        return None
+
+    def admit_now(
+        self, limits: KeyLimits, estimate: float, request_id: str
+    ) -> Reservation | Response:
         now = self.clock()
+        sec = int(now)
         st = self._keys.get(limits.key_id)
         if st is None:
             st = self._keys[limits.key_id] = _KeyState()
         headers: list[tuple[bytes, bytes]] = []
-        refusal: tuple[str, float] | None = None
+        refused: tuple[str, float] | None = None
         limit = ""
         if limits.rpm is not None:
-            used = st.requests.used(now)
-            reset = st.requests.reset_after(now, 1, limits.rpm) if used + 1 > limits.rpm else 0
+            window = st.requests
+            used = window.used(sec)
             if used + 1 > limits.rpm:
-                refusal, limit = ("requests per minute", reset), "rpm"
-            headers += _headers("requests", limits.rpm, used + (refusal is None), reset, now, st)
+                reset = window.reset_after(now, 1, limits.rpm)
+                refused, limit = ("requests per minute", reset), "rpm"
+            else:
+                reset = window.oldest_leaves(now)
+                used += 1
+            headers += rate_headers(b"requests", limits.rpm, used, reset)
         if limits.tpm is not None:
-            used = st.tokens.used(now)
+            window = st.tokens
+            used = window.used(sec)
             # A request bigger than the whole limit waits for an empty window, not forever.
             need = min(estimate, limits.tpm)
-            over = used + need > limits.tpm
-            reset = st.tokens.reset_after(now, need, limits.tpm) if over else 0
-            if over and refusal is None:
-                refusal, limit = ("tokens per minute", reset), "tpm"
-            taken = used + (estimate if refusal is None else 0)
-            headers += _headers("tokens", limits.tpm, taken, reset, now, st)
+            if used + need > limits.tpm:
+                reset = window.reset_after(now, need, limits.tpm)
+                if refused is None:
+                    refused, limit = ("tokens per minute", reset), "tpm"
+            else:
+                reset = window.oldest_leaves(now)
+                if refused is None:
+                    used += estimate
+            headers += rate_headers(b"tokens", limits.tpm, used, reset)
         if (
-            refusal is None
+            refused is None
             and limits.max_parallel is not None
             and st.parallel >= limits.max_parallel
         ):
-            refusal, limit = ("parallel requests", 1.0), "max_parallel"
-        if refusal is not None:
-            what, reset = refusal
+            refused, limit = ("parallel requests", 1.0), "max_parallel"
+        if refused is not None:
             if self._on_refused is not None:
                 self._on_refused(limits.label, limit)
-            headers.append((b"retry-after", str(max(1, math.ceil(reset))).encode()))
-            headers.append((b"x-request-id", request_id.encode()))
-            out = error_response(
-                429,
-                f"Rate limit reached for {what} on this key; retry after {_duration(reset)}.",
-                "rate_limit_exceeded",
-                "rate_limit_exceeded",
-            )
-            out.raw_headers.extend(headers)
-            return out
+            return refusal(refused[0], refused[1], headers, request_id)
         if limits.rpm is not None:
-            st.requests.add(now, 1)
+            st.requests.add(sec, 1)
         if limits.tpm is not None:
-            st.tokens.add(now, estimate)
+            st.tokens.add(sec, estimate)
         st.parallel += 1
-        return Reservation(self, st, estimate, headers)
-
-
-def _headers(
-    kind: str, limit: int, used: float, reset: float, now: float, st: _KeyState
-) -> list[tuple[bytes, bytes]]:
-    window = st.requests if kind == "requests" else st.tokens
-    if not reset and window.log:
-        reset = max(0.0, window.log[0][0] + WINDOW - now)  # when the oldest use stops counting
-    return [
-        (f"x-ratelimit-limit-{kind}".encode(), str(limit).encode()),
-        (f"x-ratelimit-remaining-{kind}".encode(), str(max(0, int(limit - used))).encode()),
-        (f"x-ratelimit-reset-{kind}".encode(), _duration(reset).encode()),
-    ]
+        return Reservation(self, st, sec, estimate, headers)

@@ -1,0 +1,620 @@
+"""Per-key quotas shared by every replica and worker through Redis, with a local fallback.
+
+Algorithm: a sliding window of 1 s sub-buckets, one Redis hash per key and limit (bucket second
+-> requests or tokens), summed over the last 61 buckets by one Lua script that also checks the
+parallel slots and reserves, atomically. Chosen over GCRA (a token bucket) because a bucket as
+big as the limit lets a flood take the whole limit and then the refill, up to twice `tpm` in one
+minute; the sliding window never admits more than the limit in any 60 s (a use stops counting
+61 s after its bucket began, so the window is at most 1/60 stricter, never looser). Sub-buckets
+rather than a log: a few dozen fields per key whatever the traffic, and a correction lands in the
+bucket its reservation went to, so a refund never outlives the estimate it corrects.
+
+- admit, one round trip (`redis_timeout` at most): 1 request, the token estimate and a parallel
+  slot (a sorted-set member scored by expiry) are reserved, or the script says which limit is
+  full and when it frees. Reservation.close(used) hands the correction (real - estimate, either
+  sign) and the slot's removal to this store: gathered for 10 ms, then one command per key on a
+  pipeline the store owns (no task per request, never cancelled with the client); a lost one is
+  retried by the heartbeat, and a crashed replica's slots expire `redis_lease_ttl` after its
+  last heartbeat (which re-stamps live slots every ttl/3).
+- keys `{<prefix>:quota:<key id>}:r|t|p`: one hash tag per client key (Cluster spreads keys
+  over shards; one key's script touches one slot). The key id is the entry's name or its
+  sha256, never the key.
+- Redis slow or down: a request waits `redis_timeout` at most, then this process enforces its
+  share (each limit / the number of processes last seen registered in Redis, 1 before any) on
+  its own traffic; after a few failures in a row the store is `degraded` (a warning, the
+  `sluicegate_quota_degraded` gauge, `/readyz` details) and the heartbeat probes until Redis
+  answers, then shared enforcement resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import math
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from starlette.responses import Response
+
+from balancers.inflight.batch import Batcher
+from router.core.errors import STORE_FAILURES, StoreUnavailable, store_unavailable
+from router.core.redis_client import Client, KeyConnections, RedisTarget, follow_master
+from router.request.quota import (
+    BUCKETS,
+    KeyLimits,
+    Quotas,
+    Reservation,
+    rate_headers,
+    refusal,
+)
+
+log = logging.getLogger("sluicegate.quota")
+
+_NOW = """
+local now = tonumber(ARGV[1])
+if now == 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local sec = math.floor(now / 1000)
+local first = sec - BUCKETS + 1
+"""
+
+# KEYS: requests hash, tokens hash, slots zset. ARGV: now_ms (0: Redis's clock), rpm, tpm,
+# max_parallel (0: no limit), estimate, slot id (or ''), slot ttl ms. Returns "refused (0 ok,
+# 1 rpm, 2 tpm, 3 parallel) requests-used tokens-used requests-reset-ms tokens-reset-ms bucket"
+# ("used" includes this request when admitted).
+_ADMIT = (
+    _NOW
+    + """
+local function window(key, limit, need)
+  local all = redis.call('HGETALL', key)
+  local live, stale, total = {}, {}, 0
+  for i = 1, #all, 2 do
+    local b = tonumber(all[i])
+    if b < first then
+      stale[#stale + 1] = all[i]
+    else
+      local v = tonumber(all[i + 1])
+      total = total + v
+      live[#live + 1] = {b, v}
+    end
+  end
+  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  table.sort(live, function(x, y) return x[1] < y[1] end)
+  local reset = 0
+  if total + need > limit then
+    -- when enough leaves for `need` (at most the whole limit: a huge request waits for an
+    -- empty window, not forever)
+    local over = total + need - limit
+    reset = BUCKETS * 1000
+    for _, e in ipairs(live) do
+      over = over - e[2]
+      if over <= 0 then reset = (e[1] + BUCKETS) * 1000 - now break end
+    end
+    return total, reset, false
+  end
+  if #live > 0 then reset = (live[1][1] + BUCKETS) * 1000 - now end
+  return total, reset, true
+end
+local rpm, tpm, par = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local est = tonumber(ARGV[5])
+local refused = 0
+local r_used, r_reset, t_used, t_reset = 0, 0, 0, 0
+if rpm > 0 then
+  local ok
+  r_used, r_reset, ok = window(KEYS[1], rpm, 1)
+  if not ok then refused = 1 end
+end
+if tpm > 0 then
+  local ok
+  t_used, t_reset, ok = window(KEYS[2], tpm, math.min(est, tpm))
+  if not ok and refused == 0 then refused = 2 end
+end
+if refused == 0 and par > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= par then refused = 3 end
+end
+local function reply(code)
+  -- one bulk string: a client parses it in one read, an array costs one per element
+  return table.concat({code, r_used, t_used, r_reset, t_reset, sec}, ' ')
+end
+if refused ~= 0 then return reply(refused) end
+local keep = BUCKETS * 1000 + 1000
+if rpm > 0 then
+  redis.call('HINCRBY', KEYS[1], sec, 1)
+  redis.call('PEXPIRE', KEYS[1], keep)
+  r_used = r_used + 1
+end
+if tpm > 0 then
+  redis.call('HINCRBY', KEYS[2], sec, est)
+  redis.call('PEXPIRE', KEYS[2], keep)
+  t_used = t_used + est
+end
+if par > 0 then
+  local ttl = tonumber(ARGV[7])
+  redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])
+  redis.call('PEXPIRE', KEYS[3], ttl * 3)
+end
+return reply(0)
+"""
+)
+
+# KEYS: tokens hash, slots zset. ARGV: now_ms, then per request: its bucket, tokens delta, slot
+# id (or ''). A correction goes to the bucket the estimate went to while that still counts (a
+# refund never outlives its estimate); past it, only an overrun is charged, to the current one.
+_RELEASE = (
+    _NOW
+    + """
+local touched = false
+for i = 2, #ARGV, 3 do
+  if ARGV[i + 2] ~= '' then redis.call('ZREM', KEYS[2], ARGV[i + 2]) end
+  local delta = tonumber(ARGV[i + 1])
+  local b = tonumber(ARGV[i])
+  if b < first then
+    b = sec
+    if delta < 0 then delta = 0 end
+  end
+  if delta ~= 0 then
+    if redis.call('HINCRBY', KEYS[1], b, delta) <= 0 then redis.call('HDEL', KEYS[1], b) end
+    touched = true
+  end
+end
+if touched then redis.call('PEXPIRE', KEYS[1], BUCKETS * 1000 + 1000) end
+return 1
+"""
+)
+
+# KEYS: one slots zset. ARGV: now_ms, ttl ms, slot ids: re-stamps (or re-adds) each.
+_REFRESH = (
+    _NOW
+    + """
+local ttl = tonumber(ARGV[2])
+for i = 3, #ARGV do redis.call('ZADD', KEYS[1], now + ttl, ARGV[i]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], ttl * 3)
+return 1
+"""
+)
+
+# KEYS: the processes zset. ARGV: now_ms, ttl ms, this process's id. Returns how many live.
+_REGISTER = (
+    _NOW
+    + """
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], ttl * 3)
+return redis.call('ZCARD', KEYS[1])
+"""
+)
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+DEGRADE_AFTER = 3
+RELEASE_DELAY = 0.01  # seconds releases are gathered before one command per key goes out
+_OWED_MAX = 100_000  # releases still owed; past this they are left to expire
+_Owed = tuple[str, int, int, str]  # (key tag, bucket, tokens delta, slot id)
+
+
+def key_tag(prefix: str, key_id: str) -> str:
+    """`{prefix:quota:<id>}`: the key's own hash tag; ids that could break a tag are hashed."""
+    kid = key_id if _SAFE_ID.fullmatch(key_id) else hashlib.sha256(key_id.encode()).hexdigest()
+    return "{" + prefix + ":quota:" + kid + "}"
+
+
+class SharedReservation:
+    """What one admitted request holds in Redis; `close(used)` gives it back (idempotent)."""
+
+    __slots__ = ("_book", "_bucket", "_estimate", "_slot", "_tag", "headers")
+
+    def __init__(
+        self,
+        book: SharedQuotas,
+        tag: str,
+        bucket: int,
+        estimate: int,
+        slot: str,
+        headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        self._book: SharedQuotas | None = book
+        self._tag = tag
+        self._bucket = bucket
+        self._estimate = estimate  # 0 when the key has no tpm: nothing to correct
+        self._slot = slot  # '' when the key has no max_parallel
+        self.headers = headers
+
+    def close(self, used_tokens: float | None) -> None:
+        book, self._book = self._book, None
+        if book is None:
+            return
+        delta = 0
+        if self._estimate and used_tokens is not None:
+            delta = math.ceil(used_tokens) - self._estimate
+        if self._slot:
+            book._live.pop(self._slot, None)
+        if delta or self._slot:
+            book._release((self._tag, self._bucket, delta, self._slot))
+
+
+class SharedQuotas:
+    kind = "redis"
+
+    def __init__(
+        self,
+        target: str | RedisTarget,
+        *,
+        timeout: float = 0.05,
+        slot_ttl: float = 10.0,
+        prefix: str = "sluicegate",
+        clock: Callable[[], float] | None = None,
+        heartbeat: bool = True,
+        on_refused: Callable[[str, str], None] | None = None,
+        on_degraded: Callable[[bool], None] | None = None,
+    ) -> None:
+        target = RedisTarget(url=target) if isinstance(target, str) else target
+        self._cluster = target.cluster
+        # No socket timeout: every call is bounded by `timeout` around it (`_call`, the batcher),
+        # and redis-py bounds a socket write by a task per write (asyncio.wait_for).
+        self._redis: Client = target.client(
+            timeout=timeout,
+            max_connections=4,
+            blocking=True,
+            retry=Retry(NoBackoff(), 0),
+            socket_timeout=None,
+        )
+        self._timeout = timeout
+        self._ttl_ms = int(slot_ttl * 1000)
+        self._beat_every = slot_ttl / 3
+        self._prefix = prefix
+        self._clock = clock
+        self._run_heartbeat = heartbeat
+        self._on_refused = on_refused
+        self._on_degraded = on_degraded
+        self.process_id = uuid.uuid4().hex[:12]
+        self._seq = itertools.count(1)
+        self._sources: dict[str, str] = {}
+        self._admit_sha = self._script(_ADMIT)
+        self._release_sha = self._script(_RELEASE)
+        self._refresh_sha = self._script(_REFRESH)
+        self._register_sha = self._script(_REGISTER)
+        self._members_key = "{" + prefix + ":quota}:processes"
+        self._batchers: dict[str, Batcher] = {}
+        self._held = HeldConnection(self._redis) if isinstance(self._redis, Redis) else None
+        self._tags: dict[str, str] = {}  # key id -> its hash tag
+        self._live: dict[str, str] = {}  # slot id -> key tag, for this process
+        self._owed: list[_Owed] = []
+        self._releasing: list[_Owed] = []  # gathered for the next release command
+        self._release_timer: asyncio.TimerHandle | None = None
+        self._key_names: dict[str, tuple[bytes, bytes, bytes]] = {}
+        # The fallback: this process's share of each limit, in this process.
+        self.local = Quotas(on_refused=on_refused)
+        self._shares: dict[KeyLimits, KeyLimits] = {}
+        self.processes = 1  # processes enforcing quotas, as last seen registered in Redis
+        self._failures = 0
+        self.degraded = False
+        self.fallbacks = 0  # requests decided locally because Redis did not answer in time
+        self._beat_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def _script(self, body: str) -> str:
+        source = body.replace("BUCKETS", str(BUCKETS))
+        sha = hashlib.sha1(source.encode()).hexdigest()
+        self._sources[sha] = source
+        return sha
+
+    def _batcher(self, tag: str) -> Batcher:
+        # One server for everything unless on Cluster, where each tag's slot has its own owner.
+        name = tag if self._cluster else ""
+        batcher = self._batchers.get(name)
+        if batcher is None:
+            conns = self._held or KeyConnections(self._redis, tag + ":p")
+            batcher = Batcher(conns, self._sources, self._timeout, self._round_trip)
+            self._batchers[name] = batcher
+        return batcher
+
+    def _tag(self, key_id: str) -> str:
+        tag = self._tags.get(key_id)
+        if tag is None:
+            tag = self._tags[key_id] = key_tag(self._prefix, key_id)
+        return tag
+
+    def _keys(self, tag: str) -> tuple[bytes, bytes, bytes]:
+        """The key's requests hash, tokens hash and slots set, as bytes (packed as they are)."""
+        names = self._key_names.get(tag)
+        if names is None:
+            names = self._key_names[tag] = (
+                (tag + ":r").encode(),
+                (tag + ":t").encode(),
+                (tag + ":p").encode(),
+            )
+        return names
+
+    def _now_ms(self) -> int:
+        return 0 if self._clock is None else int(self._clock() * 1000)
+
+    def _round_trip(self, ok: bool) -> None:
+        self._failures = 0 if ok else self._failures + 1
+
+    async def _call(self, tag: str, *command: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await self._batcher(tag).call(*command)
+        except STORE_FAILURES as exc:
+            # Failures are counted per round trip (by the batcher): a call that outwaits its
+            # timeout behind a slow one sends only its own request to the local share.
+            raise store_unavailable(exc) from exc
+
+    def _degrade(self, reason: str) -> None:
+        # One late answer only sends its own request to the local share; the whole store
+        # switches after a few failed round trips in a row.
+        if self.degraded or self._failures < DEGRADE_AFTER:
+            return
+        self.degraded = True
+        log.warning(
+            "redis unavailable for quotas; each process enforces its share locally",
+            extra={"fields": {"error": reason, "processes": self.processes}},
+        )
+        if self._on_degraded is not None:
+            self._on_degraded(True)
+        self._wake.set()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
+            for source in self._sources.values():
+                await self._call(self._members_key, "SCRIPT", "LOAD", source)
+        await self.heartbeat()
+        if self._run_heartbeat and self._beat_task is None:
+            self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
+
+    async def _beat_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            wait = 0.5 if self.degraded else self._beat_every
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+            try:
+                await self.heartbeat()
+            except Exception:  # a bug here must not end the beats that keep slots alive
+                log.exception("quota heartbeat failed")
+
+    async def heartbeat(self) -> bool:
+        """Register this process, re-stamp its live slots, settle owed releases; True when
+        Redis answered."""
+        snapshot = dict(self._live)
+        by_tag: dict[str, list[str]] = {}
+        for slot, tag in snapshot.items():
+            by_tag.setdefault(tag, []).append(slot)
+        owed, self._owed = self._owed, []
+        now = self._now_ms()
+        settled: set[int] = set()
+        try:
+            if await follow_master(self._redis, self._timeout) and self._held is not None:
+                await self._held.drop()  # it may still point at the former master
+            key = self._members_key
+            args = (now, self._ttl_ms, self.process_id)
+            members = await self._call(key, "EVALSHA", self._register_sha, 1, key, *args)
+            for tag, slots in by_tag.items():
+                stamp = (now, self._ttl_ms, *slots)
+                await self._call(tag, "EVALSHA", self._refresh_sha, 1, tag + ":p", *stamp)
+            for tag, mine in _by_tag(owed).items():
+                await self._call(tag, *self._release_command(tag, mine))
+                settled.update(map(id, mine))
+        except StoreUnavailable as exc:
+            for entry in owed:
+                if id(entry) not in settled:
+                    self._owe(entry)
+            self._degrade(str(exc))
+            return False
+        self.processes = max(1, int(members))
+        self._shares.clear()
+        # A slot released while the beat was on the wire may have been re-added by it.
+        for slot, tag in snapshot.items():
+            if slot not in self._live:
+                self._release((tag, 0, 0, slot))
+        if self.degraded:
+            self.degraded = False
+            log.info(
+                "redis answers again; quotas are shared",
+                extra={"fields": {"processes": self.processes}},
+            )
+            if self._on_degraded is not None:
+                self._on_degraded(False)
+        return True
+
+    async def flush(self, within: float = 5.0) -> None:
+        """Send the releases gathered so far and wait (bounded) for every queued command."""
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._send_releases()
+        for batcher in list(self._batchers.values()):
+            await batcher.drain(within)
+
+    async def aclose(self) -> None:
+        if self._beat_task is not None:
+            self._beat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat_task
+            self._beat_task = None
+        await self.flush(max(1.0, self._timeout * 4))
+        with contextlib.suppress(StoreUnavailable):  # the others' share grows at once
+            key = self._members_key
+            await self._call(key, "ZREM", key, self.process_id)
+        if self._held is not None:
+            await self._held.drop()
+        await self._redis.aclose()
+
+    def status(self) -> dict[str, Any]:
+        """For /readyz: shared or each process its share, and how many processes share."""
+        return {
+            "mode": "local_share" if self.degraded else "shared",
+            "processes": self.processes,
+        }
+
+    # --- the hot path ----------------------------------------------------------------------
+
+    async def admit(
+        self, limits: KeyLimits, estimate: float, request_id: str
+    ) -> SharedReservation | Reservation | Response:
+        if self.degraded:
+            return self._admit_local(limits, estimate, request_id)
+        tag = self._tag(limits.key_id)
+        est = math.ceil(estimate) if limits.tpm is not None else 0
+        slot = f"{self.process_id}:{next(self._seq)}" if limits.max_parallel is not None else ""
+        try:
+            out = await self._call(
+                tag,
+                "EVALSHA",
+                self._admit_sha,
+                3,
+                *self._keys(tag),
+                self._now_ms(),
+                limits.rpm or 0,
+                limits.tpm or 0,
+                limits.max_parallel or 0,
+                est,
+                slot,
+                self._ttl_ms,
+            )
+        except StoreUnavailable as exc:
+            if slot:  # the script may have run after we stopped waiting
+                self._owe((tag, 0, 0, slot))
+            self._degrade(str(exc))
+            return self._admit_local(limits, estimate, request_id)
+        except BaseException:
+            if slot:  # cancelled mid-call: same doubt, Redis is fine
+                self._release((tag, 0, 0, slot))
+            raise
+        refused, r_used, t_used, r_reset, t_reset, bucket = (int(v) for v in out.split())
+        headers: list[tuple[bytes, bytes]] = []
+        if limits.rpm is not None:
+            headers += rate_headers(b"requests", limits.rpm, r_used, r_reset / 1000)
+        if limits.tpm is not None:
+            headers += rate_headers(b"tokens", limits.tpm, t_used, t_reset / 1000)
+        if refused:
+            limit, what, reset = (
+                ("rpm", "requests per minute", r_reset / 1000),
+                ("tpm", "tokens per minute", t_reset / 1000),
+                ("max_parallel", "parallel requests", 1.0),
+            )[refused - 1]
+            if self._on_refused is not None:
+                self._on_refused(limits.label, limit)
+            return refusal(what, reset, headers, request_id)
+        if slot:
+            self._live[slot] = tag
+        return SharedReservation(self, tag, bucket, est, slot, headers)
+
+    def _admit_local(
+        self, limits: KeyLimits, estimate: float, request_id: str
+    ) -> Reservation | Response:
+        self.fallbacks += 1
+        share = self._shares.get(limits)
+        if share is None:
+            share = self._shares[limits] = _share(limits, self.processes)
+        return self.local.admit_now(share, estimate, request_id)
+
+    # --- releases ----------------------------------------------------------------------------
+
+    def _release_command(self, tag: str, entries: list[_Owed]) -> tuple[Any, ...]:
+        args: list[Any] = []
+        for _, bucket, delta, slot in entries:
+            args += (bucket, delta, slot)
+        keys = self._keys(tag)
+        return ("EVALSHA", self._release_sha, 2, keys[1], keys[2], self._now_ms(), *args)
+
+    def _release(self, entry: _Owed) -> None:
+        """Soon, with the others of its key in one command; never waited for. Releases are
+        gathered for RELEASE_DELAY so a burst costs a command per key, not one per request (a
+        slot is held that much longer). A lost one is retried by the heartbeat."""
+        if self.degraded:
+            self._owe(entry)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._owe(entry)
+            return
+        self._releasing.append(entry)
+        if self._release_timer is None:
+            self._release_timer = loop.call_later(RELEASE_DELAY, self._send_releases)
+
+    def _send_releases(self) -> None:
+        self._release_timer = None
+        entries, self._releasing = self._releasing, []
+        if self.degraded:
+            for entry in entries:
+                self._owe(entry)
+            return
+        for tag, mine in _by_tag(entries).items():
+
+            def lost(mine: list[_Owed] = mine) -> None:
+                for entry in mine:
+                    self._owe(entry)
+                self._degrade("release lost")
+
+            self._batcher(tag).post(self._release_command(tag, mine), lost)
+
+    def _owe(self, entry: _Owed) -> None:
+        if len(self._owed) < _OWED_MAX:
+            self._owed.append(entry)
+
+
+class HeldConnection(KeyConnections):
+    """Standalone and Sentinel: the batcher has one pipeline on the wire at a time, so it keeps
+    one connection rather than taking one from redis-py's pool per pipeline (that take and give
+    back cost about a quarter of a round trip's CPU). A connection the batcher dropped after a
+    failure reconnects on its next use."""
+
+    def __init__(self, client: Redis) -> None:
+        super().__init__(client, "")
+        self._pool = client.connection_pool
+        self._conn: Connection | None = None
+
+    async def get(self) -> tuple[Connection, Callable[[], Awaitable[None]]]:
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = await self._pool.get_connection()
+        return conn, _keep
+
+    def stale(self) -> None:
+        pass
+
+    async def drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.disconnect(nowait=True)
+            await self._pool.release(conn)
+
+
+async def _keep() -> None:
+    pass
+
+
+def _by_tag(entries: list[_Owed]) -> dict[str, list[_Owed]]:
+    out: dict[str, list[_Owed]] = {}
+    for entry in entries:
+        out.setdefault(entry[0], []).append(entry)
+    return out
+
+
+def _share(limits: KeyLimits, processes: int) -> KeyLimits:
+    """This process's part of each limit while it enforces alone (at least 1)."""
+
+    def part(v: int | None) -> int | None:
+        return None if v is None else max(1, v // processes)
+
+    return KeyLimits(
+        limits.key_id, part(limits.rpm), part(limits.tpm), part(limits.max_parallel), limits.label
+    )
