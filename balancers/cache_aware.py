@@ -1,30 +1,47 @@
-"""Send a prompt to the engine that probably still caches its prefix, unless that engine is busy.
+"""Send a prompt to the engine that probably still caches its prefix, unless that engine queues.
 
-cost(c) = load(c) - cached_tokens(c) / TOKENS_PER_LOAD        (lowest cost wins)
+cost(c) = (queue(c) + uncached(c) x (1 + batch(c))) / weight      (lowest wins; ties: least_load)
 
-- load(c): `least_load`'s score (engine queue, batch, KV use, our dispatches since the scrape,
-  per weight; in-flight count without a reading), i.e. the expected queueing ahead of us;
-- cached_tokens(c): the prompt's leading blocks that the prefix index says c was last sent
-  (`Hints.held`, blocks x block_chars / CHARS_PER_TOKEN), i.e. prefill it would skip;
-- TOKENS_PER_LOAD: prefill worth one unit of `least_load` (a running request; a waiting one is
-  4): with continuous batching a running request barely delays our first token, a queued one
-  delays it by about one prefill of ~1k tokens; so a 6k-token conversation outweighs 24 running
-  or 6 queued requests elsewhere. The load bound, not the score, keeps a hot prefix in check.
-Guardrail (bounded loads, Mirrokni et al.): a holder of the prefix whose requests in flight
-through sluicegate (`Candidate.inflight` per weight: exact, and shared across replicas with the
-Redis store, where a scrape lags) plus this one would exceed ceil(load_factor x (total + 1) / n)
-over the n candidates, and that is SPILL_MIN_GAP above the least loaded one (at low load the
-last turn's lease may not be released yet when the next turn arrives; that must not break
-affinity), is passed over;
-if every holder is, the request spills to the least loaded candidate (`least_load`'s pick), which
-then joins the prefix's holders (the proxy records it).
+in prefills of this prompt, i.e. in time, ours and that of the requests we would delay:
+- uncached(c): the share of the prompt c would prefill, 1 minus the leading blocks the prefix
+  index says c was last sent (`Hints.held` of `Hints.blocks`);
+- batch(c): the requests running there (engine reading, plus those we sent since it): a prefill
+  delays each of them as much as ours (vLLM computes it inside the batch's steps, chunked or
+  not), so a full prefill on a busy engine costs 1 + batch, a cached prompt nearly nothing;
+- queue(c): requests waiting there (each about one prefill ahead of ours: ours is the best
+  guess of a neighbour's length), plus 1 when our prompt would not fit in the KV it has free
+  (kv_usage x `kv_capacity_tokens`, less one prompt per request we sent since the reading):
+  admission then waits for a running request to end (without a reported capacity: kv_usage
+  >= KV_NEAR_FULL). A queue costs our time only, not the batch's.
+Why not `least_load`'s score minus cached tokens / TOKENS_PER_LOAD, as before: its units do not
+map onto time. Continuous batching absorbs a running request (a fraction of a millisecond per
+step, against tens of milliseconds per 1k prefilled tokens), KV use costs nothing until
+admission runs out of blocks (vLLM counts running requests' blocks; cached free ones are
+evictable), a queued request costs a whole prefill. One fixed rate misprices some term: at 250
+tokens per unit, 3-5 running requests plus half-full KV (16 x kv_usage) outweighed a
+2-5k-token cached prompt (`docs/benchmarks.md`). Here running requests and KV enter only as
+what they cost in time; least_load's score only breaks ties (with no holder among the
+candidates the pick is `least_load`'s).
+Guardrail (bounded loads, Mirrokni et al.): a holder is passed over when its requests in flight
+through sluicegate (`Candidate.inflight` per weight: exact, and shared across replicas through
+Redis) plus this one exceed ceil(load_factor x (total + 1) / n) over the n candidates, are
+SPILL_MIN_GAP above the least loaded (a lease not released yet must not break affinity at low
+load), AND its engine is saturated (queue(c) > 0: continuous batching no longer absorbs one more
+request); without a reading the count bound alone decides. A hot prefix spills as soon as its
+holder starts queuing; ordinary fluctuation inside a batch does not (at 3-5 requests per engine
+the count bound alone sent 7-11 % of requests to a full prefill). If every holder is passed
+over, the least loaded candidate (`least_load`'s pick) takes it and joins the holders (the proxy
+records it). Candidates without an engine reading (`kind: openai`, not scraped) have no queue
+or batch to read: then cost = in-flight per weight - cached tokens / TOKENS_PER_LOAD (an
+in-flight request may be running or queued; 4 of them ~ one 1k-token prefill), count bound only.
 Session affinity comes first when the request names a session (`Hints.session`: the ring point
 of its key): consistent hashing with bounded loads over the candidates (balancers/session_ring.py),
-the key's home unless it is over the same bound, else the next backend clockwise under it (a
-backend whose engine reading is stale is left off the ring until it is read again).
+the key's home unless it is over the count bound (`affinity.load_factor`), else the next backend
+clockwise under it (a backend whose engine reading is stale is left off the ring until it is read
+again).
 Reasons: `session` (the key's home), `prefix` (the pick holds part of the prompt), `spill` (a
 holder or the key's home was passed over for the bound), `load` (no candidate holds any of the
-prompt, or load outweighed the cache).
+prompt, or the holder's queue outweighed the prefill saved).
 It only ever sees eligible candidates (health, ejection, draining, `max_inflight` and the retry's
 `exclude` are applied before), so affinity never overrides them. Pure: the match arrives as data
 through `with_hints()`, which returns this request's picker; plain `pick()` is `least_load`'s.
@@ -34,7 +51,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,8 +61,9 @@ from balancers.least_load import LeastLoad
 from balancers.session_ring import Ring
 
 CHARS_PER_TOKEN = 4
-TOKENS_PER_LOAD = 250.0
+TOKENS_PER_LOAD = 250.0  # only when a candidate has no engine reading
 SPILL_MIN_GAP = 2.0
+KV_NEAR_FULL = 0.9  # only when the engine does not report its KV capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +153,8 @@ class HintedPick:
             self.reason = "spill"
             return self._load.pick(pool)
 
+        if all(c.engine is not None for _, c in live):
+            return self._by_time(live, pool, over)
         per_token = hints.block_chars / CHARS_PER_TOKEN / TOKENS_PER_LOAD
         options: list[tuple[float, Candidate]] = []
         passed_over = False
@@ -149,7 +169,47 @@ class HintedPick:
             return self._load.pick([c for _, c in live if c.name not in held] or pool)
         best = min(cost for cost, _ in options)
         tied = [c for cost, c in options if cost == best]
+        return self._settle(tied, passed_over)
+
+    def _by_time(
+        self,
+        live: Sequence[tuple[float, Candidate]],
+        pool: Sequence[Candidate],
+        over: Callable[[Candidate], bool],
+    ) -> Candidate | None:
+        """Every live candidate has a fresh reading: the cost in prefills of this prompt."""
+        hints = self._hints
+        held = hints.held
+        prompt = max(1.0, hints.blocks * hints.block_chars / CHARS_PER_TOKEN)
+        since = self._load.since
+        options: list[tuple[float, float, Candidate]] = []
+        passed_over = False
+        for s, c in live:
+            r = c.engine
+            assert r is not None
+            sent = since(c)
+            ahead = r.waiting
+            cap = r.kv_capacity_tokens
+            if cap:
+                free = min(cap, (1.0 - r.kv_usage) * cap - sent * prompt)
+                ahead += 1.0 if free < prompt else 0.0
+            else:
+                ahead += 1.0 if r.kv_usage >= KV_NEAR_FULL else 0.0
+            blocks = held.get(c.name, 0)
+            if blocks and ahead and over(c):
+                passed_over = True
+                continue
+            uncached = 1.0 - min(1.0, blocks / max(1, hints.blocks))
+            batch = max(0.0, r.running + sent)
+            options.append(((ahead + uncached * (1.0 + batch)) / c.weight, s, c))
+        if not options:  # every holder is over the bound: the least loaded takes it
+            self.reason = "spill"
+            return self._load.pick([c for _, c in live if c.name not in held] or pool)
+        best = min(options, key=lambda o: o[:2])[:2]
+        return self._settle([c for cost, s, c in options if (cost, s) == best], passed_over)
+
+    def _settle(self, tied: Sequence[Candidate], passed_over: bool) -> Candidate:
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._owner._rng.random())
-        self.held = held.get(chosen.name, 0)
+        self.held = self._hints.held.get(chosen.name, 0)
         self.reason = "prefix" if self.held else ("spill" if passed_over else "load")
         return chosen

@@ -43,18 +43,26 @@ class LeastLoad:
         # backend -> (reading seq, our in-flight count when that reading was first seen)
         self._base: dict[str, tuple[int, int]] = {}
 
+    def since(self, c: Candidate) -> int:
+        """Our dispatches to `c` since its engine reading was first seen, less those finished
+        since (negative when more finished); 0 without a reading."""
+        r = c.engine
+        if r is None:
+            return 0
+        base = self._base.get(c.name)
+        if base is None or base[0] != r.seq:
+            if len(self._base) > 4096:  # backends come and go; keep what is recent
+                self._base.clear()
+            base = self._base[c.name] = (r.seq, c.inflight)
+        return c.inflight - base[1]
+
     def score(self, c: Candidate) -> float:
         r = c.engine
         if r is None:
             return c.inflight / c.weight
         if r.stale:
             return _STALE
-        base = self._base.get(c.name)
-        if base is None or base[0] != r.seq:
-            if len(self._base) > 4096:  # backends come and go; keep what is recent
-                self._base.clear()
-            base = self._base[c.name] = (r.seq, c.inflight)
-        load = r.running + QUEUE_WEIGHT * r.waiting + (c.inflight - base[1])
+        load = r.running + QUEUE_WEIGHT * r.waiting + self.since(c)
         if load < 0.0:
             load = 0.0
         return (load + KV_WEIGHT * r.kv_usage) / c.weight

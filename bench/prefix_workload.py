@@ -1,5 +1,8 @@
 """Cache-aware routing on multi-turn chat (`python -m bench.run --only prefix`, ~4 minutes).
 
+Alone: `python -m bench.prefix_workload [--quick] [--variants=chat:least_inflight,...]
+[--engine=--prefill-ms-per-1k=30,--max-num-seqs=8]` (another engine calibration) prints JSON.
+
 Workload *chat*: many customers, each with its own long system prompt (2k-5k tokens), each
 holding a few conversations, one after another, that grow turn by turn (every turn resends the
 system prompt and all earlier user and assistant messages). A fixed number of conversations run
@@ -334,12 +337,24 @@ class Fleet:
     store: Proc
 
 
-def fleet(c: Cluster, shape: Shape) -> Fleet:
+def calibrated(overrides: dict[str, str]) -> list[str]:
+    """ENGINE with some of its `--flag value` pairs replaced (the robustness check: the policy
+    must not depend on one engine calibration), e.g. {"--prefill-ms-per-1k": "30"}."""
+    out = list(ENGINE)
+    for flag, value in overrides.items():
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
+def fleet(c: Cluster, shape: Shape, engine: Sequence[str] = ENGINE) -> Fleet:
     with ThreadPoolExecutor(ENGINES) as pool:  # start together: each takes seconds to import
         mocks = list(
             pool.map(
                 lambda i: c.mock(
-                    f"e{i}", engine_args=[*ENGINE, "--kv-tokens", str(shape.kv_tokens)]
+                    f"e{i}", engine_args=[*engine, "--kv-tokens", str(shape.kv_tokens)]
                 ),
                 range(ENGINES),
             )
@@ -442,7 +457,7 @@ CHAT_VARIANTS: tuple[Variant, ...] = (
     ("cache_aware_separate", "cache_aware", 2, False, {}),
     ("cache_aware_redis", "cache_aware", 2, True, {}),
     ("cache_aware_single", "cache_aware", 1, False, {}),
-    # Not a target: how much the default load bound (1.25) costs at this load.
+    # Not a target: what the default count bound (1.25) still costs at this load.
     ("cache_aware_redis_lf2", "cache_aware", 2, True, {"affinity": {"load_factor": 2.0}}),
 )
 FRESH_VARIANTS: tuple[Variant, ...] = (
@@ -480,8 +495,11 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(c: Cluster, quick: bool = False, only: Sequence[str] = ()) -> dict[str, Any]:
-    """Every variant (or those named in `only`, as `chat:label` / `fresh:label`)."""
+def run(
+    c: Cluster, quick: bool = False, only: Sequence[str] = (), engine: Sequence[str] = ENGINE
+) -> dict[str, Any]:
+    """Every variant (or those named in `only`, as `chat:label` / `fresh:label`), on engines
+    calibrated as `engine` (default ENGINE)."""
     shape = QUICK if quick else FULL
     p = plan(shape)
     res: dict[str, Any] = {
@@ -497,12 +515,12 @@ def run(c: Cluster, quick: bool = False, only: Sequence[str] = ()) -> dict[str, 
             "kv_tokens_per_engine": shape.kv_tokens,
             "fresh_requests": shape.fresh_requests,
             "fresh_rounds": FRESH_ROUNDS,
-            "engine": " ".join(ENGINE[1:]),
+            "engine": " ".join(engine[1:]),
         },
         "chat": {},
         "fresh": {},
     }
-    f = fleet(c, shape)
+    f = fleet(c, shape, engine)
     for label, balancer, replicas, redis, extra in CHAT_VARIANTS:
         if only and f"chat:{label}" not in only:
             continue
@@ -752,11 +770,12 @@ READING = [
     "prompt cached (usage `cached_tokens`); on this engine model each one holds its engine's",
     "whole batch for its prefill (no chunked prefill), so it sets the TTFT tail of everyone",
     "co-scheduled with it. Under `cache_aware` such requests come from three decisions:",
-    "`spill` (the holder was past the load bound: `load_factor` x the mean of sluicegate's",
-    "in-flight counts, and 2 above the least loaded; at a few requests per engine ordinary",
-    "fluctuation crosses it, which the `load_factor: 2` row measures), `load` (no engine known to",
-    "hold the prompt: evicted by capacity, or the engine load outweighed the cached tokens in the",
-    "score, `TOKENS_PER_LOAD` = 250 tokens per unit of load), and, with separate indexes, a",
+    "`spill` (a holder past the load bound: `load_factor` x the mean of sluicegate's in-flight",
+    "counts and 2 above the least loaded, while its engine queues or has no room in its KV for",
+    "the prompt; the `load_factor: 2` row shows what the count part still costs), `load` (no",
+    "engine known to hold the prompt: evicted by capacity, or the holder's queue outweighed the",
+    "cached share of the prompt: the cost counts prefills, a queued request as one), and, with",
+    "separate indexes, a",
     "replica routing by what only it has seen (its index believes an engine holds blocks that",
     "the other replica's traffic evicted, and each replica settles a customer on its own engine,",
     "so prompts are cached twice). *fresh*: every request there is a full prefill and queues",
@@ -788,7 +807,10 @@ if __name__ == "__main__":
     cluster = Cluster()
     try:
         names = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--variants=")]
-        result = run(cluster, "--quick" in sys.argv, names[0].split(",") if names else ())
+        # Another engine calibration: --engine=--prefill-ms-per-1k=30,--max-num-seqs=8
+        pairs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--engine=")]
+        engine = calibrated(dict(kv.split("=", 1) for kv in pairs[0].split(",")) if pairs else {})
+        result = run(cluster, "--quick" in sys.argv, names[0].split(",") if names else (), engine)
     finally:
         cluster.close()
     split_samples(result)

@@ -83,8 +83,14 @@ def test_index_matches_true_prefixes_and_forgets_the_tail_first() -> None:
     assert small.match(chain, ["x", "y", "z"]) == {"y": 10, "z": 10}
 
 
-def reading(running: float, kv: float = 0.0) -> EngineReading:
-    return EngineReading(0.0, running, kv, 65536, None, 1.0, 1)
+def reading(
+    running: float,
+    kv: float = 0.0,
+    waiting: float = 0.0,
+    seq: int = 1,
+    capacity: int | None = 65536,
+) -> EngineReading:
+    return EngineReading(waiting, running, kv, capacity, None, 1.0, seq)
 
 
 def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
@@ -108,11 +114,54 @@ def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     pick = bal.with_hints(match, 1.25)
     assert pick.pick([a, b, c], exclude={"a"}) == c and pick.reason == "load"
     assert bal.with_hints(Hints(0, 256, {}), 1.25).pick([b, c]) == c
-    # Engine load enters the score: a holder whose engine is swamped by hidden load loses.
-    hot = Candidate("a", 1.0, 0, reading(running=40))
-    cool = Candidate("b", 1.0, 0, reading(running=1))
+    # With engine readings the cost is time: a busy batch and a half-full KV cache do not cost
+    # our first token a prefill, a queue does. A holder whose engine queues hidden load loses,
+    # one that only runs a big batch keeps the prompt.
+    busy = Candidate("a", 1.0, 0, reading(running=12, kv=0.6))
+    cool = Candidate("b", 1.0, 0, reading(running=1, kv=0.1))
     pick = bal.with_hints(match, 1.25)
-    assert pick.pick([hot, cool]) == cool and pick.reason == "load"
+    assert pick.pick([busy, cool]) == busy and pick.reason == "prefix"
+    queuing = Candidate("a", 1.0, 0, reading(running=16, kv=0.6, waiting=3))
+    assert pick.pick([queuing, cool]) == cool and pick.reason == "load"  # 3 ahead > 1 + 1
+    # Among equal costs (no holder, no queue) the least loaded wins, as with least_load.
+    other = Candidate("c", 1.0, 0, reading(running=3, kv=0.1))
+    assert bal.with_hints(Hints(32, 256, {}), 1.25).pick([other, busy, cool]) == cool
+
+
+def test_a_holder_spills_when_its_engine_queues_not_when_its_batch_fluctuates() -> None:
+    """The guard: past the count bound is not enough while the engine still absorbs one more
+    request; once it queues (or our prompt no longer fits its free KV) the request spills."""
+    match = Hints(blocks=32, block_chars=256, held={"a": 32})  # 2048 tokens
+    others = [Candidate("b", 1.0, 3, reading(3, 0.3)), Candidate("c", 1.0, 2, reading(2, 0.2))]
+
+    def pick(a: Candidate, bal: CacheAware | None = None) -> tuple[str, str]:
+        p = (bal or CacheAware(random.Random(1))).with_hints(match, 1.25)
+        chosen = p.pick([a, *others])
+        assert chosen is not None
+        return chosen.name, p.reason
+
+    # 6 in flight against 3 and 2: past ceil(1.25 x 12 / 3) = 5 and 2 above the least loaded.
+    # Ordinary fluctuation: the engine runs them all with room to spare, so the prompt stays.
+    assert pick(Candidate("a", 1.0, 6, reading(6, 0.4))) == ("a", "prefix")
+    # Its engine queues: spill to the least loaded, which then joins the holders.
+    assert pick(Candidate("a", 1.0, 6, reading(6, 0.4, waiting=1))) == ("c", "spill")
+    # Its free KV no longer holds this prompt (98 % used of 65536 tokens: 1310 free < 2048).
+    assert pick(Candidate("a", 1.0, 6, reading(6, 0.98))) == ("c", "spill")
+    # Without a reported capacity, near full is KV_NEAR_FULL.
+    assert pick(Candidate("a", 1.0, 6, reading(6, 0.95, capacity=None))) == ("c", "spill")
+    # Between two scrapes, what we sent since counts: half of 65536 free holds 16 prompts of
+    # 2048 tokens, of which 15 were sent since the reading; one more and it would not fit.
+    bal = CacheAware(random.Random(1))
+    assert pick(Candidate("a", 1.0, 6, reading(6, 0.5, seq=7)), bal) == ("a", "prefix")
+    assert pick(Candidate("a", 1.0, 21, reading(6, 0.5, seq=7)), bal) == ("a", "prefix")
+    assert pick(Candidate("a", 1.0, 22, reading(6, 0.5, seq=7)), bal) == ("c", "spill")
+    # A queuing holder under the count bound is not passed over: its queue enters the cost.
+    # 2 waiting is less than a full prefill on c, which delays c's 2 running requests too; 4 is
+    # more: lost on time, reason load.
+    assert pick(Candidate("a", 1.0, 2, reading(2, 0.4, waiting=2))) == ("a", "prefix")
+    assert pick(Candidate("a", 1.0, 2, reading(2, 0.4, waiting=4))) == ("c", "load")
+    # Without a reading the count bound alone decides (as in the test above).
+    assert pick(Candidate("a", 1.0, 6)) == ("c", "spill")
 
 
 def _backends(*names: str) -> list[Backend]:

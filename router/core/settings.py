@@ -220,8 +220,9 @@ class AffinityConfig(_Strict):
     max_prefix_chars: int = Field(128 * 1024, ge=0, le=16 * 1024 * 1024)  # hash at most this
     # Per backend KV capacity when its engine does not report vllm:cache_config_info.
     capacity_tokens: int = Field(131072, ge=1, le=1 << 31)
-    # A prefix holder above this times the mean load (counting the new request) is passed over
-    # for the least loaded backend, which then joins the holders.
+    # A session's home above this times the mean load (counting the new request) is passed over
+    # for the next on the ring; a prefix holder above it, once its engine queues, for the least
+    # loaded backend, which then joins the holders.
     load_factor: float = Field(1.25, ge=1.0, le=100.0)
     # Session affinity: the first of these headers present names the session (then the body's
     # prompt_cache_key, then user).
