@@ -487,6 +487,12 @@ def noisy(bench: Bench) -> None:
     bench.results.update(noisy_run(bench.cluster, bench.quick))
 
 
+def compare(bench: Bench) -> None:
+    from bench.compare import run as compare_run
+
+    bench.results["compare"] = compare_run(bench.cluster, bench.quick)
+
+
 def prefix(bench: Bench) -> None:
     from bench.prefix_workload import PNG, plot, split_samples
     from bench.prefix_workload import run as prefix_run
@@ -498,6 +504,7 @@ def prefix(bench: Bench) -> None:
 
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "overhead": Bench.overhead,
+    "compare": compare,
     "streaming": Bench.streaming,
     "storm": Bench.storm,
     "soak": Bench.soak,
