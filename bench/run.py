@@ -1,9 +1,10 @@
 """The benchmark: sluicegate beside a direct connection (and nginx, when installed), one run.
 
     python -m bench.run --quick          # under 2 minutes
-    python -m bench.run                  # the full run, about 17 minutes (soak, prefix, noisy)
+    python -m bench.run                  # the full run, about 19 minutes (soak, prefix, noisy)
     python -m bench.run --only overhead  # one scenario (its section of the docs is replaced,
                                          # the others are kept)
+    python -m bench.run --only compare   # beside a textbook FastAPI proxy and LiteLLM
 
 Targets are started and stopped here (mock upstreams, the router, nginx, redis-server), all on
 127.0.0.1; loads alternate between targets in rounds so noise on this shared machine spreads
