@@ -4,7 +4,9 @@ What a developer writes in an afternoon to put one OpenAI-compatible upstream be
 endpoint: a FastAPI app, one shared `httpx.AsyncClient`, `POST /v1/chat/completions` forwarded
 as is, a streamed answer relayed with `StreamingResponse(resp.aiter_raw())` and a non-streamed
 one returned whole. No balancing, retries, health, cancellation accounting, keys or metrics: it
-is the floor a Python proxy on the same stack (uvicorn, uvloop, httptools) starts from.
+is the floor a Python proxy on the same stack (uvicorn, uvloop, httptools) starts from. httpx's
+default pool (100 connections, 20 kept alive) stays: keeping 64 alive measured no faster at 32
+users (streamed, slower), so the default is not a handicap.
 
     TEXTBOOK_UPSTREAM=http://127.0.0.1:8001 uvicorn bench.textbook_proxy:app \
         --loop uvloop --http httptools --no-access-log --port 8002
