@@ -235,6 +235,10 @@ def sections(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
             )
         out += [_table(rows), ""]
         found.append(("overhead", out))
+    if "compare" in r:
+        from bench.compare import section as compare_section
+
+        found.append(("compare", compare_section(r["compare"], report["machine"]["date"])))
     for key, title in (
         ("streaming", "Realistic streaming (500 streams, 20 ms/token, 256 tokens)"),
         ("storm", "Disconnect storm (500 users, close after the 5th chunk)"),

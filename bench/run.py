@@ -1,9 +1,10 @@
 """The benchmark: sluicegate beside a direct connection (and nginx, when installed), one run.
 
     python -m bench.run --quick          # under 2 minutes
-    python -m bench.run                  # the full run, about 17 minutes (soak, prefix, noisy)
+    python -m bench.run                  # the full run, about 19 minutes (soak, prefix, noisy)
     python -m bench.run --only overhead  # one scenario (its section of the docs is replaced,
                                          # the others are kept)
+    python -m bench.run --only compare   # beside a textbook FastAPI proxy and LiteLLM
 
 Targets are started and stopped here (mock upstreams, the router, nginx, redis-server), all on
 127.0.0.1; loads alternate between targets in rounds so noise on this shared machine spreads
@@ -487,6 +488,12 @@ def noisy(bench: Bench) -> None:
     bench.results.update(noisy_run(bench.cluster, bench.quick))
 
 
+def compare(bench: Bench) -> None:
+    from bench.compare import run as compare_run
+
+    bench.results["compare"] = compare_run(bench.cluster, bench.quick)
+
+
 def prefix(bench: Bench) -> None:
     from bench.prefix_workload import PNG, plot, split_samples
     from bench.prefix_workload import run as prefix_run
@@ -498,6 +505,7 @@ def prefix(bench: Bench) -> None:
 
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "overhead": Bench.overhead,
+    "compare": compare,
     "streaming": Bench.streaming,
     "storm": Bench.storm,
     "soak": Bench.soak,
