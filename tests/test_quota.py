@@ -160,3 +160,13 @@ def test_local_window_slides_by_the_second_and_a_refund_leaves_with_its_estimate
     third = quotas.admit_now(limits, 500, "f")  # the first one's tokens and refund are gone
     assert isinstance(third, Reservation)
     assert dict(third.headers)[b"x-ratelimit-remaining-tokens"] == b"0"
+
+
+def test_a_key_without_tpm_counts_no_tokens_against_a_tpm_it_is_given_later() -> None:
+    quotas = Quotas(clock=lambda: 1000.0)
+    held = quotas.admit_now(KeyLimits("k", rpm=100), 100, "a")
+    assert isinstance(held, Reservation)
+    held.close(5000)  # no tpm: no token window to correct
+    given = quotas.admit_now(KeyLimits("k", rpm=100, tpm=1000), 100, "b")  # keys reloaded
+    assert isinstance(given, Reservation)
+    assert dict(given.headers)[b"x-ratelimit-remaining-tokens"] == b"900"

@@ -124,6 +124,31 @@ def test_parallel_slots_of_a_crashed_replica_expire_and_live_ones_are_kept(rds: 
     run(body)
 
 
+def test_a_stopping_replica_gives_back_the_slots_of_requests_still_running(rds: Proc) -> None:
+    prefix, clock = uuid.uuid4().hex, Clock()
+    limits = KeyLimits("stopping", max_parallel=1)
+
+    async def body() -> None:
+        stopping = book(rds.url, prefix, clock)
+        other = book(rds.url, prefix, clock)
+        await stopping.start()
+        await other.start()
+        held = await stopping.admit(limits, 10, "a")  # a stream longer than the drain
+        assert isinstance(held, SharedReservation)
+        assert (await other.admit(limits, 10, "b")).status_code == 429  # type: ignore[union-attr]
+        await stopping.aclose()
+        assert slots(rds.url, prefix, "stopping") == 0  # free now, not a slot ttl later
+        mine = await other.admit(limits, 10, "c")
+        assert isinstance(mine, SharedReservation)
+        held.close(500)  # the request ends after its replica's store closed: nothing sent
+        await asyncio.sleep(0.05)
+        assert slots(rds.url, prefix, "stopping") == 1  # `other`'s slot is left alone
+        mine.close(None)
+        await other.aclose()
+
+    run(body)
+
+
 def test_redis_slower_than_the_timeout_costs_at_most_the_timeout_then_shares_locally(
     procs: Cluster,
 ) -> None:

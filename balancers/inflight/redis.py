@@ -227,7 +227,9 @@ class RedisInflight:
         with contextlib.suppress(StoreUnavailable):
             # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
             for source in list(self._sources.values()):
-                await self._call(functools.partial(self._batch.call, "SCRIPT", "LOAD", source))
+                await self._call(
+                    functools.partial(self._batch.call, "SCRIPT", "LOAD", source), batched=True
+                )
         await self.heartbeat()
         if self._run_heartbeat and self._beat_task is None:
             self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
@@ -267,7 +269,7 @@ class RedisInflight:
                 await self._call(lambda: self._refresh_script(keys=keys, args=args))
             else:
                 # The slot's own server: a Cluster-wide PING would fail with any one node.
-                await self._call(lambda: self._batch.call("PING"))
+                await self._call(lambda: self._batch.call("PING"), batched=True)
             for backend, tokens in owed.items():
                 await self._call(functools.partial(self._redis.zrem, self.key(backend), *tokens))
         except StoreUnavailable as exc:

@@ -174,13 +174,13 @@ class Reservation:
         book: Quotas,
         state: _KeyState,
         bucket: int,
-        estimate: float,
+        estimate: float | None,
         headers: list[tuple[bytes, bytes]],
     ) -> None:
         self._book = book
         self._state: _KeyState | None = state
         self._bucket = bucket
-        self._estimate = estimate
+        self._estimate = estimate  # None when the key has no tpm: no token window to correct
         self.headers = headers  # x-ratelimit-* for the response
 
     def close(self, used_tokens: float | None) -> None:
@@ -189,9 +189,10 @@ class Reservation:
         if state is None:
             return
         state.parallel -= 1
-        if used_tokens is not None and used_tokens != self._estimate:
+        estimate = self._estimate
+        if estimate is not None and used_tokens is not None and used_tokens != estimate:
             sec = int(self._book.clock())
-            state.tokens.correct(self._bucket, used_tokens - self._estimate, sec)
+            state.tokens.correct(self._bucket, used_tokens - estimate, sec)
 
 
 class Quotas:
@@ -270,4 +271,4 @@ class Quotas:
         if limits.tpm is not None:
             st.tokens.add(sec, estimate)
         st.parallel += 1
-        return Reservation(self, st, sec, estimate, headers)
+        return Reservation(self, st, sec, estimate if limits.tpm is not None else None, headers)

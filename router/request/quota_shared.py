@@ -304,6 +304,7 @@ class SharedQuotas:
         self.fallbacks = 0  # requests decided locally because Redis did not answer in time
         self._beat_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._closed = False
 
     def _script(self, body: str) -> str:
         source = body.replace("BUCKETS", str(BUCKETS))
@@ -448,6 +449,12 @@ class SharedQuotas:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beat_task
             self._beat_task = None
+        # Requests still running past the drain give their slots back now, not a slot ttl later
+        # (as in-flight leases do); their own late `close` then sends nothing.
+        for slot, tag in list(self._live.items()):
+            self._release((tag, 0, 0, slot))
+        self._live.clear()
+        self._closed = True
         await self.flush(max(1.0, self._timeout * 4))
         with contextlib.suppress(StoreUnavailable):  # the others' share grows at once
             key = self._members_key
@@ -538,6 +545,8 @@ class SharedQuotas:
         """Soon, with the others of its key in one command; never waited for. Releases are
         gathered for RELEASE_DELAY so a burst costs a command per key, not one per request (a
         slot is held that much longer). A lost one is retried by the heartbeat."""
+        if self._closed:  # its slot went back with `aclose`; the connection is gone
+            return
         if self.degraded:
             self._owe(entry)
             return
