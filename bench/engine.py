@@ -500,20 +500,7 @@ def _md(rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- engine:begin -->", "<!-- engine:end -->"
 PNG = "bench-engine-ttft.png"
-
-
-def splice(doc: Path, lines: list[str]) -> None:
-    """Replace (or add) the engine section of an existing benchmarks page, keeping the rest."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = "\n".join([BEGIN, *lines, END])
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(text)
 
 
 def main() -> None:
@@ -544,7 +531,11 @@ def main() -> None:
     if "--write-docs" in args:
         png = root / "docs" / PNG
         made = plot(samples, png) if samples else png.exists()
-        splice(root / "docs" / "benchmarks.md", section(res, PNG if made else None))
+        from bench.report import splice_page
+
+        splice_page(
+            root / "docs" / "benchmarks.md", [("engine", section(res, PNG if made else None))]
+        )
     print(json.dumps(res, indent=2), flush=True)
 
 

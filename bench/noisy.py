@@ -595,13 +595,12 @@ def priority_section(r: dict[str, Any]) -> list[str]:
 
 def write_docs(results: dict[str, Any]) -> None:
     """Replace this scenario's and the priority one's sections of docs/benchmarks.md."""
-    from bench.report import _marked, splice
+    from bench.report import splice_page
 
-    page = ROOT / "docs" / "benchmarks.md"
-    text = page.read_text() if page.exists() else "# Benchmarks\n"
-    for name, lines in (("noisy", section(results)), ("admission", priority_section(results))):
-        text = splice(text, name, "\n".join(_marked(name, lines)))
-    page.write_text(text)
+    splice_page(
+        ROOT / "docs" / "benchmarks.md",
+        [("noisy", section(results)), ("admission", priority_section(results))],
+    )
 
 
 def _flood_main(raw: str) -> None:

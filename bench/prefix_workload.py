@@ -61,7 +61,6 @@ ENGINE = [
 REQUEST_TIMEOUT = 60.0
 VARIANT_DEADLINE = 240.0
 PNG = "bench-prefix.png"
-BEGIN, END = "<!-- prefix:begin -->", "<!-- prefix:end -->"
 
 
 @dataclass(frozen=True)
@@ -784,18 +783,6 @@ READING = [
     "(its decisions column), i.e. as `least_load` does.",
     "",
 ]
-
-
-def splice(doc: Path, lines: list[str]) -> None:
-    """Replace (or add) this section of an existing benchmarks page, keeping the rest."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = "\n".join([BEGIN, *lines, END])
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(text)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,14 @@ def splice(text: str, name: str, block: str) -> str:
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
+def splice_page(page: Path, named: list[tuple[str, list[str]]]) -> None:
+    """Replace (or add) these scenarios' marked sections of the page, keeping the rest."""
+    text = page.read_text() if page.exists() else "# Benchmarks\n"
+    for name, lines in named:
+        text = splice(text, name, "\n".join(_marked(name, lines)))
+    page.write_text(text)
+
+
 def write_report(
     report: dict[str, Any],
     samples: dict[str, list[float]],
@@ -150,10 +158,7 @@ def write_report(
     docs.mkdir(parents=True, exist_ok=True)
     page = docs / "benchmarks.md"
     if only and page.exists():
-        text = page.read_text()
-        for name, lines in sections(report):
-            text = splice(text, name, "\n".join(_marked(name, lines)))
-        page.write_text(text)
+        splice_page(page, sections(report))
         return
     r = report["results"]
     m = report["machine"]

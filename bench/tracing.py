@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 from bench.loadgen import run_load
 from bench.procstat import cpu_seconds
-from tests.harness import Cluster, Proc, free_port, wait_http
+from tests.harness import Cluster, Proc
 from tests.otlp_receiver import Receiver
 
 CHAT = "/v1/chat/completions"
@@ -29,25 +26,13 @@ BODY = json.dumps({"model": "m", "stream": True, "max_tokens": 64}).encode()
 
 
 def _router(c: Cluster, up: Proc, extra: dict[str, Any], src: str | None = None) -> Proc:
-    if src is None:
-        return c.router(
-            {"backends": [{"name": "b", "url": up.url, "models": {"m": "mock-model"}}], **extra},
-            env={"SLUICEGATE_LOG_LEVEL": "warning", "OTEL_BSP_SCHEDULE_DELAY": "200"},
-        )
-    # The other checkout's code, imported ahead of this one's (cwd and PYTHONPATH).
-    port = free_port()
-    path = c.write_config(
-        {"backends": [{"name": "b", "url": up.url, "models": {"m": "mock-model"}}]}
+    backends = [{"name": "b", "url": up.url, "models": {"m": "mock-model"}}]
+    # A baseline (`src`: another checkout's code) gets no tracing settings it may not know.
+    return c.router(
+        {"backends": backends, **({} if src else extra)},
+        env={"SLUICEGATE_LOG_LEVEL": "warning", "OTEL_BSP_SCHEDULE_DELAY": "200"},
+        src=src,
     )
-    args = [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port)]
-    env = {**os.environ, "SLUICEGATE_LOG_LEVEL": "warning", "PYTHONPATH": src}
-    popen = subprocess.Popen(
-        args, cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
-    )
-    baseline = Proc(popen, port, c.tmp / "baseline.log")
-    c.procs.append(baseline)
-    wait_http(baseline.url + "/healthz", proc=popen)
-    return baseline
 
 
 def main() -> int:

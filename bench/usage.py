@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from typing import Any
 
 from bench.loadgen import run_load
 from bench.procstat import cpu_seconds
 from router.request.usage_stream import USAGE_OBJECT, UsageStrip
-from tests.harness import Cluster, Proc, free_port, wait_http
+from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "stream": True, "max_tokens": 64}).encode()
@@ -36,31 +33,14 @@ ASKS = json.dumps(
 ).encode()
 
 
-def _router(c: Cluster, up: Proc, mode: str) -> Proc:
-    return c.router(
-        {
-            "backends": [{"name": "b", "url": up.url, "models": {"m": "mock-model"}}],
-            "usage_accounting": mode,
-        },
-        env={"SLUICEGATE_LOG_LEVEL": "warning"},
-    )
-
-
-def _baseline(c: Cluster, up: Proc, src: str) -> Proc:
-    """A router run from another checkout's code (cwd and PYTHONPATH), the same backend."""
-    port = free_port()
-    path = c.write_config(
-        {"backends": [{"name": "b", "url": up.url, "models": {"m": "mock-model"}}]}
-    )
-    args = [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port)]
-    env = {**os.environ, "SLUICEGATE_LOG_LEVEL": "warning", "PYTHONPATH": src}
-    popen = subprocess.Popen(
-        args, cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
-    )
-    proc = Proc(popen, port, c.tmp / "baseline.log")
-    c.procs.append(proc)
-    wait_http(proc.url + "/healthz", proc=popen)
-    return proc
+def _router(c: Cluster, up: Proc, mode: str | None, src: str | None = None) -> Proc:
+    """`mode` None: no `usage_accounting` key (a baseline from `src` may predate it)."""
+    config: dict[str, Any] = {
+        "backends": [{"name": "b", "url": up.url, "models": {"m": "mock-model"}}]
+    }
+    if mode is not None:
+        config["usage_accounting"] = mode
+    return c.router(config, env={"SLUICEGATE_LOG_LEVEL": "warning"}, src=src)
 
 
 def strip_cost(chunks: int = 200_000) -> dict[str, float]:
@@ -102,7 +82,7 @@ def main() -> int:
             "client_asks": (_router(c, up, "active"), ASKS),
         }
         if opts.baseline_src:
-            routers["baseline"] = (_baseline(c, up, opts.baseline_src), BODY)
+            routers["baseline"] = (_router(c, up, None, opts.baseline_src), BODY)
         totals = {k: [0.0, 0] for k in routers}
         for r, body in routers.values():  # warm-up
             asyncio.run(run_load("127.0.0.1", r.port, CHAT, body, 32, duration=1.0))

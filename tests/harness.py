@@ -94,7 +94,14 @@ class Cluster:
         self.procs: list[Proc] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="sluicegate-test-"))
 
-    def _spawn(self, args: list[str], port: int, name: str, env: dict[str, str] | None) -> Proc:
+    def _spawn(
+        self,
+        args: list[str],
+        port: int,
+        name: str,
+        env: dict[str, str] | None,
+        cwd: Path | str = ROOT,
+    ) -> Proc:
         log_path = self.tmp / f"{name}-{port}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         fh = open(log_path, "wb")
@@ -103,7 +110,7 @@ class Cluster:
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=full_env,
-            cwd=ROOT,
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
         )
         fh.close()
@@ -162,10 +169,16 @@ class Cluster:
         workers: int = 1,
         port: int | None = None,
         wait: bool = True,
+        src: str | None = None,
     ) -> Proc:
+        """A router; with `src`, run from that checkout's code (a benchmark's baseline)."""
         port = port or free_port()
         path = self.write_config(config)
-        env = {"SLUICEGATE_LOG_LEVEL": "info", **(env or {})}
+        env = {
+            "SLUICEGATE_LOG_LEVEL": "info",
+            **(env or {}),
+            **({"PYTHONPATH": src} if src else {}),
+        }
         proc = self._spawn(
             [
                 sys.executable,
@@ -184,6 +197,7 @@ class Cluster:
             port,
             "router",
             env,
+            cwd=src or ROOT,
         )
         if wait:
             wait_http(proc.url + "/healthz", proc=proc.popen)
