@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,6 +49,10 @@ from router.web.auth import AdminAuth, ClientKeys
 from router.web.usage_admin import usage_routes
 
 log = logging.getLogger("sluicegate.app")
+
+
+class _Closes(Protocol):
+    async def aclose(self) -> None: ...
 
 
 async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str) -> None:
@@ -254,19 +259,16 @@ def create_app(settings: Settings) -> FastPath:
             for task in chores:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await discovery.aclose()
-            await fleet.store.aclose()
-            await monitor.aclose()
-            await engine.aclose()
-            await pools.aclose()
-            await store.aclose()
-            await quotas.aclose()
-            if affinity.shared is not None:
-                await affinity.shared.aclose()
-            await tracing.aclose()
-            await proxy.usage.aclose()
-            if admission is not None:
-                await admission.aclose()
+            closers: list[_Closes | None] = [discovery, fleet.store, monitor, engine, pools]
+            closers += [store, quotas, affinity.shared, tracing, proxy.usage, admission]
+            for part in closers:
+                if part is None:
+                    continue
+                # One part failing to close (Redis gone) must not leave the others open.
+                try:
+                    await part.aclose()
+                except Exception:
+                    log.exception("shutdown: closing %s failed", type(part).__name__)
             # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the
             # queued log lines now (bounded wait).
             stop_logging()

@@ -175,3 +175,27 @@ def test_backend_names_are_valid_and_stable_for_long_addresses() -> None:
         "a-rather-long-service-prefix-xx", "fd00:1234:5678:9abc::1:2:3", 8000
     )
     Backend.from_config(cfg("x"))  # the module's own type still builds
+
+
+def test_a_slice_without_the_port_warns_again_once_deleted_and_recreated() -> None:
+    from router.discovery.kubernetes import KubernetesSource
+
+    async def counts(names: Any) -> dict[str, int]:
+        return {}
+
+    def slice_event(kind: str) -> dict[str, Any]:
+        obj = {"metadata": {"name": "vllm-abc"}, "ports": [{"name": "metrics", "port": 9090}]}
+        return {"type": kind, "raw_object": obj}
+
+    async def run() -> list[str]:
+        fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+        cfg = KubernetesDiscovery.model_validate({**K8S, "models": ["m"]})
+        events = Events()
+        async with httpx.AsyncClient() as http:
+            rec = Reconciler("k", cfg, fleet, counts, events, 30, http)
+            src = KubernetesSource(cfg, rec)
+            for kind in ("ADDED", "MODIFIED", "DELETED", "ADDED"):
+                await src._event(slice_event(kind))
+        return [e for _, e in events.seen]
+
+    assert asyncio.run(run()).count("bad_port") == 2  # once per slice life, not per event

@@ -79,6 +79,22 @@ def test_a_stalled_stderr_drops_and_counts_never_blocks(
     assert len(lines) == n - dropped + 1
 
 
+def test_a_line_queued_as_the_writer_stops_is_written_by_stop() -> None:
+    import io
+
+    out = io.StringIO()
+    handler = logs._QueuedHandler(None, out)
+    handler.setFormatter(logs.JsonFormatter(()))
+    handler._stopping.set()
+    handler._thread.join(5)
+    # Another thread's record that saw the writer alive and landed after its last pass.
+    record = logging.LogRecord("sluicegate.test", logging.WARNING, __file__, 1, "late", None, None)
+    handler.pending.append(record)
+    handler.stop()
+    assert not handler.pending
+    assert json.loads(out.getvalue().splitlines()[-1])["msg"] == "late"
+
+
 def test_ordinary_header_values_are_not_secrets_but_secret_ones_are() -> None:
     settings = Settings(
         backends=[

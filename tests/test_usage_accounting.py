@@ -7,6 +7,7 @@ through Redis, and keeps buckets in memory without it."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis as redis_lib
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.harness import Cluster, Proc, backend, control, wait_http
@@ -304,3 +306,25 @@ def test_usage_counted_while_redis_is_down_is_written_when_it_returns(
     assert answer.status_code == 200
     assert total(answer.json()["data"], "requests") == 2
     assert total(answer.json()["data"], "completion_tokens") == 2 * 6
+
+
+def test_usage_counted_since_the_last_write_is_written_at_shutdown(
+    fleet: dict[str, Proc], module_procs: Cluster
+) -> None:
+    # No timed write in this test's life: only the shutdown flush can put the count in Redis.
+    redis = module_procs.redis()
+    router = module_procs.router(
+        config(fleet["mock"], fleet["oa"], redis_url=redis.url, usage_flush=3600), env=ENV
+    )
+    hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    sdk(router, ALPHA).chat.completions.create(model="m", messages=hi)
+    assert router.stop() == 0
+    client = redis_lib.Redis.from_url(redis.url)
+    try:
+        names = list(client.scan_iter(match="{sluicegate}:usage:*"))
+        assert len(names) == 1
+        fields = {tuple(json.loads(k)): int(v) for k, v in client.hgetall(names[0]).items()}
+    finally:
+        client.close()
+    assert fields[("alpha", "m", "requests")] == 1
+    assert fields[("alpha", "m", "completion_tokens")] == 6

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from redis.asyncio import Redis
 
 from router.request import usage_book
 from router.request.usage_book import HOUR, UsageBook, parse_since
+from tests.harness import free_port
 
 T0 = 1_796_043_600.0  # 2026-11-30T13:00:00Z
 
@@ -80,3 +82,18 @@ def test_since_forms(text: str, seconds: float) -> None:
 def test_bad_since(text: str) -> None:
     with pytest.raises(ValueError):
         parse_since(text)
+
+
+def test_counts_redis_will_not_take_at_shutdown_are_logged_as_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Nothing listens on the port: the shutdown write fails at once.
+    redis = Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    book = UsageBook(redis, clock=lambda: T0, timeout=1.0)
+    book.record("alpha", "m", 10, 5, 0, False)
+    book.record("beta", "m", 10, 5, 0, False)
+    with caplog.at_level("WARNING", logger="sluicegate.usage"):
+        asyncio.run(book.aclose())
+    lost = [r for r in caplog.records if "at shutdown" in r.getMessage()]
+    assert len(lost) == 1
+    assert lost[0].fields["buckets"] == 2  # type: ignore[attr-defined]

@@ -295,9 +295,7 @@ class _DiscoveryBase(_Strict):
                 {**v, "name": "template", "url": "http://template.invalid", "models": ["m"]}
             )
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            raise ValueError(f"{where}: {err['msg']}") from None
+            raise ValueError(describe_validation(exc, "")) from None
         return v
 
     def backend_config(self, name: str, url: str, models: dict[str, str]) -> BackendConfig:
@@ -524,9 +522,8 @@ class Settings(BaseSettings):
                 try:
                     ClientKeyConfig.model_validate(entry)
                 except ValidationError as exc:
-                    err = exc.errors()[0]
-                    where = ".".join(str(p) for p in err["loc"]) or "entry"
-                    raise ValueError(f"api_keys_file entry [{i}] {where}: {err['msg']}") from None
+                    problem = describe_validation(exc, "entry")
+                    raise ValueError(f"api_keys_file entry [{i}] {problem}") from None
         return self
 
     @classmethod
@@ -539,6 +536,13 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, _FileSource(settings_cls)
+
+
+def describe_validation(exc: ValidationError, where_none: str = "body") -> str:
+    """`field: problem` for the first error; pydantic messages never quote the input."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or where_none
+    return f"{where}: {err['msg']}"
 
 
 def _describe(exc: ValidationError, data: dict[str, Any]) -> str:

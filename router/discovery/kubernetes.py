@@ -193,6 +193,7 @@ class KubernetesSource:
             out.extend(found)
         for gone in set(self._good) - set(self._slices):
             self._good.pop(gone, None)
+        self._bad_port &= self._slices.keys()  # deleted slices: not remembered for ever
         return out
 
     def _port(self, sl: dict[str, Any]) -> int | None:

@@ -261,6 +261,10 @@ class _QueuedHandler(logging.Handler):
         self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(FLUSH_TIMEOUT)
+        if not self._thread.is_alive():
+            # Appended by another thread after the writer's last pass: written, not lost.
+            while self.pending:
+                self._write_now(self.pending.popleft())
 
 
 def count_drops(callback: Callable[[], None]) -> None:

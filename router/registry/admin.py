@@ -31,8 +31,8 @@ from router.core.errors import (
     error_response,
     type_for_status,
 )
-from router.core.settings import BackendConfig
-from router.registry.fleet import Fleet, describe_validation
+from router.core.settings import BackendConfig, describe_validation
+from router.registry.fleet import Fleet
 from router.web.auth import AdminAuth
 
 _MAX_ADMIN_BODY = 64 * 1024

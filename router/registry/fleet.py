@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from balancers import Balancer, balancer_class
 from router.core.backend import Backend
 from router.core.errors import Conflict, Invalid, NotFound
-from router.core.settings import BackendConfig, ConfigError, Settings
+from router.core.settings import BackendConfig, ConfigError, Settings, describe_validation
 
 log = logging.getLogger("sluicegate.registry")
 
@@ -187,13 +187,6 @@ def config_to_json(cfg: BackendConfig) -> dict[str, Any]:
     if cfg.api_key is not None:
         data["api_key"] = cfg.api_key.get_secret_value()
     return data
-
-
-def describe_validation(exc: ValidationError) -> str:
-    """`field: problem` for the first error; pydantic messages never quote the input."""
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "body"
-    return f"{where}: {err['msg']}"
 
 
 def _validate(data: Mapping[str, Any]) -> BackendConfig:

@@ -254,33 +254,39 @@ class ProxyCall(Response):
             lifecycle.leave()
             # Only a request that queued has a fair-queue tag to correct.
             queued = self._ticket is not None and self._ticket.queue is not None
+            prompt, completion, cached, estimated = self._tokens()
             if self._reservation is not None or queued:
-                used = _tokens_used(self._record, len(self._body) / 4)
+                used = float(prompt + completion)
                 if self._reservation is not None:
                     self._reservation.close(used)
                 if queued and self._proxy.admission is not None:
                     assert self._ticket is not None
                     self._proxy.admission.settle(self._ticket, used)
-            self._account()
+            self._account(round(prompt), completion, cached, estimated)
             self._record.emit()
             self._proxy.metrics.observe(self._record)
             self._trace.finish(self._record, self._record.usage)
 
-    def _account(self) -> None:
-        """Tokens of an answered request into the usage book and metrics (estimated when the
-        backend sent no usage: completion events counted, the prompt as body bytes / 4)."""
+    def _tokens(self) -> tuple[float, int, int, bool]:
+        """Prompt, completion and cached tokens of the response, and whether any was estimated
+        (the backend sent no usage: completion events counted, the prompt as body bytes / 4);
+        all 0 when no backend answered. Read once, for quotas, admission and the usage book."""
+        u = self._record.usage
+        if u is None:
+            return 0.0, 0, 0, False
+        prompt, completion = u.input_tokens, u.reported_tokens
+        return (
+            len(self._body) / 4 if prompt is None else prompt,
+            u.events if completion is None else completion,  # no events: not a stream
+            u.cached_tokens or 0,
+            prompt is None or (completion is None and self._stream),
+        )
+
+    def _account(self, prompt: int, completion: int, cached: int, estimated: bool) -> None:
+        """Tokens of an answered request into the usage book and metrics."""
         rec = self._record
-        u = rec.usage
-        if u is None or not 200 <= rec.status < 300:
+        if rec.usage is None or not 200 <= rec.status < 300:
             return
-        prompt = u.input_tokens
-        completion = u.reported_tokens
-        estimated = prompt is None or (completion is None and self._stream)
-        if prompt is None:
-            prompt = round(len(self._body) / 4)
-        if completion is None:
-            completion = u.events if self._stream else 0
-        cached = u.cached_tokens or 0
         key = rec.key_name or "unnamed"
         rec.tokens_estimated = estimated
         self._proxy.usage.record(key, self._model, prompt, completion, cached, estimated)
@@ -520,17 +526,6 @@ class ProxyCall(Response):
         held = strip.flush() if strip is not None else b""
         rec.bytes_out += len(held)
         await send({"type": "http.response.body", "body": held, "more_body": False})
-
-
-def _tokens_used(rec: RequestRecord, prompt_estimate: float) -> float:
-    """Prompt + completion tokens the response reported (completion events counted, and the
-    prompt estimated, when it did not report them); 0 when no backend answered."""
-    u = rec.usage
-    if u is None:
-        return 0.0
-    completion = u.reported_tokens if u.reported_tokens is not None else u.events
-    prompt = u.input_tokens if u.input_tokens is not None else prompt_estimate
-    return float(prompt + completion)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

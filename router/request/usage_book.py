@@ -164,8 +164,12 @@ class UsageBook:
             return
         try:
             await self.flush()  # what this process counted since the last write
-        except STORE_FAILURES:
-            pass
+        except STORE_FAILURES as exc:
+            # No later round: what Redis did not take now is gone (the metric dies with us).
+            log.warning(
+                "usage not written to Redis at shutdown; lost",
+                extra={"fields": {"error": type(exc).__name__, "buckets": len(self._pending)}},
+            )
         await self._redis.aclose()
 
     async def query(

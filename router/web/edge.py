@@ -19,24 +19,21 @@ set-size check per new connection.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from functools import partial
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router.core.errors import error_payload
+
 log = logging.getLogger("sluicegate.app")
 
-_BODY = json.dumps(
-    {
-        "error": {
-            "message": "The router has too many open connections; retry shortly.",
-            "type": "api_error",
-            "code": "too_many_connections",
-        }
-    }
-).encode()
+_BODY = error_payload(
+    "The router has too many open connections; retry shortly.",
+    "api_error",
+    "too_many_connections",
+)
 REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     b"content-length: " + str(len(_BODY)).encode() + b"\r\nretry-after: 1\r\n"
