@@ -39,15 +39,16 @@ class PrefixIndex:
         holders = self._holders
         for i, h in enumerate(hashes):
             held = holders.get(h)
+            if held is not None and held.issuperset(alive):  # the usual case: no list built
+                continue
             still = [n for n in alive if n in held] if held else []
-            if len(still) != len(alive):
-                if i:
-                    for n in alive:
-                        if n not in still:
-                            found[n] = i
-                if not still:
-                    return found
-                alive = still
+            if i:
+                for n in alive:
+                    if n not in still:
+                        found[n] = i
+            if not still:
+                return found
+            alive = still
         for n in alive:
             found[n] = len(hashes)
         return found

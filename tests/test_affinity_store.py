@@ -161,3 +161,22 @@ def test_a_full_redis_refusing_writes_sends_lookups_local_until_it_takes_them(
         await shared.aclose()
 
     run(body)
+
+
+def test_records_queued_at_shutdown_reach_redis_even_while_a_flush_is_under_way(rds: Proc) -> None:
+    prefix = uuid.uuid4().hex
+    names = [f"e{i}" for i in range(40)]  # more records than one script carries
+    p = chain("u", "v")
+
+    async def body() -> None:
+        shared = SharedPrefixIndex(rds.url, prefix=prefix, timeout=1.0, flush_after=0)
+        for n in names:
+            shared.record(p, n, 100)
+        await asyncio.sleep(0)  # the timer fires: a flush is under way as shutdown begins
+        await asyncio.sleep(0)
+        await shared.aclose()
+
+    run(body)
+    with redis.Redis.from_url(rds.url) as r:
+        held = {n: r.zcard(f"{{{prefix}:affinity}}:blocks:{n}") for n in names}
+    assert held == dict.fromkeys(names, 2)

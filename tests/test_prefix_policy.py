@@ -53,6 +53,19 @@ def test_roles_tools_and_content_parts_are_part_of_the_prefix() -> None:
     )
 
 
+def test_the_cap_cuts_the_canonical_prompt_wherever_it_falls() -> None:
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    long_turn = {"role": "assistant", "content": "long " * 2000, "tool_calls": calls}
+    payload = chat("short", tools=[{"type": "function"}])
+    payload["messages"].append(long_turn)  # type: ignore[attr-defined]
+    whole = prompt_text(payload, 1 << 24)
+    assert whole.endswith('"type":"function"}]')  # the tool calls follow the long content
+    for limit in (0, 1, 50, len(SYSTEM), len(whole) - 5, len(whole), len(whole) + 5):
+        assert prompt_text(payload, limit) == whole[:limit]
+    prompt = {"prompt": "p" * 10_000}
+    assert prompt_text(prompt, 4096) == "p" * 4096
+
+
 def test_bad_shapes_give_no_hashes_or_capped_ones_never_an_error() -> None:
     assert prefix_hashes({"model": "m", "input": "embed me " * 100}, 64, 4096) == []
     assert prefix_hashes({"messages": "not a list", "prompt": None}, 64, 4096) == []

@@ -433,12 +433,7 @@ class MockUpstream:
                 parts.append(chunk)
                 continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        tail = (
-            b"data: " + pre + b'"},"finish_reason":"length"}]}\n\n'
-            if chat
-            else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
-        )
-        tail = tail.replace(b'"delta":{"content":""}', b'"delta":{}')
+        tail = _last_event(pre, chat)
         if nulls:
             tail = tail.replace(b"]}\n\n", b'],"usage":null}\n\n')
         if usage:
@@ -477,33 +472,8 @@ class MockUpstream:
                     return
             self._count_token(rec, gone)
             text.append(token_text(i))
-        content = "".join(text)
-        rid = rec["request_id"] or "0"
         usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-        if chat:
-            payload = {
-                "id": f"chatcmpl-{rid}",
-                "object": "chat.completion",
-                "created": 0,
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "finish_reason": "length",
-                        "message": {"role": "assistant", "content": content},
-                    }
-                ],
-                "usage": usage,
-            }
-        else:
-            payload = {
-                "id": f"cmpl-{rid}",
-                "object": "text_completion",
-                "created": 0,
-                "model": model,
-                "choices": [{"index": 0, "text": content, "finish_reason": "length"}],
-                "usage": usage,
-            }
+        payload = _completion(rec["request_id"] or "0", model, chat, "".join(text), usage)
         await _json(send, 200, payload, gzip_body=bh.gzip)
 
     async def _engine_generate(
@@ -562,11 +532,7 @@ class MockUpstream:
             if not seq.done:
                 engine.cancel(seq)
         if stream:
-            tail = (
-                b"data: " + pre + b'"},"finish_reason":"length"}]}\n\n'
-                if chat
-                else b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
-            ).replace(b'"delta":{"content":""}', b'"delta":{}')
+            tail = _last_event(pre, chat)
             if _wants_usage(req):
                 tail += _usage_chunk(rid, model, chat, prompt, n, seq.cached)
             tail += b"data: [DONE]\n\n"
@@ -579,27 +545,7 @@ class MockUpstream:
             "completion_tokens": n,
             "prompt_tokens_details": {"cached_tokens": seq.cached},
         }
-        choice: dict[str, Any] = (
-            {
-                "index": 0,
-                "finish_reason": "length",
-                "message": {"role": "assistant", "content": content},
-            }
-            if chat
-            else {"index": 0, "text": content, "finish_reason": "length"}
-        )
-        await _json(
-            send,
-            200,
-            {
-                "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": 0,
-                "model": model,
-                "choices": [choice],
-                "usage": usage,
-            },
-        )
+        await _json(send, 200, _completion(rid, model, chat, content, usage))
 
 
 def prompt_tokens(req: dict[str, Any]) -> int:
@@ -637,6 +583,37 @@ def prompt_text(req: dict[str, Any]) -> str:
         return "".join(parts)
     prompt = req.get("prompt")
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def _last_event(pre: bytes, chat: bool) -> bytes:
+    """The stream's closing content event: an empty delta (or text) with its finish reason."""
+    if chat:
+        tail = b"data: " + pre + b'"},"finish_reason":"length"}]}\n\n'
+        return tail.replace(b'"delta":{"content":""}', b'"delta":{}')
+    return b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
+
+
+def _completion(
+    rid: str, model: str, chat: bool, content: str, usage: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole (non-streamed) chat or text completion in vLLM's field order."""
+    choice: dict[str, Any] = (
+        {
+            "index": 0,
+            "finish_reason": "length",
+            "message": {"role": "assistant", "content": content},
+        }
+        if chat
+        else {"index": 0, "text": content, "finish_reason": "length"}
+    )
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
 
 
 def _wants_usage(req: dict[str, Any]) -> bool:

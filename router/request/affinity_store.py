@@ -188,6 +188,8 @@ class SharedPrefixIndex:
             await self._flush()
         for task in list(self._tasks):
             task.cancel()
+        if self._tasks:  # a cancelled task still runs to its end: let it, before the client goes
+            await asyncio.wait(list(self._tasks))
         await self._batch.drain(self._timeout * 4)
         await self._redis.aclose()
 

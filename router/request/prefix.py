@@ -40,18 +40,20 @@ def prompt_text(payload: dict[str, Any], limit: int) -> str:
             parts.append("\x02" + _json(tools))
             size += len(parts[-1])
         for m in messages:
-            if size >= limit:
+            room = limit - size
+            if room <= 0:
                 break
             if not isinstance(m, dict):
                 part = _SEP_MSG + _json(m)
             else:
                 content = m.get("content")
                 role = m.get("role")
+                # Clipped before joining: a pasted 4 MB document is not copied whole twice.
                 part = (
                     _SEP_MSG
                     + (role if isinstance(role, str) else _json(role))
                     + _SEP_ROLE
-                    + (content if isinstance(content, str) else _json(content))
+                    + (content[:room] if isinstance(content, str) else _json(content))
                 )
                 calls = m.get("tool_calls")
                 if calls is not None:
@@ -62,7 +64,7 @@ def prompt_text(payload: dict[str, Any], limit: int) -> str:
         prompt = payload.get("prompt")
         if prompt is None:
             return ""
-        parts.append(prompt if isinstance(prompt, str) else _json(prompt))
+        parts.append(prompt[:limit] if isinstance(prompt, str) else _json(prompt))
     text = "".join(parts)
     return text[:limit] if len(text) > limit else text
 
