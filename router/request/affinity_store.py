@@ -143,6 +143,7 @@ class SharedPrefixIndex:
             timeout,
             self._round_trip,
         )
+        self._closed = False
         self._pending: deque[_Record] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -176,6 +177,7 @@ class SharedPrefixIndex:
         task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
+        self._closed = True  # a request outliving the drain records locally only from now on
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -197,7 +199,7 @@ class SharedPrefixIndex:
 
     def record(self, hashes: Sequence[bytes], backend: str, max_blocks: int) -> None:
         """`backend` was sent this prompt: queued for the next script (write-behind)."""
-        if not hashes:
+        if not hashes or self._closed:
             return
         pending = self._pending
         pending.append((backend, max(1, max_blocks), time.monotonic(), b"".join(hashes)))
@@ -211,6 +213,8 @@ class SharedPrefixIndex:
     async def match(self, hashes: Sequence[bytes], names: Sequence[str]) -> dict[str, int] | None:
         """For each of `names` holding at least the first block: how many leading blocks, as
         every replica recorded them; None when Redis did not answer within the timeout."""
+        if self._closed:  # shut down: the client is gone, the local index answers
+            return None
         if self.degraded:
             self.fallbacks += 1
             return None
