@@ -87,7 +87,10 @@ def _loops_over_content(template: str, env: jinja2.Environment) -> bool:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
     sort_keys: bool = False,
 ) -> str:
     return json.dumps(
@@ -136,8 +139,15 @@ class RouterTokenizer:
         if template is None and (where / "chat_template.jinja").is_file():
             template = (where / "chat_template.jinja").read_text(encoding="utf-8")
         self.specials: dict[str, str] = {}
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
-                    "cls_token", "mask_token"):
+        for key in (
+            "bos_token",
+            "eos_token",
+            "unk_token",
+            "pad_token",
+            "sep_token",
+            "cls_token",
+            "mask_token",
+        ):
             text = _token_text(config.get(key))
             if text is not None:
                 self.specials[key] = text
@@ -154,9 +164,7 @@ class RouterTokenizer:
         )
         # Pieces split at special tokens encode alike alone or together, unless a token strips
         # the whitespace next to it.
-        added = [
-            t for t in self.tokenizer.get_added_tokens_decoder().values() if t.special
-        ]
+        added = [t for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
         splittable = bool(added) and not any(t.lstrip or t.rstrip for t in added)
         self._split = (
             re.compile("(" + "|".join(re.escape(t.content) for t in added) + ")")
@@ -190,8 +198,7 @@ class RouterTokenizer:
                 messages=conv,
                 tools=payload.get("tools") or None,
                 documents=payload.get("documents"),
-                add_generation_prompt=bool(add_gen)
-                and not payload.get("continue_final_message"),
+                add_generation_prompt=bool(add_gen) and not payload.get("continue_final_message"),
             )
         except Exception:  # the template's own raise_exception, or a broken template
             return None
@@ -214,9 +221,7 @@ class RouterTokenizer:
                 misses.append((len(parts), p))
             parts.append(hit)
         if misses:
-            encoded = self.tokenizer.encode_batch(
-                [p for _, p in misses], add_special_tokens=False
-            )
+            encoded = self.tokenizer.encode_batch([p for _, p in misses], add_special_tokens=False)
             for (i, p), enc in zip(misses, encoded, strict=True):
                 ids = list(enc.ids)
                 parts[i] = ids
@@ -319,8 +324,14 @@ class EngineTokenizer:
         self, payload: dict[str, Any], backend: Backend, model: str
     ) -> list[int] | None:
         body: dict[str, Any] = {"model": model}
-        for key in ("messages", "prompt", "tools", "chat_template_kwargs",
-                    "add_generation_prompt", "continue_final_message"):
+        for key in (
+            "messages",
+            "prompt",
+            "tools",
+            "chat_template_kwargs",
+            "add_generation_prompt",
+            "continue_final_message",
+        ):
             if key in payload:
                 body[key] = payload[key]
         try:
@@ -350,7 +361,11 @@ async def request_tokens(
 def _size(payload: dict[str, Any]) -> int:
     messages = payload.get("messages")
     if isinstance(messages, list):
-        return sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(
-            m.get("content"), str) else 256 for m in messages)
+        return sum(
+            len(m.get("content") or "")
+            if isinstance(m, dict) and isinstance(m.get("content"), str)
+            else 256
+            for m in messages
+        )
     prompt = payload.get("prompt")
     return len(prompt) if isinstance(prompt, str | Sequence) else 0
