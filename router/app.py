@@ -24,6 +24,7 @@ from router.core.errors import RegistryError, StoreUnavailable, error_response, 
 from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
 from router.discovery.runner import Discovery
+from router.engine.kv_events import KvEvents
 from router.engine.scraper import EngineScraper
 from router.ops.logs import count_drops, register_secret, secret_header
 from router.ops.logs import stop as stop_logging
@@ -96,7 +97,7 @@ def make_quotas(settings: Settings, metrics: Metrics) -> QuotaBook:
     )
 
 
-def make_affinity(settings: Settings, metrics: Metrics) -> Affinity:
+def make_affinity(settings: Settings, metrics: Metrics, kv: KvEvents | None = None) -> Affinity:
     """The prefix index: this process's own, plus the one shared in Redis when configured."""
     target = RedisTarget.from_settings(settings)
     shared = None
@@ -109,7 +110,9 @@ def make_affinity(settings: Settings, metrics: Metrics) -> Affinity:
             ttl=settings.affinity.ttl,
             prefix=settings.redis_prefix,
         )
-    return Affinity(settings.affinity, shared=shared, on_fallback=metrics.affinity_fallbacks.inc)
+    return Affinity(
+        settings.affinity, shared=shared, on_fallback=metrics.affinity_fallbacks.inc, kv=kv
+    )
 
 
 def _record_store(settings: Settings) -> RecordStore:
@@ -137,6 +140,19 @@ def create_app(settings: Settings) -> FastPath:
     monitor = HealthMonitor(health)
     engine = EngineScraper(settings.engine_metrics, on_error=metrics.engine_scrape_failed)
 
+    def kv_capacity(name: str) -> int | None:
+        """The engine's KV capacity in blocks, as its metrics say."""
+        r = engine.readings.get(name)
+        if r is None or not r.kv_capacity_tokens or not r.block_size:
+            return None
+        return r.kv_capacity_tokens // r.block_size
+
+    kv_events = KvEvents(
+        capacity=kv_capacity,
+        on_events=metrics.kv_events,
+        pending_ttl=settings.affinity.pending_ttl,
+    )
+
     def on_swap(snapshot: Snapshot) -> None:
         # Keys of backends added through the admin API are secrets from now on, in logs too.
         register_secret(
@@ -151,6 +167,7 @@ def create_app(settings: Settings) -> FastPath:
         health.sync(snapshot.backends)
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
         engine.sync(snapshot.backends)
+        kv_events.sync(snapshot.backends)
 
     registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
     fleet = Fleet(
@@ -166,7 +183,7 @@ def create_app(settings: Settings) -> FastPath:
     lifecycle = Lifecycle()
     tracing = make_tracing(settings.tracing)
     admission = Admission(settings.admission, metrics) if settings.admission else None
-    affinity = make_affinity(settings, metrics)
+    affinity = make_affinity(settings, metrics, kv_events)
     if admission is not None:
         engine.on_change = admission.changed
     quotas = make_quotas(settings, metrics)
@@ -248,6 +265,7 @@ def create_app(settings: Settings) -> FastPath:
         )
         await monitor.start()
         await engine.start()
+        await kv_events.start()
         await discovery.start()
         try:
             yield
@@ -259,7 +277,8 @@ def create_app(settings: Settings) -> FastPath:
             for task in chores:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            closers: list[_Closes | None] = [discovery, fleet.store, monitor, engine, pools]
+            closers: list[_Closes | None] = [discovery, fleet.store, monitor, engine, kv_events]
+            closers.append(pools)
             closers += [store, quotas, affinity.shared, tracing, proxy.usage, admission]
             for part in closers:
                 if part is None:
@@ -279,7 +298,13 @@ def create_app(settings: Settings) -> FastPath:
     app.include_router(openai_routes(proxy, registry, client_keys))
     app.include_router(
         admin_routes(
-            fleet, store, health, admin_auth, settings.drain_grace, lambda: engine.readings
+            fleet,
+            store,
+            health,
+            admin_auth,
+            settings.drain_grace,
+            lambda: engine.readings,
+            kv_events.status,
         )
     )
 
@@ -295,6 +320,7 @@ def create_app(settings: Settings) -> FastPath:
         if affinity.shared is not None:
             metrics.affinity_shared_entries.set(affinity.shared.entries)
         metrics.engine_readings(engine.readings, time.time())
+        metrics.kv_state(kv_events.blocks(), kv_events.lags())
         discovery.refresh_metrics()
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

@@ -121,9 +121,10 @@ class KvEvents:
         self._on_events = on_events
         self._pending_ttl = pending_ttl
         # SUB sockets are read synchronously on readiness (no future per message); the replay's
-        # DEALER, a rare path, is awaited: one context, seen both ways.
-        self._sync: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._ctx = zmq.asyncio.Context.shadow(self._sync.underlying)
+        # DEALER, a rare path, is awaited: one context, seen both ways, made on first use (it
+        # starts an I/O thread, which a router without events does not need).
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._async_ctx: zmq.asyncio.Context | None = None
         self._engines: dict[str, Engine] = {}
         self._configs: dict[str, tuple[str, KvEventsConfig]] = {}  # name -> (url, config)
         self._backends: dict[str, Backend] = {}
@@ -132,6 +133,18 @@ class KvEvents:
         self._closed = False
         self.batches = 0
         self.malformed = 0
+
+    @property
+    def _sync(self) -> zmq.Context[zmq.Socket[bytes]]:
+        if self._sync_ctx is None:
+            self._sync_ctx = zmq.Context()
+        return self._sync_ctx
+
+    @property
+    def _ctx(self) -> zmq.asyncio.Context:
+        if self._async_ctx is None:
+            self._async_ctx = zmq.asyncio.Context.shadow(self._sync.underlying)
+        return self._async_ctx
 
     # --- what routing reads ---------------------------------------------------------------------
 
@@ -198,6 +211,9 @@ class KvEvents:
                 for f in e.feeds
             ],
         }
+
+    def blocks(self) -> dict[str, int]:
+        return {n: self.index.blocks(n) for n in self._engines}
 
     def lags(self) -> dict[str, float]:
         return {n: e.lag for n, e in self._engines.items() if e.lag is not None}
@@ -478,7 +494,8 @@ class KvEvents:
         for e in self._engines.values():
             for f in e.feeds:
                 self._close_feed(f)
-        self._sync.term()
+        if self._sync_ctx is not None:
+            self._sync_ctx.term()
 
 
 def _feeds_from(name: str, backend: Backend, sources: dict[str, Any]) -> list[Feed]:

@@ -241,16 +241,23 @@ class RouterTokenizer:
             _, old = cache.popitem(last=False)
             self._cached_tokens -= len(old)
 
-    def tokens(self, payload: dict[str, Any]) -> list[int] | None:
+    def tokens(self, payload: dict[str, Any], limit: int = 1 << 24) -> list[int] | None:
+        """The prompt's ids; of a text past `limit` characters, those of its first `limit`
+        characters less the last 16 ids (the cut may have split a token)."""
         if "messages" in payload:
             text = self.render(payload)
-            return None if text is None else self.encode(text, special=False)
-        prompt = payload.get("prompt")
-        if isinstance(prompt, str):
-            return self.encode(prompt, special=True)
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return list(prompt)
-        return None
+            special = False
+        else:
+            prompt = payload.get("prompt")
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return list(prompt)
+            text = prompt if isinstance(prompt, str) else None
+            special = True
+        if text is None:
+            return None
+        if len(text) <= limit:
+            return self.encode(text, special)
+        return self.encode(text[:limit], special)[:-16]
 
 
 def _message(m: dict[str, Any], openai_content: bool) -> dict[str, Any]:
@@ -321,8 +328,10 @@ class EngineTokenizer:
         self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
 
     async def tokens(
-        self, payload: dict[str, Any], backend: Backend, model: str
+        self, payload: dict[str, Any], backend: Backend, model: str, limit: int = 1 << 24
     ) -> list[int] | None:
+        if _size(payload) > limit:
+            return None  # not worth a round trip carrying the whole prompt again
         body: dict[str, Any] = {"model": model}
         for key in (
             "messages",
@@ -350,12 +359,12 @@ class EngineTokenizer:
 
 
 async def request_tokens(
-    tokenizer: RouterTokenizer, payload: dict[str, Any], inline_chars: int
+    tokenizer: RouterTokenizer, payload: dict[str, Any], inline_chars: int, limit: int
 ) -> list[int] | None:
     """The router tokenizer's answer, in a worker thread when the prompt is long."""
     if _size(payload) <= inline_chars:
-        return tokenizer.tokens(payload)
-    return await asyncio.to_thread(tokenizer.tokens, payload)
+        return tokenizer.tokens(payload, limit)
+    return await asyncio.to_thread(tokenizer.tokens, payload, limit)
 
 
 def _size(payload: dict[str, Any]) -> int:
