@@ -3,8 +3,8 @@
 Records live in one hash (name -> JSON). A change is a WATCH/MULTI transaction that rewrites one
 record and bumps a version counter, then a message on a channel; every process reloads the whole
 hash on a message. The hash and the counter share a hash tag (`{<redis_prefix>:registry}:...`), so
-the transaction runs on Redis Cluster too; there the message is an ordinary PUBLISH (Cluster relays it
-to every node; registry changes are rare), received on the node that owns the tag's slot.
+the transaction runs on Redis Cluster too; there the message is an ordinary PUBLISH (Cluster relays
+it to every node; registry changes are rare), received on the node that owns the tag's slot.
 Messages can be lost (a reconnect, a slow subscriber), so each process also reads the version
 every `resync` seconds and reloads when it moved: a missed change heals within that.
 The hash is the truth and outlives router restarts.
