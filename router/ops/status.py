@@ -3,9 +3,8 @@
 Rows come from `GET /admin/backends` (health, in flight, the engine's own waiting/running/KV
 use when its metrics are scraped, the KV-event feed's state and lag, weight, cooldown/ejection);
 the error rate comes from the admin row when the router reports one, else from `GET /metrics`
-(failed
-attempts / attempts; over the last refresh interval when watching). The admin token is read from
-`SLUICEGATE_ADMIN_TOKEN` and only ever sent as a header.
+(failed attempts / attempts; over the last refresh interval when watching). The admin token is
+read from `SLUICEGATE_ADMIN_TOKEN` and only ever sent as a header.
 """
 
 from __future__ import annotations
