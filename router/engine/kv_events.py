@@ -10,10 +10,11 @@ Sequence numbers, per publisher:
 - the next one: applied; an older one (a replay overlap): ignored;
 - 0 after others: the engine restarted with an empty cache, so its index is dropped;
 - a gap (or a first message past 0: the router joined late): with a `replay_endpoint` the
-  missed batches are asked for (ZMQ DEALER; vLLM answers `(seq, payload)` pairs, then seq -1)
-  while new ones are held (at most HOLD_MAX); without one, or when the replay no longer has
-  them, the index is `unsure` until the engine has stored a cache's worth of blocks since
-  (every block it holds was then seen) or restarts.
+  missed batches are asked for (at once on joining, too: an idle engine sends nothing; ZMQ
+  DEALER, vLLM answers `(seq, payload)` pairs, then seq -1) while new ones are held (at most
+  HOLD_MAX); without one, or when the replay no longer has them, the index is `unsure` until
+  the engine has stored a cache's worth of blocks since (every block it holds was then seen)
+  or restarts.
 A backend is `live` (its index is the truth; `cache_aware` routes on it) when each of its
 publishers is; else `waiting` (nothing heard yet), `unsure`, `replaying` or `error` (a socket
 that could not be set up; retried every RETRY seconds). Every dispatch made since a backend's
@@ -286,6 +287,11 @@ class KvEvents:
         feed.error = None
         # The ZMQ descriptor is edge-triggered: drain until EVENTS says no more input.
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable, feed)
+        if feed.replay is not None and feed.last_seq is None:
+            # Joining an engine that may have published already (and may stay idle): ask for
+            # its history now rather than wait for its next batch to show the hole.
+            feed.state = "replaying"
+            self._spawn(self._replay(feed, 0))
         self._readable(feed)
 
     async def _retry(self, name: str, feed: Feed) -> None:
@@ -463,16 +469,17 @@ class KvEvents:
             return
         held = list(feed.held)
         feed.held.clear()
-        got.sort(key=lambda b: b.seq)
-        if ok and got and got[0].seq <= start:
-            feed.state = "live"  # the hole is filled
+        merged: dict[int, Batch] = {b.seq: b for b in got}
+        for b in held:
+            merged.setdefault(b.seq, b)
+        batches = [merged[k] for k in sorted(merged) if feed.last_seq is None or k > feed.last_seq]
+        # Exact again when the replay answered and nothing is missing from `start` on.
+        whole = ok and all(b.seq == start + i for i, b in enumerate(batches))
+        if whole:
+            feed.state = "live"
         else:
             self._unsure(feed)
-        for batch in got + held:
-            if feed.last_seq is not None and batch.seq <= feed.last_seq:
-                continue
-            if feed.last_seq is not None and batch.seq > feed.last_seq + 1 and feed.state == "live":
-                self._unsure(feed)  # still a hole: the replay buffer did not reach back
+        for batch in batches:
             self._apply(feed, e, batch)
 
     # --- shutdown -------------------------------------------------------------------------------
