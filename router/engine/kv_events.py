@@ -397,13 +397,14 @@ class KvEvents:
         feed.state = "unsure"
         feed.stored_since_gap = 0
 
-    def _apply(self, feed: Feed, e: Engine, batch: Batch) -> None:
+    def _apply(self, feed: Feed, e: Engine, batch: Batch, replayed: bool = False) -> None:
         feed.last_seq = batch.seq
         name = feed.backend
         index = self.index
         now = self._wall()
-        e.lag = max(0.0, now - batch.ts)
-        e.last_event = now
+        if not replayed:  # a replayed batch's age is history, not lag
+            e.lag = max(0.0, now - batch.ts)
+            e.last_event = now
         e.pending.clear()
         stored = removed = cleared = 0
         blocks = 0
@@ -479,8 +480,9 @@ class KvEvents:
             feed.state = "live"
         else:
             self._unsure(feed)
+        replayed = {id(b) for b in got}
         for batch in batches:
-            self._apply(feed, e, batch)
+            self._apply(feed, e, batch, replayed=id(batch) in replayed)
 
     # --- shutdown -------------------------------------------------------------------------------
 
