@@ -142,7 +142,15 @@ def create_app(settings: Settings) -> FastPath:
     pools = Pools(settings.timeouts, settings.limits, policy)
     metrics = Metrics()
     count_drops(metrics.log_dropped.inc)
-    health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
+    kv_reset: list[Callable[[str], None]] = []
+
+    def health_changed(backend: str, healthy: bool, reason: str) -> None:
+        metrics.health_changed(backend, healthy, reason)
+        if not healthy:
+            for reset in kv_reset:  # an engine that stopped answering may come back empty
+                reset(backend)
+
+    health = HealthBook(settings.health, settings.outlier, on_change=health_changed)
     monitor = HealthMonitor(health)
     engine = EngineScraper(
         settings.engine_metrics, on_error=metrics.engine_scrape_failed, policy=policy
@@ -160,6 +168,7 @@ def create_app(settings: Settings) -> FastPath:
         on_events=metrics.kv_events,
         pending_ttl=settings.affinity.pending_ttl,
     )
+    kv_reset.append(kv_events.reset)
 
     def on_swap(snapshot: Snapshot) -> None:
         # Keys of backends added through the admin API are secrets from now on, in logs too.

@@ -329,6 +329,27 @@ class KvEvents:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def reset(self, backend: str) -> None:
+        """The engine may have restarted (it stopped answering): forget what it held and wait
+        for the truth again, asking its replay buffer (a live engine's history rebuilds the
+        index at once; a restarted one's is empty) or its next batch (seq 0 after a restart)."""
+        e = self._engines.get(backend)
+        if e is None:
+            return
+        self.index.cleared(backend)
+        e.pending.clear()
+        for f in e.feeds:
+            f.last_seq = None
+            f.held.clear()
+            if f.sock is None:
+                continue
+            if f.replay is not None:
+                if f.state != "replaying":
+                    f.state = "replaying"
+                    self._spawn(self._replay(f, 0))
+            else:
+                f.state = "waiting"
+
     # --- receiving ------------------------------------------------------------------------------
 
     def _readable(self, feed: Feed) -> None:
