@@ -231,6 +231,10 @@ async def test_late_join_replays_from_the_engines_buffer(ipc: Callable[[str], st
         await _subscribe(kv, pub, probe_seq=1)  # first heard: seq 1, so 0 was missed
         await _until(lambda: kv.live("a"), "replayed")
         assert kv.index.match(chain_keys(prompt, BS), ["a"]) == {"a": 2}
+        # Health saw the engine stop: the index goes, and the replay rebuilds it (still running).
+        kv.reset("a")
+        assert kv.index.blocks("a") == 0 and not kv.live("a")
+        await _until(lambda: kv.live("a") and kv.index.blocks("a") == 2, "rebuilt")
     finally:
         server.cancel()
         await kv.aclose()
