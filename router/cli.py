@@ -242,6 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     eng.add_argument(
         "--no-prefix-caching", action="store_true", help="turn off automatic prefix caching"
     )
+    eng.add_argument("--kv-events", help="publish KV-cache events here (ipc://... or tcp://*:P)")
+    eng.add_argument(
+        "--kv-events-encoding",
+        choices=("map", "array"),
+        default="map",
+        help="vLLM's event encoding: map (0.24 on) or array (before)",
+    )
 
     args = parser.parse_args(argv)
     if args.command == "status":
@@ -273,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else "vllm:kv_cache_usage_perc",
                 flavor="sglang" if args.sglang_metrics else "vllm",
                 prefix_caching=not args.no_prefix_caching,
+                kv_events=args.kv_events,
+                kv_events_encoding=args.kv_events_encoding,
             )
         run(args.host, args.port, args.name, args.ttft_ms, args.itl_ms, args.tokens, engine=engine)
         return 0

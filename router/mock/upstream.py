@@ -31,6 +31,7 @@ from typing import Any
 from starlette.types import Message, Receive, Scope, Send
 
 from router.mock.engine import Engine, EngineConfig, block_hashes
+from router.mock.kv_publish import mock_tokens
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -152,6 +153,17 @@ class MockUpstream:
         if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
             await self._generate(scope, path, body, receive, send)
             return
+        if path == "/tokenize":  # vLLM's: the prompt's (here: the mock's) token ids
+            try:
+                req = json.loads(body)
+            except ValueError:
+                req = None
+            if not isinstance(req, dict):
+                await _json(send, 400, {"error": {"message": "bad body", "code": 400}})
+                return
+            ids = mock_tokens(prompt_text(req))
+            await _json(send, 200, {"count": len(ids), "max_model_len": 1 << 20, "tokens": ids})
+            return
         await _json(
             send, 404, {"error": {"message": "not found", "type": "not_found", "code": 404}}
         )
@@ -159,6 +171,9 @@ class MockUpstream:
     async def _get(self, path: str, send: Send) -> None:
         if path == "/health":
             await _json(send, self.behaviour.health_status, {})
+        elif path == "/kv_event_sources":
+            kv = self.engine.kv if self.engine is not None else None
+            await _json(send, 200, {"0": kv.source()} if kv is not None else {})
         elif path == "/v1/models":
             await _json(
                 send,
@@ -494,9 +509,13 @@ class MockUpstream:
             return
         prompt = prompt_tokens(req)
         prefix: tuple[int, ...] = ()
+        tokens: list[int] = []
         if engine.config.prefix_caching:
-            prefix = block_hashes(prompt_text(req), engine.config.block_size * 4)
-        seq = engine.submit(prompt, n, prefix=prefix)
+            text = prompt_text(req)
+            prefix = block_hashes(text, engine.config.block_size * 4)
+            if engine.kv is not None:
+                tokens = mock_tokens(text)
+        seq = engine.submit(prompt, n, prefix=prefix, tokens=tokens)
 
         def left(_: object) -> None:
             if gone.is_set():
