@@ -17,8 +17,8 @@ from tests.harness import Cluster, Proc
 from tests_engine.support import kv_capacity_blocks, start_router, wait_for
 
 
-def _doc(tag: str, words: int = 330) -> list[dict[str, Any]]:
-    """A chat whose system prompt is ~1.3k tokens (10+ blocks of 128)."""
+def _doc(tag: str, words: int = 240) -> list[dict[str, Any]]:
+    """A chat whose system prompt is ~1.2-1.5k tokens (9+ blocks of 128), under max_model_len."""
     return [
         {"role": "system", "content": " ".join(f"{tag}{i}" for i in range(words))},
         {"role": "user", "content": "go"},
@@ -76,7 +76,7 @@ def _fill(engine: Engine, tag: str) -> None:
     """Enough other prompts straight to `engine` to evict everything it held."""
     blocks, size = kv_capacity_blocks(engine)
     for j in range(blocks * size // 1200 + 2):
-        _chat(engine.url, engine.model, _doc(f"{tag}{j}x"))
+        _chat(engine.url, engine.model, _doc(f"{tag}{j}x"))  # distinct from the first word on
 
 
 def test_routing_follows_the_engines_own_cache(fleet: Fleet, procs: Cluster) -> None:
@@ -88,7 +88,7 @@ def test_routing_follows_the_engines_own_cache(fleet: Fleet, procs: Cluster) -> 
         30,
     )
     e0, e1 = fleet.engines[:2]
-    a = _doc(f"alpha{time.monotonic_ns()}")
+    a = _doc(f"a{time.monotonic_ns() % 997}w")
     # A client the router never sees fills engine 1's cache ...
     assert _chat(e1.url, model, a)[1] == 0
     wait_for("the router indexed it", lambda: _kv_rows(router)["engine-1"]["blocks"] >= 10, 10)
