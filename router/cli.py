@@ -241,6 +241,18 @@ def engines(args: argparse.Namespace) -> int:
         fleet.stop()
 
 
+def check_tokenizers(settings: Settings) -> None:
+    """Each `affinity.tokenizers` directory loads, before any worker starts (ConfigError)."""
+    from router.request.tokens import RouterTokenizer, TokenizerError
+
+    for model, tc in settings.affinity.tokenizers.items():
+        if tc.via == "router" and tc.path:
+            try:
+                RouterTokenizer(tc.path)
+            except TokenizerError as exc:
+                raise ConfigError(f"affinity.tokenizers.{model}: {exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sluicegate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -343,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return demo(args.host, args.port)
         settings = load_settings(args.config, host=args.host, port=args.port, workers=args.workers)
         check_balancers(settings)
+        check_tokenizers(settings)
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
         return 2

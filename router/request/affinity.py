@@ -33,11 +33,16 @@ from balancers.inflight.base import Readings
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
-from router.core.settings import AffinityConfig
+from router.core.settings import AffinityConfig, ConfigError
 from router.engine.kv_events import KvEvents
 from router.engine.kv_index import BASE, chain_keys, namespace
 from router.request.prefix import prefix_hashes
-from router.request.tokens import EngineTokenizer, RouterTokenizer, request_tokens
+from router.request.tokens import (
+    EngineTokenizer,
+    RouterTokenizer,
+    TokenizerError,
+    request_tokens,
+)
 
 if TYPE_CHECKING:
     from router.request.affinity_store import SharedPrefixIndex
@@ -77,7 +82,10 @@ class Affinity:
         for model, tc in config.tokenizers.items():
             if tc.via == "router":
                 assert tc.path is not None
-                self._tokenizers[model] = RouterTokenizer(tc.path)
+                try:
+                    self._tokenizers[model] = RouterTokenizer(tc.path)
+                except TokenizerError as exc:
+                    raise ConfigError(f"affinity.tokenizers.{model}: {exc}") from None
             else:
                 self._tokenizers[model] = EngineTokenizer()
         self.index = index or PrefixIndex()
