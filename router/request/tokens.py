@@ -185,9 +185,7 @@ class RouterTokenizer:
             return None
         conv = [_message(m, self._openai_content) for m in messages if isinstance(m, dict)]
         if not self._developer and any(m.get("role") == "developer" for m in conv):
-            conv = _merge_system(
-                [{**m, "role": "system"} if m.get("role") == "developer" else m for m in conv]
-            )
+            conv = _merge_system([_as_system(m) for m in conv])
         kwargs = payload.get("chat_template_kwargs")
         extra = dict(kwargs) if isinstance(kwargs, dict) else {}
         add_gen = payload.get("add_generation_prompt", True)
@@ -313,12 +311,33 @@ def _message(m: dict[str, Any], openai_content: bool) -> dict[str, Any]:
     return out
 
 
+def _as_system(m: dict[str, Any]) -> dict[str, Any]:
+    if m.get("role") != "developer":
+        return m
+    out = {**m, "role": "system"}
+    out.pop("tools", None)
+    return out
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(
+            p["text"] if isinstance(p, dict) else p
+            for p in content
+            if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str))
+        )
+    return content if isinstance(content, str) else ""
+
+
 def _merge_system(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's consolidation after developer -> system: every system message's text (parts
+    joined by newlines) in one string-content system message first."""
     systems = [m for m in conv if m.get("role") == "system"]
     if len(systems) <= 1 and (not systems or conv[0] is systems[0]):
         return conv
-    text = "\n\n".join(str(m.get("content") or "") for m in systems if m.get("content"))
-    return [{"role": "system", "content": text}, *(m for m in conv if m.get("role") != "system")]
+    texts = [t for m in systems if (t := _text(m.get("content")))]
+    merged = {"role": "system", "content": "\n\n".join(texts)}
+    return [merged, *(m for m in conv if m.get("role") != "system")]
 
 
 class EngineTokenizer:
