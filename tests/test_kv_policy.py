@@ -12,6 +12,8 @@ from balancers.base import Candidate
 from balancers.cache_aware import CacheAware, Hints, KvHints
 from router.core.engine import EngineReading
 from router.engine.calibrate import Calibration
+from router.request.tokens import RouterTokenizer
+from tests.tiny_tokenizer import write_tokenizer
 
 
 def reading(running: float, p: float | None = None, q: float | None = None) -> EngineReading:
@@ -99,3 +101,24 @@ def test_piece_cache_gives_the_same_ids(tmp_path: Path) -> None:
     assert tk.tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
     cut = tk.tokens(chat, limit=200)
     assert cut is not None and plain[: len(cut)] == cut and len(cut) < len(plain)
+
+
+def test_developer_and_several_system_messages_render_as_vllm_does(tmp_path: Path) -> None:
+    tk = RouterTokenizer(str(write_tokenizer(tmp_path)))
+    text = tk.render(
+        {
+            "messages": [
+                {"role": "system", "content": "one"},
+                {"role": "system", "content": [{"type": "text", "text": "two"}]},
+                {"role": "developer", "content": "three", "tools": [{"x": 1}]},
+                {"role": "user", "content": "hi"},
+            ]
+        }
+    )
+    # The template loops over content parts, knows no `developer`: vLLM turns it into system
+    # and merges every system text, in order, into the first message.
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\none\n\ntwo\n\nthree"
+        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
