@@ -103,14 +103,17 @@ def test_a_woken_request_that_leaves_hands_its_wake_on() -> None:
 def test_the_estimate_is_body_bytes_over_four_plus_the_completion_budget() -> None:
     from starlette.datastructures import Headers
 
-    cfg = AdmissionConfig(default_max_tokens=256)
-    h = Headers({})
-    t = make_ticket(cfg, h, "r", "m", 4000, {"max_tokens": 50}, 0.0, "standard", 1.0, "k")
-    assert isinstance(t, Ticket) and t.cost == 1000 + 50
-    t = make_ticket(cfg, h, "r", "m", 400, {"max_completion_tokens": 7}, 0.0, "standard", 1.0, "")
-    assert isinstance(t, Ticket) and t.cost == 100 + 7
-    t = make_ticket(cfg, h, "r", "m", 400, {}, 0.0, "critical", 1.0, "")
-    assert isinstance(t, Ticket) and t.cost == 100 + 256 and t.band == 0
+    from router.request.estimate import COMPLETION_LIMITS, estimate_tokens
+
+    assert estimate_tokens({"max_tokens": 50}, 4000, default_max_tokens=256) == 1000 + 50
+    assert estimate_tokens({"max_completion_tokens": 7}, 400) == 100 + 7
+    assert estimate_tokens({}, 400, default_max_tokens=256) == 100 + 256
+    # completions: the engine reads max_tokens only, whatever max_completion_tokens says
+    both = {"max_tokens": 9, "max_completion_tokens": 10**19}
+    assert estimate_tokens(both, 400, COMPLETION_LIMITS) == 100 + 9
+    cfg = AdmissionConfig()
+    t = make_ticket(cfg, Headers({}), "r", "m", 356, 400, 0.0, "critical", 1.0, "")
+    assert isinstance(t, Ticket) and t.cost == 356 and t.size == 400 and t.band == 0
 
 
 def test_real_usage_corrects_the_tenants_later_share() -> None:
