@@ -228,6 +228,10 @@ class Quotas:
     def status(self) -> dict[str, Any] | None:
         return None
 
+    def keys(self) -> list[tuple[str, _KeyState]]:
+        """Every key's windows (key id, state), for the shared store's write-back."""
+        return list(self._keys.items())
+
     def take(self, limits: KeyLimits, estimate: int) -> Reservation:
         """Count a request admitted elsewhere (by the shared store), unchecked: this process's
         windows then hold its own traffic when it has to enforce its share alone."""

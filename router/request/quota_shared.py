@@ -195,7 +195,9 @@ return 1
 """
 )
 
-# KEYS: the processes zset. ARGV: now_ms, ttl ms, this process's id. Returns how many live.
+# KEYS: the processes zset, the epoch key. ARGV: now_ms, ttl ms, this process's id, a new epoch.
+# Returns "<how many live> <epoch>": the epoch changes when Redis lost its data (a restart
+# without persistence), and the windows with it.
 _REGISTER = (
     _NOW
     + """
@@ -203,7 +205,12 @@ local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('PEXPIRE', KEYS[1], ttl * 3)
-return redis.call('ZCARD', KEYS[1])
+local epoch = redis.call('GET', KEYS[2])
+if not epoch then
+  epoch = ARGV[4]
+  redis.call('SET', KEYS[2], epoch)
+end
+return redis.call('ZCARD', KEYS[1]) .. ' ' .. epoch
 """
 )
 
@@ -334,6 +341,8 @@ class SharedQuotas:
         self._register_sha = self._script(_REGISTER)
         self._restore_sha = self._script(_RESTORE)
         self._members_key = "{" + prefix + ":quota}:processes"
+        self._epoch_key = "{" + prefix + ":quota}:epoch"
+        self._epoch: str | None = None  # as last read: another one means the windows were lost
         self._batchers: dict[str, Batcher] = {}
         self._held = HeldConnection(self._redis) if isinstance(self._redis, Redis) else None
         self._tags: dict[str, str] = {}  # key id -> its hash tag
@@ -463,14 +472,20 @@ class SharedQuotas:
                 await self._held.drop()  # it may still point at the former master
             key = self._members_key
             args = (now, self._ttl_ms, self.process_id)
-            members = await self._call(key, "EVALSHA", self._register_sha, 1, key, *args)
+            epoch_key, fresh = self._epoch_key, uuid.uuid4().hex[:16]
+            reply = await self._call(
+                key, "EVALSHA", self._register_sha, 2, key, epoch_key, *args, fresh
+            )
+            members, epoch = reply.split()
+            lost = self._epoch is not None and epoch != self._epoch
+            self._epoch = epoch
             for tag, slots in by_tag.items():
                 stamp = (now, self._ttl_ms, *slots)
                 await self._call(tag, "EVALSHA", self._refresh_sha, 1, tag + ":p", *stamp)
             for tag, mine in _by_tag(owed).items():
                 await self._call(tag, *self._release_command(tag, mine))
                 settled.update(map(id, mine))
-            await self._write_back()
+            await self._write_back(everything=lost)
         except ScriptFailed:
             log.exception("quota heartbeat script failed")
             return False
@@ -531,8 +546,18 @@ class SharedQuotas:
             "processes": self.processes,
         }
 
-    async def _write_back(self) -> None:
-        """What the local share admitted, into the shared windows (one command per key)."""
+    async def _write_back(self, everything: bool = False) -> None:
+        """What the local share admitted, into the shared windows (one command per key); with
+        `everything` (Redis came back empty) all this process admitted in the window, which its
+        own windows hold."""
+        if everything:
+            self._ledger = {}
+            for key_id, state in self.local.keys():
+                tag = self._tag(key_id)
+                for sec, requests in state.requests.buckets:
+                    self._note(tag, int(sec), int(requests), 0)
+                for sec, tokens in state.tokens.buckets:
+                    self._note(tag, int(sec), 0, math.ceil(tokens))
         if not self._ledger:
             return
         now = int(self.local.clock())
