@@ -111,7 +111,9 @@ def test_a_limit_value_an_engine_would_read_otherwise_is_refused(
 
 
 @pytest.mark.parametrize("value", [10**400, "1000", 1000.0, True, -5])
-def test_invalid_max_tokens_answers_400_in_openais_shape(fleet: dict[str, Proc], value: Any) -> None:
+def test_invalid_max_tokens_answers_400_in_openais_shape(
+    fleet: dict[str, Proc], value: Any
+) -> None:
     client = openai.OpenAI(base_url=fleet["router"].url + "/v1", api_key=OPEN, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
@@ -147,7 +149,9 @@ def test_n_multiplies_the_estimate(fleet: dict[str, Proc]) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
     body["n"] = 64
     with ThreadPoolExecutor(10) as pool:
-        codes = list(pool.map(lambda _: post(router, TPM_N, "/v1/chat/completions", body), range(10)))
+        codes = list(
+            pool.map(lambda _: post(router, TPM_N, "/v1/chat/completions", body), range(10))
+        )
     # 64 x 100 is over the whole 2000: at most one gets the empty window, the rest wait.
     assert codes.count(200) <= 1 and codes.count(429) >= 9
 
