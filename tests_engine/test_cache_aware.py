@@ -34,9 +34,9 @@ def plan(fleet: Fleet) -> tuple[int, int, int]:
     p = 4  # blocks per conversation: a long prompt, well under max_model_len
     n = math.ceil(blocks / p) + 1  # (n - 1) x p > blocks: round robin's reuse distance evicts
     n += 1 - n % 2  # odd
-    # One engine's share, grown by its turns, in blocks: fits even when first turns split
-    # 3:1 rather than evenly (they should split evenly; see run_trace).
-    held = math.ceil(0.75 * n) * (p + 2)
+    # One engine's share in full blocks, grown by its turns (under a block): fits even when the
+    # first turns split 2:1 rather than evenly (they should split evenly; see run_trace).
+    held = math.ceil(2 * n / 3) * (p + 1)
     assert held < blocks, f"trace does not fit the cache_aware side: {held} >= {blocks}"
     return n, p * block_size + block_size // 2, block_size
 
