@@ -112,6 +112,11 @@ def serve(settings: Settings) -> None:
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
     if settings.config:
         os.environ["SLUICEGATE_CONFIG"] = settings.config
+    # One hop-marker id for this invocation, the same in every worker (router/request/hops.py).
+    if not settings.deployment_id:
+        from router.request.hops import new_deployment_id
+
+        os.environ["SLUICEGATE_DEPLOYMENT_ID"] = new_deployment_id()
     # uvicorn re-raises the SIGTERM it handled once it has stopped; after a completed drain that
     # is a clean exit, not a death by signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
