@@ -29,9 +29,13 @@ def metrics(engine: Engine) -> dict[str, float]:
 
     Counters appear under their sample name (`vllm:prompt_tokens_total`).
     """
-    text = httpx.get(engine.metrics_url, timeout=10).text
+    return metrics_of(httpx.get(engine.metrics_url, timeout=10).content)
+
+
+def metrics_of(page: bytes) -> dict[str, float]:
+    """`metrics()` of a page already fetched."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(page.decode()):
         for s in family.samples:
             if not s.name.startswith("vllm:") or s.name.endswith("_created"):
                 continue

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 
+from router.engine.parse import parse
 from router.enginefleet.fleet import Fleet
 from tests.harness import Cluster
 from tests_engine.support import (
@@ -15,6 +16,7 @@ from tests_engine.support import (
     Words,
     kv_capacity_blocks,
     metrics,
+    metrics_of,
     rows,
     start_router,
     wait_for,
@@ -49,6 +51,16 @@ def test_least_load_reads_the_engines_and_avoids_the_busy_one(
             lambda: rows(router)[f"engine-{busy.index}"]["engine"]["waiting"] >= 1,
             20 * INTERVAL + 5.0,
         )
+        # The router's parser on the engine's real page reads what Prometheus' own parser reads.
+        page = httpx.get(busy.metrics_url, timeout=10).content
+        theirs, parsed = metrics_of(page), parse(page, "vllm")
+        assert (parsed.waiting, parsed.running) == (
+            theirs["vllm:num_requests_waiting"],
+            theirs["vllm:num_requests_running"],
+        )
+        assert parsed.kv_usage == theirs["vllm:kv_cache_usage_perc"]
+        assert parsed.preemptions == theirs["vllm:num_preemptions_total"]
+        assert parsed.kv_capacity_tokens == blocks * block_size
         reading = rows(router)[f"engine-{busy.index}"]["engine"]
         assert reading["stale"] is False and reading["scrape_error"] is None
         assert reading["kv_capacity_tokens"] == blocks * block_size
