@@ -17,7 +17,6 @@ once without (what most of `make test` runs against).
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,7 +28,9 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.engine.parse import parse
+from router.enginefleet.fleet import Fleet
 from tests.harness import Cluster
+from tests_engine.support import ensure_healthy, wait_idle
 
 # Families sluicegate reads (router/engine/parse.py) or its engine tier checks against.
 FAMILIES = (
@@ -51,15 +52,10 @@ CMPL = "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def engine_urls() -> list[str]:
-    # Interim: an engine started by hand, until the tier's fleet fixture lands.
-    return [os.environ["CONFORMANCE_ENGINE_URL"]]
-
-
-@pytest.fixture(scope="module")
-def targets(engine_urls: list[str]) -> Iterator[dict[str, Any]]:
+def targets(engine_fleet: Fleet) -> Iterator[dict[str, Any]]:
     """{"real": url, "mock": url (engine model), "plain": url (no engine model), "model"}."""
-    real = engine_urls[0]
+    ensure_healthy(engine_fleet)
+    real = engine_fleet.engines[0].url
     models = httpx.get(real + "/v1/models", timeout=10).json()["data"]
     model, max_len = models[0]["id"], models[0]["max_model_len"]
     cache = _family(httpx.get(real + "/metrics", timeout=10).text, "vllm:cache_config_info")
@@ -80,7 +76,14 @@ def targets(engine_urls: list[str]) -> Iterator[dict[str, Any]]:
             ],
         )
         plain = cluster.mock("conform-plain", engine_args=common)
-        yield {"real": real, "mock": mock.url, "plain": plain.url, "model": model, "block": block}
+        yield {
+            "real": real,
+            "mock": mock.url,
+            "plain": plain.url,
+            "model": model,
+            "block": block,
+            "engine": engine_fleet.engines[0],
+        }
     finally:
         cluster.close()
 
@@ -358,6 +361,7 @@ def _counters(url: str) -> dict[str, float]:
 def test_prefix_cache_and_counters_agree(targets: dict[str, Any]) -> None:
     """The same long prompt twice: the second finds whole blocks cached, never its last token,
     and the token counters move by what `usage` says, on the engine and on the mock alike."""
+    wait_idle([targets["engine"]])  # counters move by this test's requests only
     block = targets["block"]
     salt = uuid.uuid4().hex[:8]
     prompt = f"{salt} " + " ".join(f"item{i}" for i in range(400))
@@ -386,6 +390,7 @@ def test_prefix_cache_and_counters_agree(targets: dict[str, Any]) -> None:
 def test_client_disconnect_aborts_alike(targets: dict[str, Any]) -> None:
     """A client that leaves mid-stream: running goes back to 0 within a second, generation
     stops, and vLLM counts the abort under no finished_reason; the mock does the same."""
+    wait_idle([targets["engine"]])
     for k in ("real", "mock"):
         before = _counters(targets[k])
         body = {

@@ -12,10 +12,14 @@ Models (one step loop per engine, continuous batching):
   each running sequence gains one token per step; the first one ends its prefill step;
 - hidden background load: `background` sequences that occupy slots and KV like any other but
   never pass through a router (each one finished is replaced at once; lengths vary 0.5x-1.5x);
-- vLLM's metric names (`vllm:num_requests_running/waiting`, `vllm:kv_cache_usage_perc` or the
-  old `vllm:gpu_cache_usage_perc`, `vllm:num_preemptions_total`, `vllm:cache_config_info`) with
-  the `model_name`/`engine` labels, plus a few histogram families of the size a real engine
-  exposes, or SGLang's (`sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`);
+- vLLM 0.32's metric names (`vllm:num_requests_running/waiting`,
+  `vllm:num_requests_waiting_by_reason`, `vllm:engine_sleep_state`, `vllm:kv_cache_usage_perc`
+  or the old `vllm:gpu_cache_usage_perc`, `vllm:num_preemptions_total`,
+  `vllm:request_success_total{finished_reason}` (a client's abort is not counted, as in vLLM),
+  `vllm:cache_config_info` with vLLM's whole label set) with the `model_name`/`engine` labels,
+  counters with their `_created` samples, plus a few histogram families of the size a real
+  engine exposes, or SGLang's (`sglang:num_queue_reqs`, `sglang:num_running_reqs`,
+  `sglang:token_usage`);
 - automatic prefix caching (vLLM's APC, on by default as in vLLM v1; `prefix_caching=False` turns
   it off): the prompt's full blocks of `block_size` tokens are hashed as a chain (each hash covers
   its predecessor, so a hit is always a true prefix); at admission the longest cached run of them

@@ -3,19 +3,33 @@
 Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running/waiting gauges)
 and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
+What goes on the wire is vLLM 0.32's (router/mock/wire.py: field sets, the role-only first chat
+event, the finish reason on the last token's event, usage with `prompt_tokens_details`, errors),
+held to a real engine by tests_engine/test_conformance.py.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
 metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms; `reset_prefix_cache`
 empties the engine's prefix cache) so fault tests need no second implementation. Streams end
-with vLLM's usage event when the request asks for it (`stream_options.include_usage`); with
-`usage_nulls` every other chunk then also carries `"usage":null`, as OpenAI's API does.
-`role_chunk` sends vLLM's role-only first event
-(`"delta":{"role":"assistant","content":""}`) right after the headers, before the prefill wait
+with vLLM's usage event when the request asks for it (`stream_options.include_usage`, with
+`continuous_usage_stats` the counts in every event); with `usage_nulls` every other event then
+also carries `"usage":null`, as OpenAI's API does (vLLM does not).
+`role_chunk` sends the role-only first event right after the headers, before the prefill wait
 (vLLM sends it with the first token; sending it early lets tests tell the first byte from the
 first content token).
 With an `EngineConfig` (`--engine` flags) generation runs through a simulated vLLM scheduler
 (`router/mock/engine.py`: batch, queue, KV blocks, background load, vLLM's metric names).
 A raw ASGI app: no framework on the hot path.
+
+Not modelled (where a real vLLM differs): without `--served-model-name` any model name is served
+and a body without `messages`/`prompt` is accepted (tests send `{"model": "m"}`); `created` is 0
+and ids carry the request id, not a random hex; every answer stops at `max_tokens` with
+`finish_reason: "length"` (no EOS, no `stop`), one event per token (vLLM may hold a token that
+ends mid-character back); tokens are counted as four characters each, not tokenised, and the
+chat template is not rendered (vLLM's prompt_tokens include the template's tokens); sampling
+parameters, `n`, logprobs, tools, `stop`, `/tokenize` and the other routes are ignored or absent;
+validation covers the token limits, the model, `messages`/`prompt` presence and JSON syntax, not
+every field pydantic checks; without `--engine` the `/metrics` page has only the running and
+waiting gauges, and no abort stops the (already instant) generation early.
 """
 
 from __future__ import annotations

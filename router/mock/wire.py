@@ -320,7 +320,9 @@ def parse_request(
     """The request as vLLM validates it, in vLLM's order (parsing and field types, then the
     model, then `max_tokens` against the context length): the payload and its `max_tokens`
     (`max_completion_tokens` first for chat; None when absent). Raises `RequestError`.
-    `served` None accepts any model (the mock's default)."""
+    `served` None accepts any model and a body without `messages` or `prompt` (the mock's
+    default: most tests send `{"model": "m"}` alone); a list of names validates both as vLLM
+    does."""
     try:
         req = json.loads(body) if body.strip() else None
     except ValueError as exc:
@@ -353,7 +355,8 @@ def parse_request(
             ]
         )
     problems: list[dict[str, Any]] = []
-    if chat:
+    strict = served is not None
+    if chat and strict:
         messages = req.get("messages")
         if messages is None:
             problems.append(
@@ -389,7 +392,7 @@ def parse_request(
             "BadRequestError",
             "stream_options",
         )
-    if not chat and not req.get("prompt"):
+    if not chat and strict and not req.get("prompt"):
         raise error(
             400,
             "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
