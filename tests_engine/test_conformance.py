@@ -229,7 +229,9 @@ def test_sdk_reads_the_same_fields_from_both(targets: dict[str, Any]) -> None:
 
 def _errors(model: str) -> list[tuple[str, str, Any]]:
     msgs = [{"role": "user", "content": "hi"}]
-    long = " ".join(f"w{i}x" for i in range(6000))  # past any context the fixture gives
+    # Past a 2048-token context in tokens (both count over 2048), not so long in characters
+    # that vLLM's earlier character check answers instead (not modelled by the mock).
+    long = " ".join(f"word{i}" for i in range(1500))
     chat = {"model": model, "messages": msgs}
     cmpl = {"model": model, "prompt": "hi"}
     unknown = {"model": "no-such-model", "messages": msgs}

@@ -27,7 +27,8 @@ and ids carry the request id, not a random hex; every answer stops at `max_token
 ends mid-character back); tokens are counted as four characters each, not tokenised, and the
 chat template is not rendered (vLLM's prompt_tokens include the template's tokens); sampling
 parameters, `n`, logprobs, tools, `stop`, `/tokenize` and the other routes are ignored or absent;
-validation covers the token limits, the model, `messages`/`prompt` presence and JSON syntax, not
+validation covers the token limits (not vLLM's earlier check of a prompt's length in
+characters), the model, `messages`/`prompt` presence and JSON syntax, not
 every field pydantic checks; without `--engine` the `/metrics` page has only the running and
 waiting gauges, and no abort stops the (already instant) generation early.
 """
