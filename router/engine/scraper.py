@@ -141,7 +141,7 @@ class EngineScraper:
         try:
             async with asyncio.timeout(self.cfg.timeout):
                 body = await self._fetch(b, t.transport)
-            parsed = parse(body, b.kind)
+            parsed = parse(body, b.kind, self.cfg.max_kv_tokens)
         except TimeoutError:
             error = "timeout"
         except MetricsError as exc:
