@@ -120,7 +120,9 @@ def _record_store(settings: Settings) -> RecordStore:
         return LocalRecords()
     from router.registry.sync import RedisRecords
 
-    return RedisRecords(target, resync=settings.registry_resync)
+    return RedisRecords(
+        target, prefix=f"{settings.redis_prefix}:registry", resync=settings.registry_resync
+    )
 
 
 def _usage_book(settings: Settings, metrics: Metrics) -> UsageBook:
