@@ -173,7 +173,7 @@ def create_app(settings: Settings) -> FastPath:
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(make_store(settings), metrics)
     lifecycle = Lifecycle()
-    tracing = make_tracing(settings.tracing)
+    tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
     admission = Admission(settings.admission, metrics) if settings.admission else None
     affinity = make_affinity(settings, metrics)
     if admission is not None:

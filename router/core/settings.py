@@ -214,6 +214,11 @@ class EngineMetricsConfig(_Strict):
     interval: float = Field(0.25, ge=0.01, le=60)
     timeout: float = Field(1.0, gt=0, le=60)
     stale_after: float = Field(1.0, gt=0, le=3600)
+    # The most KV capacity an engine's report is believed up to (tokens, 8 Mi): it sizes the
+    # engine's share of the prefix index (router/engine/parse.py).
+    max_kv_tokens: int = Field(8 * 1024 * 1024, ge=1, le=1 << 34)
+    # A page past this is refused unread (a vLLM's is ~56 KB): every byte is read each interval.
+    max_page_bytes: int = Field(1024 * 1024, ge=4096, le=64 * 1024 * 1024)
 
 
 class AffinityConfig(_Strict):
