@@ -518,6 +518,12 @@ def prefix(bench: Bench) -> None:
     bench.results["prefix"] = {**res, "plot": PNG if made else None}
 
 
+def real(bench: Bench) -> None:
+    from bench.real_engine import run as real_run
+
+    bench.results["real"] = real_run(bench.cluster, bench.quick)
+
+
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "overhead": Bench.overhead,
     "compare": compare,
@@ -529,6 +535,8 @@ SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "admission": admission,
     "noisy": noisy,
     "prefix": prefix,
+    # Not in a full run: it needs the real-engine venv (make engine-venv); `--only real`.
+    "real": real,
 }
 
 
@@ -546,7 +554,7 @@ def main() -> int:
     bench = Bench(args.quick, args.soak_seconds, args.baseline_src)
     started = time.monotonic()
     try:
-        for name in args.only or list(SCENARIOS):
+        for name in args.only or [n for n in SCENARIOS if n != "real"]:
             SCENARIOS[name](bench)
     finally:
         bench.close()

@@ -7,10 +7,11 @@ ends the stream with its own counts; `UsageStrip` then removes that one usage-on
 the bytes it would have got without it. Only events holding `"usage":{` are parsed as JSON.
 
 What the engines send with `include_usage` (their serving code, read): vLLM and SGLang add only
-the final usage-only event (other chunks are unchanged: vLLM's chat chunks never carry `usage`, its
-completion chunks always carry `"usage":null`, with or without the option). OpenAI adds
-`"usage":null` to every other chunk as well; for `kind: openai` backends `,"usage":null` is also
-removed from each chunk (one `bytes.replace` per chunk, only there). A request with
+the final usage-only event (other chunks are unchanged: vLLM 0.32's chat and completion chunks
+carry no `usage` key, with or without the option: tests_engine/test_conformance.py checks it).
+OpenAI adds `"usage":null` to every other chunk as well; for `kind: openai` backends
+`,"usage":null` is also removed from each chunk (one `bytes.replace` per chunk, only there). A
+request with
 `continuous_usage_stats` goes untouched: vLLM then puts usage in every chunk only with
 `include_usage`, SGLang with or without it, so no edit is right for both (SGLang's chunks then
 carry the usage anyway).
