@@ -128,7 +128,11 @@ def serve(settings: Settings) -> None:
             port=settings.port,
             workers=settings.workers,
             loop="uvloop",
-            http=protocol(settings.server.header_timeout, settings.server.max_connections),
+            http=protocol(
+                settings.server.header_timeout,
+                settings.server.max_connections,
+                settings.server.body_timeout,
+            ),
             lifespan="on",
             access_log=False,
             server_header=False,
