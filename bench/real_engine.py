@@ -1,9 +1,9 @@
-"""sluicegate in front of 2 real vLLM engines (`python -m bench.run --only real`, ~2 minutes).
+"""sluicegate in front of 2 real vLLM engines (`python -m bench.run --only real`, ~3-5 minutes).
 
 Two real engines (vLLM's CPU build, the tiny random-weight Llama the project writes; see
 router/enginefleet/), one per core, each with 64 KV blocks of 128 tokens (8,192 tokens): less
 than the workload's working set, so where a conversation's turns land decides what stays cached.
-Workload: CONVERSATIONS multi-turn chats at once, each with its own system prompt (~600 tokens),
+Workload: CONVERSATIONS multi-turn chats at once, each with its own system prompt (~575 tokens),
 TURNS turns each resending the whole history (the engine's own answers included), MAX_TOKENS
 tokens per answer, streamed with `include_usage`. Clients run in CLIENTS separate processes
 (bench/real_client.py): one Python process is CPU-bound before a real engine is.
@@ -36,11 +36,11 @@ import httpx
 from bench.procstat import cpu_seconds
 from tests.harness import Cluster, wait_http
 
-CONVERSATIONS = 16
+CONVERSATIONS = 12
 TURNS = 5
 MAX_TOKENS = 24
 CLIENTS = 2
-SYSTEM_WORDS = 380  # about 600 tokens with the fleet's tokenizer
+SYSTEM_WORDS = 140  # about 575 tokens with the fleet's tokenizer (~4 a word)
 TARGETS = ("direct", "least_inflight", "least_load", "cache_aware")
 KV_BLOCKS = 64
 _WORDS = (
@@ -61,7 +61,7 @@ def plan(target: str, urls: list[str], seed: int = 7) -> list[dict[str, Any]]:
     convs = []
     for i in range(CONVERSATIONS):
         system = f"[{target} customer {i}] You answer for customer {i}. " + _text(rng, SYSTEM_WORDS)
-        turns = [f"question {t}: " + _text(rng, 20) for t in range(TURNS)]
+        turns = [f"question {t}: " + _text(rng, 12) for t in range(TURNS)]
         convs.append({"id": i, "url": urls[i % len(urls)], "system": system, "turns": turns})
     return convs
 
@@ -224,7 +224,9 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         f"{res['client_processes']} client processes; each engine holds "
         f"{res['kv_tokens_per_engine']} tokens of KV (bench/real_engine.py has the workload). "
         "`direct` pins each conversation to one engine with no router; the others go through "
-        "one sluicegate. Cached share: the engines' own `cached_tokens` over prompt tokens.",
+        "one sluicegate. Cached share: the engines' own `cached_tokens` over prompt tokens. "
+        "Targets run one after another, not interleaved in rounds: on a shared machine the "
+        "drift between them is noise as much as routing.",
         "",
         _table(rows),
         "",
