@@ -21,8 +21,8 @@ COPY requirements.lock requirements-build.lock ./
 # pip and the build backend live in a throwaway venv; the router's venv never has an installer
 # (`venv --without-pip`: on 3.11 a venv would otherwise also get setuptools). Every file is
 # checked against the lock's hashes, and a dependency missing from the lock fails the build.
-RUN python -m venv /opt/build \
- && /opt/build/bin/python -m pip install -q --require-hashes --only-binary :all: \
+RUN python -m venv --without-pip /opt/build \
+ && python -m pip --python /opt/build/bin/python install -q --require-hashes --only-binary :all: \
       -r requirements-build.lock \
  && python -m venv --without-pip /opt/sluicegate \
  && /opt/build/bin/python -m pip --python /opt/sluicegate/bin/python install -q \

@@ -44,6 +44,7 @@ from tests.image import base, daemon
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "sluicegate-image-test:latest"
 LOCAL_BASE = "sluicegate-image-test-base"
+FAST_TOKENS = 8
 SLOW_TOKENS, SLOW_ITL_MS = 60, 200  # a 12 s stream
 DRAIN_GRACE, STOP_TIMEOUT = 30, 40
 
@@ -135,7 +136,8 @@ class Run:
         args = ["run", "--name", name, "--network", "host", "--read-only"]
         args += ["--health-interval", "1s", "--health-start-period", "1s"]
         if config is not None:
-            args += ["-v", f"{config}:/etc/sluicegate:ro"]
+            # As the README says: the one file, read-only (readable by the image's uid 10001).
+            args += ["-v", f"{config / 'config.yaml'}:/etc/sluicegate/config.yaml:ro"]
         return [*args, *extra]
 
     def start(self, name: str, config: Path, *extra: str, cmd: tuple[str, ...] = ()) -> None:
@@ -192,6 +194,8 @@ class Run:
                 f"image-test: base {local}, made locally ({official} cannot be pulled here)",
                 flush=True,
             )
+            size = int(self.docker("image", "inspect", "--format", "{{.Size}}", local).stdout)
+            self.figures["local base image"] = f"{size / 1e6:.0f} MB"
             build_args = ["--build-arg", f"BASE_IMAGE={local}"]
             build_args += ["--build-arg", "PIP_CERT=/etc/ssl/certs/ca-certificates.crt"]
         t0 = time.monotonic()
@@ -201,6 +205,9 @@ class Run:
         self.figures["build"] = f"{time.monotonic() - t0:.0f} s"
         size = int(self.docker("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
         self.figures["image"] = f"{size / 1e6:.0f} MB"
+        layers = self.docker("history", "--format", "{{.Size}}\t{{.CreatedBy}}", IMAGE).stdout
+        for line in layers.splitlines()[:4]:
+            print(f"image-test: layer {line[:110]}", flush=True)
         self.ok(f"built in {self.figures['build']}, {self.figures['image']}")
 
     def cli(self) -> None:
@@ -254,7 +261,13 @@ class Run:
             "import time; t = time.perf_counter(); import router.app; "
             "print(f'{time.perf_counter() - t:.2f}')",
         )
-        self.figures["import router.app"] = f"{took} s"
+        # The same import with the bytecode looked for elsewhere: what every start would cost.
+        cold = self.docker(
+            "exec", "-e", "PYTHONPYCACHEPREFIX=/nonexistent", name, "python", "-c",
+            "import time; t = time.perf_counter(); import router.app; "
+            "print(f'{time.perf_counter() - t:.2f}')",
+        ).stdout.strip()
+        self.figures["import router.app"] = f"{took} s ({cold} s without bytecode)"
         self.ok(f"bytecode for all {count} modules the router imports (import {took} s)")
 
     def serve_checks(self, fast: int) -> None:
@@ -267,7 +280,7 @@ class Run:
             self.wait_http(f"http://127.0.0.1:{port}{path}", 20)
         self.ok("/healthz and /readyz answer 200")
         text, finish = self.stream(port)
-        if finish != "stop" or not text.startswith("tok0"):
+        if finish is None or text.split() != [f"tok{i}" for i in range(FAST_TOKENS)]:
             raise Failed(f"stream: finish {finish!r}, text {text[:80]!r}")
         self.ok(f"streamed completion through the router ({len(text.split())} tokens)")
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
@@ -299,7 +312,7 @@ class Run:
         self.healthy("sg-w")
         for _ in range(4):  # both workers, most likely
             text, finish = self.stream(port)
-            if finish != "stop":
+            if finish is None or len(text.split()) != FAST_TOKENS:
                 raise Failed(f"--workers 2: stream finish {finish!r}")
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         if "sluicegate_requests_total{" not in metrics:
@@ -343,7 +356,7 @@ class Run:
         stopped = time.monotonic() - t0
         reader.join(30)
         state = json.loads(self.docker("inspect", "--format", "{{json .State}}", "sg-stop").stdout)
-        if "error" in result or result.get("finish") != "stop":
+        if "error" in result or result.get("finish") is None:
             raise Failed(f"docker stop cut the stream: {result}")
         words = str(result["text"]).split()
         if len(words) != SLOW_TOKENS:
@@ -364,7 +377,7 @@ class Run:
     def main(self) -> None:
         self.build()
         self.cli()
-        fast = self.mock(tokens=8, itl_ms=5)
+        fast = self.mock(tokens=FAST_TOKENS, itl_ms=5)
         slow = self.mock(tokens=SLOW_TOKENS, itl_ms=SLOW_ITL_MS)
         self.serve_checks(fast)
         self.workers(fast)
