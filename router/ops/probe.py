@@ -1,4 +1,4 @@
-"""`python -m router.ops.probe`: the container image's HEALTHCHECK (exit 0 when /healthz answers 200).
+"""`python -m router.ops.probe`: the image's HEALTHCHECK (exit 0 when /healthz answers 200).
 
 It asks the address the router was started on: `--host`/`--port` from the container's main
 command line (PID 1, or the process a `docker run --init` shim started), else SLUICEGATE_HOST /

@@ -22,6 +22,7 @@ LIBS = (
 )
 # As Debian's slim images: no documentation, manual pages or translations.
 EXCLUDE = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/info/*", "/usr/share/locale/*")
+PATH = "/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"  # the official image's
 LOCAL_CAS = Path("/usr/local/share/ca-certificates")
 
 
@@ -111,7 +112,7 @@ def make(docker: list[str], env: dict[str, str], work: Path, tag: str, versions:
                 *docker,
                 "import",
                 "--change",
-                "ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                f"ENV PATH={PATH}",
                 "--change",
                 "ENV LANG=C.UTF-8",
                 "--change",
