@@ -76,6 +76,14 @@ def add_python(root: Path, version: str) -> None:
         return out
 
     shutil.copytree(src / "lib" / lib, local / "lib" / lib, ignore=skip, symlinks=True)
+    # Stripped, as the official build links them (--strip-all): a pyenv build keeps symbols.
+    if shutil.which("strip"):
+        shared = [
+            *(local / "lib").glob("libpython*.so.*"),
+            *(local / "lib").rglob("*.cpython-*.so"),
+        ]
+        shared.append(local / "bin" / f"python{version}")
+        subprocess.run(["strip", "--strip-unneeded", *map(str, shared)], check=True)
     for ca in LOCAL_CAS.glob("*.crt") if LOCAL_CAS.is_dir() else []:
         shutil.copy2(ca, root / "usr/local/share/ca-certificates" / ca.name)
 

@@ -419,6 +419,11 @@ class Run:
         self.stop_during_stream(slow)
 
     def stop(self) -> None:
+        """Containers first (all of them are this daemon's, so all are ours), then the mocks."""
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            ids = self.docker("ps", "-aq", check=False, timeout=30).stdout.split()
+            if ids:
+                self.docker("rm", "-f", *ids, check=False, timeout=60)
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
