@@ -455,6 +455,10 @@ def workdir() -> Iterator[Path]:
 
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    # Stopped from outside (a CI timeout, Ctrl-C, even when started in the background with
+    # SIGINT ignored): unwind, so the cleanup below still stops dockerd and removes its data.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     t_start = time.monotonic()
     try:
         lock_is_current()
