@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from router.core.settings import ConfigError, Settings, load_settings
+from router.discovery.runner import check_discovery
 from router.registry.fleet import check_balancers
 
 
@@ -98,6 +99,32 @@ def _metrics_dir(workers: int) -> Iterator[None]:
     finally:
         os.environ.pop(_MULTIPROC_ENV, None)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def check_temp_dir(workers: int) -> None:
+    """Several workers share their metrics through files: in PROMETHEUS_MULTIPROC_DIR when set,
+    else in a new temporary directory. On a read-only root filesystem there is none unless one
+    is mounted: a `ConfigError` saying so, not a traceback from the workers."""
+    given = os.environ.get(_MULTIPROC_ENV)
+    if given:
+        try:
+            os.makedirs(given, exist_ok=True)
+            tempfile.TemporaryFile(dir=given).close()
+        except OSError as exc:
+            raise ConfigError(
+                f"{_MULTIPROC_ENV}={given}: not a writable directory ({exc.strerror or exc})"
+            ) from None
+        return
+    if workers < 2:
+        return
+    try:
+        tempfile.TemporaryFile().close()
+    except OSError:
+        raise ConfigError(
+            f"workers: {workers} workers keep their metrics in a temporary directory, and none "
+            "is writable (read-only root filesystem?): mount one (docker run --tmpfs /tmp) "
+            f"or set {_MULTIPROC_ENV} to a writable directory"
+        ) from None
 
 
 def serve(settings: Settings) -> None:
@@ -376,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(args.config, host=args.host, port=args.port, workers=args.workers)
         check_balancers(settings)
         check_tokenizers(settings)
+        check_discovery(settings)
+        check_temp_dir(settings.workers)
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
         return 2
