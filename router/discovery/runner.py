@@ -119,6 +119,7 @@ class Discovery:
                 if src.rec.last_sync is None
                 else round(now - src.rec.last_sync, 3),
                 "error": src.rec.error,
+                "refused": src.rec.refused,
             }
             for src in self.sources
         ]
@@ -129,4 +130,6 @@ class Discovery:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for src in self.sources:
+            src.rec.forget_questions()
         await self._http.aclose()

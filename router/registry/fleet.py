@@ -212,6 +212,7 @@ class Fleet:
         self.store = store
         self._file = {c.name: c for c in file_configs}
         self._found: dict[str, dict[str, Discovered]] = {}  # discovery source id -> entries
+        self._flat: dict[str, Discovered] = {}  # every source's entries merged, built once
         self._records: dict[str, Record] = {}
         self._clock = clock
         self.apply({}, force=True)
@@ -242,15 +243,17 @@ class Fleet:
         if self._found.get(source_id) == entries:
             return
         self._found[source_id] = dict(entries)
+        # Merged once per change, never once per name: the rebuild stays linear in the fleet.
+        out: dict[str, Discovered] = {}
+        for found in self._found.values():
+            for name, d in found.items():
+                if name not in self._file:  # a file entry of the same name wins
+                    out.setdefault(name, d)
+        self._flat = out
         self.apply(self._records, force=True)
 
     def _discovered(self) -> dict[str, Discovered]:
-        out: dict[str, Discovered] = {}
-        for entries in self._found.values():
-            for name, d in entries.items():
-                if name not in self._file:  # a file entry of the same name wins
-                    out.setdefault(name, d)
-        return out
+        return self._flat
 
     def _base(self, name: str) -> Discovered | None:
         """The file or discovered entry a patch record applies over."""
