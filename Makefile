@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install redis-server bench bench-quick
+.PHONY: demo test lint install redis-server bench bench-quick engines test-engine engine-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# Real vLLM engines (CPU build, a tiny model written locally) on 127.0.0.1 until Ctrl-C. vLLM gets a
+# venv of its own under $${SLUICEGATE_ENGINE_HOME:-~/.cache/sluicegate} (pip, ~70 s, 3.4 GiB, once).
+engines: $(STAMP)
+	$(VENV)/bin/sluicegate engines
+
+engine-venv: $(STAMP)
+	$(VENV)/bin/sluicegate engines --install-only
+
+# The engine tier: tests against two real engines (tests_engine/, not part of `make test`).
+test-engine: engine-venv
+	$(PY) -m pytest -q -p no:cacheprovider --timeout 600 tests_engine

@@ -21,6 +21,7 @@ from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
+from router.core.netpolicy import NetPolicy
 from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
 from router.discovery.runner import Discovery
@@ -40,6 +41,7 @@ from router.registry.fleet import (
 from router.request.admission import Admission
 from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
+from router.request.hops import HopMarker
 from router.request.proxy import Proxy
 from router.request.quota import QuotaBook, Quotas
 from router.request.usage_book import UsageBook
@@ -118,7 +120,9 @@ def _record_store(settings: Settings) -> RecordStore:
         return LocalRecords()
     from router.registry.sync import RedisRecords
 
-    return RedisRecords(target, resync=settings.registry_resync)
+    return RedisRecords(
+        target, prefix=f"{settings.redis_prefix}:registry", resync=settings.registry_resync
+    )
 
 
 def _usage_book(settings: Settings, metrics: Metrics) -> UsageBook:
@@ -130,12 +134,16 @@ def _usage_book(settings: Settings, metrics: Metrics) -> UsageBook:
 
 def create_app(settings: Settings) -> FastPath:
     backends = [Backend.from_config(b) for b in settings.backends]
-    pools = Pools(settings.timeouts, settings.limits)
+    # Backends added at run time (admin API, discovery) reach only the networks allowed.
+    policy = NetPolicy.from_config(settings.admin)
+    pools = Pools(settings.timeouts, settings.limits, policy)
     metrics = Metrics()
     count_drops(metrics.log_dropped.inc)
     health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
     monitor = HealthMonitor(health)
-    engine = EngineScraper(settings.engine_metrics, on_error=metrics.engine_scrape_failed)
+    engine = EngineScraper(
+        settings.engine_metrics, on_error=metrics.engine_scrape_failed, policy=policy
+    )
 
     def on_swap(snapshot: Snapshot) -> None:
         # Keys of backends added through the admin API are secrets from now on, in logs too.
@@ -184,6 +192,7 @@ def create_app(settings: Settings) -> FastPath:
         quotas=quotas,
         affinity=affinity,
         usage=_usage_book(settings, metrics),
+        hops=HopMarker(settings.deployment_id),
     )
 
     async def counts(names: Sequence[str]) -> dict[str, int]:
@@ -279,7 +288,13 @@ def create_app(settings: Settings) -> FastPath:
     app.include_router(openai_routes(proxy, registry, client_keys))
     app.include_router(
         admin_routes(
-            fleet, store, health, admin_auth, settings.drain_grace, lambda: engine.readings
+            fleet,
+            store,
+            health,
+            admin_auth,
+            settings.drain_grace,
+            lambda: engine.readings,
+            settings.admin,
         )
     )
 

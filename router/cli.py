@@ -1,4 +1,4 @@
-"""`sluicegate serve | status | demo | mock-upstream`: the console entry point."""
+"""`sluicegate serve | status | demo | mock-upstream | engines`: the console entry point."""
 
 from __future__ import annotations
 
@@ -112,6 +112,11 @@ def serve(settings: Settings) -> None:
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
     if settings.config:
         os.environ["SLUICEGATE_CONFIG"] = settings.config
+    # One hop-marker id for this invocation, the same in every worker (router/request/hops.py).
+    if not settings.deployment_id:
+        from router.request.hops import new_deployment_id
+
+        os.environ["SLUICEGATE_DEPLOYMENT_ID"] = new_deployment_id()
     # uvicorn re-raises the SIGTERM it handled once it has stopped; after a completed drain that
     # is a clean exit, not a death by signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -194,6 +199,48 @@ def demo(host: str, port: int) -> int:
                 p.kill()
 
 
+def engines(args: argparse.Namespace) -> int:
+    """Real vLLM engines on loopback (installed and the model written first), until Ctrl-C."""
+    from pathlib import Path
+
+    from router.enginefleet.fleet import EngineOptions, Fleet, ready_line, sample_config
+    from router.enginefleet.install import engine_home, ensure_venv
+    from router.enginefleet.model import write_model
+
+    home = Path(args.home) if args.home else engine_home()
+    python = ensure_venv(home)
+    model = write_model(home / "models")
+    if args.install_only:
+        print(f"vLLM venv ready: {python}; model: {model}")
+        return 0
+    options = EngineOptions(
+        model_name=args.model_name, kv_blocks=args.kv_blocks, max_model_len=args.max_model_len
+    )
+    fleet = Fleet(python, model, args.count, options)
+    # SIGTERM unwinds like Ctrl-C, through the `finally` that stops every engine.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        print(f"starting {args.count} vLLM engine(s), logs in {fleet.run_dir}", flush=True)
+        fleet.start()
+        config = Path(args.write_config) if args.write_config else home / "engines.yaml"
+        config.write_text(sample_config(fleet))
+        print(ready_line(fleet.engines), flush=True)
+        print(f"model `{options.model_name}`; a sluicegate config for them, in {config}:")
+        print(config.read_text(), flush=True)
+        print(f"run the router in front of them: sluicegate serve --config {config}")
+        print("Ctrl-C stops the engines", flush=True)
+        while all(e.alive() for e in fleet.engines):
+            time.sleep(1.0)
+        dead = [e for e in fleet.engines if not e.alive()]
+        for e in dead:
+            print(f"engine {e.index} exited:\n{e.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        fleet.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sluicegate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,7 +285,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-prefix-caching", action="store_true", help="turn off automatic prefix caching"
     )
 
+    p_eng = sub.add_parser("engines", help="real vLLM engines (CPU build, tiny local model)")
+    p_eng.add_argument("--count", type=int, default=2, help="engines, one per core")
+    p_eng.add_argument("--kv-blocks", type=int, default=64, help="KV blocks (128 tokens) each")
+    p_eng.add_argument("--max-model-len", type=int, default=2048)
+    p_eng.add_argument("--model-name", default="tiny-llama", help="the served model name")
+    p_eng.add_argument("--home", help="venv and model (default $SLUICEGATE_ENGINE_HOME)")
+    p_eng.add_argument("--write-config", help="where to write the sluicegate config")
+    p_eng.add_argument("--install-only", action="store_true", help="install and write; no start")
+
     args = parser.parse_args(argv)
+    if args.command == "engines":
+        return engines(args)
     if args.command == "status":
         from router.ops.status import run as status
 

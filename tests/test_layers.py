@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "router.registry.admin": 6,
     "router.ops.status": 6,
     "router.mock": 6,
+    "router.enginefleet": 6,  # real vLLM engines for the engine tier and `sluicegate engines`
     "router.app": 7,
     "router.cli": 8,
     # Package markers hold only a docstring.

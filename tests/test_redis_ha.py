@@ -404,3 +404,39 @@ def test_registry_kept_across_the_key_rename(module_procs: Cluster) -> None:
     assert after_restart == {}
     with redis.Redis.from_url(server.url) as r:  # replicas of the old version still read theirs
         assert r.hexists("sluicegate:registry:records", "from-before")
+
+
+def test_redis_prefix_keeps_two_deployments_registries_apart(module_procs: Cluster) -> None:
+    """Two deployments sharing one Redis under different `redis_prefix` values see only their own
+    admin changes; one upgraded from a version that kept every prefix's records under the default
+    keys finds its records there, once."""
+    from router.app import _record_store
+    from router.core.settings import Settings
+
+    server = module_procs.redis()
+    before = {"config": {"name": "old", "url": "http://127.0.0.1:9", "models": ["m"]}}
+    with redis.Redis.from_url(server.url) as r:
+        r.hset("{sluicegate:registry}:records", "old", json.dumps(before))
+        r.set("{sluicegate:registry}:version", 3)
+    blue = Settings(redis_url=server.url, redis_prefix="blue")
+    green = Settings(redis_url=server.url, redis_prefix="green")
+    default = Settings(redis_url=server.url)
+
+    async def main() -> tuple[dict[str, Any], ...]:
+        stores = [_record_store(s) for s in (blue, green, default)]
+        try:
+            b, g, d = stores
+            adopted = await b.load()
+            await g.load()
+            await b.change("only-blue", lambda _: {"config": {"name": "only-blue"}})
+            await g.change("old", lambda _: None)  # green removes its copy, not blue's
+            return await b.load(), await g.load(), await d.load(), adopted
+        finally:
+            for store in stores:
+                await store.aclose()
+
+    blue_after, green_after, default_after, adopted = asyncio.run(main())
+    assert adopted == {"old": before}
+    assert set(blue_after) == {"old", "only-blue"}
+    assert green_after == {}
+    assert default_after == {"old": before}  # the default deployment keeps its own keys

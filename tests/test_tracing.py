@@ -37,6 +37,7 @@ SECRETS = {
 }
 TTFT_MS, ITL_MS, TOKENS = 120, 20, 6
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
+EXPORT_TIMEOUT_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -280,11 +281,11 @@ def test_collector_down_or_hanging_never_touches_requests(procs: Cluster) -> Non
                 **FAST_EXPORT,
                 "OTEL_BSP_MAX_QUEUE_SIZE": "4",
                 "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2",
-                "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "30",
+                "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": str(EXPORT_TIMEOUT_S),
             },
         )
         times = [_stream_ok(router) for _ in range(10)]
-        assert max(times) < 1.0, times
+        assert max(times) < EXPORT_TIMEOUT_S / 10, times  # never waits on the hung export
         assert hung.exports >= 1  # an export really is stuck on it
         # The queue is bounded: spans beyond it are dropped, not held.
         assert "Queue full" in router.log()
@@ -292,12 +293,13 @@ def test_collector_down_or_hanging_never_touches_requests(procs: Cluster) -> Non
         hung.close()
     # Down: nothing listens on the collector's port any more (connection refused).
     times = [_stream_ok(router) for _ in range(10)]
-    assert max(times) < 1.0, times
-    # A stopping router waits for the exporter only briefly.
+    assert max(times) < EXPORT_TIMEOUT_S / 10, times  # never waits on the hung export
+    # A stopping router waits for the exporter only briefly: well under the exporter's own 30 s
+    # timeout (half of it leaves a loaded machine room to start and drain the process).
     started = time.monotonic()
     router.signal(signal.SIGTERM)
-    router.popen.wait(10)
-    assert time.monotonic() - started < 4
+    router.popen.wait(EXPORT_TIMEOUT_S)
+    assert time.monotonic() - started < EXPORT_TIMEOUT_S / 2
 
 
 def test_settings_then_standard_variables() -> None:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextvars
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -260,6 +261,44 @@ class AdmissionConfig(_Strict):
     recheck: float = Field(0.5, gt=0, le=60)
 
 
+# Never backends unless an operator says so: cloud metadata services (AWS, GCP, Azure, OpenStack
+# and others at 169.254.169.254; AWS over IPv6; Alibaba Cloud), link-local, and "this host" /
+# unspecified addresses (0.0.0.0 reaches the router's own host and slips past an allow-list).
+DEFAULT_DENIED_NETWORKS = (
+    "169.254.0.0/16",
+    "fe80::/10",
+    "fd00:ec2::254/128",
+    "100.100.100.200/32",
+    "0.0.0.0/8",
+    "::/128",
+)
+
+
+class AdminConfig(_Strict):
+    """What backends added at run time (the admin API, discovery) may be: router/core/netpolicy.py.
+    The YAML file's entries are the operator's own and are held to none of it."""
+
+    # `api_key_env` given through the admin API must start with this ("": any name; SLUICEGATE_*
+    # is refused whatever this says): the API must not send the router's other secrets out.
+    api_key_env_prefix: str = Field("BACKEND_KEY_", pattern=r"^[A-Za-z0-9_]{0,64}$")
+    # Backend addresses (the URL's host, and every address its name resolves to when a
+    # connection opens) must be in one of these (empty: anywhere) and in none of the denied.
+    allowed_backend_networks: list[str] = Field(default_factory=list, max_length=1024)
+    denied_backend_networks: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_DENIED_NETWORKS), max_length=1024
+    )
+
+    @field_validator("allowed_backend_networks", "denied_backend_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        for net in v:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"{net!r} is not an IP network (a.b.c.d/n or v6::/n)") from None
+        return v
+
+
 _TEMPLATE_FIXED = ("name", "url", "models")
 _PORT_NAME = r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$"  # an IANA_SVC_NAME, as Kubernetes has it
 
@@ -443,6 +482,11 @@ class Settings(BaseSettings):
     redis_sentinel_password: SecretStr | None = None
     redis_cluster: bool = False
     admin_token: SecretStr | None = None
+    admin: AdminConfig = AdminConfig()
+    # Stamped on every upstream request (`x-sluicegate-hop`, router/request/hops.py) so a backend
+    # that points back at this router is refused, not looped. One per `serve` (its workers share
+    # it) unless set; replicas given the same id catch a loop through their Service at once.
+    deployment_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     backends: list[BackendConfig] = Field(default_factory=list)

@@ -25,6 +25,7 @@ import httpx
 
 from router.core.backend import Backend
 from router.core.engine import EngineReading
+from router.core.netpolicy import NetPolicy
 from router.core.settings import EngineMetricsConfig
 from router.engine.parse import FAMILIES, MetricsError, parse
 from router.upstream.transport import LeanTransport
@@ -55,8 +56,10 @@ class EngineScraper:
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         on_error: Callable[[str], None] | None = None,
+        policy: NetPolicy | None = None,
     ) -> None:
         self.cfg = cfg
+        self._policy = policy  # for backends not from the file, as their traffic
         self._on_error = on_error
         self._mono = monotonic
         self._wall = wall
@@ -85,7 +88,11 @@ class EngineScraper:
         for name in list(self._targets):
             t = self._targets[name]
             nb = wanted.get(name)
-            if nb is None or (nb.url, nb.metrics_path) != (t.backend.url, t.backend.metrics_path):
+            if nb is None or (nb.url, nb.metrics_path, nb.source == "file") != (
+                t.backend.url,
+                t.backend.metrics_path,
+                t.backend.source == "file",
+            ):
                 t.transport.retire()
                 del self._targets[name]
         for name, b in wanted.items():
@@ -93,7 +100,10 @@ class EngineScraper:
             if old is None:
                 self._targets[name] = _Target(
                     b,
-                    LeanTransport(httpx.Limits(max_connections=1, max_keepalive_connections=1)),
+                    LeanTransport(
+                        httpx.Limits(max_connections=1, max_keepalive_connections=1),
+                        policy=self._policy if b.source != "file" else None,
+                    ),
                     EngineReading(0.0, 0.0, 0.0, None, None, 0.0, 0, stale=True),
                 )
             else:

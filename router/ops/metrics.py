@@ -341,6 +341,14 @@ class Metrics:
             "was unreachable.",
             registry=reg,
         )
+        # Hostile or broken input refused or cut (issue 22's hardening): counted, not logged
+        # per request.
+        self.loops_refused = Counter(
+            "sluicegate_loops_refused_total",
+            "Requests refused with 508 because they already carried this router's hop marker "
+            "(a backend points back at the router) or passed too many routers.",
+            registry=reg,
+        )
         self._by_usage: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         # Label lookups take a lock and validate; resolve each combination once.
         self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
@@ -395,6 +403,9 @@ class Metrics:
         if rec.error in ("mid_stream", "timeout") and rec.backend:
             # Failures after the first byte; those before it went through attempt_failed().
             self.upstream_errors.labels(rec.backend, rec.error).inc()
+
+    def loop_refused(self) -> None:
+        self.loops_refused.inc()
 
     def queue_depth(self, model: str, priority: str, delta: int) -> None:
         self.queue_depth_gauge.labels(model, priority).inc(delta)

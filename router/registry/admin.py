@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
@@ -31,7 +32,8 @@ from router.core.errors import (
     error_response,
     type_for_status,
 )
-from router.core.settings import BackendConfig, describe_validation
+from router.core.netpolicy import NetPolicy
+from router.core.settings import AdminConfig, BackendConfig, describe_validation
 from router.registry.fleet import Fleet
 from router.web.auth import AdminAuth
 
@@ -55,20 +57,32 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return data
 
 
-def _registration(data: dict[str, Any]) -> BackendConfig:
+async def _registration(
+    data: dict[str, Any], admin: AdminConfig, policy: NetPolicy
+) -> BackendConfig:
     try:
         cfg = BackendConfig.model_validate(data)
     except ValidationError as exc:
         raise Invalid(describe_validation(exc)) from None
     if cfg.api_key_env:
-        # The admin API must not become a way to send the router's own secrets to a URL of
-        # the caller's choosing.
-        if cfg.api_key_env.upper().startswith("SLUICEGATE_"):
+        # The admin API must not become a way to send the router's own secrets (or any other
+        # variable of its environment) to a URL of the caller's choosing: only variables meant
+        # for backends, by name. The file may name any variable: it is the operator's.
+        name = cfg.api_key_env
+        if name.upper().startswith("SLUICEGATE_"):
             raise Invalid("api_key_env: may not name a SLUICEGATE_* variable")
-        if not os.environ.get(cfg.api_key_env):
+        prefix = admin.api_key_env_prefix
+        if not name.startswith(prefix):
             raise Invalid(
-                f"api_key_env: `{cfg.api_key_env}` is not set in the router's environment"
+                f"api_key_env: through the admin API it must start with `{prefix}` "
+                "(admin.api_key_env_prefix)"
             )
+        if not os.environ.get(name):
+            raise Invalid(f"api_key_env: `{name}` is not set in the router's environment")
+    host = urlsplit(cfg.url).hostname or ""
+    reason = await policy.check_host(host)
+    if reason is not None:
+        raise Invalid(f"url: {reason} (admin.allowed_backend_networks / denied_backend_networks)")
     return cfg
 
 
@@ -84,8 +98,11 @@ def admin_routes(
     auth: AdminAuth,
     drain_grace: float,
     engine_readings: Callable[[], Mapping[str, EngineReading]] | None = None,
+    admin: AdminConfig | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix="/admin")
+    admin = admin or AdminConfig()
+    policy = NetPolicy.from_config(admin)
     registry = fleet.registry
 
     async def describe(backends: tuple[Backend, ...]) -> list[dict[str, Any]]:
@@ -129,7 +146,8 @@ def admin_routes(
         if denied := auth.check(request, mutating=True):
             return denied
         try:
-            b = await fleet.register(_registration(await _json_object(request)))
+            cfg = await _registration(await _json_object(request), admin, policy)
+            b = await fleet.register(cfg)
         except (RegistryError, StoreUnavailable) as exc:
             return _fail(exc)
         return JSONResponse((await describe((b,)))[0], status_code=201)

@@ -2,9 +2,9 @@
 
 Records live in one hash (name -> JSON). A change is a WATCH/MULTI transaction that rewrites one
 record and bumps a version counter, then a message on a channel; every process reloads the whole
-hash on a message. The hash and the counter share a hash tag (`{sluicegate:registry}:...`), so the
-transaction runs on Redis Cluster too; there the message is an ordinary PUBLISH (Cluster relays it
-to every node; registry changes are rare), received on the node that owns the tag's slot.
+hash on a message. The hash and the counter share a hash tag (`{<redis_prefix>:registry}:...`), so
+the transaction runs on Redis Cluster too; there the message is an ordinary PUBLISH (Cluster relays
+it to every node; registry changes are rare), received on the node that owns the tag's slot.
 Messages can be lost (a reconnect, a slow subscriber), so each process also reads the version
 every `resync` seconds and reloads when it moved: a missed change heals within that.
 The hash is the truth and outlives router restarts.
@@ -34,10 +34,13 @@ from router.registry.fleet import Record
 log = logging.getLogger("sluicegate.registry")
 
 _MAX_TXN_RETRIES = 20
+DEFAULT_PREFIX = "sluicegate:registry"
 
-# Before the keys shared a hash tag they were `<prefix>:records` and `<prefix>:version`: the first
-# replica of this version to start copies them over (once; the old keys stay for old replicas).
-# The new version counter marks "done": the hash itself vanishes when its last record is deleted.
+# Before the keys shared a hash tag they were `<prefix>:records` and `<prefix>:version`, and before
+# `redis_prefix` reached the registry every deployment used `{sluicegate:registry}:...` whatever its
+# prefix. The first replica of this version to start copies the first of those that exists (once;
+# the old keys stay for old replicas). The new version counter marks "done": the hash itself
+# vanishes when its last record is deleted.
 _ADOPT_LEGACY = """
 if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 local flat = redis.call('HGETALL', KEYS[3])
@@ -72,7 +75,7 @@ class RedisRecords:
     def __init__(
         self,
         url: str | RedisTarget,
-        prefix: str = "sluicegate:registry",
+        prefix: str = DEFAULT_PREFIX,
         resync: float = 1.0,
         timeout: float = 2.0,
     ) -> None:
@@ -83,7 +86,10 @@ class RedisRecords:
         self._hash = f"{tag}:records"
         self._version = f"{tag}:version"
         self._channel = f"{tag}:changes"
-        self._legacy = (f"{prefix}:records", f"{prefix}:version")
+        legacy = [f"{prefix}:records"]
+        if prefix != DEFAULT_PREFIX:
+            legacy.append("{" + DEFAULT_PREFIX + "}:records")
+        self._legacy = tuple(legacy)
         self._adopted = False
         self._resync = resync
         self._timeout = timeout
@@ -111,13 +117,15 @@ class RedisRecords:
     async def _adopt_legacy(self) -> None:
         # Not on Cluster: nothing older ran there, and the old keys are in other slots.
         if not self._adopted and not self._cluster:
-            keys = [self._hash, self._version, *self._legacy]
-            copied = await self._redis.eval(_ADOPT_LEGACY, len(keys), *keys)
-            if copied:
-                log.info(
-                    "registry records copied to the hash-tagged keys",
-                    extra={"fields": {"records": copied}},
-                )
+            for legacy in self._legacy:
+                keys = [self._hash, self._version, legacy]
+                copied = await self._redis.eval(_ADOPT_LEGACY, len(keys), *keys)
+                if copied:
+                    log.info(
+                        "registry records copied to the hash-tagged keys",
+                        extra={"fields": {"records": copied, "from": legacy}},
+                    )
+                    break
         self._adopted = True
 
     async def load(self) -> dict[str, Record]:

@@ -43,6 +43,7 @@ from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
+from router.request.hops import HOP_HEADER, HopMarker
 from router.request.quota import Hold, KeyLimits, QuotaBook, Quotas
 from router.request.record import RequestRecord
 from router.request.usage import ResponseUsage
@@ -94,8 +95,11 @@ class Proxy:
         affinity: Affinity | None = None,
         quotas: QuotaBook | None = None,
         usage: UsageBook | None = None,
+        hops: HopMarker | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
+        # This deployment's mark on upstream requests; a request bearing it already is a loop.
+        self.hops = hops or HopMarker(settings.deployment_id)
         # Hourly token usage per key and model (/admin/usage); written at each request's end.
         self.usage = usage or UsageBook()
         # Ask streams' backends for usage the client did not ask for (and hide it from them).
@@ -139,6 +143,11 @@ class Proxy:
                 "shutting_down",
                 {"x-request-id": request_id, "retry-after": "1"},
             )
+        hop = self.hops.outgoing(request.headers.raw)
+        if isinstance(hop, Response):
+            hop.headers["x-request-id"] = request_id
+            self.metrics.loop_refused()
+            return hop
         checked = await validate(
             request,
             request_id,
@@ -190,6 +199,7 @@ class Proxy:
             record,
             ticket,
             reservation,
+            hop,
         )
 
 
@@ -209,8 +219,10 @@ class ProxyCall(Response):
         record: RequestRecord,
         ticket: Ticket | None = None,
         reservation: Hold | None = None,
+        hop: bytes = b"",
     ) -> None:
         self.background = None
+        self._hop = hop  # x-sluicegate-hop for every attempt's upstream request
         self.status_code = 200
         self._proxy = proxy
         self._path = path
@@ -404,9 +416,10 @@ class ProxyCall(Response):
         rec.backend = backend.name
         response: httpx.Response | None = None
         try:
-            headers = upstream_request_headers(
-                self._client_headers, rec.request_id, list(backend.auth_headers)
-            )
+            own = list(backend.auth_headers)
+            if self._hop:
+                own.append((HOP_HEADER, self._hop))  # replaces the client's own, if it sent one
+            headers = upstream_request_headers(self._client_headers, rec.request_id, own)
             if self._inject:
                 # The usage event can only be taken out of bytes that are not compressed.
                 headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from router.core.backend import Backend
+from router.core.netpolicy import NetPolicy
 from router.core.settings import PoolLimits, Timeouts
 from router.upstream.transport import LeanTransport
 
@@ -27,14 +28,14 @@ class NoCookies(httpx.Cookies):
 
 
 def make_client(
-    backend: Backend, timeouts: Timeouts, limits: PoolLimits
+    backend: Backend, timeouts: Timeouts, limits: PoolLimits, policy: NetPolicy | None = None
 ) -> tuple[httpx.AsyncClient, LeanTransport]:
     pool_limits = httpx.Limits(
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive,
         keepalive_expiry=limits.keepalive_expiry,
     )
-    transport = LeanTransport(pool_limits)
+    transport = LeanTransport(pool_limits, policy=policy)
     client = httpx.AsyncClient(
         base_url=backend.url,
         timeout=httpx.Timeout(
@@ -55,8 +56,12 @@ def make_client(
 class Pools:
     """Backend name -> its client and transport. They outlive config swaps that keep the URL."""
 
-    def __init__(self, timeouts: Timeouts, limits: PoolLimits) -> None:
+    def __init__(
+        self, timeouts: Timeouts, limits: PoolLimits, policy: NetPolicy | None = None
+    ) -> None:
         self._timeouts = timeouts
+        # Held to backends not from the file (admin API, discovery): their traffic and probes.
+        self._policy = policy
         self._limits = limits
         self._pools: dict[str, _Pool] = {}
         self._timeout = httpx.Timeout(
@@ -85,13 +90,22 @@ class Pools:
 
     def _get(self, backend: Backend) -> _Pool:
         pool = self._pools.get(backend.name)
-        if pool is not None and pool.url == backend.url and pool.query == backend.query:
+        guarded = self._policy is not None and backend.source != "file"
+        if (
+            pool is not None
+            and pool.url == backend.url
+            and pool.query == backend.query
+            and pool.guarded == guarded
+        ):
             return pool
         if pool is not None:
             # The URL changed: the old pool finishes its streams in flight, takes nothing new.
             pool.transport.retire()
-        client, transport = make_client(backend, self._timeouts, self._limits)
-        pool = self._pools[backend.name] = _Pool(backend.url, backend.query, client, transport)
+        policy = self._policy if guarded else None
+        client, transport = make_client(backend, self._timeouts, self._limits, policy)
+        pool = self._pools[backend.name] = _Pool(
+            backend.url, backend.query, client, transport, guarded
+        )
         return pool
 
     def names(self) -> set[str]:
@@ -115,4 +129,5 @@ class _Pool:
     query: tuple[tuple[str, str], ...]
     client: httpx.AsyncClient
     transport: LeanTransport
+    guarded: bool  # held to the network policy
     urls: dict[str, httpx.URL] = field(default_factory=dict)  # request path -> full URL

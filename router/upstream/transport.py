@@ -37,6 +37,7 @@ import httptools
 import httpx
 
 from router.core.errors import InvalidUpstreamResponse
+from router.core.netpolicy import NetPolicy, NetworkRefused
 
 HIGH_WATER = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024
@@ -313,7 +314,15 @@ class _Body(httpx.AsyncByteStream):
 class LeanTransport(httpx.AsyncBaseTransport):
     """One host's connections: a LIFO stack of idle ones and a cap on how many exist."""
 
-    def __init__(self, limits: httpx.Limits, verify: ssl.SSLContext | bool = True) -> None:
+    def __init__(
+        self,
+        limits: httpx.Limits,
+        verify: ssl.SSLContext | bool = True,
+        policy: NetPolicy | None = None,
+    ) -> None:
+        # Backends added at run time: each new connection resolves the host, checks every
+        # address against the policy and connects only to those (router/core/netpolicy.py).
+        self._policy = policy
         self._max = limits.max_connections or 10**9
         self._max_idle = (
             limits.max_keepalive_connections
@@ -429,18 +438,43 @@ class LeanTransport(httpx.AsyncBaseTransport):
         port = url.port or (443 if secure else 80)
         try:
             async with asyncio.timeout(connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: _Conn(self),
-                    url.host,
-                    port,
-                    ssl=self._ssl if secure else None,
-                    server_hostname=url.host if secure else None,
-                )
+                if self._policy is None:
+                    _, conn = await loop.create_connection(
+                        lambda: _Conn(self),
+                        url.host,
+                        port,
+                        ssl=self._ssl if secure else None,
+                        server_hostname=url.host if secure else None,
+                    )
+                else:
+                    conn = await self._connect_checked(url.host, port, secure)
         except TimeoutError:
             raise httpx.ConnectTimeout("could not connect to the backend in time") from None
+        except NetworkRefused as exc:
+            raise httpx.ConnectError(str(exc)) from None
         except OSError as exc:
             raise httpx.ConnectError(f"could not connect to the backend: {exc.strerror}") from None
         return conn
+
+    async def _connect_checked(self, host: str, port: int, secure: bool) -> _Conn:
+        """Connect to an address of `host` the policy allows (the name is resolved once, here,
+        so what is checked is what is connected to)."""
+        assert self._policy is not None
+        loop = asyncio.get_running_loop()
+        last: OSError | None = None
+        for address in await self._policy.addresses(host, port):
+            try:
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(self),
+                    address,
+                    port,
+                    ssl=self._ssl if secure else None,
+                    server_hostname=host if secure else None,
+                )
+                return conn
+            except OSError as exc:
+                last = exc
+        raise last or OSError("no address to connect to")
 
     def _release(self, conn: _Conn) -> None:
         """The exchange on `conn` is over: keep it for the next request, or let it go."""

