@@ -278,3 +278,36 @@ def test_churn_logs_a_bounded_number_of_lines_and_a_summary(
     lines = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("discovered backend ") for m in lines) <= 20  # not 400
     assert lines.count("discovered backends changed") == 2  # one summary per change set
+
+
+def test_discovered_addresses_obey_the_backend_network_policy() -> None:
+    from router.core.netpolicy import NetPolicy
+
+    cfg = KubernetesDiscovery.model_validate(
+        {
+            "kind": "kubernetes",
+            "namespace": "models",
+            "service": "vllm",
+            "port": 8000,
+            "models": ["m"],
+        }
+    )
+
+    async def run() -> None:
+        fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+        events = Events()
+        async with httpx.AsyncClient() as http:
+            rec = Reconciler(
+                "k", cfg, fleet, no_streams, events, 30, http, time.monotonic, NetPolicy()
+            )
+            await rec.update(
+                [
+                    Endpoint("169.254.169.254", 8000, True),  # the metadata service: denied
+                    Endpoint("::ffff:169.254.169.254", 8000, True),
+                    Endpoint("10.0.0.1", 8000, True),
+                ]
+            )
+        assert set(fleet.registry.snapshot.by_name) == {"vllm-10.0.0.1-8000"}
+        assert rec.denied == 2 and "network_refused" in events.seen
+
+    asyncio.run(run())

@@ -29,6 +29,7 @@ import httpx
 from pydantic import ValidationError
 
 from router.core.backend import Backend
+from router.core.netpolicy import NetPolicy
 from router.core.settings import NAME_PATTERN, DnsDiscovery, KubernetesDiscovery
 from router.registry.fleet import Discovered, Fleet
 
@@ -82,7 +83,9 @@ class Reconciler:
         grace: float,
         http: httpx.AsyncClient,
         clock: Callable[[], float] = time.monotonic,
+        policy: NetPolicy | None = None,
     ) -> None:
+        self._policy = policy
         self.source_id = source_id
         self.kind = cfg.kind
         self.cfg = cfg
@@ -100,6 +103,7 @@ class Reconciler:
         self._auto_retry: dict[str, float] = {}
         self.last_sync: float | None = None
         self.refused = 0  # endpoints over `max_endpoints` in the last set
+        self.denied = 0  # endpoints the backend-network policy refuses, in the last set
         self._changes: dict[str, int] = {}
         self._hidden = 0
         self._asking: dict[str, asyncio.Task[None]] = {}  # models: auto questions in flight
@@ -122,17 +126,30 @@ class Reconciler:
         """The source's whole current set; duplicates (one address in two slices) merge, ready
         winning."""
         current: dict[str, tuple[str, Endpoint]] = {}
-        bad = 0
+        bad = denied = 0
         for ep in endpoints:
             name = backend_name(self.cfg.names_prefix, ep.host, ep.port)
             if not _valid_name(name) or not 1 <= ep.port <= 65535:
                 bad += 1
+                continue
+            # The backend-network policy of the admin API holds for discovered addresses too:
+            # a hostile slice must not point the router at the metadata service.
+            reason = self._policy.refusal(ep.host) if self._policy is not None else None
+            if reason is not None:
+                denied += 1
                 continue
             prev = current.get(name)
             if prev is None or (ep.ready and not prev[1].ready):
                 current[name] = (endpoint_url(self.cfg.scheme, ep.host, ep.port), ep)
         if bad:
             self.event("bad_endpoint", bad)
+        if denied != self.denied:
+            self.warn(
+                "network_refused",
+                "refusing endpoints outside the allowed backend networks",
+                refused=str(denied),
+            )
+        self.denied = denied
         # The cap: backends already known keep their place, then new ones in the source's order.
         cap = self.cfg.max_endpoints
         if len(current) > cap:

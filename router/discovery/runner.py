@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from router.core.netpolicy import NetPolicy
 from router.core.settings import DnsDiscovery, KubernetesDiscovery
 from router.discovery.reconcile import DiscoveryMetrics, InFlight, Reconciler
 from router.registry.fleet import Fleet
@@ -41,6 +42,7 @@ class Discovery:
         metrics: RunnerMetrics,
         grace: float,
         clock: Callable[[], float] = time.monotonic,
+        policy: NetPolicy | None = None,
     ) -> None:
         self._metrics = metrics
         self._clock = clock
@@ -49,7 +51,9 @@ class Discovery:
         self.sources: list[Source] = []
         for i, cfg in enumerate(configs):
             source_id = f"{cfg.kind}[{i}]:{cfg.names_prefix}"
-            rec = Reconciler(source_id, cfg, fleet, in_flight, metrics, grace, self._http, clock)
+            rec = Reconciler(
+                source_id, cfg, fleet, in_flight, metrics, grace, self._http, clock, policy
+            )
             if isinstance(cfg, KubernetesDiscovery):
                 from router.discovery.kubernetes import KubernetesSource
 
@@ -120,6 +124,7 @@ class Discovery:
                 else round(now - src.rec.last_sync, 3),
                 "error": src.rec.error,
                 "refused": src.rec.refused,
+                "network_refused": src.rec.denied,
             }
             for src in self.sources
         ]
