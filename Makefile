@@ -55,6 +55,9 @@ engines: $(STAMP)
 engine-venv: $(STAMP)
 	$(VENV)/bin/sluicegate engines --install-only
 
-# The engine tier: tests against two real engines (tests_engine/, not part of `make test`).
+# The engine tier: tests against two real engines (tests_engine/, not part of `make test`). Direct
+# load on the engines comes from curl processes.
 test-engine: engine-venv
+	@command -v curl >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null; }
 	$(PY) -m pytest -q -p no:cacheprovider --timeout 600 tests_engine

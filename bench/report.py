@@ -263,6 +263,10 @@ def sections(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
 
         p = r["prefix"]
         found.append(("prefix", prefix_section(p, p.get("plot"), report["machine"]["date"])))
+    if "real" in r:
+        from bench.real_engine import section as real_section
+
+        found.append(("real", real_section(r["real"], report["machine"]["date"])))
     if "noisy" in r:
         from bench.noisy import section as noisy_section
 

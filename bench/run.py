@@ -5,6 +5,7 @@
     python -m bench.run --only overhead  # one scenario (its section of the docs is replaced,
                                          # the others are kept)
     python -m bench.run --only compare   # beside a textbook FastAPI proxy and LiteLLM
+    python -m bench.run --quick --only overhead --baseline-src DIR   # A/B against a checkout
 
 Targets are started and stopped here (mock upstreams, the router, nginx, redis-server), all on
 127.0.0.1; loads alternate between targets in rounds so noise on this shared machine spreads
@@ -81,8 +82,11 @@ http {{
 
 
 class Bench:
-    def __init__(self, quick: bool, soak_seconds: float | None = None) -> None:
+    def __init__(
+        self, quick: bool, soak_seconds: float | None = None, baseline_src: str | None = None
+    ) -> None:
         self.quick = quick
+        self.baseline_src = baseline_src  # overhead: also a router from this checkout (A/B)
         self.soak_seconds = soak_seconds
         self.cluster = Cluster()
         self.results: dict[str, Any] = {}
@@ -92,7 +96,9 @@ class Bench:
     def mock(self, name: str, **kw: Any) -> Proc:
         return self.cluster.mock(name, **kw)
 
-    def router(self, ups: list[Proc], workers: int = 1, **extra: Any) -> Proc:
+    def router(
+        self, ups: list[Proc], workers: int = 1, src: str | None = None, **extra: Any
+    ) -> Proc:
         cfg = {
             "backends": [
                 {"name": f"b{i}", "url": u.url, "models": {"m": "mock-model"}}
@@ -102,7 +108,8 @@ class Bench:
         }
         # One JSON line per request is part of the product; the benchmark keeps it on but sends
         # it to the log file, as a deployment would.
-        return self.cluster.router(cfg, workers=workers, env={"SLUICEGATE_LOG_LEVEL": "warning"})
+        env = {"SLUICEGATE_LOG_LEVEL": "warning"}
+        return self.cluster.router(cfg, workers=workers, env=env, src=src)
 
     def nginx(self, ups: list[Proc]) -> Proc | None:
         binary = shutil.which("nginx") or (
@@ -149,6 +156,10 @@ class Bench:
         }
         if ngx:
             targets["nginx"] = (ngx, ngx)
+        base = self.router([up], src=self.baseline_src) if self.baseline_src else None
+        if base is not None:
+            targets["baseline"] = (base, base)
+        routed = ("router", "baseline")
         body = {"stream": True, "max_tokens": 64}
         rounds = 2 if self.quick else 4
         seconds = 3.0 if self.quick else 6.0
@@ -162,7 +173,7 @@ class Bench:
                 self.measured(
                     hop,
                     tgt,
-                    {**body, "model": "mock-model" if k != "router" else "m"},
+                    {**body, "model": "m" if k in routed else "mock-model"},
                     conc,
                     duration=1.0,
                 )
@@ -171,7 +182,7 @@ class Bench:
                 order = order[rnd % len(order) :] + order[: rnd % len(order)]
                 for k in order:
                     hop, tgt = targets[k]
-                    b = {**body, "model": "m" if k == "router" else "mock-model"}
+                    b = {**body, "model": "m" if k in routed else "mock-model"}
                     m = self.measured(hop, tgt, b, conc, duration=seconds)
                     a = agg[k]
                     a["ok"] += m["ok"]
@@ -197,13 +208,17 @@ class Bench:
             row["router_vs_direct_rps"] = row["router"]["rps"] / d["rps"]
             row["router_added_ttfb_p50_ms"] = row["router"]["ttfb_p50_ms"] - d["ttfb_p50_ms"]
             row["router_added_ttfb_p99_ms"] = row["router"]["ttfb_p99_ms"] - d["ttfb_p99_ms"]
+            if "baseline" in row:
+                row["router_vs_baseline_cpu"] = (
+                    row["router"]["cpu_ms_per_req"] / row["baseline"]["cpu_ms_per_req"]
+                )
             if "nginx" in row:
                 row["router_vs_nginx_rps"] = row["router"]["rps"] / row["nginx"]["rps"]
                 row["nginx_vs_direct_rps"] = row["nginx"]["rps"] / d["rps"]
             out[f"c{conc}"] = row
             print(f"overhead c={conc}: " + json.dumps(_short(row)), flush=True)
         self.results["overhead"] = out
-        for p in (router, ngx, up):
+        for p in (router, ngx, base, up):
             if p:
                 p.stop()
 
@@ -503,6 +518,12 @@ def prefix(bench: Bench) -> None:
     bench.results["prefix"] = {**res, "plot": PNG if made else None}
 
 
+def real(bench: Bench) -> None:
+    from bench.real_engine import run as real_run
+
+    bench.results["real"] = real_run(bench.cluster, bench.quick)
+
+
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "overhead": Bench.overhead,
     "compare": compare,
@@ -514,6 +535,8 @@ SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "admission": admission,
     "noisy": noisy,
     "prefix": prefix,
+    # Not in a full run: it needs the real-engine venv (make engine-venv); `--only real`.
+    "real": real,
 }
 
 
@@ -523,12 +546,15 @@ def main() -> int:
     ap.add_argument("--only", action="append", choices=sorted(SCENARIOS))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--soak-seconds", type=float, help="soak length (default 240; 30 with --quick)")
+    ap.add_argument(
+        "--baseline-src", help="overhead: also a router from this checkout (A/B in one run)"
+    )
     args = ap.parse_args()
     uvloop.install()
-    bench = Bench(args.quick, args.soak_seconds)
+    bench = Bench(args.quick, args.soak_seconds, args.baseline_src)
     started = time.monotonic()
     try:
-        for name in args.only or list(SCENARIOS):
+        for name in args.only or [n for n in SCENARIOS if n != "real"]:
             SCENARIOS[name](bench)
     finally:
         bench.close()

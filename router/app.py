@@ -28,6 +28,7 @@ from router.discovery.runner import Discovery
 from router.engine.scraper import EngineScraper
 from router.ops.logs import count_drops, register_secret, secret_header
 from router.ops.logs import stop as stop_logging
+from router.ops.memory import Trimmer, pin_mmap_threshold
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.ops.tracing import make_tracing
 from router.registry.admin import admin_routes
@@ -172,7 +173,7 @@ def create_app(settings: Settings) -> FastPath:
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(make_store(settings), metrics)
     lifecycle = Lifecycle()
-    tracing = make_tracing(settings.tracing)
+    tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
     admission = Admission(settings.admission, metrics) if settings.admission else None
     affinity = make_affinity(settings, metrics)
     if admission is not None:
@@ -227,9 +228,11 @@ def create_app(settings: Settings) -> FastPath:
         await quotas.start()
         if affinity.shared is not None:
             await affinity.shared.start()
+        pin_mmap_threshold()  # big bodies mapped and unmapped: a flood's memory leaves
         chores = [
             asyncio.create_task(fleet.store.watch(fleet.apply)),
             asyncio.create_task(_every(1.0, close_removed_pools, "closing removed pools")),
+            asyncio.create_task(_every(5.0, Trimmer().step, "returning freed memory")),
         ]
         if proxy.usage.shared:
             chores.append(asyncio.create_task(proxy.usage.run(settings.usage_flush)))

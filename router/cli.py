@@ -128,7 +128,11 @@ def serve(settings: Settings) -> None:
             port=settings.port,
             workers=settings.workers,
             loop="uvloop",
-            http=protocol(settings.server.header_timeout, settings.server.max_connections),
+            http=protocol(
+                settings.server.header_timeout,
+                settings.server.max_connections,
+                settings.server.body_timeout,
+            ),
             lifespan="on",
             access_log=False,
             server_header=False,
@@ -268,6 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_mock.add_argument("--ttft-ms", type=float, default=0.0)
     p_mock.add_argument("--itl-ms", type=float, default=0.0)
     p_mock.add_argument("--tokens", type=int, default=16)
+    p_mock.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="answer only these models (vLLM's 404 for others); default: any name",
+    )
+    p_mock.add_argument("--max-model-len", type=int, default=131072, help="context length")
     eng = p_mock.add_argument_group("engine model (router/mock/engine.py): behave like a vLLM")
     eng.add_argument("--engine", action="store_true", help="simulate a vLLM scheduler")
     eng.add_argument("--max-num-seqs", type=int, default=32)
@@ -327,7 +337,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flavor="sglang" if args.sglang_metrics else "vllm",
                 prefix_caching=not args.no_prefix_caching,
             )
-        run(args.host, args.port, args.name, args.ttft_ms, args.itl_ms, args.tokens, engine=engine)
+        run(
+            args.host,
+            args.port,
+            args.name,
+            args.ttft_ms,
+            args.itl_ms,
+            args.tokens,
+            engine=engine,
+            served_model_names=args.served_model_name,
+            max_model_len=args.max_model_len,
+        )
         return 0
     try:
         if args.command == "demo":

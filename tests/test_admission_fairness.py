@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
+
 from balancers.inflight.base import Lease
 from router.core.settings import AdmissionConfig
 from router.request.admission import Admission, Ticket, make_ticket
@@ -25,8 +27,12 @@ class Slots:
         return Lease("b")
 
 
-def ticket(tenant: str, weight: float = 1.0, cost: float = 100.0, band: int = 1) -> Ticket:
-    return Ticket("m", band, tenant, weight, cost, deadline=1e12, deadline_reason="max_wait")
+def ticket(
+    tenant: str, weight: float = 1.0, cost: float = 100.0, band: int = 1, size: int = 0
+) -> Ticket:
+    return Ticket(
+        "m", band, tenant, weight, cost, deadline=1e12, deadline_reason="max_wait", size=size
+    )
 
 
 async def serve(adm: Admission, slots: Slots, tickets: list[Ticket], n: int) -> list[str]:
@@ -103,14 +109,17 @@ def test_a_woken_request_that_leaves_hands_its_wake_on() -> None:
 def test_the_estimate_is_body_bytes_over_four_plus_the_completion_budget() -> None:
     from starlette.datastructures import Headers
 
-    cfg = AdmissionConfig(default_max_tokens=256)
-    h = Headers({})
-    t = make_ticket(cfg, h, "r", "m", 4000, {"max_tokens": 50}, 0.0, "standard", 1.0, "k")
-    assert isinstance(t, Ticket) and t.cost == 1000 + 50
-    t = make_ticket(cfg, h, "r", "m", 400, {"max_completion_tokens": 7}, 0.0, "standard", 1.0, "")
-    assert isinstance(t, Ticket) and t.cost == 100 + 7
-    t = make_ticket(cfg, h, "r", "m", 400, {}, 0.0, "critical", 1.0, "")
-    assert isinstance(t, Ticket) and t.cost == 100 + 256 and t.band == 0
+    from router.request.estimate import COMPLETION_LIMITS, estimate_tokens
+
+    assert estimate_tokens({"max_tokens": 50}, 4000, default_max_tokens=256) == 1000 + 50
+    assert estimate_tokens({"max_completion_tokens": 7}, 400) == 100 + 7
+    assert estimate_tokens({}, 400, default_max_tokens=256) == 100 + 256
+    # completions: the engine reads max_tokens only, whatever max_completion_tokens says
+    both = {"max_tokens": 9, "max_completion_tokens": 10**19}
+    assert estimate_tokens(both, 400, COMPLETION_LIMITS) == 100 + 9
+    cfg = AdmissionConfig()
+    t = make_ticket(cfg, Headers({}), "r", "m", 356, 400, 0.0, "critical", 1.0, "")
+    assert isinstance(t, Ticket) and t.cost == 356 and t.size == 400 and t.band == 0
 
 
 def test_real_usage_corrects_the_tenants_later_share() -> None:
@@ -271,3 +280,42 @@ def test_requests_that_leave_unserved_are_not_refunded_to_their_tenant() -> None
         return order
 
     assert asyncio.run(main()) == ["c", "b", "a", "a", "a"]
+
+
+def test_queued_bytes_are_bounded_and_shed_the_lowest_band_first() -> None:
+    from router.request.admission import QueueFull
+
+    async def main() -> None:
+        cfg = AdmissionConfig(max_queue_bytes=3000, max_wait=5)
+        adm, slots = Admission(cfg), Slots()
+        parked: list[str] = []
+
+        def enter(t: Ticket, name: str) -> asyncio.Task[Lease]:
+            return asyncio.create_task(adm.acquire(t, slots.try_once, lambda: parked.append(name)))
+
+        low = [ticket("a", band=2, size=1000) for _ in range(3)]
+        waiting = [enter(t, f"low{i}") for i, t in enumerate(low)]
+        await asyncio.sleep(0)
+        assert adm.depth == 3 and adm.queued_bytes == 3000
+        assert parked == ["low0", "low1", "low2"]
+        # A standard request over the bound sheds the lowest band's latest entries to fit.
+        mid = enter(ticket("b", size=1500), "mid")
+        await asyncio.sleep(0)
+        assert adm.queued_bytes == 2500 and adm.depth == 2
+        for t in waiting[1:]:
+            with pytest.raises(QueueFull):
+                await t
+        # A newcomer lower than all that waits, and a body bigger than the bound, are refused.
+        with pytest.raises(QueueFull):
+            await adm.acquire(ticket("c", band=2, size=1000), slots.try_once)
+        with pytest.raises(QueueFull):
+            await adm.acquire(ticket("c", band=0, size=3001), slots.try_once)
+        assert adm.queued_bytes == 2500
+        slots.free = 2
+        adm.released()
+        adm.released()
+        await asyncio.wait_for(asyncio.gather(waiting[0], mid), 5)
+        assert adm.queued_bytes == 0 and adm.depth == 0
+        await adm.aclose()
+
+    asyncio.run(main())

@@ -180,3 +180,26 @@ def test_records_queued_at_shutdown_reach_redis_even_while_a_flush_is_under_way(
     with redis.Redis.from_url(rds.url) as r:
         held = {n: r.zcard(f"{{{prefix}:affinity}}:blocks:{n}") for n in names}
     assert held == dict.fromkeys(names, 2)
+
+
+def test_each_backend_is_capped_as_the_local_index_is(
+    rds: Proc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22, defect 7: the shared index followed whatever capacity an engine reported
+    (153,600 blocks for one backend); it is capped per backend like the local index."""
+    import router.request.affinity_store as store
+
+    monkeypatch.setattr(store, "MAX_BLOCKS_PER_BACKEND", 8)
+    prefix = uuid.uuid4().hex
+    long = chain(*"abcdefghijklmnopqrst")  # 20 blocks
+
+    async def body() -> None:
+        shared = SharedPrefixIndex(rds.url, prefix=prefix, timeout=1.0, flush_after=60)
+        shared.record(long, "e", 10**12)
+        await shared.match([], ["e"])
+        with redis.Redis.from_url(rds.url) as r:
+            assert r.zcard("{" + prefix + ":affinity}:blocks:e") == 8
+        assert shared.entries == 8
+        await shared.aclose()
+
+    run(body)

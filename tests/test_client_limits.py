@@ -1,5 +1,6 @@
 """Client connection limits, driven with raw sockets against a real router: a head not complete
-in `server.header_timeout` is closed (idle and slowloris sockets alike), idle kept-alive
+in `server.header_timeout` is closed (idle and slowloris sockets alike), a body not complete
+`server.body_timeout` after its head gets 408 and is closed, idle kept-alive
 connections close after `server.keepalive_timeout`, a connection past `server.max_connections`
 gets a fast 503, and the fd limit is raised at startup with a warning when it is short."""
 
@@ -18,6 +19,7 @@ import pytest
 from tests.harness import Cluster, Proc, backend
 
 HEADER_TIMEOUT = 2.0  # long enough for the cap test to hold its idle sockets
+BODY_TIMEOUT = 1.0
 KEEPALIVE = 0.5
 MAX_CONNECTIONS = 5
 
@@ -30,6 +32,7 @@ def router(module_procs: Cluster) -> Proc:
             "backends": [backend("a", mock)],
             "server": {
                 "header_timeout": HEADER_TIMEOUT,
+                "body_timeout": BODY_TIMEOUT,
                 "keepalive_timeout": KEEPALIVE,
                 "max_connections": MAX_CONNECTIONS,
             },
@@ -85,6 +88,43 @@ def test_idle_and_slowloris_heads_are_closed_after_header_timeout(
     took = time.monotonic() - start
     assert HEADER_TIMEOUT * 0.8 <= took <= HEADER_TIMEOUT + 2.0
     assert closed_after(idle, 3.0) < 3.0
+    assert httpx.get(router.url + "/healthz", timeout=5).status_code == 200
+
+
+def test_a_body_that_stops_short_or_trickles_gets_408_after_body_timeout(
+    router: Proc, sockets: list[socket.socket]
+) -> None:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 4096\r\n\r\n"
+    short = connect(router, sockets)
+    trickle = connect(router, sockets)
+    start = time.monotonic()
+    short.sendall(head + b"{" + b" " * 3000)  # 1 KB short, then silence
+    trickle.sendall(head)
+    replies = {}
+    while time.monotonic() - start < BODY_TIMEOUT + 3 and len(replies) < 2:
+        try:
+            trickle.sendall(b" ")  # a byte every 0.1 s: activity, never the whole body
+        except OSError:
+            pass
+        for name, s in (("short", short), ("trickle", trickle)):
+            if name in replies:
+                continue
+            s.settimeout(0.1)
+            try:
+                data = s.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                data = b""
+            replies[name] = (data, time.monotonic() - start)
+    assert set(replies) == {"short", "trickle"}
+    for data, took in replies.values():
+        head_line, _, body = data.partition(b"\r\n\r\n")
+        assert head_line.startswith(b"HTTP/1.1 408")
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert BODY_TIMEOUT * 0.8 <= took <= BODY_TIMEOUT + 2.0
+    for s in (short, trickle):
+        assert closed_after(s, 3.0) < 3.0
     assert httpx.get(router.url + "/healthz", timeout=5).status_code == 200
 
 

@@ -220,3 +220,41 @@ def test_usage_and_metrics_through_the_router(fleet: dict[str, Proc]) -> None:
     for name in ("waiting", "running", "kv_usage"):
         assert f'sluicegate_engine_{name}{{backend="s"}}' in text
     assert 'sluicegate_engine_scrape_age_seconds{backend="a"}' in text
+
+
+def test_an_absurd_kv_capacity_is_capped_or_ignored(fleet: dict[str, Proc]) -> None:
+    """Issue 22, defect 7: an engine's cache_config_info sizes its share of the prefix index;
+    a report of 1.6 x 10^9 tokens was believed. Capped at engine_metrics.max_kv_tokens (8 Mi
+    tokens); an implausible block size counts as no report (the configured default applies)."""
+    router = fleet["router"]
+    running = "vllm:num_requests_running 0\n"
+    huge = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="100000000"} 1.0\n'
+    control(fleet["a"], metrics_body=running + huge)
+    wait_for(
+        lambda: engines(router)["a"]["kv_capacity_tokens"] == 8 * 1024 * 1024,
+        3,
+        "capacity capped at max_kv_tokens",
+    )
+    odd = 'vllm:cache_config_info{block_size="1000000",num_gpu_blocks="1000"} 1.0\n'
+    control(fleet["a"], metrics_body=running + odd)
+    wait_for(
+        lambda: (
+            engines(router)["a"]["kv_capacity_tokens"] is None
+            and engines(router)["a"]["scrape_error"] is None
+        ),
+        3,
+        "an implausible block size taken as no report",
+    )
+
+
+def test_a_page_of_too_many_series_is_refused_cheaply(fleet: dict[str, Proc]) -> None:
+    """Issue 22, defect 9: 4 MB of valid series took 78 ms of the event loop per scrape. More
+    than 256 series of a family is no engine's page: refused after reading that many."""
+    router = fleet["router"]
+    page = "".join(f'vllm:num_requests_running{{engine="{i}"}} 1\n' for i in range(20_000))
+    control(fleet["a"], metrics_body=page)
+    wait_for(
+        lambda: "too many series" in (engines(router)["a"]["scrape_error"] or ""),
+        3,
+        "scrape_error too many series",
+    )

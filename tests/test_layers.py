@@ -34,6 +34,8 @@ LAYERS: dict[str, int] = {
     "router.request.admission": 3,  # the admission queue: core and balancers only
     "router.request.quota": 3,  # per-key rpm / tpm / max_parallel: core only
     "router.request.quota_shared": 3,  # the same shared through Redis: core, inflight batcher
+    "router.request.sse": 3,  # server-sent events as bytes: boundaries, parsed events (pure)
+    "router.request.hops": 3,  # the hop marker: loops refused (core only)
     "router.request.usage_stream": 3,  # include_usage asked for and its event taken out (pure)
     "router.request.usage_book": 3,  # hourly usage per key and model: core only
     "router.ops.metrics": 4,

@@ -329,3 +329,41 @@ def test_settings_then_standard_variables() -> None:
     plan = resolve(TracingConfig(otlp_endpoint="http://c:4318"), {})
     assert plan is not None and (plan.service_name, plan.sample_ratio) == ("sluicegate", 1.0)
     assert resolve(TracingConfig(), {**env, "OTEL_SDK_DISABLED": "true"}) is None
+
+
+def test_oversized_trace_headers_are_dropped_and_counted_not_logged_per_request(
+    fleet: dict[str, Proc], receiver: Receiver
+) -> None:
+    """Issue 22, defect 12: a tracestate over 8 KB made one warning line per request."""
+    router = fleet["router"]
+    trace_id = os.urandom(16).hex()
+    big_state = "k=" + "v" * 9000
+    headers = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01", "tracestate": big_state}
+    before = value(scrape(router), "sluicegate_tracing_headers_dropped_total", header="tracestate")
+    lines_before = router.log().count("tracestate")
+    for i in range(20):
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            headers={**headers, "authorization": f"Bearer {CLIENT_KEY}", "x-request-id": f"ts{i}"},
+            timeout=30,
+        )
+        assert r.status_code == 200
+    after = value(scrape(router), "sluicegate_tracing_headers_dropped_total", header="tracestate")
+    assert after - before == 20
+    assert router.log().count("tracestate") - lines_before <= 1  # once per process at most
+    # The trace itself is continued (only the oversized tracestate went), and not forwarded.
+    receiver.wait_for(has_server_span(trace_id))
+    upstream = next(r for r in stats(fleet["a"])["recent"] if r["request_id"] == "ts0")
+    assert upstream["headers"]["traceparent"].split("-")[1] == trace_id
+    assert "tracestate" not in upstream["headers"]
+    # A traceparent over 512 characters: dropped too; the request is served in a new trace.
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"traceparent": "00-" + "a" * 600, "authorization": f"Bearer {CLIENT_KEY}"},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    samples = scrape(router)
+    assert value(samples, "sluicegate_tracing_headers_dropped_total", header="traceparent") >= 1

@@ -8,14 +8,20 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.request.usage_stream import USAGE_OBJECT, UsageStrip, inject, needs_injection
+from router.request.usage_stream import (
+    MAX_HELD,
+    USAGE_OBJECT,
+    UsageStrip,
+    inject,
+    needs_injection,
+)
 
 
 def event(body: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def stream(texts: list[str], openai_nulls: bool, crlf: bool) -> tuple[bytes, bytes]:
+def stream(texts: list[str], openai_nulls: bool, line_end: str) -> tuple[bytes, bytes]:
     """(what the engine sends with include_usage, what it sends without)."""
     head: dict[str, object] = {"id": "c", "object": "chat.completion.chunk", "model": "m"}
     with_usage, without = [], []
@@ -27,8 +33,8 @@ def stream(texts: list[str], openai_nulls: bool, crlf: bool) -> tuple[bytes, byt
     with_usage.append(event({**head, "choices": [], "usage": usage}))
     done = b"data: [DONE]\n\n"
     a, b = b"".join(with_usage) + done, b"".join(without) + done
-    if crlf:
-        a, b = a.replace(b"\n", b"\r\n"), b.replace(b"\n", b"\r\n")
+    if line_end != "\n":
+        a, b = a.replace(b"\n", line_end.encode()), b.replace(b"\n", line_end.encode())
     return a, b
 
 
@@ -39,13 +45,14 @@ texts = st.lists(st.text(alphabet=st.sampled_from('ab "\\:{}[]\n\u00e9'), max_si
 @given(
     texts=texts,
     openai_nulls=st.booleans(),
-    crlf=st.booleans(),
+    line_end=st.sampled_from(["\n", "\r\n", "\r"]),
     cuts=st.lists(st.integers(1, 10_000), max_size=30),
 )
 def test_client_gets_the_stream_it_would_have_got(
-    texts: list[str], openai_nulls: bool, crlf: bool, cuts: list[int]
+    texts: list[str], openai_nulls: bool, line_end: str, cuts: list[int]
 ) -> None:
-    sent, expected = stream(texts, openai_nulls, crlf)
+    """Any framing SSE allows (LF, CRLF, CR-only line ends), cut anywhere."""
+    sent, expected = stream(texts, openai_nulls, line_end)
     points = sorted({c % len(sent) for c in cuts} - {0})
     chunks = [sent[a:b] for a, b in zip([0, *points], [*points, len(sent)], strict=True)]
     strip = UsageStrip(strip_nulls=openai_nulls)
@@ -94,3 +101,59 @@ def test_the_body_gains_include_usage_and_keeps_the_rest() -> None:
     assert not needs_injection({"stream_options": "bad"})  # the backend's 400 stays its own
     assert needs_injection({"stream_options": None})
     assert needs_injection({"stream_options": {"include_usage": False}})
+
+
+def pieces(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def test_cr_only_line_ends_are_not_held_to_the_end() -> None:
+    """Issue 22, defect 10: CR-only framing held the whole stream, then leaked the usage."""
+    sent, expected = stream(["a", "b", "c"], False, "\r")
+    events = sent.split(b"\r\r")
+    strip = UsageStrip(strip_nulls=False)
+    first = strip.feed(events[0] + b"\r\r")
+    assert first == events[0] + b"\r\r"  # a whole event passes at once
+    rest = b"".join(strip.feed(e + b"\r\r") for e in events[1:-1]) + strip.flush()
+    assert first + rest == expected and strip.stripped
+
+
+def test_a_usage_event_after_an_event_over_64_kib_is_still_taken_out() -> None:
+    big = event({"choices": [{"delta": {"content": "x" * 100_000}}]})
+    usage = event({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    done = b"data: [DONE]\n\n"
+    for size in (1000, 4096, 65536, 70_000, 300_000):
+        strip = UsageStrip(strip_nulls=False)
+        out = b"".join(strip.feed(p) for p in pieces(big + usage + done, size)) + strip.flush()
+        assert out == big + done, size
+        assert strip.stripped and strip.held == 0
+
+
+def test_the_usage_only_event_is_found_behind_another_holding_a_usage_object() -> None:
+    """Events are parsed, not matched on the first `"usage":{`: a content event carrying a
+    usage object in the same read does not hide the usage-only event behind it."""
+    content = event({"choices": [{"delta": {"content": "x"}}], "usage": {"prompt_tokens": 1}})
+    usage = event({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    done = b"data: [DONE]\n\n"
+    strip = UsageStrip(strip_nulls=False)
+    assert strip.feed(content + usage + done) == content + done
+    assert strip.stripped
+
+
+def test_an_endless_usage_event_is_relayed_not_held() -> None:
+    """Issue 22, defect 8: a 16 MB `"usage":{` event in 4 KB pieces was held whole (and each
+    piece re-scanned what was held). Now at most MAX_HELD is held; the rest is relayed as it
+    comes, and stripping resumes after the long event ends."""
+    endless = b'data: {"choices":[],"usage":{"x":"' + b"y" * (16 * 1024 * 1024)
+    strip = UsageStrip(strip_nulls=False)
+    relayed = 0
+    most_held = 0
+    for piece in pieces(endless, 4096):
+        relayed += len(strip.feed(piece))
+        most_held = max(most_held, strip.held)
+    assert most_held <= MAX_HELD
+    assert relayed == len(endless)  # nothing is held back once the event is known to be long
+    usage = event({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    tail = b'"}}\n\n' + usage + b"data: [DONE]\n\n"
+    assert strip.feed(tail) == b'"}}\n\n' + b"data: [DONE]\n\n"
+    assert strip.stripped

@@ -5,8 +5,16 @@ Every wait is bounded and says what it waited for when it gives up.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,11 +29,15 @@ def metrics(engine: Engine) -> dict[str, float]:
 
     Counters appear under their sample name (`vllm:prompt_tokens_total`).
     """
-    text = httpx.get(engine.metrics_url, timeout=10).text
+    return metrics_of(httpx.get(engine.metrics_url, timeout=10).content)
+
+
+def metrics_of(page: bytes) -> dict[str, float]:
+    """`metrics()` of a page already fetched."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(page.decode()):
         for s in family.samples:
-            if not s.name.startswith("vllm:"):
+            if not s.name.startswith("vllm:") or s.name.endswith("_created"):
                 continue
             out[s.name] = out.get(s.name, 0.0) + s.value
             for k, v in s.labels.items():
@@ -114,11 +126,128 @@ def start_router(
     """A real sluicegate (uvicorn subprocess) in front of `engines`, up and answering.
 
     `config` is merged over a base that routes the fleet's model to the engines, scrapes their
-    metrics every 0.1 s and probes their health every 0.5 s.
+    metrics every 0.1 s, probes their health every 0.5 s and names the engine that served each
+    response in `x-sluicegate-backend`.
     """
     base: dict[str, Any] = {
         "backends": backends(fleet, engines),
+        "expose_backend_header": True,  # x-sluicegate-backend: which engine served
         "engine_metrics": {"interval": 0.1, "timeout": 2.0, "stale_after": 2.0},
         "health": {"interval": 0.5},
     }
     return cluster.router({**base, **(config or {})}, env=env)
+
+
+def router_metrics(router: Proc) -> dict[str, float]:
+    """The router's `sluicegate_*` samples, summed over labels except `kind` and `reason`."""
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.startswith("sluicegate_") or s.name.endswith("_created"):
+                continue
+            key = s.name
+            for label in ("kind", "reason"):
+                if label in s.labels:
+                    key += f"{{{label}={s.labels[label]}}}"
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def rows(router: Proc) -> dict[str, dict[str, Any]]:
+    """`/admin/backends` by backend name."""
+    r = httpx.get(router.url + "/admin/backends", timeout=10)
+    r.raise_for_status()
+    return {row["name"]: row for row in r.json()}
+
+
+class Words:
+    """Prompts of a chosen length in the engines' own tokens, from a seeded word generator.
+
+    Different seeds give prompts that share no prefix (so earlier tests' cache cannot help).
+    """
+
+    def __init__(self, fleet: Fleet, seed: int) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(fleet.engines[0].model_dir / "tokenizer.json"))
+        self.rng = random.Random(seed)
+
+    def tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text).ids)
+
+    def text(self, tokens: int) -> str:
+        """About `tokens` tokens (never fewer) of words no other seed produces in this order."""
+        words: list[str] = []
+        while True:
+            words += [
+                "".join(self.rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5))
+                for _ in range(max(8, (tokens - self.tokens(" ".join(words))) // 3))
+            ]
+            if self.tokens(" ".join(words)) >= tokens:
+                break
+        while len(words) > 1 and self.tokens(" ".join(words[:-1])) >= tokens:
+            words.pop()
+        return " ".join(words)
+
+
+class DirectLoad:
+    """Streams sent straight to one engine by curl processes (not through any router), kept at
+    `streams` in flight until `stop()`: a Python client here would be CPU-bound before the engine.
+
+    Each stream has its own prompt of `prompt_tokens`, so they share no KV blocks, and asks
+    for `max_tokens` with `ignore_eos`. Everything runs in one process group, stopped by it;
+    a curl killed mid-stream is a client disconnect, which the engine aborts.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        words: Words,
+        streams: int,
+        prompt_tokens: int,
+        max_tokens: int,
+        workdir: Path,
+    ) -> None:
+        self.engine = engine
+        lines = ["set -u"]
+        for i in range(streams):
+            body = workdir / f"load-{engine.index}-{i}.json"
+            body.write_text(
+                json.dumps(
+                    {
+                        "model": engine.model,
+                        "prompt": words.text(prompt_tokens),
+                        "max_tokens": max_tokens,
+                        "ignore_eos": True,
+                        "stream": True,
+                        "temperature": 0,
+                    }
+                )
+            )
+            lines.append(
+                "while :; do curl -sS -N -o /dev/null --max-time 120 -H 'content-type: "
+                f"application/json' --data-binary @{body} {engine.url}/v1/completions; done &"
+            )
+        lines.append("wait")
+        curl = shutil.which("curl")
+        if curl is None:
+            raise RuntimeError("curl is not installed")
+        self.popen = subprocess.Popen(
+            ["bash", "-c", "\n".join(lines)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(10)
+
+    def __enter__(self) -> DirectLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

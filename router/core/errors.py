@@ -33,8 +33,13 @@ from starlette.responses import Response
 # strings plus model/backend names, never from exception reprs that may hold URLs with keys.
 
 
-def error_payload(message: str, type_: str, code: str | int | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode()
+def error_payload(
+    message: str, type_: str, code: str | int | None = None, param: str | None = None
+) -> bytes:
+    error: dict[str, str | int | None] = {"message": message, "type": type_, "code": code}
+    if param is not None:
+        error["param"] = param  # the request field at fault, as OpenAI names it
+    return json.dumps({"error": error}).encode()
 
 
 STATUS_TYPES: dict[int, str] = {
@@ -61,9 +66,10 @@ def error_response(
     type_: str,
     code: str | int | None = None,
     headers: dict[str, str] | None = None,
+    param: str | None = None,
 ) -> Response:
     return Response(
-        error_payload(message, type_, code),
+        error_payload(message, type_, code, param),
         status_code=status,
         media_type="application/json",
         headers=headers,

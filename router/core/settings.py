@@ -63,6 +63,8 @@ class ServerConfig(_Strict):
     """Client connections (per worker process)."""
 
     header_timeout: float = Field(10.0, gt=0)  # a request head must be complete within this
+    # A request body must be complete this many seconds after its head, or 408 and close.
+    body_timeout: float = Field(30.0, gt=0, le=3600)
     keepalive_timeout: float = Field(5.0, gt=0)  # an idle kept-alive connection is closed
     max_connections: int = Field(10_000, ge=1)  # past this, new connections get 503 and close
 
@@ -212,6 +214,11 @@ class EngineMetricsConfig(_Strict):
     interval: float = Field(0.25, ge=0.01, le=60)
     timeout: float = Field(1.0, gt=0, le=60)
     stale_after: float = Field(1.0, gt=0, le=3600)
+    # The most KV capacity an engine's report is believed up to (tokens, 8 Mi): it sizes the
+    # engine's share of the prefix index (router/engine/parse.py).
+    max_kv_tokens: int = Field(8 * 1024 * 1024, ge=1, le=1 << 34)
+    # A page past this is refused unread (a vLLM's is ~56 KB): every byte is read each interval.
+    max_page_bytes: int = Field(1024 * 1024, ge=4096, le=64 * 1024 * 1024)
 
 
 class AffinityConfig(_Strict):
@@ -253,9 +260,15 @@ class AdmissionConfig(_Strict):
 
     max_wait: float = Field(30.0, gt=0, le=3600)  # seconds a request may wait for a slot
     max_queue: int = Field(10000, ge=1, le=1_000_000)  # requests waiting, all models together
+    # Bytes of request bodies waiting (per worker): past it the lowest entries are shed, as for
+    # max_queue (a body bigger than all of it is refused rather than queued).
+    max_queue_bytes: int = Field(256 * 1024 * 1024, ge=1024, le=1 << 40)
     saturation: SaturationConfig = SaturationConfig()
     # Token estimate of a request whose body gives neither max_tokens nor max_completion_tokens.
     default_max_tokens: int = Field(256, ge=1, le=1_000_000)
+    # The longest sequence an engine holds (its --max-model-len): the prompt and completion
+    # parts of an estimate are each clamped to it, also for quotas without admission.
+    max_model_len: int = Field(131072, ge=16, le=1 << 24)
     # Seconds between re-checks while something waits: catches slots freed by other replicas
     # and workers (a local release or a new engine reading wakes the queue at once).
     recheck: float = Field(0.5, gt=0, le=60)

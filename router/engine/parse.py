@@ -8,7 +8,16 @@ one family are summed across their labels (`model_name`, `engine`, data-parallel
 shares, being shares, are averaged.
 
 Rejected, as `MetricsError` with a short reason: no wanted family at all, a value that is not a
-number, NaN or infinite, negative, or absurd (a queue of a million, a KV share above 1).
+number, NaN or infinite, negative, or absurd (a queue of a million, a KV share above 1), more than
+MAX_SERIES series of one family or MAX_LINES lines starting with its name (a real engine has one
+series per model and data-parallel rank: a page of 70,000 valid series took 78 ms of the event
+loop per scrape; the caps bound the Python work per page to a few hundred lines, the rest of the
+page is only scanned by `bytes.find`).
+
+The KV capacity (`vllm:cache_config_info`, block_size x num_gpu_blocks) is only believed when
+plausible (a block of 1..MAX_BLOCK_SIZE tokens, at most MAX_GPU_BLOCKS blocks; else it is taken
+as unreported) and is capped at `max_kv_tokens` (`engine_metrics.max_kv_tokens`): it sizes the
+backend's share of the prefix index, which an engine must not be able to grow without bound.
 """
 
 from __future__ import annotations
@@ -34,6 +43,11 @@ FAMILIES = {"vllm": VLLM, "sglang": SGLANG}
 
 MAX_REQUESTS = 1_000_000.0  # more waiting or running than this is a broken exporter
 MAX_KV_USAGE = 1.0001  # a share; rounding may overshoot 1 by a hair
+MAX_SERIES = 256  # series of one family (models x data-parallel ranks)
+MAX_LINES = 1024  # lines starting with a family's name (its own and longer names)
+MAX_BLOCK_SIZE = 65536  # tokens per KV block (vLLM: 16 by default; hybrid models a few hundred)
+MAX_GPU_BLOCKS = 1 << 31
+DEFAULT_MAX_KV_TOKENS = 8 * 1024 * 1024
 
 
 class MetricsError(ValueError):
@@ -58,10 +72,14 @@ _LABEL = re.compile(rb'(\w+)="((?:[^"\\]|\\.)*)"')
 
 def _lines(text: bytes, needle: bytes) -> list[tuple[bytes, bytes]]:
     """(labels, value) of each sample line of one family: `bytes.find` skips the rest."""
-    out = []
+    out: list[tuple[bytes, bytes]] = []
     n = len(needle)
     pos = text.find(needle)
+    lines = 0
     while pos >= 0:
+        lines += 1
+        if lines > MAX_LINES or len(out) >= MAX_SERIES:
+            raise MetricsError(f"too many series of {needle[1:].decode(errors='replace')}")
         after = text[pos + n : pos + n + 1]
         end = text.find(b"\n", pos + n)
         if end < 0:
@@ -96,7 +114,7 @@ def _number(raw: bytes) -> float:
     return v
 
 
-def parse(text: bytes, kind: str) -> Parsed:
+def parse(text: bytes, kind: str, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS) -> Parsed:
     sums: dict[str, float] = {}
     kv_series = 0
     capacity: int | None = None
@@ -113,7 +131,9 @@ def parse(text: bytes, kind: str) -> Parsed:
                     continue  # vLLM prints num_gpu_blocks="None" before its profile run
                 if blocks < 0 or size <= 0:
                     raise MetricsError("negative KV capacity")
-                capacity = (capacity or 0) + blocks * size
+                if size > MAX_BLOCK_SIZE or blocks > MAX_GPU_BLOCKS:
+                    continue  # not an engine's: taken as unreported
+                capacity = min(max_kv_tokens, (capacity or 0) + blocks * size)
                 continue
             if field == "kv":
                 if value > MAX_KV_USAGE:

@@ -5,10 +5,11 @@ gets one GET unless its previous one is still running, so a slow engine costs on
 connection, never a pile. Each scrape is bounded by `timeout`; its connection comes from a
 one-connection transport of the scraper's own, so scrapes never take a pool slot from proxied
 requests. A good answer replaces the backend's reading; a failed one (status, timeout, refused,
-malformed, NaN/negative/absurd values) keeps the last figures, sets `scrape_error` and counts an
-error; a reading with no good scrape for `stale_after` is `stale`. Nothing here ejects a backend
-(health owns that) and nothing raises into a request: the request path only reads `readings`,
-an immutable mapping swapped whole.
+malformed, NaN/negative/absurd values, more series than an engine has, a page over
+`max_page_bytes`, whose reading stops there) keeps the last figures, sets `scrape_error` and
+counts an error; a reading with no good scrape for `stale_after` is `stale`. Nothing here ejects
+a backend (health owns that) and nothing raises into a request: the request path only reads
+`readings`, an immutable mapping swapped whole.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from router.engine.parse import FAMILIES, MetricsError, parse
 from router.upstream.transport import LeanTransport
 
 log = logging.getLogger("sluicegate.engine")
-
-MAX_BODY = 4 * 1024 * 1024  # a metrics page past this is not an engine's
 
 
 @dataclass
@@ -141,7 +140,7 @@ class EngineScraper:
         try:
             async with asyncio.timeout(self.cfg.timeout):
                 body = await self._fetch(b, t.transport)
-            parsed = parse(body, b.kind)
+            parsed = parse(body, b.kind, self.cfg.max_kv_tokens)
         except TimeoutError:
             error = "timeout"
         except MetricsError as exc:
@@ -190,7 +189,7 @@ class EngineScraper:
             size = 0
             async for chunk in response.aiter_raw():
                 size += len(chunk)
-                if size > MAX_BODY:
+                if size > self.cfg.max_page_bytes:
                     raise MetricsError("answer too large")
                 parts.append(chunk)
             return b"".join(parts)

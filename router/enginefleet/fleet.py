@@ -33,6 +33,7 @@ MODEL_NAME = "tiny-llama"
 KV_TOPIC = "kv"
 START_TIMEOUT_S = 240.0  # 22 s alone, 32 s for two at once, measured; shared machines are slower
 STOP_GRACE_S = 10.0  # SIGTERM to the group is done in ~2 s measured
+PORT_RETRIES = 3
 _PR_SET_PDEATHSIG = 1
 
 
@@ -73,9 +74,8 @@ class Engine:
         self.python = python
         self.model_dir = model_dir
         self.options = options
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.metrics_url = self.url + "/metrics"
+        self._take_port()
+        self.ever_ready = False
         self.model = options.model_name
         self.kv_events_endpoint = f"ipc://{run_dir}/kv-{index}.sock"
         self.kv_replay_endpoint = f"ipc://{run_dir}/kv-replay-{index}.sock"
@@ -83,7 +83,13 @@ class Engine:
         self.log_path = run_dir / f"engine-{index}.log"
         self.core = index % (os.cpu_count() or 1)
         self._popen: subprocess.Popen[bytes] | None = None
+        self._log_from = 0
         self.starts = 0
+
+    def _take_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = self.url + "/metrics"
 
     @property
     def pid(self) -> int | None:
@@ -136,6 +142,7 @@ class Engine:
         if self.alive():
             return
         with open(self.log_path, "ab") as log:
+            self._log_from = log.tell()  # log_tail() shows this start's lines only
             self._popen = subprocess.Popen(
                 self.args(),
                 stdin=subprocess.DEVNULL,
@@ -157,18 +164,32 @@ class Engine:
             return False
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until `/health` answers 200. A first start that finds its port taken (the port was
+        free when chosen; another process on the machine may bind it before the engine does)
+        moves to another free port, up to `PORT_RETRIES` times; a restart keeps its port."""
         end = time.monotonic() + timeout_s
+        retries = PORT_RETRIES
         while time.monotonic() < end:
             if not self.alive():
-                raise RuntimeError(f"engine {self.index} exited at start:\n{self.log_tail()}")
+                tail = self.log_tail()
+                if not self.ever_ready and retries > 0 and "Address already in use" in tail:
+                    retries -= 1
+                    self._take_port()
+                    self.start()
+                    continue
+                raise RuntimeError(f"engine {self.index} exited at start:\n{tail}")
             if self.healthy():
+                self.ever_ready = True
                 return
             time.sleep(0.25)
         raise TimeoutError(f"engine {self.index} not healthy after {timeout_s:.0f} s")
 
     def log_tail(self, chars: int = 3000) -> str:
+        """The end of the log of the latest start."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self._log_from, f.seek(0, os.SEEK_END) - chars))
+                return f.read().decode(errors="replace")
         except OSError:
             return ""
 

@@ -12,10 +12,14 @@ Models (one step loop per engine, continuous batching):
   each running sequence gains one token per step; the first one ends its prefill step;
 - hidden background load: `background` sequences that occupy slots and KV like any other but
   never pass through a router (each one finished is replaced at once; lengths vary 0.5x-1.5x);
-- vLLM's metric names (`vllm:num_requests_running/waiting`, `vllm:kv_cache_usage_perc` or the
-  old `vllm:gpu_cache_usage_perc`, `vllm:num_preemptions_total`, `vllm:cache_config_info`) with
-  the `model_name`/`engine` labels, plus a few histogram families of the size a real engine
-  exposes, or SGLang's (`sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`);
+- vLLM 0.32's metric names (`vllm:num_requests_running/waiting`,
+  `vllm:num_requests_waiting_by_reason`, `vllm:engine_sleep_state`, `vllm:kv_cache_usage_perc`
+  or the old `vllm:gpu_cache_usage_perc`, `vllm:num_preemptions_total`,
+  `vllm:request_success_total{finished_reason}` (a client's abort is not counted, as in vLLM),
+  `vllm:cache_config_info` with vLLM's whole label set) with the `model_name`/`engine` labels,
+  counters with their `_created` samples, plus a few histogram families of the size a real
+  engine exposes, or SGLang's (`sglang:num_queue_reqs`, `sglang:num_running_reqs`,
+  `sglang:token_usage`);
 - automatic prefix caching (vLLM's APC, on by default as in vLLM v1; `prefix_caching=False` turns
   it off): the prompt's full blocks of `block_size` tokens are hashed as a chain (each hash covers
   its predecessor, so a hit is always a true prefix); at admission the longest cached run of them
@@ -41,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -97,6 +102,10 @@ class Engine:
         self.prefix_hits = 0  # tokens found (vllm:prefix_cache_hits_total)
         self.prompt_tokens = 0  # vllm:prompt_tokens_total: each request's prompt, at its 1st token
         self.generation_tokens = 0  # vllm:generation_tokens_total
+        # vllm:request_success_total{finished_reason="length"}; an abort is not counted (vLLM
+        # 0.32 does not count a client's disconnect under "abort" either)
+        self.finished_length = 0
+        self.started = time.time()  # the counters' `_created` value
         self._rng = random.Random(0)  # same hidden load on every run
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -278,40 +287,121 @@ class Engine:
                 f"sglang:token_usage{lab} {self.kv_usage()}\n" + _filler("sglang", lab)
             ).encode()
         lab = f'{{engine="0",model_name="{self.model}"}}'
-        return (
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-            "# TYPE vllm:num_requests_running gauge\n"
-            f"vllm:num_requests_running{lab} {float(len(self.running))}\n"
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-            "# TYPE vllm:num_requests_waiting gauge\n"
-            f"vllm:num_requests_waiting{lab} {float(len(self.waiting))}\n"
+        inner = lab[1:-1]
+        waiting = float(len(self.waiting))
+        parts = [
+            _gauge("num_requests_running", _HELP_RUNNING, lab, float(len(self.running))),
+            _gauge("num_requests_waiting", _HELP_WAITING, lab, waiting),
+            "# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason.\n"
+            "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
+            f'vllm:num_requests_waiting_by_reason{{{inner},reason="capacity"}} {waiting}\n'
+            f'vllm:num_requests_waiting_by_reason{{{inner},reason="deferred"}} 0.0\n',
+            "# HELP vllm:engine_sleep_state Engine sleep state\n"
+            "# TYPE vllm:engine_sleep_state gauge\n"
+            f'vllm:engine_sleep_state{{{inner},sleep_state="awake"}} 1.0\n'
+            f'vllm:engine_sleep_state{{{inner},sleep_state="weights_offloaded"}} 0.0\n'
+            f'vllm:engine_sleep_state{{{inner},sleep_state="discard_all"}} 0.0\n',
             f"# HELP {cfg.kv_metric} KV-cache usage. 1 means 100 percent usage.\n"
             f"# TYPE {cfg.kv_metric} gauge\n"
-            f"{cfg.kv_metric}{lab} {self.kv_usage()}\n"
-            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.\n"
-            "# TYPE vllm:num_preemptions_total counter\n"
-            f"vllm:num_preemptions_total{lab} {float(self.preemptions)}\n"
+            f"{cfg.kv_metric}{lab} {self.kv_usage()}\n",
+        ]
+        counters = (
+            ("prefix_cache_queries", _HELP_QUERIES, self.prefix_queries),
+            ("prefix_cache_hits", _HELP_HITS, self.prefix_hits),
+            (
+                "num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                self.preemptions,
+            ),
+            ("prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+            ("prompt_tokens_cached", _HELP_CACHED, self.prefix_hits),
+            ("generation_tokens", "Number of generation tokens processed.", self.generation_tokens),
+        )
+        for name, help_, value in counters:
+            parts.append(_counter(name, help_, lab, float(value), self.started))
+        parts.append(
+            "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+            "# TYPE vllm:request_success_total counter\n"
+            + "".join(
+                f'vllm:request_success_total{{engine="0",finished_reason="{reason}",'
+                f'model_name="{self.model}"}} {float(count)}\n'
+                for reason, count in zip(_FINISHED, (0, self.finished_length, 0, 0, 0), strict=True)
+            )
+        )
+        parts.append(
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
             "# TYPE vllm:cache_config_info gauge\n"
-            f'vllm:cache_config_info{{block_size="{cfg.block_size}",cache_dtype="auto",'
-            f'enable_prefix_caching="{cfg.prefix_caching}",engine="0",gpu_memory_utilization="0.9",'
-            f'num_cpu_blocks="None",num_gpu_blocks="{cfg.num_gpu_blocks}"}} 1.0\n'
-            "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of "
-            "queried tokens.\n"
-            "# TYPE vllm:prefix_cache_queries counter\n"
-            f"vllm:prefix_cache_queries_total{lab} {float(self.prefix_queries)}\n"
-            "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached "
-            "tokens.\n"
-            "# TYPE vllm:prefix_cache_hits counter\n"
-            f"vllm:prefix_cache_hits_total{lab} {float(self.prefix_hits)}\n"
-            "# HELP vllm:prompt_tokens Number of prefill tokens processed.\n"
-            "# TYPE vllm:prompt_tokens counter\n"
-            f"vllm:prompt_tokens_total{lab} {float(self.prompt_tokens)}\n"
-            "# HELP vllm:generation_tokens Number of generation tokens processed.\n"
-            "# TYPE vllm:generation_tokens counter\n"
-            f"vllm:generation_tokens_total{lab} {float(self.generation_tokens)}\n"
-            + _filler("vllm", lab)
-        ).encode()
+            f"vllm:cache_config_info{{{_cache_labels(cfg)}}} 1.0\n"
+        )
+        parts.append(_filler("vllm", lab))
+        return "".join(parts).encode()
+
+
+_HELP_RUNNING = "Number of requests in model execution batches."
+_HELP_WAITING = "Number of requests waiting to be processed."
+_HELP_QUERIES = "Prefix cache queries, in terms of number of queried tokens."
+_HELP_HITS = "Prefix cache hits, in terms of number of cached tokens."
+_HELP_CACHED = "Number of cached prompt tokens (local + external)."
+_FINISHED = ("stop", "length", "abort", "error", "repetition")
+
+
+def _gauge(name: str, help_: str, lab: str, value: float) -> str:
+    return f"# HELP vllm:{name} {help_}\n# TYPE vllm:{name} gauge\nvllm:{name}{lab} {value}\n"
+
+
+def _counter(name: str, help_: str, lab: str, value: float, created: float) -> str:
+    """A counter as prometheus-client writes vLLM's: `_total`, then a `_created` gauge."""
+    return (
+        f"# HELP vllm:{name}_total {help_}\n# TYPE vllm:{name}_total counter\n"
+        f"vllm:{name}_total{lab} {value}\n"
+        f"# HELP vllm:{name}_created {help_}\n# TYPE vllm:{name}_created gauge\n"
+        f"vllm:{name}_created{lab} {created}\n"
+    )
+
+
+def _cache_labels(cfg: EngineConfig) -> str:
+    """vLLM 0.32's CacheConfig labels, in its (sorted) order; the router reads `block_size` and
+    `num_gpu_blocks`."""
+    labels = {
+        "_block_size_resolved": "True",
+        "block_size": str(cfg.block_size),
+        "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None",
+        "effective_attention_block_size": str(cfg.block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False",
+        "enable_prefix_caching": str(cfg.prefix_caching),
+        "engine": "0",
+        "gpu_memory_utilization": "0.92",
+        "hash_block_size": "None",
+        "is_attention_free": "False",
+        "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": "1.0",
+        "kv_cache_memory_bytes": "None",
+        "kv_cache_size_tokens": str(cfg.num_gpu_blocks * cfg.block_size),
+        "kv_offloading_backend": "native",
+        "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False",
+        "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto",
+        "mamba_cache_mode": "none",
+        "mamba_page_size_padded": "None",
+        "mamba_ssm_cache_dtype": "float32",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(cfg.num_gpu_blocks),
+        "num_gpu_blocks_override": "None",
+        "prefix_cache_retention_interval": "0",
+        "prefix_caching_hash_algo": "sha256",
+        "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16",
+        "skip_page_size_padded": "None",
+        "sliding_window": "None",
+        "swa_bounded_replay": "True",
+        "use_kda_recoverssm": "False",
+        "use_replayssm": "False",
+        "user_specified_block_size": "False",
+    }
+    return ",".join(f'{k}="{v}"' for k, v in labels.items())
 
 
 def block_hashes(text: str, block_chars: int) -> tuple[int, ...]:

@@ -3,19 +3,34 @@
 Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running/waiting gauges)
 and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
 recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
+What goes on the wire is vLLM 0.32's (router/mock/wire.py: field sets, the role-only first chat
+event, the finish reason on the last token's event, usage with `prompt_tokens_details`, errors),
+held to a real engine by tests_engine/test_conformance.py.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
 metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms; `reset_prefix_cache`
 empties the engine's prefix cache) so fault tests need no second implementation. Streams end
-with vLLM's usage event when the request asks for it (`stream_options.include_usage`); with
-`usage_nulls` every other chunk then also carries `"usage":null`, as OpenAI's API does.
-`role_chunk` sends vLLM's role-only first event
-(`"delta":{"role":"assistant","content":""}`) right after the headers, before the prefill wait
+with vLLM's usage event when the request asks for it (`stream_options.include_usage`, with
+`continuous_usage_stats` the counts in every event); with `usage_nulls` every other event then
+also carries `"usage":null`, as OpenAI's API does (vLLM does not).
+`role_chunk` sends the role-only first event right after the headers, before the prefill wait
 (vLLM sends it with the first token; sending it early lets tests tell the first byte from the
 first content token).
 With an `EngineConfig` (`--engine` flags) generation runs through a simulated vLLM scheduler
 (`router/mock/engine.py`: batch, queue, KV blocks, background load, vLLM's metric names).
 A raw ASGI app: no framework on the hot path.
+
+Not modelled (where a real vLLM differs): without `--served-model-name` any model name is served
+and a body without `messages`/`prompt` is accepted (tests send `{"model": "m"}`); `created` is 0
+and ids carry the request id, not a random hex; every answer stops at `max_tokens` with
+`finish_reason: "length"` (no EOS, no `stop`), one event per token (vLLM may hold a token that
+ends mid-character back); tokens are counted as four characters each, not tokenised, and the
+chat template is not rendered (vLLM's prompt_tokens include the template's tokens); sampling
+parameters, `n`, logprobs, tools, `stop`, `/tokenize` and the other routes are ignored or absent;
+validation covers the token limits (not vLLM's earlier check of a prompt's length in
+characters), the model, `messages`/`prompt` presence and JSON syntax, not
+every field pydantic checks; without `--engine` the `/metrics` page has only the running and
+waiting gauges, and no abort stops the (already instant) generation early.
 """
 
 from __future__ import annotations
@@ -30,10 +45,16 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from router.mock import wire
 from router.mock.engine import Engine, EngineConfig, block_hashes
 
 _JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+METRICS_TYPE = b"text/plain; version=1.0.0; charset=utf-8"
+_NOT_FOUND = {"detail": "Not Found"}  # FastAPI's, as vLLM answers an unknown path
+_NOT_ALLOWED = {"detail": "Method Not Allowed"}
+_GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+DEFAULT_MAX_MODEL_LEN = 131072  # vLLM's is the model's; a long one, as Llama 3.1's
 
 
 @dataclass
@@ -98,24 +119,22 @@ class MockUpstream:
         name: str = "mock",
         behaviour: Behaviour | None = None,
         engine: EngineConfig | None = None,
+        served_model_names: list[str] | None = None,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     ) -> None:
         self.name = name
         self.behaviour = behaviour or Behaviour()
-        self.engine = Engine(engine) if engine is not None else None
+        # None: any model name is served (tests route many names to one mock); a list: others
+        # get vLLM's 404, as a real engine's --served-model-name does.
+        self.served = served_model_names
+        self.default_model = served_model_names[0] if served_model_names else "mock-model"
+        self.max_model_len = max_model_len
+        self.engine = Engine(engine, self.default_model) if engine is not None else None
         self.metrics_scrapes = 0
         self.metrics_active = 0  # /metrics answers in progress (a scraper must not pile up)
         self.metrics_active_max = 0
         self.stats = Stats()
         self._queue: deque[asyncio.Future[None]] = deque()  # requests waiting for a batch slot
-        # Chunks differ only by the token text: pre-split templates keep per-token work small.
-        self._chat_pre = (
-            '{"id":"chatcmpl-%s","object":"chat.completion.chunk","created":0,"model":"%s",'
-            '"choices":[{"index":0,"delta":{"content":"'
-        )
-        self._cmpl_pre = (
-            '{"id":"cmpl-%s","object":"text_completion","created":0,"model":"%s",'
-            '"choices":[{"index":0,"text":"'
-        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -149,25 +168,19 @@ class MockUpstream:
         if path == "/control":
             await self._control(body, send)
             return
-        if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        if path in _GENERATION:
             await self._generate(scope, path, body, receive, send)
             return
-        await _json(
-            send, 404, {"error": {"message": "not found", "type": "not_found", "code": 404}}
-        )
+        await _json(send, 404, _NOT_FOUND)
 
     async def _get(self, path: str, send: Send) -> None:
-        if path == "/health":
-            await _json(send, self.behaviour.health_status, {})
+        if path == "/health":  # vLLM: an empty body
+            status = self.behaviour.health_status
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
         elif path == "/v1/models":
-            await _json(
-                send,
-                200,
-                {
-                    "object": "list",
-                    "data": [{"id": "mock-model", "object": "model", "owned_by": self.name}],
-                },
-            )
+            names = self.served or [self.default_model]
+            await _json(send, 200, wire.models(names, self.name, self.max_model_len))
         elif path == "/stats":
             await _json(
                 send,
@@ -195,25 +208,31 @@ class MockUpstream:
             elif self.engine is not None:
                 text = self.engine.metrics_text()
             else:
+                lab = f'{{engine="0",model_name="{self.default_model}"}}'
                 text = (
+                    "# HELP vllm:num_requests_running Number of requests in model execution "
+                    "batches.\n"
                     "# TYPE vllm:num_requests_running gauge\n"
-                    f'vllm:num_requests_running{{model_name="mock-model"}} {self.stats.running}\n'
+                    f"vllm:num_requests_running{lab} {float(self.stats.running)}\n"
+                    "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
                     "# TYPE vllm:num_requests_waiting gauge\n"
-                    f'vllm:num_requests_waiting{{model_name="mock-model"}} {len(self._queue)}\n'
+                    f"vllm:num_requests_waiting{lab} {float(len(self._queue))}\n"
                 ).encode()
             await send(
                 {
                     "type": "http.response.start",
                     "status": bh.metrics_status,
                     "headers": [
-                        (b"content-type", b"text/plain; version=0.0.4"),
+                        (b"content-type", METRICS_TYPE),
                         (b"content-length", str(len(text)).encode()),
                     ],
                 }
             )
             await send({"type": "http.response.body", "body": text})
+        elif path in _GENERATION:
+            await _json(send, 405, _NOT_ALLOWED)
         else:
-            await _json(send, 404, {"error": {"message": "not found", "type": "not_found"}})
+            await _json(send, 404, _NOT_FOUND)
 
     async def _control(self, body: bytes, send: Send) -> None:
         try:
@@ -234,7 +253,7 @@ class MockUpstream:
             fields.update(changes)
             self.behaviour = Behaviour(**fields)
         except (ValueError, TypeError) as exc:
-            await _json(send, 400, {"error": {"message": str(exc), "type": "invalid"}})
+            await _json(send, 400, wire.error(400, str(exc), "BadRequestError", None).body)
             return
         await _json(send, 200, asdict(self.behaviour))
 
@@ -258,28 +277,28 @@ class MockUpstream:
             "query": scope.get("query_string", b"").decode("latin-1"),
         }
         st.recent.append(rec)
+        chat = path == "/v1/chat/completions"
         try:
-            req = json.loads(body)
-        except ValueError:
-            await _json(send, 400, {"error": {"message": "bad json", "type": "invalid"}})
+            if path == "/v1/embeddings":
+                req, asked, prompt = _embedding_request(body), None, 1
+            else:
+                req, asked = wire.parse_request(chat, body, self.served, self.max_model_len)
+                prompt = prompt_tokens(req)
+                wire.check_prompt(prompt, self.max_model_len)
+                if asked is not None:
+                    wire.check_max_tokens(asked)
+        except wire.RequestError as exc:
+            await _json(send, exc.status, exc.body)
             return
-        rec["model"] = model = req.get("model", "mock-model")
+        rec["model"] = model = req.get("model") or self.default_model
         if bh.fail_status and bh.fail_count != 0:
             if bh.fail_count > 0:
                 bh.fail_count -= 1
             extra = [(b"retry-after", str(bh.retry_after).encode())] if bh.retry_after else []
-            await _json(
-                send,
-                bh.fail_status,
-                {
-                    "error": {
-                        "message": f"{self.name} failing on purpose",
-                        "type": "server_error",
-                        "code": bh.fail_status,
-                    }
-                },
-                extra,
+            failing = wire.error(
+                bh.fail_status, f"{self.name} failing on purpose", "server_error", None
             )
+            await _json(send, bh.fail_status, failing.body, extra)
             st.completed += 1
             return
 
@@ -288,7 +307,9 @@ class MockUpstream:
         if self.engine is not None and path != "/v1/embeddings":
             st.running += 1
             try:
-                await self._engine_generate(send, rec, req, model, path, gone, watcher)
+                await self._engine_generate(
+                    send, rec, req, asked, prompt, model, chat, gone, watcher
+                )
             finally:
                 st.running -= 1
                 if gone.is_set():
@@ -304,9 +325,7 @@ class MockUpstream:
             if bh.hang:
                 await gone.wait()
                 return
-            n = await _max_tokens(req, bh.tokens, 0, send)
-            if n is None:
-                return
+            n = asked if asked is not None else bh.tokens
             if path == "/v1/embeddings":
                 await self._sleep(bh.ttft_ms, gone)
                 await _json(
@@ -321,13 +340,10 @@ class MockUpstream:
                 )
                 st.completed += 1
                 return
-            chat = path == "/v1/chat/completions"
             if req.get("stream") is True:
-                options = req.get("stream_options")
-                usage = isinstance(options, dict) and options.get("include_usage") is True
-                await self._stream(send, rec, model, chat, n, gone, usage)
+                await self._stream(send, rec, req, model, chat, prompt, n, gone)
             else:
-                await self._whole(send, rec, model, chat, n, gone)
+                await self._whole(send, rec, model, chat, prompt, n, gone)
         finally:
             st.running -= 1
             self._wake_one()
@@ -374,23 +390,28 @@ class MockUpstream:
         if gone.is_set():
             self.stats.tokens_after_disconnect += 1
 
+    def _chunks(
+        self, rec: dict[str, Any], req: dict[str, Any], model: str, chat: bool, prompt: int
+    ) -> wire.Chunks:
+        options = req.get("stream_options")
+        usage = _wants_usage(req)
+        continuous = usage and options.get("continuous_usage_stats") is True  # type: ignore[union-attr]
+        rid = rec["request_id"] or "0"
+        return wire.Chunks(chat, rid, model, usage, continuous, self.behaviour.usage_nulls, prompt)
+
     async def _stream(
         self,
         send: Send,
         rec: dict[str, Any],
+        req: dict[str, Any],
         model: str,
         chat: bool,
+        prompt: int,
         n: int,
         gone: asyncio.Event,
-        usage: bool = False,
     ) -> None:
         bh = self.behaviour
-        rid = rec["request_id"] or "0"
-        pre = ((self._chat_pre if chat else self._cmpl_pre) % (rid, model)).encode()
-        post = b'"}}]}\n\n' if chat else b'"}]}\n\n'
-        nulls = usage and bh.usage_nulls
-        if nulls:
-            post = post.replace(b"]}\n\n", b'],"usage":null}\n\n')
+        chunks = self._chunks(rec, req, model, chat, prompt)
         headers = list(_SSE)
         compressor = None
         if bh.gzip:
@@ -398,13 +419,13 @@ class MockUpstream:
             compressor = gzip.GzipFile  # marker: compress the whole stream at the end
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         parts: list[bytes] = []
-        if chat and bh.role_chunk:
-            role = pre.replace(b'"delta":{"content":"', b'"delta":{"role":"assistant","content":"')
-            role = b"data: " + role + post
+        first = chunks.first()  # vLLM sends it with the first token
+        if first and bh.role_chunk:  # before the prefill wait instead
             if compressor is not None:
-                parts.append(role)
+                parts.append(first)
             else:
-                await send({"type": "http.response.body", "body": role, "more_body": True})
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+            first = b""
         await self._sleep(bh.ttft_ms, gone)
         for i in range(n):
             if gone.is_set():
@@ -417,28 +438,25 @@ class MockUpstream:
             text = token_text(i).encode()
             if bh.pad_bytes:
                 text += b"." * bh.pad_bytes
-            chunk = b"data: " + pre + text + post
+            chunk = chunks.token(text, i == n - 1)
             if bh.half_event_after == i:
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": chunk[: len(chunk) // 2],
+                        "body": first + chunk[: len(chunk) // 2],
                         "more_body": True,
                     }
                 )
                 raise ConnectionAbortedError("half event on purpose")
             if bh.die_after == i:
                 raise ConnectionAbortedError("dying on purpose")
+            if first:
+                chunk, first = first + chunk, b""
             if compressor is not None:
                 parts.append(chunk)
                 continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        tail = _last_event(pre, chat)
-        if nulls:
-            tail = tail.replace(b"]}\n\n", b'],"usage":null}\n\n')
-        if usage:
-            tail += _usage_chunk(rid, model, chat, 1, n, None)
-        tail += b"data: [DONE]\n\n"
+        tail = first + (chunks.token(b"", True) if n == 0 else b"") + chunks.tail(prompt, n, 0)
         if compressor is not None:
             await send(
                 {
@@ -458,7 +476,14 @@ class MockUpstream:
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _whole(
-        self, send: Send, rec: dict[str, Any], model: str, chat: bool, n: int, gone: asyncio.Event
+        self,
+        send: Send,
+        rec: dict[str, Any],
+        model: str,
+        chat: bool,
+        prompt: int,
+        n: int,
+        gone: asyncio.Event,
     ) -> None:
         bh = self.behaviour
         await self._sleep(bh.ttft_ms, gone)
@@ -472,8 +497,8 @@ class MockUpstream:
                     return
             self._count_token(rec, gone)
             text.append(token_text(i))
-        usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-        payload = _completion(rec["request_id"] or "0", model, chat, "".join(text), usage)
+        rid = rec["request_id"] or "0"
+        payload = wire.completion(rid, model, chat, "".join(text), prompt, n, 0)
         await _json(send, 200, payload, gzip_body=bh.gzip)
 
     async def _engine_generate(
@@ -481,18 +506,17 @@ class MockUpstream:
         send: Send,
         rec: dict[str, Any],
         req: dict[str, Any],
+        asked: int | None,
+        prompt: int,
         model: str,
-        path: str,
+        chat: bool,
         gone: asyncio.Event,
         watcher: asyncio.Future[None],
     ) -> None:
         """Generation paced by the engine model: tokens appear as its steps produce them."""
         engine = self.engine
         assert engine is not None
-        n = await _max_tokens(req, self.behaviour.tokens, 1, send)
-        if n is None:
-            return
-        prompt = prompt_tokens(req)
+        n = max(1, asked if asked is not None else self.behaviour.tokens)
         prefix: tuple[int, ...] = ()
         if engine.config.prefix_caching:
             prefix = block_hashes(prompt_text(req), engine.config.block_size * 4)
@@ -504,13 +528,14 @@ class MockUpstream:
                 seq.wake.set()
 
         watcher.add_done_callback(left)
-        chat = path == "/v1/chat/completions"
-        rid = rec["request_id"] or "0"
         stream = req.get("stream") is True
-        pre = ((self._chat_pre if chat else self._cmpl_pre) % (rid, model)).encode()
-        post = b'"}}]}\n\n' if chat else b'"}]}\n\n'
+        chunks = self._chunks(rec, req, model, chat, prompt)
+        first = chunks.first() if stream else b""
         if stream:
             await send({"type": "http.response.start", "status": 200, "headers": list(_SSE)})
+            if first and self.behaviour.role_chunk:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+                first = b""
         sent = 0
         try:
             while sent < n:
@@ -523,29 +548,27 @@ class MockUpstream:
                 for _ in range(sent, upto):
                     self._count_token(rec, gone)
                 if stream and upto > sent:
-                    body = b"".join(
-                        b"data: " + pre + token_text(i).encode() + post for i in range(sent, upto)
+                    body = first + b"".join(
+                        chunks.token(token_text(i).encode(), i == n - 1) for i in range(sent, upto)
                     )
+                    first = b""
                     await send({"type": "http.response.body", "body": body, "more_body": True})
                 sent = upto
         finally:
             if not seq.done:
                 engine.cancel(seq)
+            else:
+                engine.finished_length += 1
         if stream:
-            tail = _last_event(pre, chat)
-            if _wants_usage(req):
-                tail += _usage_chunk(rid, model, chat, prompt, n, seq.cached)
-            tail += b"data: [DONE]\n\n"
+            tail = chunks.tail(prompt, n, seq.cached)
             await send({"type": "http.response.body", "body": tail, "more_body": False})
             return
         content = "".join(token_text(i) for i in range(n))
-        usage = {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + n,
-            "completion_tokens": n,
-            "prompt_tokens_details": {"cached_tokens": seq.cached},
-        }
-        await _json(send, 200, _completion(rid, model, chat, content, usage))
+        await _json(
+            send,
+            200,
+            wire.completion(rec["request_id"] or "0", model, chat, content, prompt, n, seq.cached),
+        )
 
 
 def prompt_tokens(req: dict[str, Any]) -> int:
@@ -585,66 +608,19 @@ def prompt_text(req: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
-def _last_event(pre: bytes, chat: bool) -> bytes:
-    """The stream's closing content event: an empty delta (or text) with its finish reason."""
-    if chat:
-        tail = b"data: " + pre + b'"},"finish_reason":"length"}]}\n\n'
-        return tail.replace(b'"delta":{"content":""}', b'"delta":{}')
-    return b"data: " + pre + b'","finish_reason":"length"}]}\n\n'
-
-
-def _completion(
-    rid: str, model: str, chat: bool, content: str, usage: dict[str, Any]
-) -> dict[str, Any]:
-    """A whole (non-streamed) chat or text completion in vLLM's field order."""
-    choice: dict[str, Any] = (
-        {
-            "index": 0,
-            "finish_reason": "length",
-            "message": {"role": "assistant", "content": content},
-        }
-        if chat
-        else {"index": 0, "text": content, "finish_reason": "length"}
-    )
-    return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": 0,
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
-
-
 def _wants_usage(req: dict[str, Any]) -> bool:
     opts = req.get("stream_options")
     return isinstance(opts, dict) and opts.get("include_usage") is True
 
 
-def _usage_chunk(
-    rid: str, model: str, chat: bool, prompt: int, completion: int, cached: int | None = 0
-) -> bytes:
-    """vLLM's last chunk with `include_usage` (only then: vLLM sends no `usage` key in other
-    chat chunks): no choices, the request's token counts in vLLM's field order, compact JSON.
-    `cached` None leaves out `prompt_tokens_details`, as vLLM does without
-    `--enable-prompt-tokens-details`; the engine model always reports it (also 0, where vLLM
-    would leave it out), which is what cache-aware routing is tried with."""
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-    }
-    if cached is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    event: dict[str, Any] = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": 0,
-        "model": model,
-        "choices": [],
-        "usage": usage,
-    }
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+def _embedding_request(body: bytes) -> dict[str, Any]:
+    try:
+        req = json.loads(body)
+    except ValueError:
+        raise wire.error(400, "JSON decode error", "Bad Request", "body") from None
+    if not isinstance(req, dict):
+        raise wire.error(400, "Input should be an object", "Bad Request", "body")
+    return req
 
 
 async def _watch(receive: Receive, gone: asyncio.Event, rec: dict[str, Any]) -> None:
@@ -654,17 +630,6 @@ async def _watch(receive: Receive, gone: asyncio.Event, rec: dict[str, Any]) -> 
             rec["disconnected_at"] = time.time()
             gone.set()
             return
-
-
-async def _max_tokens(req: dict[str, Any], default: int, least: int, send: Send) -> int | None:
-    """The request's `max_tokens`, or None after answering 400 as vLLM does for a bad value or
-    one beyond the context length."""
-    n = req.get("max_tokens") or default
-    if isinstance(n, int) and not isinstance(n, bool) and least <= n <= 100_000:
-        return n
-    message = f"max_tokens must be {least}..100000"
-    await _json(send, 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
-    return None
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -686,7 +651,7 @@ async def _json(
     extra: list[tuple[bytes, bytes]] | None = None,
     gzip_body: bool = False,
 ) -> None:
-    body = json.dumps(obj).encode()
+    body = wire.dumps(obj)
     headers = [*_JSON, *(extra or [])]
     if gzip_body:
         body = gzip.compress(body)
@@ -705,10 +670,13 @@ def run(
     tokens: int,
     log_level: str = "warning",
     engine: EngineConfig | None = None,
+    served_model_names: list[str] | None = None,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
 ) -> None:
     import uvicorn
 
-    app = MockUpstream(name, Behaviour(ttft_ms=ttft_ms, itl_ms=itl_ms, tokens=tokens), engine)
+    behaviour = Behaviour(ttft_ms=ttft_ms, itl_ms=itl_ms, tokens=tokens)
+    app = MockUpstream(name, behaviour, engine, served_model_names, max_model_len)
     uvicorn.run(
         app,
         host=host,

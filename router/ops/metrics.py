@@ -349,6 +349,14 @@ class Metrics:
             "(a backend points back at the router) or passed too many routers.",
             registry=reg,
         )
+        self.tracing_headers_dropped = Counter(
+            "sluicegate_tracing_headers_dropped_total",
+            "Client traceparent / tracestate headers dropped for being over the W3C trace "
+            "context limits (512 / 8192 characters); the request is served, in a new trace when "
+            "its traceparent went.",
+            ("header",),
+            registry=reg,
+        )
         self._by_usage: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         # Label lookups take a lock and validate; resolve each combination once.
         self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
@@ -406,6 +414,9 @@ class Metrics:
 
     def loop_refused(self) -> None:
         self.loops_refused.inc()
+
+    def tracing_header_dropped(self, header: str) -> None:
+        self.tracing_headers_dropped.labels(header).inc()
 
     def queue_depth(self, model: str, priority: str, delta: int) -> None:
         self.queue_depth_gauge.labels(model, priority).inc(delta)

@@ -15,16 +15,22 @@ thread exports, each export giving up after `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT` 
 shutdown waits for it at most `SHUTDOWN_GRACE` seconds. Span attributes are the
 public model names, backend names, counts, statuses and the client key's *name*: never a URL
 (it may carry credentials), a header value or a key.
+
+Hostile trace headers cost a counter, not a log line per request: a `traceparent` over
+MAX_TRACEPARENT or a `tracestate` over MAX_TRACESTATE characters (the SDK's own limits) is dropped
+before the SDK sees it (`on_dropped(header)`, sluicegate_tracing_headers_dropped_total), with one
+warning per process; the SDK's own per-request warnings about client trace headers are muted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,6 +46,11 @@ Headers = list[tuple[bytes, bytes]]
 
 DEFAULT_SERVICE = "sluicegate"
 SHUTDOWN_GRACE = 1.0  # seconds a stopping router waits for the last spans to leave
+MAX_TRACEPARENT = 512  # characters; the OTel SDK's limits, which it logs per request past them
+MAX_TRACESTATE = 8192
+# The SDK's loggers that warn, per request, about what clients put in trace headers.
+_CLIENT_INPUT_LOGGERS = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.trace.span")
+log = logging.getLogger("sluicegate.tracing")
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 _OPERATIONS = {
     "/v1/chat/completions": "chat",
@@ -160,9 +171,10 @@ def resolve(cfg: TracingConfig, environ: Mapping[str, str] = os.environ) -> Trac
     return TracingPlan(endpoint, service, ratio)
 
 
-def make_tracing(cfg: TracingConfig) -> Tracing:
+def make_tracing(cfg: TracingConfig, on_dropped: Callable[[str], None] | None = None) -> Tracing:
+    """`on_dropped(header)`: a client's oversized trace header was dropped."""
     plan = resolve(cfg)
-    return NO_TRACING if plan is None else OtelTracing(plan)
+    return NO_TRACING if plan is None else OtelTracing(plan, on_dropped)
 
 
 class OtelTracing(Tracing):
@@ -171,7 +183,7 @@ class OtelTracing(Tracing):
 
     enabled = True
 
-    def __init__(self, plan: TracingPlan) -> None:
+    def __init__(self, plan: TracingPlan, on_dropped: Callable[[str], None] | None = None) -> None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -180,6 +192,10 @@ class OtelTracing(Tracing):
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.plan = plan
+        self._on_dropped = on_dropped
+        self._warned = False  # one warning per process for oversized trace headers
+        for name in _CLIENT_INPUT_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
         self._provider: TracerProvider = TracerProvider(
             sampler=ParentBased(TraceIdRatioBased(plan.sample_ratio)),
             resource=Resource.create({"service.name": plan.service_name}),
@@ -198,6 +214,34 @@ class OtelTracing(Tracing):
 
     def begin(self, client_headers: Headers, rec: RequestLike) -> RequestTrace:
         return OtelRequestTrace(self, client_headers, rec)
+
+    def carrier(self, client_headers: Headers) -> dict[str, str]:
+        """The client's trace headers the SDK may read: oversized ones dropped and counted."""
+        carrier: dict[str, str] = {}
+        for k, v in client_headers:
+            name = k.lower()
+            if name == b"traceparent":
+                carrier["traceparent"] = v.decode("latin-1")
+            elif name == b"tracestate":  # several fields make one list (RFC 9110 5.3)
+                given = carrier.get("tracestate")
+                value = v.decode("latin-1")
+                carrier["tracestate"] = value if given is None else f"{given},{value}"
+        for header, limit in (("traceparent", MAX_TRACEPARENT), ("tracestate", MAX_TRACESTATE)):
+            if len(carrier.get(header, "")) > limit:
+                del carrier[header]
+                self._dropped(header, limit)
+        return carrier
+
+    def _dropped(self, header: str, limit: int) -> None:
+        if self._on_dropped is not None:
+            self._on_dropped(header)
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "dropping oversized trace headers from clients (counted in "
+                "sluicegate_tracing_headers_dropped_total; warned once)",
+                extra={"fields": {"header": header, "max_chars": limit}},
+            )
 
     def wall_ns(self, perf: float) -> int:
         return self.epoch_offset_ns + int(perf * 1e9)
@@ -232,11 +276,7 @@ class OtelRequestTrace(RequestTrace):
         from opentelemetry.trace import SpanKind
 
         self._owner = owner
-        carrier = {
-            k.decode("latin-1"): v.decode("latin-1")
-            for k, v in client_headers
-            if k.lower() in _TRACE_HEADERS
-        }
+        carrier = owner.carrier(client_headers)
         parent = owner.propagator.extract(carrier) if carrier else None
         operation = _OPERATIONS.get(rec.path, "chat")
         attributes: dict[str, Any] = {

@@ -10,16 +10,16 @@ when it gets a lease it wakes the next one (several slots may have freed), when 
 goes back to its place and waits.
 
 Order: strict priority between the bands `critical` > `standard` > `sheddable`; inside a band, a
-start-time fair queue over tenants (client keys) weighted by `weight`, in estimated tokens: a
-request's cost is its body's bytes / 4 (a prompt estimate with no tokenizer: about 4 characters a
-token for English text, counting the JSON around it) plus `max_completion_tokens` or
-`max_tokens`, or `admission.default_max_tokens` when the body gives neither. A tenant with long
-prompts therefore gets no more than its share by sending fewer requests.
+start-time fair queue over tenants (client keys) weighted by `weight`, in estimated tokens
+(`estimate.estimate_tokens`: the body's bytes / 4 plus the completion budget times `n`). A
+tenant with long prompts therefore gets no more than its share by sending fewer requests.
 
 Leaving: past the ticket's deadline (`max_wait`, or the client's `x-sluicegate-timeout`) the
-request gets 503 + Retry-After; a full queue (`max_queue`, all models) sheds its lowest entry
-(lowest band, latest in the fair order), which may be the newcomer. Every exit, a cancelled one
-(the client left) included, takes the entry out in `finally`.
+request gets 503 + Retry-After; a full queue (`max_queue` entries or `max_queue_bytes` of
+bodies, all models) sheds its lowest entries (lowest band, latest in the fair order), which may
+be the newcomer. Every exit, a cancelled one (the client left) included, takes the entry out in
+`finally`. A request that queues is told so (`parked`), so that it can let go of what it need
+not hold while it waits (the proxy drops its parsed body: the raw body is held once).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import asyncio
 import heapq
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
@@ -65,6 +65,7 @@ class Ticket:
     cost: float  # estimated tokens
     deadline: float  # monotonic clock
     deadline_reason: str  # "max_wait" or "deadline" (the client's own timeout)
+    size: int = 0  # bytes of the request body it holds while queued (max_queue_bytes)
     start: float = 0.0  # fair-queue start tag, set on entering the queue
     seq: int = 0
     queued: bool = False  # in its band's heap
@@ -83,15 +84,16 @@ def make_ticket(
     headers: Headers,
     request_id: str,
     model: str,
-    body_len: int,
-    payload: Mapping[str, Any],
+    cost: int,
+    size: int,
     started: float,
     priority: str,
     weight: float,
     tenant: str,
 ) -> Ticket | Response:
-    """The ticket for a request, or a 400 for a bad priority or timeout header. `started` is
-    the request's `time.perf_counter()` at arrival; deadlines are on that clock."""
+    """The ticket for a request, or a 400 for a bad priority or timeout header. `cost`: its
+    token estimate; `size`: its body's bytes. `started` is the request's `time.perf_counter()` at
+    arrival; deadlines are on that clock."""
     rid = {"x-request-id": request_id}
     band = _RANK.get(priority, 1)
     asked = headers.get(PRIORITY_HEADER)
@@ -123,15 +125,7 @@ def make_ticket(
             )
         if started + seconds < deadline:
             deadline, reason = started + seconds, "deadline"
-    cost = estimate_tokens(body_len, payload, cfg.default_max_tokens)
-    return Ticket(model, band, tenant, weight, cost, deadline, reason)
-
-
-def estimate_tokens(body_len: int, payload: Mapping[str, Any], default_max_tokens: int) -> float:
-    """Prompt estimate (body bytes / 4) plus the completion budget the request asks for."""
-    out = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    completion = out if isinstance(out, int) and out > 0 else default_max_tokens
-    return body_len / 4 + completion
+    return Ticket(model, band, tenant, weight, cost, deadline, reason, size)
 
 
 class _Band:
@@ -187,6 +181,7 @@ class Admission:
         self._queues: dict[str, _ModelQueue] = {}
         self._busy: set[_ModelQueue] = set()  # queues with someone in the heaps
         self._size = 0  # queued, all models
+        self._bytes = 0  # their bodies' bytes
         self._seq = 0
         self._ticker: asyncio.Task[None] | None = None
         self._mean_wait = 1.0  # seconds, a moving average: the Retry-After of a refusal
@@ -194,6 +189,10 @@ class Admission:
     @property
     def depth(self) -> int:
         return self._size
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
 
     def saturated(self, backend: Backend, readings: Readings) -> bool:
         r = readings.get(backend.name)
@@ -209,7 +208,13 @@ class Admission:
 
     # -- the request's side -------------------------------------------------------------------
 
-    async def acquire(self, t: Ticket, try_once: Callable[[], Awaitable[Lease | None]]) -> Lease:
+    async def acquire(
+        self,
+        t: Ticket,
+        try_once: Callable[[], Awaitable[Lease | None]],
+        parked: Callable[[], None] | None = None,
+    ) -> Lease:
+        """A lease for `t`; `parked` is called once if it has to queue."""
         q = self._queues.get(t.model)
         if q is None or (q.live == 0 and q.waking == 0):
             lease = await try_once()
@@ -221,6 +226,8 @@ class Admission:
         self._tag(t)
         try:
             self._enter(q, t)
+            if parked is not None:
+                parked()
             while True:
                 remaining = t.deadline - self._clock()
                 if remaining <= 0:
@@ -284,7 +291,11 @@ class Admission:
         return self._queues.setdefault(t.model, _ModelQueue()).bands[t.band]
 
     def _enter(self, q: _ModelQueue, t: Ticket) -> None:
-        if self._size >= self.cfg.max_queue:
+        cfg = self.cfg
+        if t.size > cfg.max_queue_bytes:
+            raise self._refused(QueueFull, "queue_full", "The admission queue is full")
+        # Entries or bytes over their bound: the lowest go first, the newcomer if it is lowest.
+        while self._size >= cfg.max_queue or self._bytes + t.size > cfg.max_queue_bytes:
             victim = self._lowest()
             if victim is None or (victim.band, victim.order) < (t.band, t.order):
                 raise self._refused(QueueFull, "queue_full", "The admission queue is full")
@@ -318,6 +329,7 @@ class Admission:
         band.live += 1
         q.live += 1
         self._size += 1
+        self._bytes += t.size
         self._busy.add(q)
         self._metrics.queue_depth(t.model, BANDS[t.band], 1)
         if self._ticker is None or self._ticker.done():
@@ -340,6 +352,7 @@ class Admission:
         band.live -= 1
         q.live -= 1
         self._size -= 1
+        self._bytes -= t.size
         self._metrics.queue_depth(t.model, BANDS[t.band], -1)
         if q.live == 0:
             self._busy.discard(q)

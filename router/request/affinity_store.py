@@ -4,9 +4,10 @@ Keys: one sorted set per backend, `{<redis_prefix>:affinity}:blocks:<backend>` (
 on Redis Cluster a script's keys share a slot), member = a block hash (8 bytes,
 router/request/prefix.py), score = when that backend was last sent it (ms, Redis's clock).
 A record scores block i of the chain `t - i/1000`: the head is the most recent, so trimming a
-backend to its KV capacity in blocks (ZREMRANGEBYRANK from the lowest) drops prompt tails first,
-as the local index (balancers/prefix_index.py) and vLLM do. Hence block i present implies blocks
-0..i-1 present, and a lookup binary-searches each candidate with ZSCORE: O(log n) per candidate.
+backend to its KV capacity in blocks (ZREMRANGEBYRANK from the lowest; capped at
+MAX_BLOCKS_PER_BACKEND as the local index is) drops prompt tails first, as the local index
+(balancers/prefix_index.py) and vLLM do. Hence block i present implies blocks 0..i-1 present,
+and a lookup binary-searches each candidate with ZSCORE: O(log n) per candidate.
 Expiry (`affinity.ttl`, default 1 h): members older than it are dropped at the next record and
 ignored by lookups, and each key expires ttl after its last record, so a dead fleet leaves
 nothing. The bound is capacity, not time: an idle engine keeps its cache for hours, so a short
@@ -34,6 +35,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from balancers.inflight.batch import Batcher
+from balancers.prefix_index import MAX_BLOCKS_PER_BACKEND
 from router.core.errors import STORE_FAILURES
 from router.core.redis_client import KeyConnections, RedisTarget, follow_master
 
@@ -202,7 +204,9 @@ class SharedPrefixIndex:
         if not hashes or self._closed:
             return
         pending = self._pending
-        pending.append((backend, max(1, max_blocks), time.monotonic(), b"".join(hashes)))
+        # Capped as the local index is: the bound is an engine's report, which may be absurd.
+        blocks = max(1, min(max_blocks, MAX_BLOCKS_PER_BACKEND))
+        pending.append((backend, blocks, time.monotonic(), b"".join(hashes)))
         if len(pending) > MAX_PENDING:
             pending.popleft()
         if self._timer is None and not self.degraded:

@@ -38,9 +38,10 @@ from router.core.settings import AdmissionConfig, Settings
 from router.ops.metrics import Metrics
 from router.ops.tracing import NO_TRACE, NO_TRACING, RequestTrace, Tracing
 from router.registry.fleet import Registry
-from router.request.admission import Admission, Ticket, estimate_tokens, make_ticket
+from router.request.admission import Admission, Ticket, make_ticket
 from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
+from router.request.estimate import CHAT_LIMITS, LIMIT_FIELDS, BadLimit, estimate_tokens
 from router.request.failover import Failover
 from router.request.headers import downstream_response_headers, upstream_request_headers
 from router.request.hops import HOP_HEADER, HopMarker
@@ -118,8 +119,11 @@ class Proxy:
         self.admission = admission  # None: a full fleet answers 503 at once
         # Per-key rpm / tpm / max_parallel: shared through Redis, or in this process.
         self.quotas = quotas or Quotas(on_refused=self.metrics.ratelimited)
-        # The completion estimate of a body without max_tokens: admission's, also for quotas.
-        self._default_max_tokens = (settings.admission or AdmissionConfig()).default_max_tokens
+        # The completion estimate of a body without max_tokens, and the longest sequence:
+        # admission's, also for quotas.
+        estimates = settings.admission or AdmissionConfig()
+        self._default_max_tokens = estimates.default_max_tokens
+        self._max_model_len = estimates.max_model_len
         self.failover = Failover(settings.retries, lambda: lifecycle.active, _Retry)
 
     async def prepare(
@@ -131,9 +135,11 @@ class Proxy:
         priority: str = "standard",
         weight: float = 1.0,
         limits: KeyLimits | None = None,
+        limit_fields: Sequence[str] | None = None,
     ) -> Response:
         """`allowed_models`: the public names the client's key may use (None: any);
-        `priority`, `weight`: the key's admission band and share."""
+        `priority`, `weight`: the key's admission band and share; `limit_fields`: the body's
+        completion-limit fields the endpoint's engine honours (None: as `path` says)."""
         request_id = request_id_of(request.headers.get("x-request-id"))
         if self.lifecycle.draining:
             return error_response(
@@ -157,6 +163,25 @@ class Proxy:
         )
         if isinstance(checked, Response):
             return checked
+        if limit_fields is None:
+            limit_fields = LIMIT_FIELDS.get(path, CHAT_LIMITS)
+        try:
+            estimate = estimate_tokens(
+                checked.payload,
+                len(checked.body),
+                limit_fields,
+                self._default_max_tokens,
+                self._max_model_len,
+            )
+        except BadLimit as bad:
+            return error_response(
+                400,
+                str(bad),
+                "invalid_request_error",
+                bad.code,
+                {"x-request-id": request_id},
+                bad.param,
+            )
         record = RequestRecord(request_id, checked.model, path, checked.stream, time.perf_counter())
         record.key_name = key_name
         ticket: Ticket | None = None
@@ -166,8 +191,8 @@ class Proxy:
                 request.headers,
                 request_id,
                 checked.model,
+                estimate,
                 len(checked.body),
-                checked.payload,
                 record.started,
                 priority,
                 weight,
@@ -178,11 +203,6 @@ class Proxy:
             ticket = made
         reservation = None
         if limits is not None:
-            estimate = (
-                ticket.cost
-                if ticket is not None
-                else estimate_tokens(len(checked.body), checked.payload, self._default_max_tokens)
-            )
             held = await self.quotas.admit(limits, estimate, request_id)
             if isinstance(held, Response):
                 return held
@@ -199,6 +219,7 @@ class Proxy:
             record,
             ticket,
             reservation,
+            estimate,
             hop,
         )
 
@@ -219,6 +240,7 @@ class ProxyCall(Response):
         record: RequestRecord,
         ticket: Ticket | None = None,
         reservation: Hold | None = None,
+        estimate: int = 0,
         hop: bytes = b"",
     ) -> None:
         self.background = None
@@ -227,7 +249,9 @@ class ProxyCall(Response):
         self._proxy = proxy
         self._path = path
         self._body = body
-        self._payload = payload
+        self._payload: dict[str, Any] | None = payload  # None while queued: parsed again after
+        self._estimate = estimate
+        self._working = False  # a backend has the request and no answer came back yet
         self._model = model
         self._backends = backends
         self._stream = stream
@@ -269,6 +293,8 @@ class ProxyCall(Response):
             prompt, completion, cached, estimated = self._tokens()
             if self._reservation is not None or queued:
                 used = float(prompt + completion)
+                if self._abandoned():
+                    used = float(self._estimate)
                 if self._reservation is not None:
                     self._reservation.close(used)
                 if queued and self._proxy.admission is not None:
@@ -294,6 +320,27 @@ class ProxyCall(Response):
             prompt is None or (completion is None and self._stream),
         )
 
+    def _abandoned(self) -> bool:
+        """The client left while a backend worked on the request and before its usage was read:
+        the engine may have generated up to the whole budget, and no count of it will come. The
+        request is charged its whole estimate (the prompt and every sequence's budget), not 0:
+        the one figure known never to be below what a bounded request can have cost."""
+        rec = self._record
+        if not (rec.disconnected and self._working):
+            return False
+        u = rec.usage
+        return u is None or (not self._stream and u.reported_tokens is None)
+
+    def _parked(self) -> None:
+        """The request waits in the admission queue: its raw body is all it keeps meanwhile."""
+        self._payload = None
+
+    def _parsed(self) -> dict[str, Any]:
+        payload = self._payload
+        if payload is None:
+            payload = self._payload = json.loads(self._body)
+        return payload
+
     def _account(self, prompt: int, completion: int, cached: int, estimated: bool) -> None:
         """Tokens of an answered request into the usage book and metrics."""
         rec = self._record
@@ -310,9 +357,9 @@ class ProxyCall(Response):
             if not self._inject:
                 return self._body
             if self._injected is None:
-                self._injected = inject(self._body, self._payload)
+                self._injected = inject(self._body, self._parsed())
             return self._injected
-        payload = {**self._payload, "model": target}
+        payload = {**self._parsed(), "model": target}
         return json.dumps(with_usage(payload) if self._inject else payload).encode()
 
     async def _run(self, send: Send) -> None:
@@ -323,7 +370,7 @@ class ProxyCall(Response):
         last: _Retry | None = None
         trace = self._trace
         admission = proxy.admission
-        affinity = proxy.affinity.prepare(balancer, self._client_headers, self._payload)
+        affinity = proxy.affinity.prepare(balancer, self._client_headers, self._parsed())
         if affinity is not None and proxy.affinity.shared is not None:
             affinity = await proxy.affinity.look_up(affinity, self._backends)  # one round trip
         picker: Balancer = balancer  # this attempt's: `balancer` bound to the request's affinity
@@ -355,7 +402,7 @@ class ProxyCall(Response):
             trace.queued()
             lease: Lease | None
             if admission is not None and self._ticket is not None and number == 1:
-                lease = await admission.acquire(self._ticket, try_admit)
+                lease = await admission.acquire(self._ticket, try_admit, self._parked)
             else:
                 eligible = proxy.health.eligible(self._backends, self._model)
                 readings = proxy.readings() if proxy.readings and needs_engine(balancer) else None
@@ -376,6 +423,7 @@ class ProxyCall(Response):
             try:
                 await self._attempt(send, lease, answered)
             except _Retry as retry:
+                self._working = False  # that backend failed or refused before it answered
                 last = retry
                 trace.attempt_failed(retry.kind, retry.response[0] if retry.response else None)
                 proxy.metrics.attempt_failed(lease.backend, retry.kind)
@@ -430,6 +478,7 @@ class ProxyCall(Response):
                 self._trace.upstream_headers(headers),
                 self._body_for(backend),
             )
+            self._working = True
             try:
                 response = await transport.handle_async_request(request)
             except UPSTREAM_FAILURES as exc:

@@ -50,7 +50,7 @@ class QuotaBook(Protocol):
 
     kind: str
 
-    async def admit(self, limits: KeyLimits, estimate: float, request_id: str) -> Hold | Response:
+    async def admit(self, limits: KeyLimits, estimate: int, request_id: str) -> Hold | Response:
         """A hold on one request, its estimate and a slot; or the 429 to send."""
         ...
 
@@ -70,7 +70,7 @@ class _Window:
 
     def __init__(self) -> None:
         self.buckets: deque[list[float]] = deque()
-        self.total = 0.0
+        self.total: float = 0
 
     def used(self, sec: int) -> float:
         buckets = self.buckets
@@ -167,14 +167,14 @@ def refusal(
 
 
 class Reservation:
-    __slots__ = ("_book", "_bucket", "_estimate", "_state", "headers")
+    __slots__ = ("_book", "_bucket", "_estimate", "_state", "headers", "on_correct")
 
     def __init__(
         self,
         book: Quotas,
         state: _KeyState,
         bucket: int,
-        estimate: float | None,
+        estimate: int | None,
         headers: list[tuple[bytes, bytes]],
     ) -> None:
         self._book = book
@@ -182,6 +182,9 @@ class Reservation:
         self._bucket = bucket
         self._estimate = estimate  # None when the key has no tpm: no token window to correct
         self.headers = headers  # x-ratelimit-* for the response
+        # Told of each correction (bucket, delta): the shared store's record of what its local
+        # share admitted, written to Redis when it answers again.
+        self.on_correct: Callable[[int, int], None] | None = None
 
     def close(self, used_tokens: float | None) -> None:
         """Idempotent: frees the parallel slot, corrects the token count when known."""
@@ -190,9 +193,13 @@ class Reservation:
             return
         state.parallel -= 1
         estimate = self._estimate
-        if estimate is not None and used_tokens is not None and used_tokens != estimate:
-            sec = int(self._book.clock())
-            state.tokens.correct(self._bucket, used_tokens - estimate, sec)
+        if estimate is not None and used_tokens is not None:
+            delta = math.ceil(used_tokens) - estimate  # integers: a correction never rounds
+            if delta:
+                sec = int(self._book.clock())
+                state.tokens.correct(self._bucket, delta, sec)
+                if self.on_correct is not None:
+                    self.on_correct(self._bucket, delta)
 
 
 class Quotas:
@@ -208,7 +215,7 @@ class Quotas:
         self._keys: dict[str, _KeyState] = {}
 
     async def admit(
-        self, limits: KeyLimits, estimate: float, request_id: str
+        self, limits: KeyLimits, estimate: int, request_id: str
     ) -> Reservation | Response:
         return self.admit_now(limits, estimate, request_id)
 
@@ -221,8 +228,28 @@ class Quotas:
     def status(self) -> dict[str, Any] | None:
         return None
 
+    def keys(self) -> list[tuple[str, _KeyState]]:
+        """Every key's windows (key id, state), for the shared store's write-back."""
+        return list(self._keys.items())
+
+    def take(self, limits: KeyLimits, estimate: int) -> Reservation:
+        """Count a request admitted elsewhere (by the shared store), unchecked: this process's
+        windows then hold its own traffic when it has to enforce its share alone."""
+        sec = int(self.clock())
+        st = self._keys.get(limits.key_id)
+        if st is None:
+            st = self._keys[limits.key_id] = _KeyState()
+        if limits.rpm is not None:
+            st.requests.used(sec)  # drops what has left the window
+            st.requests.add(sec, 1)
+        if limits.tpm is not None:
+            st.tokens.used(sec)
+            st.tokens.add(sec, estimate)
+        st.parallel += 1
+        return Reservation(self, st, sec, estimate if limits.tpm is not None else None, [])
+
     def admit_now(
-        self, limits: KeyLimits, estimate: float, request_id: str
+        self, limits: KeyLimits, estimate: int, request_id: str
     ) -> Reservation | Response:
         now = self.clock()
         sec = int(now)

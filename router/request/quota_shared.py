@@ -24,6 +24,13 @@ bucket its reservation went to, so a refund never outlives the estimate it corre
   its own traffic; after a few failures in a row the store is `degraded` (a warning, the
   `sluicegate_quota_degraded` gauge, `/readyz` details) and the heartbeat probes until Redis
   answers, then shared enforcement resumes.
+- Across an outage: the local windows also count what Redis admitted for this process (so the
+  share does not start from empty windows), and what the share admitted (with its corrections)
+  is written into the shared windows' buckets when Redis answers again (so the shared window
+  does not start without it). No 60 s window then admits more than about `limit x (1 +
+  1/processes)` (the slack: a process's share beside what others admitted just before).
+- A script error (an argument Redis cannot take) refuses that request with 429; it is not an
+  outage, so it cannot move the key to the (smaller, fresh) local share.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import itertools
 import logging
 import math
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -43,10 +51,11 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 from starlette.responses import Response
 
 from balancers.inflight.batch import Batcher
-from router.core.errors import STORE_FAILURES, StoreUnavailable, store_unavailable
+from router.core.errors import STORE_FAILURES, StoreUnavailable, error_response, store_unavailable
 from router.core.redis_client import Client, KeyConnections, RedisTarget, follow_master
 from router.request.quota import (
     BUCKETS,
@@ -186,7 +195,9 @@ return 1
 """
 )
 
-# KEYS: the processes zset. ARGV: now_ms, ttl ms, this process's id. Returns how many live.
+# KEYS: the processes zset, the epoch key. ARGV: now_ms, ttl ms, this process's id, a new epoch.
+# Returns "<how many live> <epoch>": the epoch changes when Redis lost its data (a restart
+# without persistence), and the windows with it.
 _REGISTER = (
     _NOW
     + """
@@ -194,7 +205,36 @@ local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('PEXPIRE', KEYS[1], ttl * 3)
-return redis.call('ZCARD', KEYS[1])
+local epoch = redis.call('GET', KEYS[2])
+if not epoch then
+  epoch = ARGV[4]
+  redis.call('SET', KEYS[2], epoch)
+end
+return redis.call('ZCARD', KEYS[1]) .. ' ' .. epoch
+"""
+)
+
+# KEYS: requests hash, tokens hash. ARGV: now_ms, then per bucket: its age in seconds, requests,
+# tokens. What the local share admitted during an outage, into the buckets it went to; what has
+# left the window is dropped, except a token overrun, charged to the current bucket.
+_RESTORE = (
+    _NOW
+    + """
+local keep = BUCKETS * 1000 + 1000
+for i = 2, #ARGV, 3 do
+  local b = sec - tonumber(ARGV[i])
+  local r, t = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  if b < first then
+    b, r = sec, 0
+    if t < 0 then t = 0 end
+  end
+  if r ~= 0 then redis.call('HINCRBY', KEYS[1], b, r) redis.call('PEXPIRE', KEYS[1], keep) end
+  if t ~= 0 then
+    if redis.call('HINCRBY', KEYS[2], b, t) <= 0 then redis.call('HDEL', KEYS[2], b) end
+    redis.call('PEXPIRE', KEYS[2], keep)
+  end
+end
+return 1
 """
 )
 
@@ -211,10 +251,20 @@ def key_tag(prefix: str, key_id: str) -> str:
     return "{" + prefix + ":quota:" + kid + "}"
 
 
+class ScriptFailed(Exception):
+    """Redis ran the quota script and it failed on this request's arguments."""
+
+
+def _script_failed(exc: BaseException) -> bool:
+    # A runtime error inside a script names it ("... script: <sha>, on @user_script:107."); a
+    # busy, loading, read-only or out-of-memory server answers with its own code and no name.
+    return type(exc) is ResponseError and "user_script" in str(exc)
+
+
 class SharedReservation:
     """What one admitted request holds in Redis; `close(used)` gives it back (idempotent)."""
 
-    __slots__ = ("_book", "_bucket", "_estimate", "_slot", "_tag", "headers")
+    __slots__ = ("_book", "_bucket", "_estimate", "_mirror", "_slot", "_tag", "headers")
 
     def __init__(
         self,
@@ -224,6 +274,7 @@ class SharedReservation:
         estimate: int,
         slot: str,
         headers: list[tuple[bytes, bytes]],
+        mirror: Reservation,
     ) -> None:
         self._book: SharedQuotas | None = book
         self._tag = tag
@@ -231,11 +282,13 @@ class SharedReservation:
         self._estimate = estimate  # 0 when the key has no tpm: nothing to correct
         self._slot = slot  # '' when the key has no max_parallel
         self.headers = headers
+        self._mirror = mirror  # the same request in this process's own windows
 
     def close(self, used_tokens: float | None) -> None:
         book, self._book = self._book, None
         if book is None:
             return
+        self._mirror.close(used_tokens)
         delta = 0
         if self._estimate and used_tokens is not None:
             delta = math.ceil(used_tokens) - self._estimate
@@ -286,7 +339,10 @@ class SharedQuotas:
         self._release_sha = self._script(_RELEASE)
         self._refresh_sha = self._script(_REFRESH)
         self._register_sha = self._script(_REGISTER)
+        self._restore_sha = self._script(_RESTORE)
         self._members_key = "{" + prefix + ":quota}:processes"
+        self._epoch_key = "{" + prefix + ":quota}:epoch"
+        self._epoch: str | None = None  # as last read: another one means the windows were lost
         self._batchers: dict[str, Batcher] = {}
         self._held = HeldConnection(self._redis) if isinstance(self._redis, Redis) else None
         self._tags: dict[str, str] = {}  # key id -> its hash tag
@@ -295,8 +351,14 @@ class SharedQuotas:
         self._releasing: list[_Owed] = []  # gathered for the next release command
         self._release_timer: asyncio.TimerHandle | None = None
         self._key_names: dict[str, tuple[bytes, bytes, bytes]] = {}
-        # The fallback: this process's share of each limit, in this process.
-        self.local = Quotas(on_refused=on_refused)
+        # The fallback: this process's share of each limit, in this process (its windows also
+        # count what Redis admitted here).
+        self.local = Quotas(clock=clock or time.monotonic, on_refused=on_refused)
+        # What the local share admitted, not yet in Redis: (key tag, local second) -> [requests,
+        # tokens], written back by the heartbeat once Redis answers.
+        self._ledger: dict[tuple[str, int], list[int]] = {}
+        self._script_errors = 0
+        self._script_logged = -math.inf
         self._shares: dict[KeyLimits, KeyLimits] = {}
         self.processes = 1  # processes enforcing quotas, as last seen registered in Redis
         self._failures = 0
@@ -349,6 +411,10 @@ class SharedQuotas:
         try:
             async with asyncio.timeout(self._timeout):
                 return await self._batcher(tag).call(*command)
+        except ResponseError as exc:
+            if _script_failed(exc):
+                raise ScriptFailed(type(exc).__name__) from exc
+            raise store_unavailable(exc) from exc
         except STORE_FAILURES as exc:
             # Failures are counted per round trip (by the batcher): a call that outwaits its
             # timeout behind a slow one sends only its own request to the local share.
@@ -406,13 +472,23 @@ class SharedQuotas:
                 await self._held.drop()  # it may still point at the former master
             key = self._members_key
             args = (now, self._ttl_ms, self.process_id)
-            members = await self._call(key, "EVALSHA", self._register_sha, 1, key, *args)
+            epoch_key, fresh = self._epoch_key, uuid.uuid4().hex[:16]
+            reply = await self._call(
+                key, "EVALSHA", self._register_sha, 2, key, epoch_key, *args, fresh
+            )
+            members, epoch = reply.split()
+            lost = self._epoch is not None and epoch != self._epoch
+            self._epoch = epoch
             for tag, slots in by_tag.items():
                 stamp = (now, self._ttl_ms, *slots)
                 await self._call(tag, "EVALSHA", self._refresh_sha, 1, tag + ":p", *stamp)
             for tag, mine in _by_tag(owed).items():
                 await self._call(tag, *self._release_command(tag, mine))
                 settled.update(map(id, mine))
+            await self._write_back(everything=lost)
+        except ScriptFailed:
+            log.exception("quota heartbeat script failed")
+            return False
         except StoreUnavailable as exc:
             for entry in owed:
                 if id(entry) not in settled:
@@ -470,10 +546,51 @@ class SharedQuotas:
             "processes": self.processes,
         }
 
+    async def _write_back(self, everything: bool = False) -> None:
+        """What the local share admitted, into the shared windows (one command per key); with
+        `everything` (Redis came back empty) all this process admitted in the window, which its
+        own windows hold."""
+        if everything:
+            self._ledger = {}
+            for key_id, state in self.local.keys():
+                tag = self._tag(key_id)
+                for sec, requests in state.requests.buckets:
+                    self._note(tag, int(sec), int(requests), 0)
+                for sec, tokens in state.tokens.buckets:
+                    self._note(tag, int(sec), 0, math.ceil(tokens))
+        if not self._ledger:
+            return
+        now = int(self.local.clock())
+        ledger, self._ledger = self._ledger, {}
+        by_tag: dict[str, list[int]] = {}
+        for (tag, sec), (requests, tokens) in ledger.items():
+            if now - sec < BUCKETS or tokens > 0:  # the rest has left the window
+                by_tag.setdefault(tag, []).extend((now - sec, requests, tokens))
+        sent: set[str] = set()
+        try:
+            for tag, args in by_tag.items():
+                keys = self._keys(tag)
+                restore = ("EVALSHA", self._restore_sha, 2, keys[0], keys[1], self._now_ms())
+                await self._call(tag, *restore, *args)
+                sent.add(tag)
+        finally:
+            for (tag, sec), (requests, tokens) in ledger.items():
+                if tag in by_tag and tag not in sent:  # kept for the next heartbeat
+                    self._note(tag, sec, requests, tokens)
+
+    def _note(self, tag: str, sec: int, requests: int, tokens: int) -> None:
+        entry = self._ledger.get((tag, sec))
+        if entry is None:
+            if len(self._ledger) >= _OWED_MAX:
+                return
+            entry = self._ledger[(tag, sec)] = [0, 0]
+        entry[0] += requests
+        entry[1] += tokens
+
     # --- the hot path ----------------------------------------------------------------------
 
     async def admit(
-        self, limits: KeyLimits, estimate: float, request_id: str
+        self, limits: KeyLimits, estimate: int, request_id: str
     ) -> SharedReservation | Reservation | Response:
         if self.degraded:
             return self._admit_local(limits, estimate, request_id)
@@ -494,6 +611,15 @@ class SharedQuotas:
                 est,
                 slot,
                 self._ttl_ms,
+            )
+        except ScriptFailed:
+            self._script_error(limits)
+            return error_response(
+                429,
+                "The quota of this key could not be checked for this request; retry later.",
+                "rate_limit_exceeded",
+                "rate_limit_exceeded",
+                {"retry-after": "1", "x-request-id": request_id},
             )
         except StoreUnavailable as exc:
             if slot:  # the script may have run after we stopped waiting
@@ -521,16 +647,36 @@ class SharedQuotas:
             return refusal(what, reset, headers, request_id)
         if slot:
             self._live[slot] = tag
-        return SharedReservation(self, tag, bucket, est, slot, headers)
+        mirror = self.local.take(limits, est)
+        return SharedReservation(self, tag, bucket, est, slot, headers, mirror)
+
+    def _script_error(self, limits: KeyLimits) -> None:
+        self._script_errors += 1
+        if self._on_refused is not None:
+            self._on_refused(limits.label, "error")
+        now = time.monotonic()
+        if now - self._script_logged >= 60:  # a client cannot turn it into a log flood
+            self._script_logged = now
+            log.warning(
+                "quota script failed; request refused",
+                extra={"fields": {"key": limits.label, "errors": self._script_errors}},
+            )
 
     def _admit_local(
-        self, limits: KeyLimits, estimate: float, request_id: str
+        self, limits: KeyLimits, estimate: int, request_id: str
     ) -> Reservation | Response:
         self.fallbacks += 1
         share = self._shares.get(limits)
         if share is None:
             share = self._shares[limits] = _share(limits, self.processes)
-        return self.local.admit_now(share, estimate, request_id)
+        held = self.local.admit_now(share, estimate, request_id)
+        if isinstance(held, Reservation):
+            tag = self._tag(limits.key_id)
+            sec = int(self.local.clock())
+            self._note(tag, sec, 1 if limits.rpm is not None else 0, estimate if limits.tpm else 0)
+            if limits.tpm is not None:
+                held.on_correct = lambda bucket, delta: self._note(tag, bucket, 0, delta)
+        return held
 
     # --- releases ----------------------------------------------------------------------------
 

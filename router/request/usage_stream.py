@@ -4,34 +4,39 @@ With `usage_accounting: active` (the default), a streamed chat or completion req
 did not set `stream_options.include_usage` goes upstream with it set (`inject()`), so the engine
 ends the stream with its own counts; `UsageStrip` then removes that one usage-only event
 (`"choices":[]` with a `"usage":{...}` object) from the bytes relayed, so the client gets exactly
-the bytes it would have got without it. Nothing is parsed as JSON per chunk.
+the bytes it would have got without it. Only events holding `"usage":{` are parsed as JSON.
 
 What the engines send with `include_usage` (their serving code, read): vLLM and SGLang add only
-the final usage-only event (other chunks are unchanged: vLLM's chat chunks never carry `usage`, its
-completion chunks always carry `"usage":null`, with or without the option). OpenAI adds
-`"usage":null` to every other chunk as well; for `kind: openai` backends `,"usage":null` is also
-removed from each chunk (one `bytes.replace` per chunk, only there). A request with
+the final usage-only event (other chunks are unchanged: vLLM 0.32's chat and completion chunks
+carry no `usage` key, with or without the option: tests_engine/test_conformance.py checks it).
+OpenAI adds `"usage":null` to every other chunk as well; for `kind: openai` backends
+`,"usage":null` is also removed from each chunk (one `bytes.replace` per chunk, only there). A
+request with
 `continuous_usage_stats` goes untouched: vLLM then puts usage in every chunk only with
 `include_usage`, SGLang with or without it, so no edit is right for both (SGLang's chunks then
 carry the usage anyway).
 
+The usage-only event is found by parsing events (router/request/sse.py): LF, CRLF or CR line
+ends, each complete event holding `"usage":{` parsed as JSON and judged on its fields. A partial
+event is held back until its end arrives (an SSE client cannot use half an event anyway), at most
+MAX_HELD bytes: a longer event is relayed as it comes and stripping resumes after it.
+
 Cost per chunk of an injected stream: the relay's inline test (an attribute, the chunk's last
 two bytes, one `rfind` of `"usage":{`; ~0.1 us) and nothing more for a chunk of whole events
-without it. A chunk that ends inside an event keeps that partial event back until its end
-arrives (an SSE client cannot use half an event anyway), so an event split across upstream
-chunks is still recognised. After the usage event, chunks pass untouched.
+without it. After the usage event, chunks pass untouched.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
+from router.request.sse import ends_an_event, event_json, last_boundary, next_boundary
+
 USAGE_OBJECT = b'"usage":{'
-_EMPTY_CHOICES = b'"choices":[]'
 _USAGE_NULL = b',"usage":null'
-_WINDOW = 4096  # the usage event is the last before [DONE]: look only at a chunk's end
-_MAX_HELD = 65536  # a partial "event" this long is no SSE we understand: stop holding back
+MAX_HELD = 65536  # bytes of a partial event held back; a longer event is relayed as it comes
 _INJECTED = b',"stream_options":{"include_usage":true}'
 STREAMED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -71,76 +76,116 @@ def with_usage(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "stream_options": {**kept, "include_usage": True}}
 
 
+def usage_only(payload: dict[str, Any]) -> bool:
+    """The chat / completions usage-only event: `"choices":[]` and a `usage` object."""
+    return payload.get("choices") == [] and isinstance(payload.get("usage"), dict)
+
+
 class UsageStrip:
-    """Removes the usage-only event from a relayed stream; `feed(chunk)` returns what to send."""
+    """Removes the usage-only event from a relayed stream; `feed(chunk)` returns what to send.
 
-    __slots__ = ("_done", "_held", "_nulls", "slow", "stripped")
+    Events are found by their blank lines (any of LF, CRLF, CR: router/request/sse.py), and
+    every complete event holding `"usage":{` is parsed and judged by `is_usage` (one JSON parse
+    per candidate; other events are never parsed), so a content event that happens to hold the
+    substring does not hide the real one. A partial event is held back until its end arrives,
+    at most MAX_HELD bytes: an event longer than that is relayed as it comes, untouched, and
+    stripping resumes after its end, so the strip never holds more than MAX_HELD and looks at
+    each byte of a long event a bounded number of times."""
 
-    def __init__(self, strip_nulls: bool) -> None:
+    __slots__ = ("_carry", "_done", "_held", "_is_usage", "_nulls", "_skip", "slow", "stripped")
+
+    def __init__(
+        self, strip_nulls: bool, is_usage: Callable[[dict[str, Any]], bool] = usage_only
+    ) -> None:
         self._held = b""
         self._done = False
+        self._skip = False  # inside an event too long to hold: relayed to its end
+        self._carry = b""  # the last bytes relayed while skipping (a blank line may straddle)
         self._nulls = strip_nulls  # OpenAI's shape: `"usage":null` in every other chunk
+        self._is_usage = is_usage
         self.stripped = False  # the usage event was found and removed
         # False while nothing is held and no nulls are removed: then a chunk of whole events
         # (ends with a blank line) without USAGE_OBJECT passes unchanged, and the caller may
         # skip `feed` (the relay tests that inline: a method call per chunk costs more).
         self.slow = strip_nulls
 
+    @property
+    def held(self) -> int:
+        """Bytes held back now (at most MAX_HELD)."""
+        return len(self._held)
+
     def feed(self, chunk: bytes) -> bytes:
         if self._done:
             return chunk  # past the usage event: [DONE]
+        passed = b""
+        if self._skip:
+            passed, chunk = self._skipping(chunk)
+            if self._skip:
+                return passed
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        out = self._whole_events(chunk)
-        self.slow = self._nulls or bool(self._held)
+        out = self._whole_events(chunk) if chunk else b""
+        self.slow = self._nulls or bool(self._held) or self._skip
         # On whole events only, so an occurrence split across chunks is found too.
-        return out.replace(_USAGE_NULL, b"") if self._nulls and out else out
+        if self._nulls and out:
+            out = out.replace(_USAGE_NULL, b"")
+        return passed + out if passed else out
 
-    def _whole_events(self, chunk: bytes) -> bytes:
-        at = chunk.find(USAGE_OBJECT, max(0, len(chunk) - _WINDOW))
-        if at >= 0:
-            return self._remove(chunk, at)
-        if chunk.endswith((b"\n\n", b"\n\r\n")):
-            return chunk
-        cut = _last_boundary(chunk, len(chunk))
-        if len(chunk) - cut > _MAX_HELD:
-            self._done = True  # not SSE as we know it: relay as it comes
-            return chunk
-        self._held = chunk[cut:]
-        return chunk[:cut]
+    def _skipping(self, chunk: bytes) -> tuple[bytes, bytes]:
+        """(what of `chunk` belongs to the long event being relayed, the rest)."""
+        carry = self._carry
+        end = next_boundary(carry + chunk, 0)
+        if end < 0:
+            self._carry = (carry + chunk)[-2:]
+            return chunk, b""
+        end = max(0, end - len(carry))
+        self._skip = False
+        self._carry = b""
+        return chunk[:end], chunk[end:]
 
-    def _remove(self, buf: bytes, at: int) -> bytes:
-        # `buf` starts at an event's start (a partial event is held back), so the event holding
-        # the usage object starts after the last boundary before it.
-        start = _last_boundary(buf, at)
-        end = _next_boundary(buf, at)
-        if end < 0:  # the event's end has not arrived yet
-            self._held = buf[start:]
-            return buf[:start]
-        if _EMPTY_CHOICES in buf[start:end]:
-            self._done = self.stripped = True
-            return buf[:start] + buf[end:]
-        # A usage object in an event with choices (continuous usage, another engine's shape):
-        # not the usage-only event; the client gets it as it is.
-        return buf
+    def _whole_events(self, buf: bytes) -> bytes:
+        # `buf` starts where an event starts (a partial event is held back, a long one skipped).
+        pos = 0
+        out: list[bytes] = []
+        while (at := buf.find(USAGE_OBJECT, pos)) >= 0:
+            start = last_boundary(buf, at)
+            end = next_boundary(buf, at)
+            if end < 0:  # this event's end has not arrived yet
+                out.append(buf[pos:start])
+                out.append(self._hold(buf[start:]))
+                return b"".join(out)
+            payload = event_json(buf[start:end]) if end - start <= MAX_HELD else None
+            if payload is not None and self._is_usage(payload):
+                self._done = self.stripped = True
+                out.append(buf[pos:start])
+                out.append(buf[end:])
+                return b"".join(out)
+            # A usage object in an event with choices (continuous usage, another engine's
+            # shape): not the usage-only event; the client gets it as it is.
+            out.append(buf[pos:end])
+            pos = end
+        if ends_an_event(buf):
+            rest = buf[pos:]
+        else:
+            cut = max(pos, last_boundary(buf, len(buf)))
+            rest = buf[pos:cut] + self._hold(buf[cut:])
+        if not out:
+            return rest
+        out.append(rest)
+        return b"".join(out)
+
+    def _hold(self, partial: bytes) -> bytes:
+        """Hold `partial` (an event begun, not ended) back; one too long is relayed instead,
+        and the rest of it after it. Returns what to send now."""
+        if len(partial) <= MAX_HELD:
+            self._held = partial
+            return b""
+        self._skip = True
+        self._carry = partial[-2:]
+        return partial
 
     def flush(self) -> bytes:
         """What is held back, at the end of the stream (it ended inside an event)."""
         held, self._held = self._held, b""
         return held.replace(_USAGE_NULL, b"") if self._nulls else held
-
-
-def _last_boundary(buf: bytes, before: int) -> int:
-    """Where the event containing position `before` starts: after the last blank line."""
-    lf = buf.rfind(b"\n\n", 0, before)
-    crlf = buf.rfind(b"\n\r\n", 0, before)
-    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
-
-
-def _next_boundary(buf: bytes, after: int) -> int:
-    """The end of the event containing position `after` (past its blank line), or -1."""
-    lf = buf.find(b"\n\n", after)
-    crlf = buf.find(b"\n\r\n", after)
-    ends = [e for e in (lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1) if e >= 0]
-    return min(ends) if ends else -1

@@ -5,6 +5,9 @@ cap, and the process's file-descriptor limit.
   seconds after its first byte, or after the connection opened, is closed. uvicorn times out
   only idle keep-alive connections (`keepalive_timeout`), so an idle fresh socket or a slowloris
   client would otherwise hold a file descriptor for ever.
+- `body_timeout`: a request body not complete this many seconds after its head is answered
+  408 and its connection closed (or only closed, when the answer has begun). Without it a body
+  that stops short holds its connection and every byte read so far for ever.
 - `max_connections` (per worker process): a connection past the cap is answered with a short 503
   and closed at once, before anything is read. uvicorn's own `limit_concurrency` is not used: it
   still accepts and parses, and answers 503 to requests on connections already open whenever
@@ -12,8 +15,8 @@ cap, and the process's file-descriptor limit.
 - `raise_fd_limit()`: soft RLIMIT_NOFILE up to the hard limit, and a warning when it cannot hold
   the client connections plus the backend pools.
 
-Cost on the request path: one timer armed and cancelled per request head (`call_later`), and a
-set-size check per new connection.
+Cost on the request path: two timers armed and cancelled per request (`call_later`: the head's
+and the body's), and a set-size check per new connection.
 """
 
 from __future__ import annotations
@@ -41,12 +44,35 @@ REFUSAL = (
 )
 
 
+_SLOW_BODY = error_payload(
+    "The request body did not arrive in time (server.body_timeout).",
+    "invalid_request_error",
+    "request_timeout",
+)
+SLOW_BODY = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+    b"content-length: "
+    + str(len(_SLOW_BODY)).encode()
+    + b"\r\nconnection: close\r\n\r\n"
+    + _SLOW_BODY
+)
+
+
 class EdgeProtocol(HttpToolsProtocol):
-    def __init__(self, *args: Any, header_timeout: float, max_connections: int, **kw: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        header_timeout: float,
+        max_connections: int,
+        body_timeout: float = 30.0,
+        **kw: Any,
+    ) -> None:
         super().__init__(*args, **kw)
         self._header_timeout = header_timeout
+        self._body_timeout = body_timeout
         self._max_connections = max_connections
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -74,18 +100,45 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._arm()  # the next request on a kept-alive connection: its head has the same limit
 
+    def _body_too_slow(self) -> None:
+        self._body_timer = None
+        transport = self.transport
+        if transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is None or not cycle.response_started:
+            transport.write(SLOW_BODY)  # the app, still reading, sees the client gone
+        transport.close()
+
     def on_headers_complete(self) -> None:
         self._disarm()
+        # Measured from the head: a body trickled byte by byte gets no more time than a silent one.
+        self._body_timer = self.loop.call_later(self._body_timeout, self._body_too_slow)
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        timer = self._body_timer
+        if timer is not None:
+            timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         super().connection_lost(exc)
 
 
-def protocol(header_timeout: float, max_connections: int) -> Any:
+def protocol(header_timeout: float, max_connections: int, body_timeout: float = 30.0) -> Any:
     """What to give uvicorn as `http=`: picklable, so it reaches every worker process."""
-    return partial(EdgeProtocol, header_timeout=header_timeout, max_connections=max_connections)
+    return partial(
+        EdgeProtocol,
+        header_timeout=header_timeout,
+        max_connections=max_connections,
+        body_timeout=body_timeout,
+    )
 
 
 def raise_fd_limit(needed: int) -> tuple[int, int]:

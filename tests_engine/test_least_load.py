@@ -1,0 +1,88 @@
+"""`least_load` on real readings: it reads what the engines report and avoids the one that
+traffic sent to it directly (not through the router) has made busy."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from router.engine.parse import parse
+from router.enginefleet.fleet import Fleet
+from tests.harness import Cluster
+from tests_engine.support import (
+    DirectLoad,
+    Words,
+    kv_capacity_blocks,
+    metrics,
+    metrics_of,
+    rows,
+    start_router,
+    wait_for,
+)
+
+INTERVAL = 0.1  # engine_metrics.interval of the router under test
+STREAMS, PROMPT_TOKENS, MAX_TOKENS = 8, 1200, 600  # 8 x 15 blocks: more than 64 fit, some wait
+REQUESTS = 12
+
+
+def test_least_load_reads_the_engines_and_avoids_the_busy_one(
+    fleet: Fleet, procs: Cluster, tmp_path: Path
+) -> None:
+    idle, busy = fleet.engines
+    router = start_router(
+        procs,
+        fleet,
+        {"balancer": "least_load", "engine_metrics": {"interval": INTERVAL, "stale_after": 2.0}},
+    )
+    blocks, block_size = kv_capacity_blocks(busy)
+    words = Words(fleet, seed=11)
+    with DirectLoad(busy, words, STREAMS, PROMPT_TOKENS, MAX_TOKENS, tmp_path):
+
+        def loaded() -> bool:
+            m = metrics(busy)
+            return m["vllm:num_requests_waiting"] >= 1 and m["vllm:num_requests_running"] >= 2
+
+        wait_for("direct traffic queues on the busy engine", loaded, 60.0, 0.1)
+        # The router's readings are the engine's: sampled a few intervals after the engine's own.
+        wait_for(
+            "the router reads the busy engine's queue",
+            lambda: rows(router)[f"engine-{busy.index}"]["engine"]["waiting"] >= 1,
+            20 * INTERVAL + 5.0,
+        )
+        # The router's parser on the engine's real page reads what Prometheus' own parser reads.
+        page = httpx.get(busy.metrics_url, timeout=10).content
+        theirs, parsed = metrics_of(page), parse(page, "vllm")
+        assert (parsed.waiting, parsed.running) == (
+            theirs["vllm:num_requests_waiting"],
+            theirs["vllm:num_requests_running"],
+        )
+        assert parsed.kv_usage == theirs["vllm:kv_cache_usage_perc"]
+        assert parsed.preemptions == theirs["vllm:num_preemptions_total"]
+        assert parsed.kv_capacity_tokens == blocks * block_size
+        reading = rows(router)[f"engine-{busy.index}"]["engine"]
+        assert reading["stale"] is False and reading["scrape_error"] is None
+        assert reading["kv_capacity_tokens"] == blocks * block_size
+        assert 1 <= reading["running"] <= STREAMS and reading["waiting"] <= STREAMS
+        assert 0 < reading["kv_usage"] <= 1
+        calm = rows(router)[f"engine-{idle.index}"]["engine"]
+        assert (calm["running"], calm["waiting"]) == (0, 0)
+        assert calm["kv_capacity_tokens"] == blocks * block_size
+
+        served: Counter[str] = Counter()
+        with httpx.Client(base_url=router.url, timeout=60) as client:
+            for i in range(REQUESTS):
+                r = client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": idle.model,
+                        "messages": [{"role": "user", "content": f"short question {i}"}],
+                        "max_tokens": 8,
+                    },
+                )
+                assert r.status_code == 200, r.text
+                served[r.headers["x-sluicegate-backend"]] += 1
+            still = metrics(busy)
+        assert still["vllm:num_requests_waiting"] >= 1  # it stayed busy the whole time
+    assert served == {f"engine-{idle.index}": REQUESTS}, served
