@@ -130,14 +130,84 @@ def churn(sizes: tuple[int, ...] = (10, 100, 500), repeats: int = 20) -> dict[st
     return out
 
 
+def apply_large(n: int = 50_000, per_slice: int = 1000) -> dict[str, Any]:
+    """Issue 31: `n` endpoints (slices of `per_slice`) through the reconciler into the Fleet, as
+    the Kubernetes source hands them: the time to apply, and the longest the loop was blocked
+    (a 1 ms ticker's worst lateness)."""
+    import httpx
+
+    from router.core.settings import KubernetesDiscovery
+    from router.discovery.reconcile import Endpoint, Reconciler
+
+    class _Quiet:
+        def discovery_event(self, source: str, event: str) -> None:
+            return None
+
+    async def counts(names: Any) -> dict[str, int]:
+        return {}
+
+    async def run() -> dict[str, Any]:
+        cfg = KubernetesDiscovery.model_validate(
+            {
+                "kind": "kubernetes",
+                "namespace": "m",
+                "service": "vllm",
+                "port": 8000,
+                "models": ["m"],
+                "max_endpoints": 100_000,
+            }
+        )
+        fleet = Fleet(Registry([], "least_inflight"), [], LocalRecords())
+        eps = [
+            Endpoint(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", 8000, True) for i in range(n)
+        ]
+        worst = 0.0
+        stop = False
+
+        async def ticker() -> None:
+            nonlocal worst
+            loop = asyncio.get_running_loop()
+            while not stop:
+                t = loop.time()
+                await asyncio.sleep(0.001)
+                worst = max(worst, loop.time() - t - 0.001)
+
+        async with httpx.AsyncClient() as http:
+            rec = Reconciler("k", cfg, fleet, counts, _Quiet(), 30, http)
+            tick = asyncio.create_task(ticker())
+            await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+            for k in range(per_slice, n + 1, per_slice):  # slices arriving one by one
+                await rec.update(eps[:k])
+            total = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            changed = list(eps)
+            changed[0] = Endpoint(eps[0].host, 8000, False)
+            await rec.update(changed)  # one change on the full fleet
+            one = time.perf_counter() - t1
+            stop = True
+            await tick
+        assert len(fleet.registry.snapshot.backends) == n
+        return {
+            "endpoints": n,
+            "apply_all_s": round(total, 3),
+            "one_change_s": round(one, 3),
+            "max_loop_block_ms": round(1000 * worst, 1),
+        }
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--only", choices=("hot", "churn"))
+    ap.add_argument("--only", choices=("hot", "churn", "large"))
     args = ap.parse_args()
     results: dict[str, Any] = {}
     if args.only in (None, "churn"):
         results["churn"] = churn()
+    if args.only in (None, "large"):
+        results["large"] = apply_large()
     if args.only in (None, "hot"):
         c = Cluster()
         try:

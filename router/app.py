@@ -225,7 +225,9 @@ def create_app(settings: Settings) -> FastPath:
     async def counts(names: Sequence[str]) -> dict[str, int]:
         return await store.counts(list(names))
 
-    discovery = Discovery(settings.discovery, fleet, counts, metrics, settings.drain_grace)
+    discovery = Discovery(
+        settings.discovery, fleet, counts, metrics, settings.drain_grace, policy=policy
+    )
 
     async def close_removed_pools() -> None:
         # A removed backend's pool stays open while its streams run, then closes.

@@ -57,6 +57,13 @@ class FakeKube:
         self.history: list[tuple[int, str, dict[str, Any]]] = []
         self.oldest = 0  # a watch from a version below this gets 410
         self.requests: list[str] = []  # "list" | "watch" | "410", in order
+        # Hostile answers (set from the test): lists answer this status; watches answer this
+        # status (410: an ERROR event, as a real server does); watches send one malformed line;
+        # watches stay silent (no events, no bookmarks).
+        self.list_error: int | None = None
+        self.watch_error: int | None = None
+        self.watch_garbage = False
+        self.silent = False
         self._changed: asyncio.Condition | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
@@ -213,6 +220,10 @@ class FakeKube:
                     await self._watch(writer, ns, selector, query)
                     return  # a watch stream ends its connection
                 self.requests.append("list")
+                if self.list_error is not None:
+                    code = self.list_error
+                    await self._send(writer, code, _status(code, "Failure", "hostile"))
+                    continue
                 items = [s for (n, _), s in sorted(self.slices.items()) if n == ns]
                 body = {
                     "kind": "EndpointSliceList",
@@ -246,6 +257,10 @@ class FakeKube:
         query: dict[str, str],
     ) -> None:
         self.requests.append("watch")
+        if self.watch_error is not None and self.watch_error != 410:
+            code = self.watch_error
+            await self._send(writer, code, _status(code, "Failure", "hostile"))
+            return
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
@@ -256,8 +271,13 @@ class FakeKube:
             writer.write(b"%x\r\n%s\r\n" % (len(data), data))
             await writer.drain()
 
+        if self.watch_garbage:
+            data = b"{not json at all\n"
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+            await writer.drain()
+            return
         since = int(query.get("resourceVersion") or 0)
-        if since and since < self.oldest:
+        if (since and since < self.oldest) or self.watch_error == 410:
             self.requests.append("410")
             await event("ERROR", _status(410, "Expired", f"too old resource version: {since}"))
             writer.write(b"0\r\n\r\n")
@@ -269,6 +289,8 @@ class FakeKube:
         assert self._changed is not None
         while time.monotonic() < end:
             for rv, kind, obj in list(self.history):
+                if self.silent:
+                    break
                 if rv > sent and obj["metadata"]["namespace"] == ns and _matches(obj, selector):
                     await event(kind, obj)
                 sent = max(sent, rv)
@@ -280,7 +302,7 @@ class FakeKube:
                     continue
                 except TimeoutError:
                     pass
-            if bookmarks:
+            if bookmarks and not self.silent:
                 await event(
                     "BOOKMARK",
                     {

@@ -161,11 +161,14 @@ def test_endpoint_conditions_map_to_routable_draining_or_absent() -> None:
             {"conditions": {"ready": True}},  # no address: skipped
         ]
     }
-    assert _slice_endpoints(sl, 8000) == [
-        Endpoint("10.0.0.1", 8000, True),
-        Endpoint("10.0.0.2", 8000, False),
-        Endpoint("10.0.0.5", 8000, True),
-    ]
+    assert _slice_endpoints(sl, 8000) == (
+        [
+            Endpoint("10.0.0.1", 8000, True),
+            Endpoint("10.0.0.2", 8000, False),
+            Endpoint("10.0.0.5", 8000, True),
+        ],
+        1,  # the endpoint without an address: skipped and counted
+    )
 
 
 def test_backend_names_are_valid_and_stable_for_long_addresses() -> None:

@@ -461,3 +461,40 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
     wait_for(lambda: set(backends(router)) == {m3.url}, 3, "the vanished address removed")
     assert metric(router, "sluicegate_discovery_backends", source="dns") == 1
     assert not httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"]
+
+
+def test_a_discovered_endpoint_pointing_at_the_router_is_refused_not_looped(
+    procs: Cluster, dns: tuple[Answers, int]
+) -> None:
+    """Issue 31, case 8: one request became 2,006 nested ones. The hop marker refuses it."""
+    answers, dns_port = dns
+    answers.records = {"self.test": ["127.0.0.1"]}
+    port = free_port()
+    router = procs.router(
+        {
+            "discovery": [
+                {
+                    "kind": "dns",
+                    "name": "self.test",
+                    "port": port,  # the router's own port: the endpoint is the router
+                    "interval": 0.3,
+                    "timeout": 0.5,
+                    "nameserver": f"127.0.0.1:{dns_port}",
+                    "models": ["loop"],
+                }
+            ],
+            "health": {"enabled": False},
+        },
+        port=port,
+    )
+    wait_for(lambda: len(backends(router)) == 1, 10, "the discovered self-endpoint")
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "loop", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=30,
+    )
+    assert r.status_code == 508, r.text
+    assert r.json()["error"]["code"] == "loop_detected"
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    nested = [ln for ln in text.splitlines() if ln.startswith("sluicegate_loops_refused_total")]
+    assert nested and float(nested[0].split()[-1]) == 1.0, nested  # one refusal, no storm

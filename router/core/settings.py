@@ -365,6 +365,8 @@ class _DiscoveryBase(_Strict):
     # BackendConfig's fields but name, url and models, which discovery fills in per endpoint.
     backend: dict[str, Any] = Field(default_factory=dict)
     scheme: Literal["http", "https"] = "http"
+    # At most this many backends from this source; the excess is refused, counted and shown.
+    max_endpoints: int = Field(2000, ge=1, le=100_000)
 
     @field_validator("models", mode="before")
     @classmethod
@@ -405,6 +407,9 @@ class KubernetesDiscovery(_DiscoveryBase):
     resync: float = Field(300.0, gt=0, le=86400)
     # Seconds to wait while the API server is unreachable before trying again (doubles, capped).
     backoff_max: float = Field(30.0, gt=0, le=600)
+    # Seconds without a watch event or bookmark (the API server sends one about every minute)
+    # after which the watch counts as hung: it is restarted and the source shows stale.
+    watch_idle_timeout: float = Field(60.0, gt=0, le=3600)
     kubeconfig: str | None = None  # default: in-cluster service account, else KUBECONFIG
 
     @field_validator("port")

@@ -6,8 +6,11 @@ version (the ERROR event), so the list-then-watch loop below stays explicit. Con
 service account in a cluster, else `kubeconfig:` or `KUBECONFIG`.
 
     list (resourceVersion R) -> watch from R with bookmarks -> events update the slice set
-    410 Gone                 -> re-list at once
-    watch closed / dropped   -> watch again from the last version (capped backoff on errors)
+    410 Gone                 -> re-list at once; a second 410 in a row waits (backoff) first
+    non-2xx list or watch    -> the last set stays, the source is stale ("HTTP 429"), backoff
+    no event for `watch_idle_timeout` -> the watch is restarted; the source is stale meanwhile
+    watch closed / dropped   -> watch again from the last version (backoff with jitter on
+                                errors; only a watch that stayed up resets it)
     every `resync` seconds   -> full re-list and reconcile, even when the watch looks fine:
                                 this is what catches a DELETE lost while the watch was down
     API server unreachable   -> the last set stays (never emptied); the source is stale
@@ -16,9 +19,11 @@ service account in a cluster, else `kubeconfig:` or `KUBECONFIG`.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +34,10 @@ from router.discovery.reconcile import Endpoint, Reconciler
 log = logging.getLogger("sluicegate.discovery")
 
 _LIST_TIMEOUT = 10.0
+_MAX_LIST_BYTES = 256 * 1024 * 1024  # a list answer past this is not a Service's slices
+_BACKOFF_BASE = 0.2
+_HEALTHY = 10.0  # seconds a watch must stay up before the backoff starts over
+_BOOKMARKS_PER_S = 20
 
 
 class KubernetesSource:
@@ -44,6 +53,10 @@ class KubernetesSource:
         self._slices: dict[str, dict[str, Any]] = {}
         self._good: dict[str, list[Endpoint]] = {}  # per slice: its last usable endpoints
         self._bad_port: set[str] = set()  # slices already warned about (once until fixed)
+        self._failures = 0  # failed rounds since the watch was last healthy (the backoff)
+        self._rng = random.Random()
+        self._bookmark_window = 0.0
+        self._bookmarks = 0
 
     async def _api(self) -> Any:
         from kubernetes_asyncio import client, config
@@ -62,10 +75,10 @@ class KubernetesSource:
         from kubernetes_asyncio.client.exceptions import ApiException
         from kubernetes_asyncio.config import ConfigException
 
-        backoff = 0.2
         api: Any = None
         version: str | None = None
         next_list = 0.0
+        idle = self.cfg.watch_idle_timeout
         try:
             while True:
                 started = self._clock()
@@ -75,33 +88,48 @@ class KubernetesSource:
                     if version is None or self._clock() >= next_list:
                         version = await self._list(api)
                         next_list = self._clock() + self.cfg.resync
-                        backoff = 0.2
                     remaining = max(1, int(next_list - self._clock()))
                     w = watch.Watch()
                     try:
-                        async for ev in w.stream(
-                            api.list_namespaced_endpoint_slice,
-                            self.cfg.namespace,
-                            label_selector=self.cfg.selector,
-                            resource_version=version,
-                            allow_watch_bookmarks=True,
-                            timeout_seconds=remaining,
-                            _request_timeout=remaining + _LIST_TIMEOUT,
-                        ):
-                            version = w.resource_version or version
-                            await self._event(ev)
-                            backoff = 0.2
+                        # No event and no bookmark for `idle` seconds: the watch is hung (or
+                        # dripping); restart it, and say so meanwhile.
+                        async with asyncio.timeout(idle) as quiet:
+                            async for ev in w.stream(
+                                api.list_namespaced_endpoint_slice,
+                                self.cfg.namespace,
+                                label_selector=self.cfg.selector,
+                                resource_version=version,
+                                allow_watch_bookmarks=True,
+                                timeout_seconds=remaining,
+                                _request_timeout=remaining + _LIST_TIMEOUT,
+                            ):
+                                quiet.reschedule(asyncio.get_running_loop().time() + idle)
+                                version = w.resource_version or version
+                                await self._event(ev)
+                                await self._pace(ev)
+                                if self._clock() - started >= _HEALTHY:
+                                    self._failures = 0
+                    except TimeoutError:
+                        if quiet.expired():
+                            self.rec.failed("watch_idle", f"no watch event for {idle:g}s")
+                            await self._pause()
+                            continue
+                        raise
                     finally:
                         await w.close()
                     # Closed by the server (its timeout, or a restart): watch again from
                     # `version`; a watch that keeps closing at once is slowed down.
                     if self._clock() - started < 1.0:
-                        await asyncio.sleep(backoff)
-                        backoff = min(backoff * 2, self.cfg.backoff_max)
+                        await self._pause()
                 except ApiException as exc:
                     if exc.status == 410:
                         self.rec.event("expired")
-                        version = None  # too old to resume: re-list now
+                        version = None  # too old to resume: re-list
+                        if self._failures == 0:
+                            self._failures = 1  # at once the first time; a second 410 waits
+                            continue
+                        self.rec.failed("expired", "HTTP 410")
+                        await self._pause()
                         continue
                     self.rec.failed("error", f"HTTP {exc.status}")
                     if exc.status in (401, 403, 404):
@@ -111,44 +139,82 @@ class KubernetesSource:
                         # read the config again before the next try.
                         await api.api_client.close()
                         api = None
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.cfg.backoff_max)
+                    await self._pause()
                 except ConfigException as exc:
                     self.rec.failed("error", f"kubeconfig: {type(exc).__name__}")
                     api = None
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.cfg.backoff_max)
+                    await self._pause()
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                     self.rec.failed("error", type(exc).__name__)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.cfg.backoff_max)
+                    version = None if isinstance(exc, ValueError) else version
+                    await self._pause()
                 except (KeyError, TypeError, AttributeError, Exception) as exc:
                     # The client raises a bare Exception for a malformed watch line; whatever
                     # the API server answered, keep the last set and start over with a list.
                     self.rec.failed("bad_answer", type(exc).__name__)
                     version = None
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.cfg.backoff_max)
+                    await self._pause()
         finally:
             if api is not None:
                 await api.api_client.close()
 
+    async def _pause(self) -> None:
+        """Exponential backoff with full jitter (AWS's "full jitter"), capped at `backoff_max`.
+        Only a watch that stayed up for `_HEALTHY` seconds resets it, never a good list: a
+        server that answers lists but breaks every watch must not get a list storm."""
+        cap = min(self.cfg.backoff_max, _BACKOFF_BASE * 2**self._failures)
+        self._failures = min(self._failures + 1, 30)
+        await asyncio.sleep(self._rng.uniform(cap / 2, cap))
+
+    async def _pace(self, ev: Any) -> None:
+        """Bookmarks come about once a minute; a flood of them is the server's fault: past
+        `_BOOKMARKS_PER_S`, the watch yields for a while instead of spinning the loop."""
+        if not isinstance(ev, dict) or ev.get("type") != "BOOKMARK":
+            return
+        now = self._clock()
+        if now - self._bookmark_window >= 1.0:
+            self._bookmark_window, self._bookmarks = now, 0
+        self._bookmarks += 1
+        if self._bookmarks > _BOOKMARKS_PER_S:
+            if self._bookmarks == _BOOKMARKS_PER_S + 1:
+                self.rec.warn("bookmark_flood", "the API server floods the watch with bookmarks")
+            await asyncio.sleep(1.0 / _BOOKMARKS_PER_S)
+
     async def _list(self, api: Any) -> str:
+        from kubernetes_asyncio.client.exceptions import ApiException
+
         resp = await api.list_namespaced_endpoint_slice(
             self.cfg.namespace,
             label_selector=self.cfg.selector,
             _preload_content=False,
             _request_timeout=_LIST_TIMEOUT,
         )
-        body = json.loads(await resp.read())
+        # Raw answers skip the client's status check: a 429/410/500 Status body has no items
+        # and must never read as "no slices" (that would empty the fleet).
+        if not 200 <= resp.status <= 299:
+            resp.release()
+            raise ApiException(status=resp.status, reason="list failed")
+        raw = await resp.content.read(_MAX_LIST_BYTES + 1)
+        if len(raw) > _MAX_LIST_BYTES:
+            resp.release()
+            raise ValueError("list answer too large")
+        body = json.loads(raw)
+        items = body.get("items") if isinstance(body, dict) else None
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        if not isinstance(items, list) or not isinstance(rv, str) or not rv:
+            raise ValueError("not an EndpointSliceList")
         self._slices = {
             item["metadata"]["name"]: item
-            for item in body.get("items") or []
-            if isinstance(item, dict) and item.get("metadata", {}).get("name")
+            for item in items
+            if isinstance(item, dict)
+            and isinstance(item.get("metadata"), dict)
+            and isinstance(item["metadata"].get("name"), str)
+            and item["metadata"]["name"]
         }
         self.rec.event("relist")
         await self.rec.update(self._endpoints())
-        return str(body["metadata"]["resourceVersion"])
+        return rv
 
     async def _event(self, ev: dict[str, Any]) -> None:
         kind = ev.get("type")
@@ -156,9 +222,10 @@ class KubernetesSource:
             self.rec.event("bookmark")
             self.rec.synced()
             return
-        obj = ev.get("raw_object") or {}
-        name = (obj.get("metadata") or {}).get("name")
-        if not name:
+        obj = ev.get("raw_object")
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if not isinstance(obj, dict) or not isinstance(name, str) or not name:
             self.rec.warn("bad_answer", "ignoring a watch event without an object name")
             return
         if kind in ("ADDED", "MODIFIED"):
@@ -188,7 +255,10 @@ class KubernetesSource:
                 out.extend(self._good.get(name, ()))
                 continue
             self._bad_port.discard(name)
-            found = list(_slice_endpoints(sl, port))
+            found, bad = _slice_endpoints(sl, port)
+            if bad:
+                # Skipped and counted; the slice's good endpoints still apply.
+                self.rec.event("bad_endpoint", bad)
             self._good[name] = found
             out.extend(found)
         for gone in set(self._good) - set(self._slices):
@@ -206,19 +276,36 @@ class KubernetesSource:
         return None
 
 
-def _slice_endpoints(sl: dict[str, Any], port: int) -> list[Endpoint]:
-    out = []
+def _slice_endpoints(sl: dict[str, Any], port: int) -> tuple[list[Endpoint], int]:
+    """The slice's usable endpoints, and how many it held that are not (no address, an
+    address that is not an IP of the slice's `addressType`, a port outside 1-65535)."""
+    out: list[Endpoint] = []
+    bad = 0
+    family = {"IPv4": 4, "IPv6": 6}.get(str(sl.get("addressType") or "IPv4"))
     for ep in sl.get("endpoints") or []:
-        if not isinstance(ep, dict) or not ep.get("addresses"):
+        if not isinstance(ep, dict):
+            bad += 1
             continue
-        cond = ep.get("conditions") or {}
+        addrs = ep.get("addresses")
+        if not isinstance(addrs, list) or not addrs:
+            bad += 1
+            continue
+        try:
+            ip = ipaddress.ip_address(str(addrs[0]))
+        except ValueError:
+            ip = None
+        if ip is None or ip.version != family or not 1 <= port <= 65535:
+            bad += 1  # FQDN slices too: an address must be an IP the router can dial as is
+            continue
+        cond = ep.get("conditions")
+        cond = cond if isinstance(cond, dict) else {}
         terminating = bool(cond.get("terminating"))
         # The API says: an unknown `ready` counts as ready; unknown `serving` follows `ready`.
         ready = cond.get("ready") is not False and not terminating
         serving = cond.get("serving")
         serving = (cond.get("ready") is not False) if serving is None else bool(serving)
         if ready:
-            out.append(Endpoint(str(ep["addresses"][0]), port, True))
+            out.append(Endpoint(ip.compressed, port, True))
         elif serving and terminating:
-            out.append(Endpoint(str(ep["addresses"][0]), port, False))
-    return out
+            out.append(Endpoint(ip.compressed, port, False))
+    return out, bad

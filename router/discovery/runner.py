@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from router.core.netpolicy import NetPolicy
 from router.core.settings import ConfigError, DnsDiscovery, KubernetesDiscovery, Settings
 from router.discovery.reconcile import DiscoveryMetrics, InFlight, Reconciler
 from router.registry.fleet import Fleet
@@ -56,6 +57,7 @@ class Discovery:
         metrics: RunnerMetrics,
         grace: float,
         clock: Callable[[], float] = time.monotonic,
+        policy: NetPolicy | None = None,
     ) -> None:
         self._metrics = metrics
         self._clock = clock
@@ -64,7 +66,9 @@ class Discovery:
         self.sources: list[Source] = []
         for i, cfg in enumerate(configs):
             source_id = f"{cfg.kind}[{i}]:{cfg.names_prefix}"
-            rec = Reconciler(source_id, cfg, fleet, in_flight, metrics, grace, self._http, clock)
+            rec = Reconciler(
+                source_id, cfg, fleet, in_flight, metrics, grace, self._http, clock, policy
+            )
             if isinstance(cfg, KubernetesDiscovery):
                 from router.discovery.kubernetes import KubernetesSource
 
@@ -134,6 +138,8 @@ class Discovery:
                 if src.rec.last_sync is None
                 else round(now - src.rec.last_sync, 3),
                 "error": src.rec.error,
+                "refused": src.rec.refused,
+                "network_refused": src.rec.denied,
             }
             for src in self.sources
         ]
@@ -144,4 +150,6 @@ class Discovery:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for src in self.sources:
+            src.rec.forget_questions()
         await self._http.aclose()

@@ -21,6 +21,7 @@ record applies over them and survives re-lists. Discovery may mark one draining 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +53,8 @@ class Discovered:
     config: BackendConfig
     source: str
     draining: bool = False
+    # Built by the source from a checked template (no per-endpoint validation), or None.
+    backend: Backend | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +215,9 @@ class Fleet:
         self.store = store
         self._file = {c.name: c for c in file_configs}
         self._found: dict[str, dict[str, Discovered]] = {}  # discovery source id -> entries
+        self._flat: dict[str, Discovered] = {}  # every source's entries merged, built once
+        # name -> (the discovered entry, its Backend): an unchanged entry is not built again.
+        self._built: dict[str, tuple[Discovered, Backend]] = {}
         self._records: dict[str, Record] = {}
         self._clock = clock
         self.apply({}, force=True)
@@ -242,15 +248,18 @@ class Fleet:
         if self._found.get(source_id) == entries:
             return
         self._found[source_id] = dict(entries)
+        # Merged once per change, never once per name: the rebuild stays linear in the fleet.
+        out: dict[str, Discovered] = {}
+        for found in self._found.values():
+            for name, d in found.items():
+                if name not in self._file:  # a file entry of the same name wins
+                    out.setdefault(name, d)
+        self._flat = out
+        self._built = {n: b for n, b in self._built.items() if n in out}
         self.apply(self._records, force=True)
 
     def _discovered(self) -> dict[str, Discovered]:
-        out: dict[str, Discovered] = {}
-        for entries in self._found.values():
-            for name, d in entries.items():
-                if name not in self._file:  # a file entry of the same name wins
-                    out.setdefault(name, d)
-        return out
+        return self._flat
 
     def _base(self, name: str) -> Discovered | None:
         """The file or discovered entry a patch record applies over."""
@@ -297,7 +306,20 @@ class Fleet:
         """The backend `rec` makes of `name` (None: it is removed); raises when invalid."""
         base = self._base(name)
         if rec is None:
-            return Backend.from_config(base.config, base.source, base.draining) if base else None
+            if base is None:
+                return None
+            if base.source == "file":
+                return Backend.from_config(base.config, base.source, base.draining)
+            built = self._built.get(name)
+            if built is None or built[0] is not base:
+                backend = base.backend or Backend.from_config(
+                    base.config, base.source, base.draining
+                )
+                if backend.draining != base.draining:  # the entry was copied with a new flag
+                    backend = dataclasses.replace(backend, draining=base.draining)
+                built = (base, backend)
+                self._built[name] = built
+            return built[1]
         if (
             not isinstance(rec, dict)
             or not rec.keys() <= _RECORD_KEYS

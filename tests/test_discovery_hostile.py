@@ -1,0 +1,313 @@
+"""Discovery against a struggling or hostile control plane, in process.
+
+The Kubernetes source runs with the real client library (kubernetes-asyncio) against the fake
+API server (tests/fake_kube.py, the real wire protocol) made to answer errors, garbage, silence
+and bad slices; `models: auto` asks real loopback HTTP servers that answer slowly. What is
+checked is what routing sees: the Fleet's snapshot, the source's staleness and its counters."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from router.core.settings import KubernetesDiscovery
+from router.discovery.kubernetes import KubernetesSource
+from router.discovery.reconcile import Endpoint, Reconciler
+from router.registry.fleet import Fleet, LocalRecords, Registry
+from tests.fake_kube import FakeKube, endpoint
+from tests.harness import free_port
+
+PORTS = [{"name": "http", "port": 8000}]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def discovery_event(self, source: str, event: str) -> None:
+        self.seen.append(event)
+
+
+@pytest.fixture
+def kube() -> Iterator[FakeKube]:
+    fk = FakeKube(free_port(), bookmark_every=0.2)
+    try:
+        yield fk
+    finally:
+        fk.close()
+
+
+async def no_streams(names: Any) -> dict[str, int]:
+    return {}
+
+
+class Running:
+    def __init__(self, src: KubernetesSource, fleet: Fleet, events: Events) -> None:
+        self.src, self.fleet, self.events = src, fleet, events
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.fleet.registry.snapshot.by_name)
+
+    async def until(self, check: Callable[[], bool], seconds: float, what: str) -> None:
+        end = time.monotonic() + seconds
+        while not check():
+            if time.monotonic() > end:
+                raise AssertionError(f"not within {seconds}s: {what}")
+            await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def source(kube: FakeKube, tmp_path: Path, **extra: Any) -> AsyncIterator[Running]:
+    cfg = KubernetesDiscovery.model_validate(
+        {
+            "kind": "kubernetes",
+            "namespace": "models",
+            "service": "vllm",
+            "port": "http",
+            "models": ["m"],
+            "kubeconfig": str(kube.kubeconfig(tmp_path / "kubeconfig")),
+            **extra,
+        }
+    )
+    fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+    events = Events()
+    async with httpx.AsyncClient(trust_env=False) as http:
+        rec = Reconciler("k", cfg, fleet, no_streams, events, 30, http)
+        src = KubernetesSource(cfg, rec)
+        task = asyncio.create_task(src.run())
+        try:
+            yield Running(src, fleet, events)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            rec.forget_questions()
+
+
+TWO = {"vllm-10.0.0.1-8000", "vllm-10.0.0.2-8000"}
+
+
+@pytest.mark.parametrize("status", [429, 410, 500])
+def test_an_error_answer_to_the_list_keeps_the_fleet_and_marks_the_source_stale(
+    kube: FakeKube, tmp_path: Path, status: int
+) -> None:
+    kube.put_slice("s1", [endpoint("10.0.0.1"), endpoint("10.0.0.2")], PORTS)
+
+    async def run() -> None:
+        async with source(kube, tmp_path, backoff_max=0.5) as r:
+            await r.until(lambda: r.names == TWO, 10, "both endpoints found")
+            kube.list_error = status
+            kube.expire()  # the watch resumes with 410: a re-list, which now fails
+            kube.drop_watches()
+            lists = kube.requests.count("list")
+            await r.until(lambda: kube.requests.count("list") >= lists + 2, 10, "re-lists")
+            assert r.names == TWO  # never emptied
+            assert r.src.rec.stale and r.src.rec.error == f"HTTP {status}"
+            kube.list_error = None
+            await r.until(lambda: not r.src.rec.stale, 10, "fresh again")
+            assert r.names == TWO
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("hostile", ["garbage", "410"])
+def test_a_broken_watch_does_not_cause_a_relist_storm(
+    kube: FakeKube, tmp_path: Path, hostile: str
+) -> None:
+    kube.put_slice("s1", [endpoint("10.0.0.1")], PORTS)
+    if hostile == "garbage":
+        kube.watch_garbage = True
+    else:
+        kube.watch_error = 410
+    seconds = 3.0
+
+    async def run() -> None:
+        async with source(kube, tmp_path) as r:
+            await asyncio.sleep(seconds)
+            assert r.names == {"vllm-10.0.0.1-8000"}
+
+    asyncio.run(run())
+    # Backoff from 0.2 s doubling (half of it jittered off): 0.1 + 0.2 + 0.4 + 0.8 + 1.6 > 3 s,
+    # so at most 6 lists (the first, a 410's one at once, then one per pause); no backoff
+    # resetting on each good list gave 12-15, and a 410 loop dozens.
+    assert kube.requests.count("list") <= 7, kube.requests.count("list")
+
+
+def test_a_silent_watch_is_restarted_within_the_idle_timeout_and_shows_stale(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    kube.put_slice("s1", [endpoint("10.0.0.1")], PORTS)
+    idle = 0.6
+
+    async def run() -> None:
+        async with source(kube, tmp_path, watch_idle_timeout=idle) as r:
+            await r.until(lambda: bool(r.names), 10, "endpoint found")
+            await asyncio.sleep(3 * idle)  # bookmarks flowing: never idle
+            assert not r.src.rec.stale
+            kube.silent = True  # the open watch goes quiet: no more bookmarks
+            t0 = time.monotonic()
+            await r.until(lambda: r.src.rec.stale, 10 * idle, "stale")
+            # Noticed after `idle` from the last bookmark (sent at most 0.2 s before the
+            # silence), and well within the 310 s of before.
+            assert time.monotonic() - t0 >= idle - 0.25
+            assert "no watch event" in (r.src.rec.error or "")
+            watches = kube.requests.count("watch")
+            await r.until(lambda: kube.requests.count("watch") > watches, 10 * idle, "restart")
+            assert r.names == {"vllm-10.0.0.1-8000"}  # kept meanwhile
+            kube.silent = False
+            await r.until(lambda: not r.src.rec.stale, 20 * idle, "fresh after bookmarks")
+
+    asyncio.run(run())
+
+
+def test_bad_endpoints_and_slices_are_skipped_and_counted_while_good_ones_apply(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    kube.put_slice(
+        "bad",
+        [
+            endpoint("10.0.0.1"),
+            endpoint("not-an-ip"),
+            endpoint(""),
+            endpoint("fd00::1"),  # an IPv6 address in an IPv4 slice
+            {"addresses": "10.0.0.9"},
+            "junk",  # type: ignore[list-item]
+        ],
+        PORTS,
+    )
+    kube.put_slice("port0", [endpoint("10.0.0.3")], [{"name": "http", "port": 0}])
+
+    async def run() -> None:
+        async with source(kube, tmp_path) as r:
+            await r.until(lambda: r.names == {"vllm-10.0.0.1-8000"}, 10, "the good endpoint")
+            kube.put_slice("good", [endpoint("10.0.0.2")], PORTS)  # later changes still apply
+            await r.until(lambda: "vllm-10.0.0.2-8000" in r.names, 10, "a later good slice")
+            assert r.names == {"vllm-10.0.0.1-8000", "vllm-10.0.0.2-8000"}
+            assert r.events.seen.count("bad_endpoint") >= 2
+
+    asyncio.run(run())
+
+
+def test_max_endpoints_refuses_the_excess_counts_and_shows_it(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    kube.put_slice("s1", [endpoint(f"10.0.0.{i}") for i in range(1, 6)], PORTS)
+
+    async def run() -> None:
+        async with source(kube, tmp_path, max_endpoints=3) as r:
+            await r.until(lambda: len(r.names) == 3, 10, "three backends")
+            await asyncio.sleep(0.5)
+            assert len(r.names) == 3 and r.src.rec.refused == 2
+            assert "refused" in r.events.seen
+
+    asyncio.run(run())
+
+
+async def _models_server(host: str, port: int, drip: bool) -> asyncio.Server:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                pass
+            body = b'{"object": "list", "data": [{"id": "m"}]}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
+            if drip:  # 1 byte every 0.5 s: each read is quick, the whole answer never comes
+                for byte in body:
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(0.5)
+            writer.write(body)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, host, port)
+
+
+def test_a_slow_models_answer_delays_only_its_own_endpoint(kube: FakeKube, tmp_path: Path) -> None:
+    port = free_port()
+    ports = [{"name": "http", "port": port}]
+    kube.put_slice("s1", [endpoint("127.0.0.2")], ports)
+
+    async def run() -> None:
+        slow = await _models_server("127.0.0.2", port, drip=True)
+        fast = await _models_server("127.0.0.3", port, drip=False)
+        try:
+            async with source(kube, tmp_path, models="auto") as r:
+                await asyncio.sleep(0.5)  # the slow endpoint's question is under way
+                kube.put_slice("s2", [endpoint("127.0.0.3")], ports)
+                await r.until(lambda: f"vllm-127.0.0.3-{port}" in r.names, 3, "fast endpoint")
+                assert f"vllm-127.0.0.2-{port}" not in r.names
+        finally:
+            for s in (slow, fast):
+                s.close()
+
+    asyncio.run(run())
+
+
+def test_churn_logs_a_bounded_number_of_lines_and_a_summary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = KubernetesDiscovery.model_validate(
+        {
+            "kind": "kubernetes",
+            "namespace": "models",
+            "service": "vllm",
+            "port": 8000,
+            "models": ["m"],
+        }
+    )
+
+    async def run() -> None:
+        fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+        async with httpx.AsyncClient() as http:
+            rec = Reconciler("k", cfg, fleet, no_streams, Events(), 30, http)
+            await rec.update([Endpoint(f"10.0.1.{i}", 8000, True) for i in range(200)])
+            await rec.update([])
+            assert fleet.registry.snapshot.backends == ()
+
+    with caplog.at_level(logging.INFO, logger="sluicegate.discovery"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("discovered backend ") for m in lines) <= 20  # not 400
+    assert lines.count("discovered backends changed") == 2  # one summary per change set
+
+
+def test_discovered_addresses_obey_the_backend_network_policy() -> None:
+    from router.core.netpolicy import NetPolicy
+
+    cfg = KubernetesDiscovery.model_validate(
+        {
+            "kind": "kubernetes",
+            "namespace": "models",
+            "service": "vllm",
+            "port": 8000,
+            "models": ["m"],
+        }
+    )
+
+    async def run() -> None:
+        fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+        events = Events()
+        async with httpx.AsyncClient() as http:
+            rec = Reconciler(
+                "k", cfg, fleet, no_streams, events, 30, http, time.monotonic, NetPolicy()
+            )
+            await rec.update(
+                [
+                    Endpoint("169.254.169.254", 8000, True),  # the metadata service: denied
+                    Endpoint("::ffff:169.254.169.254", 8000, True),
+                    Endpoint("10.0.0.1", 8000, True),
+                ]
+            )
+        assert set(fleet.registry.snapshot.by_name) == {"vllm-10.0.0.1-8000"}
+        assert rec.denied == 2 and "network_refused" in events.seen
+
+    asyncio.run(run())
