@@ -4,12 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install redis-server bench bench-quick engines test-engine engine-venv
+.PHONY: demo test lint install redis-server bench bench-quick engines test-engine engine-venv \
+	lock image-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,kubernetes]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -61,3 +62,14 @@ test-engine: engine-venv
 	@command -v curl >/dev/null 2>&1 || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null; }
 	$(PY) -m pytest -q -p no:cacheprovider --timeout 600 tests_engine
+
+# The container image's hash-pinned locks, from pyproject.toml (tools/lock.py says how and why).
+# Run it after changing dependencies and commit both files; tests/test_lock.py notices a stale one.
+lock: $(STAMP)
+	$(PY) -m pip install -q 'uv==0.13.9'
+	$(PY) tools/lock.py
+
+# Builds the image and runs it (tests/image/run.py): installs docker.io and mmdebstrap when
+# absent, starts its own dockerd, and stops and removes everything it started.
+image-test: $(STAMP)
+	$(PY) -m tests.image.run

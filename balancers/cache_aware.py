@@ -42,6 +42,24 @@ again).
 Reasons: `session` (the key's home), `prefix` (the pick holds part of the prompt), `spill` (a
 holder or the key's home was passed over for the bound), `load` (no candidate holds any of the
 prompt, or the holder's queue outweighed the prefill saved).
+With KV events (`Hints.kv`: the prompt's token ids matched against what each engine's own events
+say it holds, router/engine/kv_index.py) the cost is the request's expected time to first token,
+in seconds, from rates each engine's histograms teach (router/engine/calibrate.py):
+  cost(c) = (ahead(c) x prompt x p(c) + (uncached(c) + pending(c)) x p(c)
+             + (running(c) + sent(c)) x q(c)) / weight
+- p(c): prefill seconds per uncached token (vLLM's request_prefill_time_seconds over the prompt
+  tokens it computed), DEFAULT_PREFILL_S_PER_TOKEN until learned; q(c): decode-step seconds per
+  running sequence (inter_token_latency_seconds over num_requests_running), DEFAULT_STEP_S_PER_SEQ
+  until learned. Their ratio is the exchange rate between a cached token and a running request:
+  on a CPU engine, where prefill is cheap and decode contention dominates, a holder with a few
+  more running requests loses to an idle engine; on a GPU serving a 70B model it is the reverse;
+- uncached(c): prompt tokens c would compute: all but what its events say it holds (exact) when
+  its events are live, else what the approximate index guesses (`Hints.held` blocks);
+- pending(c): uncached tokens of requests sent to c since its last event (not yet prefilled
+  there as far as we know), so a burst does not pile onto one holder;
+- ahead(c), sent(c), running(c) and the guardrail as above.
+Reasons then: `prefix_exact` (the pick holds part of the prompt, per its live events),
+`prefix_approx` (per the approximate index: its events are not live), `spill`, `load`.
 It only ever sees eligible candidates (health, ejection, draining, `max_inflight` and the retry's
 `exclude` are applied before), so affinity never overrides them. Pure: the match arrives as data
 through `with_hints()`, which returns this request's picker; plain `pick()` is `least_load`'s.
@@ -52,7 +70,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from balancers.base import Candidate
@@ -64,6 +82,19 @@ CHARS_PER_TOKEN = 4
 TOKENS_PER_LOAD = 250.0  # only when a candidate has no engine reading
 SPILL_MIN_GAP = 2.0
 KV_NEAR_FULL = 0.9  # only when the engine does not report its KV capacity
+# Until an engine's histograms have taught its own: a small model on one GPU, or the mock.
+DEFAULT_PREFILL_S_PER_TOKEN = 20e-6  # 20 ms per 1k tokens
+DEFAULT_STEP_S_PER_SEQ = 0.5e-3  # each running sequence adds 0.5 ms to a decode step
+
+
+@dataclass(frozen=True, slots=True)
+class KvHints:
+    """The prompt in tokens, and what each candidate holds of it."""
+
+    tokens: int  # the prompt's token count
+    cached: Mapping[str, int]  # backend -> leading prompt tokens it holds
+    exact: frozenset[str]  # backends whose `cached` comes from live KV events
+    pending: Mapping[str, int] = field(default_factory=dict)  # uncached tokens sent since
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +105,7 @@ class Hints:
     block_chars: int
     held: Mapping[str, int]  # backend -> how many leading blocks the index says it holds
     session: int | None = None  # the session key's point on the ring (None: no session)
+    kv: KvHints | None = None  # token-level holdings, when the model's backends publish events
 
 
 class CacheAware:
@@ -117,6 +149,7 @@ class HintedPick:
         self._factor = load_factor
         self.reason = "load"
         self.held = 0  # leading blocks the picked backend holds
+        self.cached = 0  # with `Hints.kv`: prompt tokens the picked backend holds
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
@@ -124,10 +157,14 @@ class HintedPick:
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
         hints = self._hints
         held = hints.held
-        self.reason, self.held = "load", 0
+        self.reason, self.held, self.cached = "load", 0, 0
         if not pool:
             return None
-        if hints.session is None and not any(c.name in held for c in pool):
+        kv = hints.kv
+        if kv is not None and hints.session is None:
+            if not any(kv.cached.get(c.name) for c in pool):
+                return self._load.pick(pool)
+        elif hints.session is None and not any(c.name in held for c in pool):
             return self._load.pick(pool)
         score = self._load.score
         live = [(s, c) for c in pool if (s := score(c)) != math.inf]
@@ -153,6 +190,8 @@ class HintedPick:
             self.reason = "spill"
             return self._load.pick(pool)
 
+        if kv is not None:
+            return self._by_cost(kv, live, pool, over)
         if all(c.engine is not None for _, c in live):
             return self._by_time(live, pool, over)
         per_token = hints.block_chars / CHARS_PER_TOKEN / TOKENS_PER_LOAD
@@ -207,6 +246,56 @@ class HintedPick:
             return self._load.pick([c for _, c in live if c.name not in held] or pool)
         best = min(options, key=lambda o: o[:2])[:2]
         return self._settle([c for cost, s, c in options if (cost, s) == best], passed_over)
+
+    def _by_cost(
+        self,
+        kv: KvHints,
+        live: Sequence[tuple[float, Candidate]],
+        pool: Sequence[Candidate],
+        over: Callable[[Candidate], bool],
+    ) -> Candidate | None:
+        """The expected time to first token on each candidate (module docstring)."""
+        prompt = max(1, kv.tokens)
+        since = self._load.since
+        options: list[tuple[float, float, Candidate]] = []
+        passed_over = False
+        for s, c in live:
+            cached = min(prompt, kv.cached.get(c.name, 0))
+            uncached = prompt - cached + kv.pending.get(c.name, 0)
+            r = c.engine
+            if r is None:  # not scraped: in-flight requests stand for the batch
+                p, q = DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S_PER_SEQ
+                ahead, batch = 0.0, float(c.inflight)
+            else:
+                p = r.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN
+                q = r.step_s_per_seq or DEFAULT_STEP_S_PER_SEQ
+                sent = since(c)
+                ahead = r.waiting
+                cap = r.kv_capacity_tokens
+                if cap:
+                    free = min(cap, (1.0 - r.kv_usage) * cap - sent * prompt)
+                    ahead += 1.0 if free < prompt else 0.0
+                else:
+                    ahead += 1.0 if r.kv_usage >= KV_NEAR_FULL else 0.0
+                batch = max(0.0, r.running + sent)
+            if cached and (ahead or r is None) and over(c):
+                passed_over = True
+                continue
+            cost = (ahead * prompt * p + uncached * p + batch * q) / c.weight
+            options.append((cost, s, c))
+        if not options:
+            self.reason = "spill"
+            return self._load.pick([c for _, c in live if not kv.cached.get(c.name)] or pool)
+        best = min(options, key=lambda o: o[:2])[:2]
+        tied = [c for cost, s, c in options if (cost, s) == best]
+        chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._owner._rng.random())
+        self.cached = min(prompt, kv.cached.get(chosen.name, 0))
+        self.held = self._hints.held.get(chosen.name, 0)
+        if self.cached:
+            self.reason = "prefix_exact" if chosen.name in kv.exact else "prefix_approx"
+        else:
+            self.reason = "spill" if passed_over else "load"
+        return chosen
 
     def _settle(self, tied: Sequence[Candidate], passed_over: bool) -> Candidate:
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._owner._rng.random())

@@ -25,6 +25,7 @@ from router.core.netpolicy import NetPolicy
 from router.core.redis_client import RedisTarget
 from router.core.settings import Settings
 from router.discovery.runner import Discovery
+from router.engine.kv_events import KvEvents
 from router.engine.scraper import EngineScraper
 from router.ops.logs import count_drops, register_secret, secret_header
 from router.ops.logs import stop as stop_logging
@@ -99,7 +100,7 @@ def make_quotas(settings: Settings, metrics: Metrics) -> QuotaBook:
     )
 
 
-def make_affinity(settings: Settings, metrics: Metrics) -> Affinity:
+def make_affinity(settings: Settings, metrics: Metrics, kv: KvEvents | None = None) -> Affinity:
     """The prefix index: this process's own, plus the one shared in Redis when configured."""
     target = RedisTarget.from_settings(settings)
     shared = None
@@ -112,7 +113,9 @@ def make_affinity(settings: Settings, metrics: Metrics) -> Affinity:
             ttl=settings.affinity.ttl,
             prefix=settings.redis_prefix,
         )
-    return Affinity(settings.affinity, shared=shared, on_fallback=metrics.affinity_fallbacks.inc)
+    return Affinity(
+        settings.affinity, shared=shared, on_fallback=metrics.affinity_fallbacks.inc, kv=kv
+    )
 
 
 def _record_store(settings: Settings) -> RecordStore:
@@ -140,11 +143,33 @@ def create_app(settings: Settings) -> FastPath:
     pools = Pools(settings.timeouts, settings.limits, policy)
     metrics = Metrics()
     count_drops(metrics.log_dropped.inc)
-    health = HealthBook(settings.health, settings.outlier, on_change=metrics.health_changed)
+    kv_reset: list[Callable[[str], None]] = []
+
+    def health_changed(backend: str, healthy: bool, reason: str) -> None:
+        metrics.health_changed(backend, healthy, reason)
+        if not healthy:
+            for reset in kv_reset:  # an engine that stopped answering may come back empty
+                reset(backend)
+
+    health = HealthBook(settings.health, settings.outlier, on_change=health_changed)
     monitor = HealthMonitor(health)
     engine = EngineScraper(
         settings.engine_metrics, on_error=metrics.engine_scrape_failed, policy=policy
     )
+
+    def kv_capacity(name: str) -> int | None:
+        """The engine's KV capacity in blocks, as its metrics say."""
+        r = engine.readings.get(name)
+        if r is None or not r.kv_capacity_tokens or not r.block_size:
+            return None
+        return r.kv_capacity_tokens // r.block_size
+
+    kv_events = KvEvents(
+        capacity=kv_capacity,
+        on_events=metrics.kv_events,
+        pending_ttl=settings.affinity.pending_ttl,
+    )
+    kv_reset.append(kv_events.reset)
 
     def on_swap(snapshot: Snapshot) -> None:
         # Keys of backends added through the admin API are secrets from now on, in logs too.
@@ -160,6 +185,7 @@ def create_app(settings: Settings) -> FastPath:
         health.sync(snapshot.backends)
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
         engine.sync(snapshot.backends)
+        kv_events.sync(snapshot.backends)
 
     registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
     fleet = Fleet(
@@ -175,7 +201,7 @@ def create_app(settings: Settings) -> FastPath:
     lifecycle = Lifecycle()
     tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
     admission = Admission(settings.admission, metrics) if settings.admission else None
-    affinity = make_affinity(settings, metrics)
+    affinity = make_affinity(settings, metrics, kv_events)
     if admission is not None:
         engine.on_change = admission.changed
     quotas = make_quotas(settings, metrics)
@@ -260,6 +286,7 @@ def create_app(settings: Settings) -> FastPath:
         )
         await monitor.start()
         await engine.start()
+        await kv_events.start()
         await discovery.start()
         try:
             yield
@@ -271,7 +298,8 @@ def create_app(settings: Settings) -> FastPath:
             for task in chores:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            closers: list[_Closes | None] = [discovery, fleet.store, monitor, engine, pools]
+            closers: list[_Closes | None] = [discovery, fleet.store, monitor, engine, kv_events]
+            closers.append(pools)
             closers += [store, quotas, affinity.shared, tracing, proxy.usage, admission]
             for part in closers:
                 if part is None:
@@ -298,6 +326,7 @@ def create_app(settings: Settings) -> FastPath:
             settings.drain_grace,
             lambda: engine.readings,
             settings.admin,
+            kv_events.status,
         )
     )
 
@@ -313,6 +342,7 @@ def create_app(settings: Settings) -> FastPath:
         if affinity.shared is not None:
             metrics.affinity_shared_entries.set(affinity.shared.entries)
         metrics.engine_readings(engine.readings, time.time())
+        metrics.kv_state(kv_events.blocks(), kv_events.lags())
         discovery.refresh_metrics()
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from router.core.settings import ConfigError, Settings, load_settings
+from router.discovery.runner import check_discovery
 from router.registry.fleet import check_balancers
 
 
@@ -98,6 +99,32 @@ def _metrics_dir(workers: int) -> Iterator[None]:
     finally:
         os.environ.pop(_MULTIPROC_ENV, None)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def check_temp_dir(workers: int) -> None:
+    """Several workers share their metrics through files: in PROMETHEUS_MULTIPROC_DIR when set,
+    else in a new temporary directory. On a read-only root filesystem there is none unless one
+    is mounted: a `ConfigError` saying so, not a traceback from the workers."""
+    given = os.environ.get(_MULTIPROC_ENV)
+    if given:
+        try:
+            os.makedirs(given, exist_ok=True)
+            tempfile.TemporaryFile(dir=given).close()
+        except OSError as exc:
+            raise ConfigError(
+                f"{_MULTIPROC_ENV}={given}: not a writable directory ({exc.strerror or exc})"
+            ) from None
+        return
+    if workers < 2:
+        return
+    try:
+        tempfile.TemporaryFile().close()
+    except OSError:
+        raise ConfigError(
+            f"workers: {workers} workers keep their metrics in a temporary directory, and none "
+            "is writable (read-only root filesystem?): mount one (docker run --tmpfs /tmp) "
+            f"or set {_MULTIPROC_ENV} to a writable directory"
+        ) from None
 
 
 def serve(settings: Settings) -> None:
@@ -245,6 +272,18 @@ def engines(args: argparse.Namespace) -> int:
         fleet.stop()
 
 
+def check_tokenizers(settings: Settings) -> None:
+    """Each `affinity.tokenizers` directory loads, before any worker starts (ConfigError)."""
+    from router.request.tokens import RouterTokenizer, TokenizerError
+
+    for model, tc in settings.affinity.tokenizers.items():
+        if tc.via == "router" and tc.path:
+            try:
+                RouterTokenizer(tc.path)
+            except TokenizerError as exc:
+                raise ConfigError(f"affinity.tokenizers.{model}: {exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sluicegate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -294,6 +333,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     eng.add_argument(
         "--no-prefix-caching", action="store_true", help="turn off automatic prefix caching"
     )
+    eng.add_argument("--kv-events", help="publish KV-cache events here (ipc://... or tcp://*:P)")
+    eng.add_argument(
+        "--kv-events-encoding",
+        choices=("map", "array"),
+        default="map",
+        help="vLLM's event encoding: map (0.24 on) or array (before)",
+    )
 
     p_eng = sub.add_parser("engines", help="real vLLM engines (CPU build, tiny local model)")
     p_eng.add_argument("--count", type=int, default=2, help="engines, one per core")
@@ -336,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else "vllm:kv_cache_usage_perc",
                 flavor="sglang" if args.sglang_metrics else "vllm",
                 prefix_caching=not args.no_prefix_caching,
+                kv_events=args.kv_events,
+                kv_events_encoding=args.kv_events_encoding,
             )
         run(
             args.host,
@@ -354,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return demo(args.host, args.port)
         settings = load_settings(args.config, host=args.host, port=args.port, workers=args.workers)
         check_balancers(settings)
+        check_tokenizers(settings)
+        check_discovery(settings)
+        check_temp_dir(settings.workers)
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
         return 2

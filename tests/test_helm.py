@@ -271,10 +271,23 @@ def test_deployment_drains_safely_and_runs_locked_down() -> None:
     assert not router_sel.items() <= redis_labels.items()
 
 
-def test_termination_grace_follows_drain_grace() -> None:
-    docs = manifests({"config": {"drain_grace": 300}, "preStopSleepSeconds": 10})
-    grace = router_deployment(docs)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > 300 + 10
+@pytest.mark.parametrize(("drain_grace", "pre_stop"), [(300, 10), (45.5, 0), (0, 5)])
+def test_termination_grace_follows_drain_grace(
+    drain_grace: float, pre_stop: int, tmp_path: Path
+) -> None:
+    """Kubernetes kills the pod terminationGracePeriodSeconds after it starts stopping it (the
+    preStop sleep included): longer than the sleep plus the drain_grace the router reads from
+    the rendered config, with a margin for the process to exit."""
+    values = {"config": {"drain_grace": drain_grace}, "preStopSleepSeconds": pre_stop}
+    docs = manifests(values)
+    pod = router_deployment(docs)["spec"]["template"]["spec"]
+    path = tmp_path / "config.yaml"
+    path.write_text(_rendered_config(values))
+    read = load_settings(path).drain_grace
+    assert read == drain_grace
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + read + 5
+    (c,) = pod["containers"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pre_stop)]
 
 
 def test_external_redis_url_from_a_secret() -> None:

@@ -21,6 +21,11 @@ LAYERS: dict[str, int] = {
     "balancers": 2,
     "health": 2,
     "router.engine": 2,  # engine metrics scraping: core and upstream only
+    "router.engine.kv_wire": 2,  # vLLM's KV-event messages decoded (pure)
+    "router.engine.kv_index": 2,  # engine blocks keyed by the router's token-chain keys (pure)
+    "router.engine.kv_events": 2,  # ZMQ subscription per engine feeding the index
+    "router.engine.calibrate": 2,  # prefill and decode rates from the engine's histograms
+    "router.request.tokens": 3,  # the request's token ids: router tokenizer or engine /tokenize
     "router.registry.fleet": 3,
     "router.registry.sync": 3,
     "router.request.record": 3,

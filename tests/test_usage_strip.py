@@ -112,9 +112,11 @@ def test_cr_only_line_ends_are_not_held_to_the_end() -> None:
     sent, expected = stream(["a", "b", "c"], False, "\r")
     events = sent.split(b"\r\r")
     strip = UsageStrip(strip_nulls=False)
-    first = strip.feed(events[0] + b"\r\r")
-    assert first == events[0] + b"\r\r"  # a whole event passes at once
-    rest = b"".join(strip.feed(e + b"\r\r") for e in events[1:-1]) + strip.flush()
+    # A whole event passes as soon as the next one starts (a LF may still follow its last CR).
+    first = strip.feed(events[0] + b"\r\r") + strip.feed(events[1][:1])
+    assert first == events[0] + b"\r\r"
+    rest = strip.feed(events[1][1:] + b"\r\r")
+    rest += b"".join(strip.feed(e + b"\r\r") for e in events[2:-1]) + strip.flush()
     assert first + rest == expected and strip.stripped
 
 

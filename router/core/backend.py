@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from router.core.settings import BackendConfig, HealthConfig, OutlierConfig
+from router.core.settings import BackendConfig, HealthConfig, KvEventsConfig, OutlierConfig
 from router.core.validation import check_header_name, check_header_value, check_url
 
 
@@ -42,6 +42,7 @@ class Backend:
     key_header: str = "authorization"
     header_names: tuple[str, ...] = ()  # extra headers' names; their values may be secrets
     metrics_path: str | None = None  # engine metrics to scrape; None for openai or when off
+    kv_events: KvEventsConfig | None = None  # where its KV-cache events come from (vllm only)
 
     @classmethod
     def from_config(
@@ -74,6 +75,7 @@ class Backend:
             key_header=cfg.key_header.lower(),
             header_names=tuple(k.lower() for k in cfg.headers),
             metrics_path=cfg.metrics_path if cfg.kind != "openai" else None,
+            kv_events=cfg.kv_events if cfg.kind == "vllm" else None,
         )
 
     def public(self) -> dict[str, Any]:
@@ -93,4 +95,5 @@ class Backend:
             "source": self.source,
             "draining": self.draining,
             "metrics_path": self.metrics_path,
+            "kv_events": self.kv_events.model_dump() if self.kv_events is not None else None,
         }

@@ -20,6 +20,10 @@ class EngineReading:
     seq: int  # bumps with every good scrape: "dispatched since this reading" resets on it
     stale: bool = False  # no good scrape within `engine_metrics.stale_after`
     scrape_error: str | None = None  # why the last scrape failed, if it did
+    block_size: int | None = None  # tokens per KV block (vllm:cache_config_info)
+    # Learned from the engine's histograms (router/engine/calibrate.py); None: not enough yet.
+    prefill_s_per_token: float | None = None  # prefill seconds per uncached prompt token
+    step_s_per_seq: float | None = None  # decode step seconds per running sequence
 
     def public(self) -> dict[str, object]:
         return {
@@ -30,6 +34,9 @@ class EngineReading:
             "scraped_at": self.scraped_at or None,
             "stale": self.stale,
             "scrape_error": self.scrape_error,
+            "block_size": self.block_size,
+            "prefill_s_per_token": self.prefill_s_per_token,
+            "step_s_per_seq": self.step_s_per_seq,
         }
 
 

@@ -113,6 +113,22 @@ class TracingConfig(_Strict):
         return v
 
 
+class KvEventsConfig(_Strict):
+    """Where a vLLM engine publishes its KV-cache events (router/engine/kv_events.py).
+
+    `endpoint` is the engine's own `--kv-events-config` endpoint: where vLLM binds
+    (`tcp://*:P`, `tcp://0.0.0.0:P`, `ipc://...`) the router connects (to the backend's host in
+    place of the wildcard, or the same ipc path); where vLLM connects (a host named) the router
+    binds it. `bind` overrides that choice. Without `endpoint` the router asks the engine's
+    `GET /kv_event_sources` (one publisher per data-parallel rank), and retries until it answers.
+    """
+
+    endpoint: str | None = Field(None, pattern=r"^(tcp://\S+:\d{1,5}|ipc://\S+)$")
+    topic: str = Field("", max_length=256)
+    replay_endpoint: str | None = Field(None, pattern=r"^(tcp://\S+:\d{1,5}|ipc://\S+)$")
+    bind: bool | None = None
+
+
 class BackendConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: str
@@ -130,6 +146,7 @@ class BackendConfig(_Strict):
     max_inflight: int | None = Field(None, ge=1)
     health: HealthConfig | None = None
     outlier: OutlierConfig | None = None
+    kv_events: KvEventsConfig | None = None  # vLLM only: precise prefix-cache routing
 
     @field_validator("models", mode="before")
     @classmethod
@@ -221,6 +238,21 @@ class EngineMetricsConfig(_Strict):
     max_page_bytes: int = Field(1024 * 1024, ge=4096, le=64 * 1024 * 1024)
 
 
+class TokenizerConfig(_Strict):
+    """How the router gets a request's token ids for the KV-event index (router/request/tokens.py):
+    `router`: `tokenizer.json` + the chat template of `tokenizer_config.json` in `path` (a local
+    directory, or a hub id already in the local cache); `engine`: the backend's own `/tokenize`."""
+
+    via: Literal["router", "engine"] = "router"
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _path_for_router(self) -> TokenizerConfig:
+        if self.via == "router" and not self.path:
+            raise ValueError("via: router needs `path` (the model's tokenizer directory)")
+        return self
+
+
 class AffinityConfig(_Strict):
     """Cache-aware routing (`balancer: cache_aware`): the prompt's prefix index and its bounds."""
 
@@ -238,6 +270,13 @@ class AffinityConfig(_Strict):
     # With Redis: seconds after its last use a block leaves the shared index (and a backend's
     # key after its last record), so a gone fleet leaves nothing. Capacity, not this, bounds it.
     ttl: float = Field(3600.0, ge=1, le=7 * 86400)
+    # Public model name -> how to tokenize its prompts, for backends with `kv_events`; a model
+    # without one is routed on the approximate index only.
+    tokenizers: dict[str, TokenizerConfig] = Field(default_factory=dict)
+    # A prompt longer than this (characters) is tokenized in a worker thread, off the event loop.
+    tokenize_inline_chars: int = Field(8192, ge=0, le=1 << 24)
+    # Seconds a dispatch counts as pending on its backend when no KV event has followed it.
+    pending_ttl: float = Field(2.0, gt=0, le=60)
 
     @field_validator("session_headers")
     @classmethod

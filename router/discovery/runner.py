@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -13,13 +14,27 @@ from typing import Any, Protocol
 
 import httpx
 
-from router.core.settings import DnsDiscovery, KubernetesDiscovery
+from router.core.settings import ConfigError, DnsDiscovery, KubernetesDiscovery, Settings
 from router.discovery.reconcile import DiscoveryMetrics, InFlight, Reconciler
 from router.registry.fleet import Fleet
 
 log = logging.getLogger("sluicegate.discovery")
 
 _TICK = 0.25  # seconds between checks for vanished backends whose streams have ended
+
+
+def check_discovery(settings: Settings) -> None:
+    """A `kind: kubernetes` source needs the optional Kubernetes client (`sluicegate[kubernetes]`,
+    which the container image has): without it a `ConfigError` at startup, not a traceback in
+    every worker."""
+    kinds = [cfg.kind for cfg in settings.discovery]
+    if "kubernetes" in kinds and importlib.util.find_spec("kubernetes_asyncio") is None:
+        i = kinds.index("kubernetes")
+        origin = f"config file {settings.config}" if settings.config else "settings"
+        raise ConfigError(
+            f"{origin}: discovery[{i}]: kind kubernetes needs the Kubernetes client, which is "
+            "not installed: pip install 'sluicegate[kubernetes]'"
+        )
 
 
 class Source(Protocol):

@@ -33,7 +33,14 @@ VLLM = {
     "vllm:gpu_cache_usage_perc": "kv",  # the name before vLLM v0.10; same meaning
     "vllm:num_preemptions_total": "preemptions",
     "vllm:cache_config_info": "cache_config",
+    # For the exchange rate between cached tokens and load (router/engine/calibrate.py).
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prompt_tokens_cached_total": "cached_tokens",
+    "vllm:inter_token_latency_seconds_sum": "itl_s",
+    "vllm:inter_token_latency_seconds_count": "itl_n",
 }
+COUNTERS = ("prefill_s", "prompt_tokens", "cached_tokens", "itl_s", "itl_n")
 SGLANG = {
     "sglang:num_queue_reqs": "waiting",
     "sglang:num_running_reqs": "running",
@@ -61,6 +68,8 @@ class Parsed:
     kv_usage: float
     kv_capacity_tokens: int | None
     preemptions: float | None
+    block_size: int | None = None
+    counters: dict[str, float] | None = None  # COUNTERS found (cumulative)
 
 
 _NEEDLES = {
@@ -118,6 +127,7 @@ def parse(text: bytes, kind: str, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS) ->
     sums: dict[str, float] = {}
     kv_series = 0
     capacity: int | None = None
+    block_size: int | None = None
     text = b"\n" + text  # so the first line is found like every other
     for needle, field in _NEEDLES[kind]:
         for labels, raw in _lines(text, needle):
@@ -134,6 +144,7 @@ def parse(text: bytes, kind: str, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS) ->
                 if size > MAX_BLOCK_SIZE or blocks > MAX_GPU_BLOCKS:
                     continue  # not an engine's: taken as unreported
                 capacity = min(max_kv_tokens, (capacity or 0) + blocks * size)
+                block_size = size
                 continue
             if field == "kv":
                 if value > MAX_KV_USAGE:
@@ -148,4 +159,13 @@ def parse(text: bytes, kind: str, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS) ->
         raise MetricsError("absurd request count")
     # A share, not a count: data-parallel ranks each report their own, so take the mean.
     kv = sums.get("kv", 0.0) / kv_series if kv_series else 0.0
-    return Parsed(waiting, running, min(kv, 1.0), capacity, sums.get("preemptions"))
+    counters = {k: sums[k] for k in COUNTERS if k in sums}
+    return Parsed(
+        waiting,
+        running,
+        min(kv, 1.0),
+        capacity,
+        sums.get("preemptions"),
+        block_size,
+        counters or None,
+    )

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import httpx
@@ -28,6 +28,7 @@ from router.core.backend import Backend
 from router.core.engine import EngineReading
 from router.core.netpolicy import NetPolicy
 from router.core.settings import EngineMetricsConfig
+from router.engine.calibrate import Calibration
 from router.engine.parse import FAMILIES, MetricsError, parse
 from router.upstream.transport import LeanTransport
 
@@ -42,6 +43,7 @@ class _Target:
     last_ok: float = float("-inf")  # monotonic time of the last good scrape
     errors: int = 0
     busy: bool = False
+    calibration: Calibration = field(default_factory=Calibration)
 
 
 def scrapable(backend: Backend) -> bool:
@@ -163,6 +165,8 @@ class EngineScraper:
             t.reading = replace(t.reading, scrape_error=error, stale=self._is_stale(t))
         else:
             t.last_ok = self._mono()
+            cal = t.calibration
+            cal.update(parsed.counters, parsed.running)
             t.reading = EngineReading(
                 parsed.waiting,
                 parsed.running,
@@ -171,6 +175,9 @@ class EngineScraper:
                 parsed.preemptions,
                 self._wall(),
                 t.reading.seq + 1,
+                block_size=parsed.block_size,
+                prefill_s_per_token=cal.prefill_s_per_token,
+                step_s_per_seq=cal.step_s_per_seq,
             )
         self._publish_one(b.name, t.reading)
 

@@ -50,6 +50,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from router.mock import kv_publish
+
 
 @dataclass
 class EngineConfig:
@@ -65,6 +67,9 @@ class EngineConfig:
     kv_metric: str = "vllm:kv_cache_usage_perc"  # or the old "vllm:gpu_cache_usage_perc"
     flavor: str = "vllm"  # "vllm" | "sglang": which metric names /metrics uses
     prefix_caching: bool = True  # vLLM v1's default
+    # KV-cache events (router/mock/kv_publish.py): where to publish (bound), and the encoding.
+    kv_events: str | None = None
+    kv_events_encoding: str = "map"  # or "array" (vLLM before ~0.24)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -82,6 +87,7 @@ class Seq:
     gone: bool = False
     blocks: int = 0
     prefix: Sequence[int] = ()  # chained hashes of the prompt's full blocks
+    tokens: Sequence[int] = ()  # the prompt's token ids (for KV events' token_ids)
     cached: int = 0  # prompt tokens found in the prefix cache at (the last) admission
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -109,14 +115,26 @@ class Engine:
         self._rng = random.Random(0)  # same hidden load on every run
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.kv = (
+            kv_publish.KvPublisher(config.kv_events, encoding=config.kv_events_encoding)
+            if config.kv_events
+            else None
+        )
+        self._kv_batch: list[object] = []  # this step's events, published together
 
     # --- the HTTP side ---------------------------------------------------------------------
 
     def submit(
-        self, prompt: int, max_tokens: int, background: bool = False, prefix: Sequence[int] = ()
+        self,
+        prompt: int,
+        max_tokens: int,
+        background: bool = False,
+        prefix: Sequence[int] = (),
+        tokens: Sequence[int] = (),
     ) -> Seq:
-        """`prefix`: the prompt's chained block hashes (`block_hashes()`), for the prefix cache."""
-        seq = Seq(max(1, prompt), max(1, max_tokens), background, prefix=prefix)
+        """`prefix`: the prompt's chained block hashes (`block_hashes()`), for the prefix cache;
+        `tokens`: its token ids, which KV events carry."""
+        seq = Seq(max(1, prompt), max(1, max_tokens), background, prefix=prefix, tokens=tokens)
         self.waiting.append(seq)
         self._ensure_running()
         return seq
@@ -129,6 +147,8 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM's `reset_prefix_cache()`); the counters keep counting."""
         self.prefix_cache.clear()
+        if self.kv is not None:
+            self.kv.publish([kv_publish.cleared(self.kv.array)])
 
     def set_background(self, n: int) -> None:
         """Keep `n` hidden sequences in the engine: more are queued, extra ones end now."""
@@ -172,6 +192,9 @@ class Engine:
                 await self._kick.wait()
                 continue
             prefill_tokens = self._admit()
+            if self._kv_batch and self.kv is not None:
+                self.kv.publish(self._kv_batch)
+                self._kv_batch = []
             self._grow()
             step_ms = (
                 cfg.decode_ms
@@ -244,12 +267,37 @@ class Engine:
         cached = min(hit * cfg.block_size, (seq.prompt - 1) // cfg.block_size * cfg.block_size)
         self.prefix_queries += seq.prompt
         self.prefix_hits += cached
+        kv = self.kv
+        new = [i for i, h in enumerate(seq.prefix) if h not in cache] if kv is not None else []
         for h in reversed(seq.prefix):  # tail first: the head is evicted last
             cache[h] = None
             cache.move_to_end(h)
+        gone = []
         while len(cache) > cfg.num_gpu_blocks:
-            cache.popitem(last=False)
+            gone.append(cache.popitem(last=False)[0])
+        if kv is not None:
+            self._kv_events(seq, new, gone, kv.array)
         return cached
+
+    def _kv_events(self, seq: Seq, new: list[int], gone: list[int], array: bool) -> None:
+        """What vLLM would publish: each run of newly cached blocks as one BlockStored (its
+        parent the block before), each evicted block as a BlockRemoved."""
+        bs = self.config.block_size
+        batch = self._kv_batch
+        if gone:
+            batch.append(kv_publish.removed(gone, array))
+        run: list[int] = []
+        for i in [*new, -1]:
+            if run and (i != run[-1] + 1):
+                first = run[0]
+                parent = seq.prefix[first - 1] if first else None
+                hashes = [seq.prefix[j] for j in run]
+                tokens = seq.tokens[first * bs : (run[-1] + 1) * bs]
+                if len(tokens) == len(hashes) * bs:
+                    batch.append(kv_publish.stored(hashes, parent, tokens, bs, array))
+                run = []
+            if i >= 0:
+                run.append(i)
 
     def _grow(self) -> None:
         """Each running sequence's next token may need one more block; preempt the newest

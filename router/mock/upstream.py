@@ -47,6 +47,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.mock import wire
 from router.mock.engine import Engine, EngineConfig, block_hashes
+from router.mock.kv_publish import mock_tokens
 
 _JSON = [(b"content-type", b"application/json")]
 METRICS_TYPE = b"text/plain; version=1.0.0; charset=utf-8"
@@ -171,6 +172,17 @@ class MockUpstream:
         if path in _GENERATION:
             await self._generate(scope, path, body, receive, send)
             return
+        if path == "/tokenize":  # vLLM's: the prompt's (here: the mock's) token ids
+            try:
+                req = json.loads(body)
+            except ValueError:
+                req = None
+            if not isinstance(req, dict):
+                await _json(send, 400, {"error": {"message": "bad body", "code": 400}})
+                return
+            ids = mock_tokens(prompt_text(req))
+            await _json(send, 200, {"count": len(ids), "max_model_len": 1 << 20, "tokens": ids})
+            return
         await _json(send, 404, _NOT_FOUND)
 
     async def _get(self, path: str, send: Send) -> None:
@@ -178,6 +190,9 @@ class MockUpstream:
             status = self.behaviour.health_status
             await send({"type": "http.response.start", "status": status, "headers": []})
             await send({"type": "http.response.body", "body": b""})
+        elif path == "/kv_event_sources":
+            kv = self.engine.kv if self.engine is not None else None
+            await _json(send, 200, {"0": kv.source()} if kv is not None else {})
         elif path == "/v1/models":
             names = self.served or [self.default_model]
             await _json(send, 200, wire.models(names, self.name, self.max_model_len))
@@ -518,9 +533,13 @@ class MockUpstream:
         assert engine is not None
         n = max(1, asked if asked is not None else self.behaviour.tokens)
         prefix: tuple[int, ...] = ()
+        tokens: list[int] = []
         if engine.config.prefix_caching:
-            prefix = block_hashes(prompt_text(req), engine.config.block_size * 4)
-        seq = engine.submit(prompt, n, prefix=prefix)
+            text = prompt_text(req)
+            prefix = block_hashes(text, engine.config.block_size * 4)
+            if engine.kv is not None:
+                tokens = mock_tokens(text)
+        seq = engine.submit(prompt, n, prefix=prefix, tokens=tokens)
 
         def left(_: object) -> None:
             if gone.is_set():

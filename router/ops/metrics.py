@@ -189,8 +189,8 @@ class Metrics:
         )
         self.routing_decisions = Counter(
             "sluicegate_routing_decisions_total",
-            "Backends picked, by public model, balancer and reason (prefix, session, load, "
-            "spill; each attempt counts once).",
+            "Backends picked, by public model, balancer and reason (prefix, prefix_exact, "
+            "prefix_approx, session, load, spill; each attempt counts once).",
             ("model", "balancer", "backend", "reason"),
             registry=reg,
         )
@@ -224,6 +224,30 @@ class Metrics:
             "Looked-up prompt blocks that the picked backend held (hit rate: hit / lookup).",
             registry=reg,
         )
+        # KV-cache events (router/engine/kv_events.py): each worker subscribes on its own.
+        self.kv_events_total = Counter(
+            "sluicegate_kv_events_total",
+            "KV-cache events received from each engine, by type (BlockStored, BlockRemoved, "
+            "AllBlocksCleared, unknown).",
+            ("backend", "type"),
+            registry=reg,
+        )
+        self.kv_index_blocks = Gauge(
+            "sluicegate_kv_index_blocks",
+            "Blocks the engine holds per its KV events, in this process's index.",
+            ("backend",),
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
+        self.kv_event_lag = Gauge(
+            "sluicegate_kv_event_lag_seconds",
+            "Seconds between the engine building its last KV-event batch and this process "
+            "receiving it (the engine's clock against ours).",
+            ("backend",),
+            multiprocess_mode="livemax",
+            registry=reg,
+        )
+        self._kv_children: dict[tuple[str, str], Any] = {}
         # Engine metrics as this process last read them (each worker scrapes on its own).
         self.engine_waiting = Gauge(
             "sluicegate_engine_waiting",
@@ -482,6 +506,22 @@ class Metrics:
             self.engine_kv_usage.labels(name).set(r.kv_usage)
             age = now - r.scraped_at if r.scraped_at else float("inf")
             self.engine_scrape_age.labels(name).set(age)
+
+    def kv_events(self, backend: str, kind: str, n: int) -> None:
+        key = (backend, kind)
+        child = self._kv_children.get(key)
+        if child is None:
+            if len(self._kv_children) > 4096:  # backends come and go
+                self._kv_children.clear()
+            child = self._kv_children[key] = self.kv_events_total.labels(backend, kind)
+        child.inc(n)
+
+    def kv_state(self, blocks: Mapping[str, int], lags: Mapping[str, float]) -> None:
+        """Move the KV gauges to the subscriber's state (called at each /metrics)."""
+        for name, n in blocks.items():
+            self.kv_index_blocks.labels(name).set(n)
+        for name, lag in lags.items():
+            self.kv_event_lag.labels(name).set(lag)
 
     def engine_scrape_failed(self, backend: str) -> None:
         self.engine_scrape_errors.labels(backend).inc()

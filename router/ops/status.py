@@ -1,10 +1,10 @@
 """`sluicegate status --url URL [--watch]`: the backend table an operator reads at 3 a.m.
 
 Rows come from `GET /admin/backends` (health, in flight, the engine's own waiting/running/KV
-use when its metrics are scraped, weight, cooldown/ejection); the error
-rate comes from the admin row when the router reports one, else from `GET /metrics` (failed
-attempts / attempts; over the last refresh interval when watching). The admin token is read from
-`SLUICEGATE_ADMIN_TOKEN` and only ever sent as a header.
+use when its metrics are scraped, the KV-event feed's state and lag, weight, cooldown/ejection);
+the error rate comes from the admin row when the router reports one, else from `GET /metrics`
+(failed attempts / attempts; over the last refresh interval when watching). The admin token is
+read from `SLUICEGATE_ADMIN_TOKEN` and only ever sent as a header.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ COLUMNS = (
     "WAITING",
     "RUNNING",
     "KV",
+    "KV EVENTS",
     "WEIGHT",
     "EJECTED UNTIL",
     "ERROR RATE",
@@ -178,6 +179,15 @@ def _engine(reading: Any) -> tuple[str, str, str]:
     )
 
 
+def _kv_events(state: Any) -> str:
+    """The KV-event feed: its state and lag (`live 0.10s`), `-` when the backend has none."""
+    if not isinstance(state, dict):
+        return "-"
+    lag = state.get("lag_seconds")
+    text = str(state.get("state", "?"))
+    return f"{text} {lag:.2f}s" if isinstance(lag, int | float) else text
+
+
 def render_table(
     rows: Sequence[dict[str, Any]], rates: dict[str, float | None], now: float | None = None
 ) -> str:
@@ -188,6 +198,7 @@ def render_table(
             _health(row, now),
             _num(row.get("in_flight", 0)),
             *_engine(row.get("engine")),
+            _kv_events(row.get("kv_events_state")),
             _num(row.get("weight")),
             _ejected_until(row, now),
             _rate(row, rates),

@@ -99,6 +99,7 @@ def admin_routes(
     drain_grace: float,
     engine_readings: Callable[[], Mapping[str, EngineReading]] | None = None,
     admin: AdminConfig | None = None,
+    kv_status: Callable[[str], dict[str, Any] | None] | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix="/admin")
     admin = admin or AdminConfig()
@@ -117,6 +118,8 @@ def admin_routes(
                 "registry_store": fleet.store.kind,
                 **health.describe(b.name),
                 "engine": _engine_view(readings.get(b.name)),
+                # KV-cache events: state, lag, blocks indexed, per-publisher seq (None: off)
+                "kv_events_state": kv_status(b.name) if kv_status is not None else None,
             }
             for b in backends
         ]

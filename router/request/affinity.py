@@ -10,6 +10,12 @@ The local index (`balancers/prefix_index.py`) is per process; with Redis the ind
 backends (one round trip that also carries earlier dispatches' records) and every attempt binds
 to that answer; the local index is still updated on every dispatch, so it is warm when a lookup
 falls back to it (Redis down or slower than `redis_timeout`).
+With KV events (backends with `kv_events`, and the model in `affinity.tokenizers`) the request
+also carries its token ids (router/request/tokens.py), and each attempt's hints say how many
+leading tokens each candidate holds: per its live events (router/engine/kv_index.py, keys
+chained over those ids at the engine's block size, in the LoRA's namespace when the backend's
+model id is an adapter its events name), or per the approximate index for a backend whose
+events are not live; `cache_aware` then weighs them by the engine's own rates.
 The session key is the first present of the `affinity.session_headers`, the body's
 `prompt_cache_key`, the body's `user`; a key longer than MAX_SESSION_KEY_CHARS is ignored (the
 request is served without session affinity, never refused: the key is a routing hint only).
@@ -18,17 +24,25 @@ request is served without session affinity, never refused: the key is a routing 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from balancers.base import Balancer
-from balancers.cache_aware import CHARS_PER_TOKEN, Hints
+from balancers.cache_aware import CHARS_PER_TOKEN, Hints, KvHints
 from balancers.inflight.base import Readings
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
-from router.core.settings import AffinityConfig
+from router.core.settings import AffinityConfig, ConfigError
+from router.engine.kv_events import KvEvents
+from router.engine.kv_index import BASE, chain_keys, namespace
 from router.request.prefix import prefix_hashes
+from router.request.tokens import (
+    EngineTokenizer,
+    RouterTokenizer,
+    TokenizerError,
+    request_tokens,
+)
 
 if TYPE_CHECKING:
     from router.request.affinity_store import SharedPrefixIndex
@@ -47,6 +61,10 @@ class RequestAffinity:
     session: int | None  # the session key's ring point
     # backend -> leading blocks held, as the shared index answered (None: ask the local index)
     held: dict[str, int] | None = None
+    tokens: list[int] | None = None  # the prompt's token ids, when the KV-event index is used
+    model: str = ""
+    # (block size, namespace) -> the tokens' block keys, computed once per request
+    keys: dict[tuple[int, bytes], list[bytes]] = field(default_factory=dict)
 
 
 class Affinity:
@@ -56,8 +74,20 @@ class Affinity:
         index: PrefixIndex | None = None,
         shared: SharedPrefixIndex | None = None,
         on_fallback: Callable[[], None] | None = None,
+        kv: KvEvents | None = None,
     ) -> None:
         self.config = config
+        self.kv = kv
+        self._tokenizers: dict[str, RouterTokenizer | EngineTokenizer] = {}
+        for model, tc in config.tokenizers.items():
+            if tc.via == "router":
+                assert tc.path is not None
+                try:
+                    self._tokenizers[model] = RouterTokenizer(tc.path)
+                except TokenizerError as exc:
+                    raise ConfigError(f"affinity.tokenizers.{model}: {exc}") from None
+            else:
+                self._tokenizers[model] = EngineTokenizer()
         self.index = index or PrefixIndex()
         self.shared = shared  # None: the local index is all there is
         self._on_fallback = on_fallback  # a shared lookup answered locally
@@ -93,8 +123,8 @@ class Affinity:
             for name, value in headers:
                 if name.lower() == wanted and value:
                     return _capped(value.decode("latin-1"))
-        for field in ("prompt_cache_key", "user"):
-            given = payload.get(field)
+        for key in ("prompt_cache_key", "user"):
+            given = payload.get(key)
             if isinstance(given, str) and given:
                 return _capped(given)
         return None
@@ -115,6 +145,78 @@ class Affinity:
                 self._on_fallback()
         return RequestAffinity(request.hashes, request.session, held)
 
+    def wants_tokens(self, model: str, backends: Sequence[Backend]) -> bool:
+        kv = self.kv
+        return (
+            kv is not None
+            and model in self._tokenizers
+            and any(kv.configured(b.name) for b in backends)
+        )
+
+    async def with_tokens(
+        self,
+        request: RequestAffinity,
+        model: str,
+        payload: dict[str, Any],
+        backends: Sequence[Backend],
+    ) -> RequestAffinity:
+        """`request` with the prompt's token ids (unchanged when they cannot be had)."""
+        tk = self._tokenizers[model]
+        limit = self.config.max_prefix_chars
+        if isinstance(tk, RouterTokenizer):
+            ids = await request_tokens(tk, payload, self.config.tokenize_inline_chars, limit)
+        else:
+            kv = self.kv
+            assert kv is not None
+            target = next((b for b in backends if kv.configured(b.name)), None)
+            if target is None:
+                return request
+            ids = await tk.tokens(payload, target, target.models.get(model, model), limit)
+        if not ids:
+            return request
+        return replace(request, tokens=ids, model=model)
+
+    def _kv_hints(
+        self, request: RequestAffinity, eligible: Sequence[Backend], held: dict[str, int]
+    ) -> KvHints:
+        kv = self.kv
+        tokens = request.tokens
+        assert kv is not None and tokens is not None
+        n = len(tokens)
+        index = kv.index
+        cached: dict[str, int] = {}
+        pending: dict[str, int] = {}
+        exact: set[str] = set()
+        groups: dict[tuple[int, bytes], list[str]] = {}
+        per_block = self.config.block_chars // CHARS_PER_TOKEN
+        for b in eligible:
+            name = b.name
+            if kv.live(name):
+                exact.add(name)
+                bs = index.block_size(name)
+                if bs is None:
+                    continue  # it never stored a block: holds nothing of it
+                target = b.models.get(request.model, request.model)
+                ns = namespace(target) if index.has_lora(name, target) else BASE
+                groups.setdefault((bs, ns), []).append(name)
+            elif held.get(name):
+                cached[name] = min(n, held[name] * per_block)
+            _, waiting = kv.pending(name)
+            if waiting:
+                pending[name] = waiting
+        for (bs, ns), names in groups.items():
+            keys = request.keys.get((bs, ns))
+            if keys is None:
+                keys = request.keys[(bs, ns)] = chain_keys(tokens, bs, ns)
+            for name, blocks in index.match(keys, names).items():
+                cached[name] = blocks * bs
+        return KvHints(n, cached, frozenset(exact), pending)
+
+    def kv_dispatched(self, request: RequestAffinity, backend: str, cached: int) -> None:
+        """`backend` was sent this prompt: its uncached part is pending there until an event."""
+        if self.kv is not None and request.tokens is not None:
+            self.kv.dispatched(backend, len(request.tokens) - cached)
+
     def bind(
         self, balancer: Balancer, request: RequestAffinity, eligible: Sequence[Backend]
     ) -> Balancer:
@@ -126,7 +228,8 @@ class Affinity:
             held = self.index.match(request.hashes, [b.name for b in eligible])
         else:
             held = {b.name: known[b.name] for b in eligible if b.name in known}
-        hints = Hints(len(request.hashes), self.config.block_chars, held, request.session)
+        kv = self._kv_hints(request, eligible, held) if request.tokens is not None else None
+        hints = Hints(len(request.hashes), self.config.block_chars, held, request.session, kv)
         return cast(HintAware, balancer).with_hints(hints, self.config.load_factor)
 
     def dispatched(self, hashes: list[bytes], backend: str, readings: Readings | None) -> None:

@@ -373,6 +373,10 @@ class ProxyCall(Response):
         affinity = proxy.affinity.prepare(balancer, self._client_headers, self._parsed())
         if affinity is not None and proxy.affinity.shared is not None:
             affinity = await proxy.affinity.look_up(affinity, self._backends)  # one round trip
+        if affinity is not None and proxy.affinity.wants_tokens(self._model, self._backends):
+            affinity = await proxy.affinity.with_tokens(
+                affinity, self._model, self._parsed(), self._backends
+            )
         picker: Balancer = balancer  # this attempt's: `balancer` bound to the request's affinity
         readings: Readings | None = None
 
@@ -415,6 +419,9 @@ class ProxyCall(Response):
                 held = getattr(picker, "held", 0)
                 rec.prefix_chars = held * proxy.settings.affinity.block_chars
                 proxy.affinity.dispatched(affinity.hashes, lease.backend, readings)
+                if affinity.tokens is not None:
+                    cached = getattr(picker, "cached", 0)
+                    proxy.affinity.kv_dispatched(affinity, lease.backend, cached)
                 entries = proxy.affinity.index.entries
                 proxy.metrics.affinity(len(affinity.hashes), held, entries)
             trace.picked(lease.backend, rec.reason)

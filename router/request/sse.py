@@ -26,19 +26,25 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 def _end_of(buf: bytes, pair_at: int) -> int:
-    """The end of a blank line whose two line-end bytes start at `pair_at`."""
+    """The end of a blank line whose two line-end bytes start at `pair_at`; -1 when it ends in
+    a CR that is the last byte of `buf` (a LF may follow in the next chunk: not known yet)."""
     end = pair_at + 2
-    if buf[pair_at + 1 : end] == b"\r" and buf[end : end + 1] == b"\n":
-        end += 1  # the second line end is a CRLF
+    if buf[pair_at + 1 : end] == b"\r":
+        if end == len(buf):
+            return -1
+        if buf[end : end + 1] == b"\n":
+            end += 1  # the second line end is a CRLF
     return end
 
 
 def next_boundary(buf: bytes, at: int = 0) -> int:
     """Where the event holding position `at` ends (past its blank line), or -1 when it has not
-    ended within `buf`."""
+    ended within `buf` (as far as its bytes tell)."""
     best = -1
     for pair in _PAIRS:
         found = buf.find(pair, at)
+        while found >= 0 and _end_of(buf, found) < 0:
+            found = buf.find(pair, found + 1)
         if found >= 0 and (best < 0 or found < best):
             best = found
     return _end_of(buf, best) if best >= 0 else -1
@@ -50,14 +56,15 @@ def last_boundary(buf: bytes, before: int) -> int:
     start = 0
     for pair in _PAIRS:
         found = buf.rfind(pair, 0, before)
+        while found >= 0 and _end_of(buf, found) < 0:
+            found = buf.rfind(pair, 0, found)
         if found >= 0:
             start = max(start, min(_end_of(buf, found), before))
     return start
 
 
 def ends_an_event(buf: bytes) -> bool:
-    """`buf` ends exactly where an event ends (a trailing CR counts: a LF after it, in the next
-    chunk, is then an empty line, which SSE readers skip)."""
+    """`buf` ends exactly where an event ends (not in a CR a LF may still follow)."""
     tail = buf[-4:]
     return bool(tail) and last_boundary(tail, len(tail)) == len(tail)
 

@@ -1,0 +1,553 @@
+"""The router's subscription to every vLLM engine's KV-cache events, feeding the `TokenIndex`.
+
+One ZMQ SUB socket per publisher (a backend with `kv_events`, or each data-parallel rank that its
+`GET /kv_event_sources` lists), read on the event loop without a future per message: the
+socket's file descriptor wakes a reader that drains every queued message (at most DRAIN_MAX per
+wake-up, then it yields). Every router process subscribes on its own, so no index is shared:
+each replica is exact once it has caught up. Connect or bind follows vLLM (router/core/settings
+`KvEventsConfig`); an `ipc://` path keeps both on one machine.
+Sequence numbers, per publisher:
+- the next one: applied; an older one (a replay overlap): ignored;
+- 0 after others: the engine restarted with an empty cache, so its index is dropped;
+- a gap (or a first message past 0: the router joined late): with a `replay_endpoint` the
+  missed batches are asked for (at once on joining, too: an idle engine sends nothing; ZMQ
+  DEALER, vLLM answers `(seq, payload)` pairs, then seq -1) while new ones are held (at most
+  HOLD_MAX); without one, or when the replay no longer has them, the index is `unsure` until
+  the engine has stored a cache's worth of blocks since (every block it holds was then seen)
+  or restarts.
+A backend is `live` (its index is the truth; `cache_aware` routes on it) when each of its
+publishers is; else `waiting` (nothing heard yet), `unsure`, `replaying` or `error` (a socket
+that could not be set up; retried every RETRY seconds). Every dispatch made since a backend's
+last event counts as pending on it until the next one (or `pending_ttl`).
+Cost: per message one decode (msgspec) and one blake2b per stored block (bench/kv.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import zmq
+import zmq.asyncio
+
+from router.core.backend import Backend
+from router.core.settings import KvEventsConfig
+from router.engine.kv_index import TokenIndex
+from router.engine.kv_wire import Batch, Cleared, Removed, Stored, WireError, decode
+
+log = logging.getLogger("sluicegate.kv_events")
+
+DRAIN_MAX = 512  # messages per wake-up before yielding to the loop
+HOLD_MAX = 10_000  # batches held while a replay runs
+RETRY = 5.0  # seconds between discovery or socket attempts
+REPLAY_TIMEOUT = 5.0
+DEFAULT_BLOCKS = 1024  # an engine's capacity in blocks until its metrics say
+PENDING_MAX = 4096  # dispatches counted as pending per backend
+
+STATES = ("waiting", "live", "unsure", "replaying", "error")
+
+
+def vllm_binds(endpoint: str) -> bool:
+    """vLLM's own rule (`ZmqEventPublisher._is_bind_endpoint`)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def resolve(endpoint: str, backend_url: str, bind: bool | None = None) -> tuple[str, bool]:
+    """(the address this router uses, whether it binds it) for an engine's endpoint."""
+    binds = (not vllm_binds(endpoint)) if bind is None else bind
+    if binds or not endpoint.startswith("tcp://"):
+        return endpoint, binds
+    hostport = endpoint[len("tcp://") :]
+    host, _, port = hostport.rpartition(":")
+    if host in ("*", "0.0.0.0", "[::]", "::", "[::0]"):
+        target = urlsplit(backend_url).hostname or "127.0.0.1"
+        host = f"[{target}]" if ":" in target else target
+    return f"tcp://{host}:{port}", False
+
+
+@dataclass
+class Feed:
+    """One publisher: an engine, or one data-parallel rank of it."""
+
+    backend: str
+    endpoint: str
+    bind: bool
+    topic: bytes
+    replay: str | None
+    rank: int = 0
+    sock: zmq.Socket[bytes] | None = None
+    last_seq: int | None = None
+    state: str = "waiting"
+    stored_since_gap: int = 0
+    held: deque[Batch] = field(default_factory=deque)
+    error: str | None = None
+
+
+@dataclass
+class Engine:
+    """A backend's event state, as `/admin/backends` and `sluicegate status` show it."""
+
+    feeds: list[Feed] = field(default_factory=list)
+    discovering: bool = False
+    lag: float | None = None  # seconds between the engine building the last batch and us
+    last_event: float = 0.0  # wall clock of the last batch received
+    counts: dict[str, int] = field(default_factory=dict)  # event type -> received
+    pending: deque[tuple[float, int]] = field(default_factory=deque)  # (when, uncached tokens)
+    gaps: int = 0
+    restarts: int = 0
+
+
+class KvEvents:
+    def __init__(
+        self,
+        index: TokenIndex | None = None,
+        capacity: Callable[[str], int | None] | None = None,
+        wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        on_events: Callable[[str, str, int], None] | None = None,
+        pending_ttl: float = 2.0,
+    ) -> None:
+        self.index = index or TokenIndex()
+        self._capacity = capacity or (lambda _name: None)
+        self._wall = wall
+        self._mono = monotonic
+        self._on_events = on_events
+        self._pending_ttl = pending_ttl
+        # SUB sockets are read synchronously on readiness (no future per message); the replay's
+        # DEALER, a rare path, is awaited: one context, seen both ways, made on first use (it
+        # starts an I/O thread, which a router without events does not need).
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._async_ctx: zmq.asyncio.Context | None = None
+        self._engines: dict[str, Engine] = {}
+        self._configs: dict[str, tuple[str, KvEventsConfig]] = {}  # name -> (url, config)
+        self._backends: dict[str, Backend] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started = False
+        self._closed = False
+        self.batches = 0
+        self.malformed = 0
+
+    @property
+    def _sync(self) -> zmq.Context[zmq.Socket[bytes]]:
+        if self._sync_ctx is None:
+            self._sync_ctx = zmq.Context()
+        return self._sync_ctx
+
+    @property
+    def _ctx(self) -> zmq.asyncio.Context:
+        if self._async_ctx is None:
+            self._async_ctx = zmq.asyncio.Context.shadow(self._sync.underlying)
+        return self._async_ctx
+
+    # --- what routing reads ---------------------------------------------------------------------
+
+    def state(self, backend: str) -> str | None:
+        """None: the backend has no events configured."""
+        e = self._engines.get(backend)
+        if e is None:
+            return None
+        if not e.feeds:
+            return "waiting"  # still asking the engine where it publishes
+        states = {f.state for f in e.feeds}
+        for s in ("error", "unsure", "replaying", "waiting"):
+            if s in states:
+                return s
+        return "live"
+
+    def live(self, backend: str) -> bool:
+        e = self._engines.get(backend)
+        return e is not None and bool(e.feeds) and all(f.state == "live" for f in e.feeds)
+
+    def configured(self, backend: str) -> bool:
+        return backend in self._engines
+
+    def pending(self, backend: str) -> tuple[int, int]:
+        """(dispatches, their uncached tokens) sent to `backend` since its last event."""
+        e = self._engines.get(backend)
+        if e is None or not e.pending:
+            return 0, 0
+        horizon = self._mono() - self._pending_ttl
+        q = e.pending
+        while q and q[0][0] < horizon:
+            q.popleft()
+        return len(q), sum(t for _, t in q)
+
+    def dispatched(self, backend: str, uncached_tokens: int) -> None:
+        e = self._engines.get(backend)
+        if e is not None:
+            if len(e.pending) >= PENDING_MAX:
+                e.pending.popleft()
+            e.pending.append((self._mono(), max(0, uncached_tokens)))
+
+    def status(self, backend: str) -> dict[str, Any] | None:
+        e = self._engines.get(backend)
+        if e is None:
+            return None
+        return {
+            "state": self.state(backend),
+            "lag_seconds": e.lag,
+            "last_event": e.last_event or None,
+            "blocks": self.index.blocks(backend),
+            "block_size": self.index.block_size(backend),
+            "events": dict(e.counts),
+            "gaps": e.gaps,
+            "restarts": e.restarts,
+            "publishers": [
+                {
+                    "endpoint": f.endpoint,
+                    "bind": f.bind,
+                    "rank": f.rank,
+                    "state": f.state,
+                    "seq": f.last_seq,
+                    "error": f.error,
+                }
+                for f in e.feeds
+            ],
+        }
+
+    def blocks(self) -> dict[str, int]:
+        return {n: self.index.blocks(n) for n in self._engines}
+
+    def lags(self) -> dict[str, float]:
+        return {n: e.lag for n, e in self._engines.items() if e.lag is not None}
+
+    # --- membership -----------------------------------------------------------------------------
+
+    def sync(self, backends: Iterable[Backend]) -> None:
+        """Follow a registry swap: subscribe to new backends, drop removed or changed ones."""
+        wanted = {b.name: b for b in backends if b.kv_events is not None}
+        for name in list(self._engines):
+            b = wanted.get(name)
+            if b is None or self._configs.get(name) != (b.url, b.kv_events):
+                self._drop(name)
+        for name, b in wanted.items():
+            self._backends[name] = b
+            if name not in self._engines:
+                assert b.kv_events is not None
+                self._engines[name] = Engine()
+                self._configs[name] = (b.url, b.kv_events)
+                if self._started:
+                    self._open(name)
+
+    def _drop(self, name: str) -> None:
+        e = self._engines.pop(name, None)
+        self._configs.pop(name, None)
+        self._backends.pop(name, None)
+        if e is not None:
+            for f in e.feeds:
+                self._close_feed(f)
+        self.index.forget(name)
+
+    async def start(self) -> None:
+        self._started = True
+        for name in list(self._engines):
+            self._open(name)
+
+    def _open(self, name: str) -> None:
+        url, cfg = self._configs[name]
+        e = self._engines[name]
+        if cfg.endpoint is not None:
+            addr, bind = resolve(cfg.endpoint, url, cfg.bind)
+            replay = resolve(cfg.replay_endpoint, url, False)[0] if cfg.replay_endpoint else None
+            self._attach(name, e, Feed(name, addr, bind, cfg.topic.encode(), replay))
+        else:
+            e.discovering = True
+            self._spawn(self._discover(name))
+
+    def _attach(self, name: str, e: Engine, feed: Feed) -> None:
+        e.feeds.append(feed)
+        try:
+            sock = self._sync.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.SUBSCRIBE, feed.topic)
+            if feed.bind:
+                sock.bind(feed.endpoint)
+            else:
+                sock.connect(feed.endpoint)
+        except zmq.ZMQError as exc:
+            feed.state, feed.error = "error", f"{type(exc).__name__}: {exc}"[:200]
+            log.warning(
+                "kv events: cannot open socket",
+                extra={"fields": {"backend": name, "endpoint": feed.endpoint, "error": feed.error}},
+            )
+            with contextlib.suppress(Exception):
+                sock.close(0)
+            self._spawn(self._retry(name, feed))
+            return
+        feed.sock = sock
+        feed.error = None
+        # The ZMQ descriptor is edge-triggered: drain until EVENTS says no more input.
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable, feed)
+        if feed.replay is not None and feed.last_seq is None:
+            # Joining an engine that may have published already (and may stay idle): ask for
+            # its history now rather than wait for its next batch to show the hole.
+            feed.state = "replaying"
+            self._spawn(self._replay(feed, 0))
+        self._readable(feed)
+
+    async def _retry(self, name: str, feed: Feed) -> None:
+        await asyncio.sleep(RETRY)
+        e = self._engines.get(name)
+        if e is None or feed not in e.feeds or self._closed:
+            return
+        e.feeds.remove(feed)
+        feed.state = "waiting"
+        self._attach(name, e, feed)
+
+    async def _discover(self, name: str) -> None:
+        """Ask the engine where it publishes, until it answers (it may still be starting)."""
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            while not self._closed and name in self._engines:
+                b = self._backends.get(name)
+                if b is None:
+                    return
+                try:
+                    r = await client.get(b.url + "/kv_event_sources", headers=list(b.auth_headers))
+                    sources = r.json() if r.status_code == 200 else None
+                except (httpx.HTTPError, ValueError):
+                    sources = None
+                feeds = _feeds_from(name, b, sources) if isinstance(sources, dict) else []
+                e = self._engines.get(name)
+                if feeds and e is not None and self._backends.get(name) is b:
+                    e.discovering = False
+                    for f in feeds:
+                        self._attach(name, e, f)
+                    return
+                await asyncio.sleep(RETRY)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def reset(self, backend: str) -> None:
+        """The engine may have restarted (it stopped answering): forget what it held and wait
+        for the truth again, asking its replay buffer (a live engine's history rebuilds the
+        index at once; a restarted one's is empty) or its next batch (seq 0 after a restart)."""
+        e = self._engines.get(backend)
+        if e is None:
+            return
+        self.index.cleared(backend)
+        e.pending.clear()
+        for f in e.feeds:
+            f.last_seq = None
+            f.held.clear()
+            if f.sock is None:
+                continue
+            if f.replay is not None:
+                if f.state != "replaying":
+                    f.state = "replaying"
+                    self._spawn(self._replay(f, 0))
+            else:
+                f.state = "waiting"
+
+    # --- receiving ------------------------------------------------------------------------------
+
+    def _readable(self, feed: Feed) -> None:
+        sock = feed.sock
+        if sock is None or sock.closed:
+            return
+        for _ in range(DRAIN_MAX):
+            try:
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            self._message(feed, frames)
+        # More are queued: come back after others had their turn (no new edge will fire).
+        asyncio.get_running_loop().call_soon(self._readable, feed)
+
+    def _message(self, feed: Feed, frames: list[bytes]) -> None:
+        try:
+            batch = decode(frames)
+        except WireError as exc:
+            self.malformed += 1
+            if self.malformed <= 3 or self.malformed % 1000 == 0:
+                log.warning(
+                    "kv events: undecodable message",
+                    extra={"fields": {"backend": feed.backend, "error": str(exc)}},
+                )
+            return
+        self.batches += 1
+        if feed.state == "replaying":
+            if len(feed.held) >= HOLD_MAX:
+                feed.held.popleft()
+            feed.held.append(batch)
+            return
+        self._in_order(feed, batch)
+
+    def _in_order(self, feed: Feed, batch: Batch) -> None:
+        e = self._engines.get(feed.backend)
+        if e is None:
+            return
+        last = feed.last_seq
+        seq = batch.seq
+        if last is not None and seq <= last and seq != 0:
+            return  # already applied (a replay overlap)
+        if seq == 0 and last is not None:
+            # The engine restarted: whatever it held is gone (for every rank: one index).
+            e.restarts += 1
+            self.index.cleared(feed.backend)
+            feed.state = "live"
+        elif last is None and seq == 0:
+            feed.state = "live"
+        elif (last is None and seq > 0) or (last is not None and seq > last + 1):
+            start = 0 if last is None else last + 1
+            e.gaps += 1 if last is not None else 0
+            if feed.replay is not None:
+                feed.state = "replaying"
+                feed.held.append(batch)
+                self._spawn(self._replay(feed, start))
+                return
+            self._unsure(feed)
+        self._apply(feed, e, batch)
+
+    def _unsure(self, feed: Feed) -> None:
+        feed.state = "unsure"
+        feed.stored_since_gap = 0
+
+    def _apply(self, feed: Feed, e: Engine, batch: Batch, replayed: bool = False) -> None:
+        feed.last_seq = batch.seq
+        name = feed.backend
+        index = self.index
+        now = self._wall()
+        if not replayed:  # a replayed batch's age is history, not lag
+            e.lag = max(0.0, now - batch.ts)
+            e.last_event = now
+        e.pending.clear()
+        stored = removed = cleared = 0
+        blocks = 0
+        for ev in batch.events:
+            if isinstance(ev, Stored):
+                stored += 1
+                cap = self._capacity(name) or DEFAULT_BLOCKS
+                blocks += index.stored(name, ev, cap)
+            elif isinstance(ev, Removed):
+                removed += 1
+                index.removed(name, ev.hashes)
+            elif isinstance(ev, Cleared):
+                cleared += 1
+                index.cleared(name)
+                if feed.state == "unsure":
+                    feed.state = "live"  # nothing held: the index is exact again
+        if feed.state == "unsure":
+            feed.stored_since_gap += blocks
+            if feed.stored_since_gap >= (self._capacity(name) or DEFAULT_BLOCKS):
+                feed.state = "live"
+        counts = e.counts
+        on = self._on_events
+        for kind, n in (
+            ("BlockStored", stored),
+            ("BlockRemoved", removed),
+            ("AllBlocksCleared", cleared),
+            ("unknown", batch.unknown),
+        ):
+            if n:
+                counts[kind] = counts.get(kind, 0) + n
+                if on is not None:
+                    on(name, kind, n)
+
+    async def _replay(self, feed: Feed, start: int) -> None:
+        """Ask the engine's replay socket for batches from `start`, then apply what was held."""
+        assert feed.replay is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: list[Batch] = []
+        ok = False
+        try:
+            sock.connect(feed.replay)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(REPLAY_TIMEOUT):
+                while True:
+                    frames = await sock.recv_multipart()
+                    # [b"", topic, seq, payload]; the end: [b"", b"", seq -1, b""]
+                    frames = frames[1:] if frames and frames[0] == b"" else frames
+                    if len(frames) == 3 and int.from_bytes(frames[1], "big", signed=True) < 0:
+                        ok = True
+                        break
+                    with contextlib.suppress(WireError):
+                        got.append(decode(frames))
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning(
+                "kv events: replay failed",
+                extra={"fields": {"backend": feed.backend, "error": type(exc).__name__}},
+            )
+        finally:
+            sock.close(0)
+        e = self._engines.get(feed.backend)
+        if e is None or feed.state != "replaying":
+            return
+        held = list(feed.held)
+        feed.held.clear()
+        merged: dict[int, Batch] = {b.seq: b for b in got}
+        for b in held:
+            merged.setdefault(b.seq, b)
+        batches = [merged[k] for k in sorted(merged) if feed.last_seq is None or k > feed.last_seq]
+        # Exact again when the replay answered and nothing is missing from `start` on.
+        whole = ok and all(b.seq == start + i for i, b in enumerate(batches))
+        if whole:
+            feed.state = "live"
+        else:
+            self._unsure(feed)
+        replayed = {id(b) for b in got}
+        for batch in batches:
+            self._apply(feed, e, batch, replayed=id(batch) in replayed)
+
+    # --- shutdown -------------------------------------------------------------------------------
+
+    def _close_feed(self, feed: Feed) -> None:
+        sock = feed.sock
+        feed.sock = None
+        if sock is not None and not sock.closed:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close(0)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        for e in self._engines.values():
+            for f in e.feeds:
+                self._close_feed(f)
+        if self._sync_ctx is not None:
+            self._sync_ctx.term()
+
+
+def _feeds_from(name: str, backend: Backend, sources: dict[str, Any]) -> list[Feed]:
+    """Feeds from `/kv_event_sources`: `{rank: {endpoint, replay_endpoint, topic, ...}}`."""
+    feeds = []
+    for rank, src in sorted(sources.items()):
+        if not isinstance(src, dict) or not src.get("enable_kv_cache_events"):
+            continue
+        endpoint = src.get("endpoint")
+        if src.get("publisher") != "zmq" or not isinstance(endpoint, str):
+            continue
+        if not endpoint.startswith(("tcp://", "ipc://")):
+            continue  # inproc: only inside the engine's own process
+        addr, bind = resolve(endpoint, backend.url)
+        replay = src.get("replay_endpoint")
+        replay_addr = (
+            resolve(replay, backend.url, False)[0] if isinstance(replay, str) and replay else None
+        )
+        topic = src.get("topic") or ""
+        try:
+            r = int(rank)
+        except ValueError:
+            r = 0
+        feeds.append(Feed(name, addr, bind, str(topic).encode(), replay_addr, r))
+    return feeds

@@ -1,0 +1,1 @@
+"""`make image-test`: build the container image and run it (see run.py)."""

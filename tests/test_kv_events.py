@@ -1,0 +1,306 @@
+"""KV-cache events: vLLM's wire format decoded, the token-level index, and the subscriber on real
+ZMQ sockets (ipc paths under the test's own directory; tcp on loopback for the bind case)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from router.core.backend import Backend
+from router.core.settings import BackendConfig
+from router.engine.kv_events import KvEvents, resolve
+from router.engine.kv_index import TokenIndex, chain_keys, namespace
+from router.engine.kv_wire import MASK64, Cleared, Removed, Stored, WireError, decode
+from tests.kv_publisher import Publisher, cleared, frames, removed, stored
+
+BS = 4
+
+
+def run(fn: Callable[..., Any]) -> Callable[..., None]:
+    """The async test's body on its own event loop (the suite runs no asyncio plugin)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+def toks(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+@pytest.mark.parametrize("array", [False, True])
+def test_both_encodings_decode_to_the_same_events(array: bool) -> None:
+    big = (1 << 64) - 5  # above 2^63, as vLLM's unsigned low 64 bits often are
+    batch = decode(
+        frames(
+            7,
+            [
+                stored([big, 2], None, toks(8), BS, array=array),
+                removed([big], array=array),
+                cleared(array=array),
+            ],
+            ts=12.5,
+        )
+    )
+    assert batch.seq == 7 and batch.ts == 12.5 and batch.unknown == 0
+    s, r, c = batch.events
+    assert isinstance(s, Stored) and s.hashes == [big, 2] and s.parent is None
+    assert s.token_ids == toks(8) and s.block_size == BS and s.medium == "GPU"
+    assert isinstance(r, Removed) and r.hashes == [big]
+    assert isinstance(c, Cleared)
+
+
+def test_signed_and_bytes_hashes_and_unknown_types() -> None:
+    from tests.kv_publisher import FutureEvent
+
+    batch = decode(
+        frames(0, [stored([-3, b"\x01\x02"], -4, toks(8), BS), FutureEvent(), removed([-3])])
+    )
+    s, r = batch.events
+    assert isinstance(s, Stored) and isinstance(r, Removed)
+    assert s.hashes == [(-3) & MASK64, b"\x01\x02"] and s.parent == (-4) & MASK64
+    assert r.hashes == [(-3) & MASK64]  # the same block, whichever spelling
+    assert batch.unknown == 1
+
+
+def test_a_batch_without_rank_and_garbage() -> None:
+    payload = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}]])
+    assert isinstance(decode([b"", (3).to_bytes(8, "big"), payload]).events[0], Cleared)
+    with pytest.raises(WireError):
+        decode([b"kv", b"\x00" * 8, b"\xc1junk"])
+    with pytest.raises(WireError):
+        decode([b"kv", b"short", payload])
+
+
+def _ev(hashes: list[int], parent: int | None, tokens: list[int], **kw: object) -> Stored:
+    return Stored(hashes, parent, tokens, BS, kw.get("lora"), kw.get("extra"), "GPU", 0)  # type: ignore[arg-type]
+
+
+def test_index_chains_over_tokens_and_resolves_removals() -> None:
+    idx = TokenIndex()
+    prompt = toks(12)
+    # Engine hashes are opaque to the router: two engines, two hash spellings, one key chain.
+    assert idx.stored("a", _ev([11, 12], None, prompt[:8]), 100) == 2
+    assert idx.stored("a", _ev([13], 12, prompt[8:12]), 100) == 1
+    assert idx.stored("b", _ev([901, 902], None, prompt[:8]), 100) == 2
+    keys = chain_keys([*prompt, 99, 98], BS)  # a partial tail block is not a key
+    assert len(keys) == 3
+    assert idx.match(keys, ["a", "b", "c"]) == {"a": 3, "b": 2}
+    other = chain_keys(toks(12, start=1), BS)
+    assert idx.match(other, ["a", "b"]) == {}
+    idx.removed("a", [12])  # the middle block: a prefix walk stops before it
+    assert idx.match(keys, ["a", "b"]) == {"a": 1, "b": 2}
+    assert idx.blocks("a") == 2
+    idx.cleared("b")
+    assert idx.match(keys, ["a", "b"]) == {"a": 1}
+
+
+def test_unknown_parent_is_skipped_and_capacity_bounds_each_engine() -> None:
+    idx = TokenIndex()
+    assert idx.stored("a", _ev([5], 4, toks(4)), 100) == 0  # parent never seen
+    assert idx.skipped == 1
+    for i in range(10):
+        idx.stored("a", _ev([100 + i], None, toks(4, start=10 * i)), 3)
+    assert idx.blocks("a") == 3  # the engine's own capacity, oldest first out
+    assert idx.match(chain_keys(toks(4, start=90), BS), ["a"]) == {"a": 1}
+    assert idx.match(chain_keys(toks(4, start=0), BS), ["a"]) == {}
+
+
+def test_lora_and_extra_keys_stay_apart_from_base_blocks() -> None:
+    idx = TokenIndex()
+    prompt = toks(8)
+    idx.stored("a", _ev([1, 2], None, prompt, lora="ad", extra=[["ad"], ["ad"]]), 100)
+    idx.stored("a", _ev([3, 4], None, prompt, extra=[["salt"], ["salt"]]), 100)
+    assert idx.match(chain_keys(prompt, BS), ["a"]) == {}
+    assert idx.match(chain_keys(prompt, BS, namespace("ad")), ["a"]) == {"a": 2}
+    assert idx.has_lora("a", "ad") and not idx.has_lora("a", "other")
+
+
+def test_endpoints_follow_vllms_bind_rule() -> None:
+    url = "http://10.1.2.3:8000"
+    assert resolve("tcp://*:5557", url) == ("tcp://10.1.2.3:5557", False)
+    assert resolve("tcp://[::]:5557", "http://[fd00::1]:8000") == ("tcp://[fd00::1]:5557", False)
+    assert resolve("ipc:///run/kv.sock", url) == ("ipc:///run/kv.sock", False)
+    assert resolve("tcp://10.9.9.9:5557", url) == ("tcp://10.9.9.9:5557", True)  # vLLM connects
+    assert resolve("tcp://*:5557", url, bind=True) == ("tcp://*:5557", True)
+
+
+def _backend(name: str, kv: dict[str, object], url: str = "http://127.0.0.1:9") -> Backend:
+    return Backend.from_config(
+        BackendConfig(name=name, url=url, models=["m"], kv_events=kv)  # type: ignore[arg-type]
+    )
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    async with asyncio.timeout(5.0):
+        while not cond():  # noqa: ASYNC110 (state another socket's reader changes)
+            await asyncio.sleep(0.01)
+    assert cond(), what
+
+
+@pytest.fixture
+def ipc(tmp_path: Path) -> Callable[[str], str]:
+    return lambda name: f"ipc://{tmp_path}/{name}"
+
+
+async def _subscribe(kv: KvEvents, pub: Publisher, probe_seq: int = 0) -> None:
+    """Once the router's subscription reached the publisher, one message with `probe_seq`."""
+    await pub.subscribed()
+    pub.publish([], seq=probe_seq)
+    await _until(lambda: kv.batches > 0, "first message")
+
+
+@run
+async def test_subscriber_follows_stores_removals_gaps_and_restarts(
+    ipc: Callable[[str], str],
+) -> None:
+    seen: list[tuple[str, str, int]] = []
+    kv = KvEvents(capacity=lambda _n: 100, on_events=lambda b, t, n: seen.append((b, t, n)))
+    pub = Publisher(ipc("e1"))
+    try:
+        kv.sync([_backend("a", {"endpoint": ipc("e1"), "topic": "kv"})])
+        assert kv.state("a") == "waiting" and not kv.live("a")
+        await kv.start()
+        await _subscribe(kv, pub)  # seq 0: a fresh engine, nothing missed
+        assert kv.live("a")
+        prompt = toks(8)
+        pub.publish([stored([1, 2], None, prompt, BS)], ts=0.0)
+        await _until(lambda: kv.index.blocks("a") == 2, "stored")
+        keys = chain_keys(prompt, BS)
+        assert kv.index.match(keys, ["a"]) == {"a": 2}
+        st = kv.status("a")
+        assert st is not None and st["state"] == "live" and st["events"]["BlockStored"] == 1
+        assert ("a", "BlockStored", 1) in seen
+        assert st["lag_seconds"] is not None and st["lag_seconds"] > 0  # ts 0: long ago
+
+        pub.publish([removed([2])])
+        await _until(lambda: kv.index.blocks("a") == 1, "removed")
+        assert kv.index.match(keys, ["a"]) == {"a": 1}
+
+        pub.publish([], seq=pub.seq + 3)  # a gap, no replay endpoint: unsure
+        await _until(lambda: kv.state("a") == "unsure", "gap")
+        assert not kv.live("a")
+        pub.publish([cleared()])  # nothing held: exact again
+        await _until(lambda: kv.live("a"), "cleared")
+
+        pub.publish([stored([7], None, prompt[:4], BS)])
+        await _until(lambda: kv.index.blocks("a") == 1, "stored again")
+        pub.publish([], seq=0)  # the engine restarted: its cache is empty
+        await _until(lambda: kv.index.blocks("a") == 0, "restart")
+        assert kv.live("a") and kv.status("a")["restarts"] == 1  # type: ignore[index]
+    finally:
+        await kv.aclose()
+        pub.close()
+
+
+@run
+async def test_late_join_replays_from_the_engines_buffer(ipc: Callable[[str], str]) -> None:
+    """The router starts after the engine stored blocks: the replay socket fills the hole."""
+    pub = Publisher(ipc("e2"))
+    replay = pub.ctx.socket(zmq.ROUTER)
+    replay.bind(ipc("e2-replay"))
+    prompt = toks(8)
+    pub.publish([stored([1, 2], None, prompt, BS)])  # seq 0, before anyone listens
+    kv = KvEvents(capacity=lambda _n: 100)
+
+    async def serve_replay() -> None:
+        while True:
+            if replay.poll(0):
+                client, _, start = replay.recv_multipart()
+                for seq, payload in pub.sent:
+                    if seq >= int.from_bytes(start, "big"):
+                        replay.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"), payload])
+                end = (-1).to_bytes(8, "big", signed=True)
+                replay.send_multipart([client, b"", b"", end, b""])
+            await asyncio.sleep(0.01)
+
+    server = asyncio.create_task(serve_replay())
+    try:
+        kv.sync([_backend("a", {"endpoint": ipc("e2"), "replay_endpoint": ipc("e2-replay")})])
+        await kv.start()
+        await _subscribe(kv, pub, probe_seq=1)  # first heard: seq 1, so 0 was missed
+        await _until(lambda: kv.live("a"), "replayed")
+        assert kv.index.match(chain_keys(prompt, BS), ["a"]) == {"a": 2}
+        # Health saw the engine stop: the index goes, and the replay rebuilds it (still running).
+        kv.reset("a")
+        assert kv.index.blocks("a") == 0 and not kv.live("a")
+        await _until(lambda: kv.live("a") and kv.index.blocks("a") == 2, "rebuilt")
+    finally:
+        server.cancel()
+        await kv.aclose()
+        replay.close(0)
+        pub.close()
+
+
+@run
+async def test_router_binds_where_vllm_connects() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    kv = KvEvents(capacity=lambda _n: 100)
+    kv.sync([_backend("a", {"endpoint": endpoint})])
+    await kv.start()
+    pub = Publisher(endpoint, bind=False)
+    try:
+        status = kv.status("a")
+        assert status is not None and status["publishers"][0]["bind"] is True
+        await _subscribe(kv, pub)
+        pub.publish([stored([1], None, toks(4), BS)])
+        await _until(lambda: kv.index.blocks("a") == 1, "stored over tcp")
+    finally:
+        await kv.aclose()
+        pub.close()
+
+
+@run
+async def test_discovery_from_kv_event_sources(ipc: Callable[[str], str]) -> None:
+    """Without `endpoint` the engine's `GET /kv_event_sources` says where it publishes."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    src = {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": ipc("e3"),
+            "replay_endpoint": None,
+            "topic": "kv",
+        }
+    }
+
+    async def sources(_request: object) -> JSONResponse:
+        return JSONResponse(src)
+
+    app = Starlette(routes=[Route("/kv_event_sources", sources)])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    serving = asyncio.create_task(server.serve())
+    pub = Publisher(ipc("e3"))
+    kv = KvEvents(capacity=lambda _n: 100)
+    try:
+        await _until(lambda: server.started, "mock engine up")
+        kv.sync([_backend("a", {}, url=f"http://127.0.0.1:{port}")])
+        await kv.start()
+        await _until(lambda: bool(kv.status("a")["publishers"]), "discovered")  # type: ignore[index]
+        await _subscribe(kv, pub)
+        assert kv.live("a")
+    finally:
+        await kv.aclose()
+        pub.close()
+        server.should_exit = True
+        await serving

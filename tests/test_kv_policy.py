@@ -1,0 +1,124 @@
+"""`cache_aware` on KV-event holdings: the exchange rate between cached tokens and running
+requests comes from each engine's own rates; reasons say whether the holding was exact; pending
+dispatches spread a burst; the rates are learned from the engine's histograms; the router's
+tokenizer gives the same ids with and without its piece cache."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from balancers.base import Candidate
+from balancers.cache_aware import CacheAware, Hints, KvHints
+from router.core.engine import EngineReading
+from router.engine.calibrate import Calibration
+from router.request.tokens import RouterTokenizer
+from tests.tiny_tokenizer import write_tokenizer
+
+
+def reading(running: float, p: float | None = None, q: float | None = None) -> EngineReading:
+    return EngineReading(
+        0.0, running, 0.1, 100_000, 0.0, 1.0, 1, prefill_s_per_token=p, step_s_per_seq=q
+    )
+
+
+def pick(cands: list[Candidate], kv: KvHints) -> tuple[str, str]:
+    bal = CacheAware(random.Random(1)).with_hints(Hints(8, 256, {}, None, kv), 1.25)
+    chosen = bal.pick(cands)
+    assert chosen is not None
+    return chosen.name, bal.reason  # type: ignore[attr-defined]
+
+
+def test_the_engines_rates_set_the_exchange_rate() -> None:
+    kv = KvHints(2048, {"a": 2048}, frozenset({"a", "b"}))
+    # A GPU-like engine: prefill dear (1 ms / 1k tokens... x 100), decode contention cheap.
+    gpu = [
+        Candidate("a", 1.0, 6, reading(6, p=100e-6, q=0.2e-3)),
+        Candidate("b", 1.0, 0, reading(0, p=100e-6, q=0.2e-3)),
+    ]
+    assert pick(gpu, kv) == ("a", "prefix_exact")
+    # A CPU-like engine: prefill cheap, every running sequence slows the step a lot.
+    cpu = [
+        Candidate("a", 1.0, 6, reading(6, p=2e-6, q=5e-3)),
+        Candidate("b", 1.0, 0, reading(0, p=2e-6, q=5e-3)),
+    ]
+    assert pick(cpu, kv) == ("b", "load")
+
+
+def test_reasons_say_exact_or_approximate() -> None:
+    cands = [Candidate("a", 1.0, 0, reading(0)), Candidate("b", 1.0, 0, reading(0))]
+    assert pick(cands, KvHints(1024, {"a": 896}, frozenset({"a", "b"}))) == ("a", "prefix_exact")
+    assert pick(cands, KvHints(1024, {"b": 896}, frozenset({"a"}))) == ("b", "prefix_approx")
+
+
+def test_pending_dispatches_spread_a_burst() -> None:
+    cands = [Candidate("a", 1.0, 0, reading(0)), Candidate("b", 1.0, 0, reading(0))]
+    cached = {"a": 256, "b": 256}
+    assert pick(cands, KvHints(4096, cached, frozenset({"a", "b"}), {"a": 8000}))[0] == "b"
+    assert pick(cands, KvHints(4096, cached, frozenset({"a", "b"}), {"b": 8000}))[0] == "a"
+
+
+def test_rates_are_learned_from_the_histograms() -> None:
+    cal = Calibration()
+    base = {
+        "prefill_s": 1.0,
+        "prompt_tokens": 10_000,
+        "cached_tokens": 2_000,
+        "itl_s": 2.0,
+        "itl_n": 100,
+    }
+    cal.update(base, running=4)
+    assert cal.prefill_s_per_token is None and cal.step_s_per_seq is None  # one point: no rate
+    later = {
+        "prefill_s": 1.5,
+        "prompt_tokens": 22_000,
+        "cached_tokens": 4_000,
+        "itl_s": 2.8,
+        "itl_n": 140,
+    }
+    cal.update(later, running=4)
+    assert (
+        cal.prefill_s_per_token is not None and abs(cal.prefill_s_per_token - 0.5 / 10_000) < 1e-9
+    )
+    assert cal.step_s_per_seq is not None and abs(cal.step_s_per_seq - 0.02 / 4) < 1e-9
+    cal.update({k: v / 10 for k, v in later.items()}, running=1)  # the engine restarted
+    assert abs(cal.prefill_s_per_token - 0.5 / 10_000) < 1e-9  # a window over, nothing learned
+
+
+def test_piece_cache_gives_the_same_ids(tmp_path: Path) -> None:
+    from router.request.tokens import RouterTokenizer
+    from tests.tiny_tokenizer import write_tokenizer
+
+    tk = RouterTokenizer(str(write_tokenizer(tmp_path)))
+    doc = "def add(a, b):\n    return a + b  # sum\n" * 80
+    chat = {"messages": [{"role": "system", "content": doc}, {"role": "user", "content": "hi é"}]}
+    text = tk.render(chat)
+    assert text is not None and text.startswith("<|begin_of_text|><|start_header_id|>system")
+    plain = list(tk.tokenizer.encode(text, add_special_tokens=False).ids)
+    assert tk.tokens(chat) == plain  # cold: pieces encoded
+    assert tk.tokens(chat) == plain  # warm: pieces from the cache
+    assert tk.tokens({"prompt": "hello"}) == list(tk.tokenizer.encode("hello").ids)
+    assert tk.tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
+    cut = tk.tokens(chat, limit=200)
+    assert cut is not None and plain[: len(cut)] == cut and len(cut) < len(plain)
+
+
+def test_developer_and_several_system_messages_render_as_vllm_does(tmp_path: Path) -> None:
+    tk = RouterTokenizer(str(write_tokenizer(tmp_path)))
+    text = tk.render(
+        {
+            "messages": [
+                {"role": "system", "content": "one"},
+                {"role": "system", "content": [{"type": "text", "text": "two"}]},
+                {"role": "developer", "content": "three", "tools": [{"x": 1}]},
+                {"role": "user", "content": "hi"},
+            ]
+        }
+    )
+    # The template loops over content parts, knows no `developer`: vLLM turns it into system
+    # and merges every system text, in order, into the first message.
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\none\n\ntwo\n\nthree"
+        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )

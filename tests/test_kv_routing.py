@@ -1,0 +1,107 @@
+"""Precise prefix routing end to end on the mock: two mock vLLM engines publishing KV events
+(one in vLLM's map encoding, one in the older array encoding) on ipc paths, discovered from their
+`GET /kv_event_sources`; a real router tokenizing through the engines' `/tokenize`.
+
+Traffic the router never sees (a client straight to an engine) fills that engine's cache, and
+the router sends the prefix there (the engine reports it cached); after the engine's cache is
+reset (AllBlocksCleared) and the other one gets the prefix, the choice moves."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.harness import Cluster, Proc, backend, control
+
+ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "8192", "--decode-ms", "2"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+    run = Path(tmp_path_factory.mktemp("kv"))
+    c = Cluster()
+    try:
+        mocks = {
+            "a": c.mock("a", engine_args=[*ENGINE, "--kv-events", f"ipc://{run}/a.sock"]),
+            "b": c.mock(
+                "b",
+                engine_args=[
+                    *ENGINE,
+                    "--kv-events",
+                    f"ipc://{run}/b.sock",
+                    "--kv-events-encoding",
+                    "array",
+                ],
+            ),
+        }
+        router = c.router(
+            {
+                "backends": [backend(n, m, kv_events={}) for n, m in mocks.items()],
+                "balancer": "cache_aware",
+                "affinity": {"tokenizers": {"m": {"via": "engine"}}},
+                "engine_metrics": {"interval": 0.1, "timeout": 1, "stale_after": 3},
+                "expose_backend_header": True,
+                "health": {"interval": 60},
+            }
+        )
+        yield {**mocks, "router": router}
+    finally:
+        c.close()
+
+
+def chat(base: str, text: str, model: str) -> tuple[str | None, int]:
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": text}, {"role": "user", "content": "q"}],
+        "max_tokens": 2,
+    }
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=20)
+    r.raise_for_status()
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return r.headers.get("x-sluicegate-backend"), int(details.get("cached_tokens") or 0)
+
+
+def kv_rows(router: Proc) -> dict[str, Any]:
+    rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    return {r["name"]: r["kv_events_state"] for r in rows}
+
+
+def until(what: str, check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def test_hidden_traffic_and_a_reset_move_the_routers_choice(fleet: dict[str, Proc]) -> None:
+    router, a, b = fleet["router"], fleet["a"], fleet["b"]
+    doc = "You answer for ACME; cite policy sections precisely. " * 80  # ~4k chars, 1k tokens
+    until(
+        "a's and b's event feeds found",
+        lambda: all(r is not None and r["publishers"] for r in kv_rows(router).values()),
+    )
+    # Straight to b (a client the router never sees): b's events tell the router.
+    assert chat(b.url, doc, "mock-model") == (None, 0)
+    until("b's blocks indexed", lambda: kv_rows(router)["b"]["blocks"] > 0)
+    assert kv_rows(router)["b"]["state"] == "live"  # its first batch was seq 0
+    for _ in range(3):
+        name, cached = chat(router.url, doc, "m")
+        assert name == "b" and cached > 0
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    assert 'reason="prefix_exact"' in text and 'sluicegate_kv_events_total{backend="b"' in text
+    assert 'sluicegate_kv_index_blocks{backend="b"}' in text
+
+    # b forgets everything (vLLM's reset_prefix_cache publishes AllBlocksCleared), a learns it.
+    control(b, reset_prefix_cache=True)
+    until("b's index cleared", lambda: kv_rows(router)["b"]["blocks"] == 0)
+    chat(a.url, doc, "mock-model")
+    until("a's blocks indexed", lambda: kv_rows(router)["a"]["blocks"] > 0)
+    name, cached = chat(router.url, doc, "m")
+    assert name == "a" and cached > 0
+    status = kv_rows(router)["a"]
+    assert status["events"]["BlockStored"] >= 1 and status["lag_seconds"] is not None

@@ -1,0 +1,185 @@
+"""Precise prefix routing on real vLLM: the router's index follows each engine's KV events
+(stores, evictions, a restart) and `cache_aware` follows the index, per the engines' own
+`cached_tokens`; the router's tokens equal the engine's `/tokenize`; the engine's events decode
+as the mock's do (the mock is held to them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from router.enginefleet.fleet import Engine, Fleet
+from router.request.tokens import RouterTokenizer
+from tests.harness import Cluster, Proc
+from tests_engine.support import kv_capacity_blocks, start_router, wait_for
+
+
+def _doc(tag: str, words: int = 240) -> list[dict[str, Any]]:
+    """A chat whose system prompt is ~1.2-1.5k tokens (9+ blocks of 128), under max_model_len."""
+    return [
+        {"role": "system", "content": " ".join(f"{tag}{i}" for i in range(words))},
+        {"role": "user", "content": "go"},
+    ]
+
+
+def _chat(base: str, model: str, messages: list[dict[str, Any]]) -> tuple[str | None, int]:
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json={"model": model, "messages": messages, "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+    r.raise_for_status()
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return r.headers.get("x-sluicegate-backend"), int(details.get("cached_tokens") or 0)
+
+
+def _kv_rows(router: Proc) -> dict[str, dict[str, Any]]:
+    rows = httpx.get(router.url + "/admin/backends", timeout=10).json()
+    return {r["name"]: r["kv_events_state"] for r in rows}
+
+
+def _reasons(router: Proc) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(router.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("sluicegate_routing_decisions_total{"):
+            labels, value = line.rsplit(" ", 1)
+            reason = labels.split('reason="')[1].split('"')[0]
+            backend = labels.split('backend="')[1].split('"')[0]
+            out[f"{backend}/{reason}"] = out.get(f"{backend}/{reason}", 0.0) + float(value)
+    return out
+
+
+def _router(procs: Cluster, fleet: Fleet) -> Proc:
+    e0 = fleet.engines[0]
+    config = {
+        "balancer": "cache_aware",
+        "expose_backend_header": True,
+        "affinity": {"tokenizers": {e0.model: {"via": "router", "path": str(e0.model_dir)}}},
+        "backends": [
+            {
+                "name": f"engine-{e.index}",
+                "url": e.url,
+                "kind": "vllm",
+                "models": {e.model: e.model},
+                "kv_events": {},  # discovered from the engine's GET /kv_event_sources
+            }
+            for e in fleet.engines
+        ],
+    }
+    return start_router(procs, fleet, config)
+
+
+def _fill(engine: Engine, tag: str) -> None:
+    """Enough other prompts straight to `engine` to evict everything it held."""
+    blocks, size = kv_capacity_blocks(engine)
+    for j in range(blocks * size // 1200 + 2):
+        _chat(engine.url, engine.model, _doc(f"{tag}{j}x"))  # distinct from the first word on
+
+
+def test_routing_follows_the_engines_own_cache(fleet: Fleet, procs: Cluster) -> None:
+    router = _router(procs, fleet)
+    model = fleet.engines[0].model
+    wait_for(
+        "both engines' events live",
+        lambda: all(r and r["state"] == "live" for r in _kv_rows(router).values()),
+        30,
+    )
+    e0, e1 = fleet.engines[:2]
+    a = _doc(f"a{time.monotonic_ns() % 997}w")
+    # A client the router never sees fills engine 1's cache ...
+    assert _chat(e1.url, model, a)[1] == 0
+    wait_for("the router indexed it", lambda: _kv_rows(router)["engine-1"]["blocks"] >= 10, 10)
+    # ... and the router sends that prefix there, where the engine finds it cached.
+    for _ in range(2):
+        backend, cached = _chat(router.url, model, a)
+        assert backend == "engine-1" and cached >= 1024
+    assert _reasons(router).get("engine-1/prefix_exact", 0) >= 2
+
+    # Engine 1 evicts it (traffic straight to it), engine 0 gets it: the choice moves.
+    _fill(e1, "fill")
+    _chat(e0.url, model, a)
+    wait_for(
+        "engine 1's eviction and engine 0's store seen",
+        lambda: _kv_rows(router)["engine-1"]["events"].get("BlockRemoved", 0) > 0,
+        10,
+    )
+    time.sleep(0.3)  # the last batch of the direct request
+    backend, cached = _chat(router.url, model, a)
+    assert backend == "engine-0" and cached >= 1024
+
+    # Engine 0 restarts empty: its index goes (health saw it stop, or its seq began at 0 again),
+    # the prefix is not sent there for a cache it no longer has, and the index fills again.
+    e0.restart(wait=True)
+    wait_for("engine 0's index dropped", lambda: _kv_rows(router)["engine-0"]["blocks"] == 0, 30)
+    _chat(router.url, model, a)
+    assert _reasons(router).get("engine-0/prefix_exact", 0) == 1  # only the one before
+    _chat(e0.url, model, a)
+    wait_for(
+        "engine 0 live and indexed again",
+        lambda: (r := _kv_rows(router)["engine-0"])["state"] == "live" and r["blocks"] >= 10,
+        15,
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "def f(x):\n    return x * 2\n"},
+        {"prompt": "  leading spaces, é, 中文 and 🎉"},
+        {"messages": [{"role": "user", "content": "hello  there\n"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "system", "content": "A second system message."},
+                {"role": "developer", "content": "and a developer one"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "part one"},
+                        {"type": "text", "text": "part two"},
+                    ],
+                },
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "description": "The weather now",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"city": {"type": "string"}},
+                            "required": ["city"],
+                        },
+                    },
+                }
+            ],
+        },
+    ],
+)
+def test_router_tokens_equal_the_engines(fleet: Fleet, body: dict[str, Any]) -> None:
+    e = fleet.engines[0]
+    tk = RouterTokenizer(str(e.model_dir))
+    engine = httpx.post(e.url + "/tokenize", json={"model": e.model, **body}, timeout=30)
+    assert engine.status_code == 200, engine.text
+    assert tk.tokens(body) == engine.json()["tokens"]
