@@ -21,6 +21,29 @@ from collections.abc import Iterable, Sequence
 MAX_BLOCKS_PER_BACKEND = 1 << 20
 
 
+def held_prefix(
+    holders: dict[bytes, set[str]], keys: Sequence[bytes], alive: list[str]
+) -> dict[str, int]:
+    """For each of `alive`: how many leading `keys` it holds (absent where it holds none).
+    Shared by this index and the KV-event index (router/engine/kv_index.py)."""
+    found: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        held = holders.get(k)
+        if held is not None and held.issuperset(alive):  # the usual case: no list built
+            continue
+        still = [n for n in alive if n in held] if held else []
+        if i:
+            for n in alive:
+                if n not in still:
+                    found[n] = i
+        if not still:
+            return found
+        alive = still
+    for n in alive:
+        found[n] = len(keys)
+    return found
+
+
 class PrefixIndex:
     def __init__(self, max_backends: int = 1024) -> None:
         self._holders: dict[bytes, set[str]] = {}
@@ -33,25 +56,9 @@ class PrefixIndex:
         """For each of `names` holding at least the first block: how many leading blocks."""
         lru = self._lru
         alive = [n for n in names if n in lru]
-        found: dict[str, int] = {}
         if not alive or not hashes:
-            return found
-        holders = self._holders
-        for i, h in enumerate(hashes):
-            held = holders.get(h)
-            if held is not None and held.issuperset(alive):  # the usual case: no list built
-                continue
-            still = [n for n in alive if n in held] if held else []
-            if i:
-                for n in alive:
-                    if n not in still:
-                        found[n] = i
-            if not still:
-                return found
-            alive = still
-        for n in alive:
-            found[n] = len(hashes)
-        return found
+            return {}
+        return held_prefix(self._holders, hashes, alive)
 
     def record(self, hashes: Sequence[bytes], backend: str, max_blocks: int) -> None:
         """`backend` was sent this prompt: it now holds every block of it, most recently."""

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 from typing import Any
 
+from balancers.prefix_index import held_prefix
 from router.engine.kv_wire import BlockHash, Stored
 
 MAX_BLOCKS_PER_ENGINE = 1 << 20
@@ -103,25 +104,9 @@ class TokenIndex:
     def match(self, keys: Sequence[bytes], names: Iterable[str]) -> dict[str, int]:
         """For each of `names` holding at least the first block: how many leading blocks."""
         alive = [n for n in names if n in self._engines]
-        found: dict[str, int] = {}
         if not alive or not keys:
-            return found
-        holders = self._holders
-        for i, k in enumerate(keys):
-            held = holders.get(k)
-            if held is not None and held.issuperset(alive):
-                continue
-            still = [n for n in alive if n in held] if held else []
-            if i:
-                for n in alive:
-                    if n not in still:
-                        found[n] = i
-            if not still:
-                return found
-            alive = still
-        for n in alive:
-            found[n] = len(keys)
-        return found
+            return {}
+        return held_prefix(self._holders, keys, alive)
 
     # --- what the events say ----------------------------------------------------------------
 
