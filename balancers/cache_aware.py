@@ -60,6 +60,12 @@ in seconds, from rates each engine's histograms teach (router/engine/calibrate.p
 - ahead(c), sent(c), running(c) and the guardrail as above.
 Reasons then: `prefix_exact` (the pick holds part of the prompt, per its live events),
 `prefix_approx` (per the approximate index: its events are not live), `spill`, `load`.
+A request for a LoRA adapter (`Hints.adapter`, or `for_adapter()` without hints; balancers/lora.py)
+is weighed only among engines serving it (or, with load on demand and none serving it, among
+engines running LoRA), and its tier there adds lora.AHEAD[tier] requests to `ahead(c)`: running
+it 0, a free slot 0.25, waiting for a slot 1, to be loaded first 4 (+0.25 per adapter running);
+without engine readings, QUEUE_WEIGHT x that to the in-flight cost. Prefix blocks are keyed by
+adapter (router/request/prefix.py), so an adapter's prefix never counts as the base model's.
 It only ever sees eligible candidates (health, ejection, draining, `max_inflight` and the retry's
 `exclude` are applied before), so affinity never overrides them. Pure: the match arrives as data
 through `with_hints()`, which returns this request's picker; plain `pick()` is `least_load`'s.
@@ -73,10 +79,12 @@ from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from balancers.base import Candidate
+from balancers.base import Balancer, Candidate
 from balancers.least_inflight import weighted_choice
-from balancers.least_load import LeastLoad
+from balancers.least_load import QUEUE_WEIGHT, LeastLoad
+from balancers.lora import AdapterWant, ahead, eligible
 from balancers.session_ring import Ring
+from router.core.engine import EngineReading
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_LOAD = 250.0  # only when a candidate has no engine reading
@@ -106,6 +114,7 @@ class Hints:
     held: Mapping[str, int]  # backend -> how many leading blocks the index says it holds
     session: int | None = None  # the session key's point on the ring (None: no session)
     kv: KvHints | None = None  # token-level holdings, when the model's backends publish events
+    adapter: AdapterWant | None = None  # the LoRA adapter the request names
 
 
 class CacheAware:
@@ -122,6 +131,9 @@ class CacheAware:
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
     ) -> Candidate | None:
         return self._load.pick(candidates, exclude)
+
+    def for_adapter(self, want: AdapterWant) -> Balancer:
+        return self._load.for_adapter(want)
 
     def with_hints(self, hints: Hints, load_factor: float) -> HintedPick:
         return HintedPick(self, hints, load_factor)
@@ -150,6 +162,21 @@ class HintedPick:
         self.reason = "load"
         self.held = 0  # leading blocks the picked backend holds
         self.cached = 0  # with `Hints.kv`: prompt tokens the picked backend holds
+        want = hints.adapter
+        self.adapter_aware = want is not None
+        self._adapter_load = self._load.for_adapter(want) if want is not None else None
+
+    def _least(self, pool: Sequence[Candidate]) -> Candidate | None:
+        """least_load's pick (its adapter form for an adapter request)."""
+        if self._adapter_load is None:
+            return self._load.pick(pool)
+        chosen = self._adapter_load.pick(pool)
+        self.reason = self._adapter_load.reason
+        return chosen
+
+    def _ahead(self, c: Candidate) -> float:
+        want = self._hints.adapter
+        return ahead(c, want) if want is not None else 0.0
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
@@ -158,18 +185,24 @@ class HintedPick:
         hints = self._hints
         held = hints.held
         self.reason, self.held, self.cached = "load", 0, 0
+        if hints.adapter is not None:
+            pool = eligible(pool, hints.adapter)
         if not pool:
             return None
         kv = hints.kv
         if kv is not None and hints.session is None:
             if not any(kv.cached.get(c.name) for c in pool):
-                return self._load.pick(pool)
+                return self._least(pool)
         elif hints.session is None and not any(c.name in held for c in pool):
-            return self._load.pick(pool)
+            return self._least(pool)
         score = self._load.score
-        live = [(s, c) for c in pool if (s := score(c)) != math.inf]
+        live = [
+            (s + QUEUE_WEIGHT * self._ahead(c) / c.weight, c)
+            for c in pool
+            if (s := score(c)) != math.inf
+        ]
         if not live:  # only stale readings: nothing to weigh the cache against
-            return self._load.pick(pool)
+            return self._least(pool)
         requests = {c.name: c.inflight / c.weight for _, c in live}
         cap = math.ceil(self._factor * (sum(requests.values()) + 1) / len(live))
         floor = min(requests.values()) + SPILL_MIN_GAP
@@ -188,7 +221,7 @@ class HintedPick:
                     self.held = held.get(name, 0)
                     return c
             self.reason = "spill"
-            return self._load.pick(pool)
+            return self._least(pool)
 
         if kv is not None:
             return self._by_cost(kv, live, pool, over)
@@ -204,8 +237,9 @@ class HintedPick:
                 continue
             options.append((s - blocks * per_token, c))
         if not options:  # every holder is over the bound: the least loaded takes it
+            chosen = self._least([c for _, c in live if c.name not in held] or pool)
             self.reason = "spill"
-            return self._load.pick([c for _, c in live if c.name not in held] or pool)
+            return chosen
         best = min(cost for cost, _ in options)
         tied = [c for cost, c in options if cost == best]
         return self._settle(tied, passed_over)
@@ -227,13 +261,7 @@ class HintedPick:
             r = c.engine
             assert r is not None
             sent = since(c)
-            ahead = r.waiting
-            cap = r.kv_capacity_tokens
-            if cap:
-                free = min(cap, (1.0 - r.kv_usage) * cap - sent * prompt)
-                ahead += 1.0 if free < prompt else 0.0
-            else:
-                ahead += 1.0 if r.kv_usage >= KV_NEAR_FULL else 0.0
+            ahead = self._queue_ahead(c, r, sent, prompt)
             blocks = held.get(c.name, 0)
             if blocks and ahead and over(c):
                 passed_over = True
@@ -242,10 +270,21 @@ class HintedPick:
             batch = max(0.0, r.running + sent)
             options.append(((ahead + uncached * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
+            chosen = self._least([c for _, c in live if c.name not in held] or pool)
             self.reason = "spill"
-            return self._load.pick([c for _, c in live if c.name not in held] or pool)
+            return chosen
         best = min(options, key=lambda o: o[:2])[:2]
         return self._settle([c for cost, s, c in options if (cost, s) == best], passed_over)
+
+    def _queue_ahead(self, c: Candidate, r: EngineReading, sent: float, prompt: float) -> float:
+        """Requests ahead of this one on the engine: its queue, the router's own not yet seen
+        there, and one more when the prompt would not fit in the KV cache left."""
+        ahead = r.waiting + self._ahead(c)
+        cap = r.kv_capacity_tokens
+        if cap:
+            free = min(cap, (1.0 - r.kv_usage) * cap - sent * prompt)
+            return ahead + (1.0 if free < prompt else 0.0)
+        return ahead + (1.0 if r.kv_usage >= KV_NEAR_FULL else 0.0)
 
     def _by_cost(
         self,
@@ -265,18 +304,12 @@ class HintedPick:
             r = c.engine
             if r is None:  # not scraped: in-flight requests stand for the batch
                 p, q = DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S_PER_SEQ
-                ahead, batch = 0.0, float(c.inflight)
+                ahead, batch = self._ahead(c), float(c.inflight)
             else:
                 p = r.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN
                 q = r.step_s_per_seq or DEFAULT_STEP_S_PER_SEQ
                 sent = since(c)
-                ahead = r.waiting
-                cap = r.kv_capacity_tokens
-                if cap:
-                    free = min(cap, (1.0 - r.kv_usage) * cap - sent * prompt)
-                    ahead += 1.0 if free < prompt else 0.0
-                else:
-                    ahead += 1.0 if r.kv_usage >= KV_NEAR_FULL else 0.0
+                ahead = self._queue_ahead(c, r, sent, prompt)
                 batch = max(0.0, r.running + sent)
             if cached and (ahead or r is None) and over(c):
                 passed_over = True
@@ -284,8 +317,9 @@ class HintedPick:
             cost = (ahead * prompt * p + uncached * p + batch * q) / c.weight
             options.append((cost, s, c))
         if not options:
+            chosen = self._least([c for _, c in live if not kv.cached.get(c.name)] or pool)
             self.reason = "spill"
-            return self._load.pick([c for _, c in live if not kv.cached.get(c.name)] or pool)
+            return chosen
         best = min(options, key=lambda o: o[:2])[:2]
         tied = [c for cost, s, c in options if (cost, s) == best]
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._owner._rng.random())

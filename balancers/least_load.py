@@ -8,11 +8,17 @@ score = (max(0, running + QUEUE_WEIGHT x waiting + ours_since) + KV_WEIGHT x kv_
 - ours_since: how far sluicegate's own in-flight count for that backend (`Candidate.inflight`,
   shared across replicas with the Redis store) has moved since this balancer first saw that
   reading: requests dispatched since count, requests finished since are taken off, so a burst
-  between two scrapes spreads out instead of landing on the engine that looked idle;
+  between two scrapes spreads out instead of landing on the engine that looked idle; at least
+  our in-flight count beyond the engine's running + waiting (sent before the page was rendered,
+  not yet on the engine);
 - kv_usage: the share of the KV cache in use (0..1); a full cache admits nothing and preempts;
 - a backend without a reading (not scraped, `kind: openai`) scores its in-flight count, which is
   in the same unit (requests); a stale reading ranks after every fresh one ("most loaded"),
   and among stale ones the in-flight count decides.
+- a request for a LoRA adapter (`for_adapter()`, balancers/lora.py): only engines serving it
+  are candidates (or, with load on demand and none serving it, engines running LoRA), and each
+  adds QUEUE_WEIGHT x lora.AHEAD[tier] / weight: running it 0, a free slot 1, waiting for a slot
+  4, to be loaded first 16 (+1 per adapter running there); `reason` is the chosen tier's.
 With no reading among the candidates the pick is exactly `least_inflight`'s. Exact scan up to
 16 candidates, power of two choices above; ties drawn at random in proportion to weight.
 Pure: no I/O, no clock; the readings arrive on the candidates (`Candidate.engine`).
@@ -26,6 +32,7 @@ from typing import ClassVar
 
 from balancers.base import Candidate
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
+from balancers.lora import REASONS, AdapterWant, ahead, eligible, tier
 
 QUEUE_WEIGHT = 4.0
 KV_WEIGHT = 16.0
@@ -44,8 +51,11 @@ class LeastLoad:
         self._base: dict[str, tuple[int, int]] = {}
 
     def since(self, c: Candidate) -> int:
-        """Our dispatches to `c` since its engine reading was first seen, less those finished
-        since (negative when more finished); 0 without a reading."""
+        """Our requests on `c` that its engine reading does not show: those dispatched since the
+        reading was first seen, less those finished since (negative when more finished), or, when
+        more, our in-flight count beyond the engine's own running and waiting (requests still in
+        transit when its page was rendered, which the first count would lose); 0 without a
+        reading."""
         r = c.engine
         if r is None:
             return 0
@@ -54,7 +64,12 @@ class LeastLoad:
             if len(self._base) > 4096:  # backends come and go; keep what is recent
                 self._base.clear()
             base = self._base[c.name] = (r.seq, c.inflight)
-        return c.inflight - base[1]
+        dispatched = c.inflight - base[1]
+        unseen = c.inflight - int(r.running + r.waiting)
+        return dispatched if dispatched >= unseen else unseen
+
+    def for_adapter(self, want: AdapterWant) -> AdapterPick:
+        return AdapterPick(self, want)
 
     def score(self, c: Candidate) -> float:
         r = c.engine
@@ -95,3 +110,37 @@ class LeastLoad:
         if len(tied) == 1:
             return tied[0]
         return weighted_choice(tied, self._rng.random())
+
+
+class AdapterPick:
+    """One adapter request's `least_load` picker; after `pick()`, `reason` is the tier's."""
+
+    name: ClassVar[str] = "least_load"
+    needs_counts: ClassVar[bool] = True
+    needs_engine: ClassVar[bool] = True
+    adapter_aware: ClassVar[bool] = True
+
+    def __init__(self, load: LeastLoad, want: AdapterWant) -> None:
+        self._load = load
+        self.want = want
+        self.reason = "load"
+
+    def cost(self, c: Candidate) -> float:
+        return self._load.score(c) + QUEUE_WEIGHT * ahead(c, self.want) / c.weight
+
+    def pick(
+        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
+    ) -> Candidate | None:
+        pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
+        pool = eligible(pool, self.want)
+        if not pool:
+            return None
+        scored = [(self.cost(c), c) for c in pool]
+        best = min(s for s, _ in scored)
+        if best == _STALE:
+            scored = [(c.inflight / c.weight + ahead(c, self.want), c) for _, c in scored]
+            best = min(s for s, _ in scored)
+        tied = [c for s, c in scored if s == best]
+        chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._load._rng.random())
+        self.reason = REASONS[tier(chosen.engine, self.want, chosen.name)]
+        return chosen

@@ -5,23 +5,33 @@
    uvloop: decode, seq tracking, the token index). CPU of the router process over the window,
    its ZMQ I/O thread included, as a share of one core. Budget (issue 24): <= 10 %.
    Event mix per engine step (100 steps/s): 3 BlockStored of 1-2 blocks of 128 tokens, chained
-   on the engine's previous blocks, and 2 BlockRemoved, capacity 4096 blocks per engine.
+   on the engine's previous blocks, and 2 BlockRemoved, capacity 4096 blocks per engine. Also
+   the floor under the same load: a subscriber that reads every socket and decodes nothing.
 2. Tokenizing on the critical path: an 8k-token chat prompt through the router's tokenizer
    (router/request/tokens.py) cold (nothing cached) and warm (its system prompt seen before),
-   CPU per prompt. Budget: <= 1 ms per 8k-token prompt.
+   CPU per prompt, next to the `tokenizers` library's own encode of the same text (the floor),
+   the event loop thread's share (the rest runs in a worker thread), and the longest stall of
+   the event loop meanwhile. Budget: <= 1 ms per 8k-token prompt.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import multiprocessing as mp
+import json
+import os
 import random
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ENGINES = 20
 EVENTS_PER_S = 500
@@ -71,17 +81,27 @@ def _publish(run: str, seconds: float, start: float) -> None:
         p.close()
 
 
-async def _ingest() -> dict[str, float]:
+async def _ingest(recv_only: bool = False) -> dict[str, float]:
     from router.core.backend import Backend
     from router.core.settings import BackendConfig
     from router.engine.kv_events import KvEvents
+    from router.ops.metrics import Metrics
+
+    if recv_only:  # the floor: the same sockets read, every message dropped undecoded
+        KvEvents._message = lambda self, feed, frames: None  # type: ignore[method-assign]
 
     with tempfile.TemporaryDirectory(prefix="kvb") as run:
         start = time.time() + 1.5
-        proc = mp.get_context("spawn").Process(target=_publish, args=(run, SECONDS, start))
-        proc.start()
+        # The load: a process of its own, always this checkout's publisher (a baseline's
+        # router is measured against the same load).
+        proc = subprocess.Popen(  # noqa: ASYNC220 (started once, before the window)
+            [sys.executable, __file__, "--publish", run, str(SECONDS), str(start)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.DEVNULL,
+        )
         await asyncio.sleep(1.0)  # the publishers bind
-        kv = KvEvents(capacity=lambda _n: 4096)
+        # As the router runs it: every batch's counts go to its Prometheus counters too.
+        kv = KvEvents(capacity=lambda _n: 4096, on_events=Metrics().kv_events)
         kv.sync(
             Backend.from_config(
                 BackendConfig(
@@ -99,8 +119,10 @@ async def _ingest() -> dict[str, float]:
         await asyncio.sleep(SECONDS - 0.7)
         c1, w1, b1 = _cpu(), time.monotonic(), kv.batches
         await kv.aclose()
-        proc.join(10)
+        proc.wait(10)
     batches = b1 - b0
+    if recv_only:
+        batches = round((w1 - w0) * STEPS_PER_S * ENGINES)  # what was published meanwhile
     events = batches * 5
     return {
         "events_per_s": events / (w1 - w0),
@@ -110,7 +132,7 @@ async def _ingest() -> dict[str, float]:
 
 
 def _tokenizer() -> dict[str, float]:
-    from router.request.tokens import RouterTokenizer
+    from router.request.tokens import RouterTokenizer, request_tokens
     from tests.tiny_tokenizer import write_tokenizer
 
     with tempfile.TemporaryDirectory() as d:
@@ -121,29 +143,167 @@ def _tokenizer() -> dict[str, float]:
     chat = {"messages": [{"role": "system", "content": doc}, {"role": "user", "content": "hi"}]}
     n = len(tk.tokens(chat) or [])
     reps = 20
-    c0 = _cpu()
-    for _ in range(reps):
+
+    def per_call(fn: Any) -> float:
+        c0 = _cpu()
+        for _ in range(reps):
+            fn()
+        return (_cpu() - c0) / reps
+
+    def cold() -> None:
         tk._cache.clear()
         tk.tokens(chat)
-    cold = (_cpu() - c0) / reps
-    tk.tokens(chat)
-    c0 = _cpu()
-    for _ in range(reps):
-        tk.tokens(chat)
-    warm = (_cpu() - c0) / reps
-    return {"tokens": n, "cold_ms": cold * 1e3, "warm_ms": warm * 1e3}
+
+    text = tk.render(chat) or ""
+    out = {
+        "tokens": n,
+        "cold_ms": per_call(cold) * 1e3,
+        "warm_ms": per_call(lambda: tk.tokens(chat)) * 1e3,
+        "render_ms": per_call(lambda: tk.render(chat)) * 1e3,
+        # The library's floor: one encode of the same rendered text, ids as a Python list.
+        "library_ms": per_call(lambda: tk.tokenizer.encode(text, add_special_tokens=False).ids)
+        * 1e3,
+    }
+
+    # What the event loop's own thread spends on a cold 8k-token prompt (the rest runs in a
+    # worker thread, `tokenize_inline_chars`): the request still waits for it.
+    async def on_loop() -> float:
+        t0 = time.thread_time()
+        for _ in range(reps):
+            tk._cache.clear()
+            await request_tokens(tk, chat, 8192, 1 << 24)
+        return (time.thread_time() - t0) / reps
+
+    out["loop_thread_ms"] = asyncio.run(on_loop()) * 1e3
+
+    # The prompt's block keys, which the KV-event index is asked for (router/request/affinity.py),
+    # also on the critical path: at vLLM's CPU block size and at the GPU default.
+    from router.engine.kv_index import chain_keys
+
+    ids = tk.tokens(chat) or []
+    for bs in (128, 16):
+        out[f"keys_bs{bs}_ms"] = per_call(lambda bs=bs: chain_keys(ids, bs)) * 1e3
+
+    # The longest the event loop went without running (a 0.5 ms ticker) while cold 8k-token
+    # chat and completion prompts were tokenized, against the same ticker idle.
+    async def stall(busy: bool) -> float:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.0005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        gaps.clear()
+        for i in range(reps):
+            tk._cache.clear()
+            if busy:
+                await request_tokens(tk, chat if i % 2 else {"prompt": doc}, 8192, 1 << 24)
+            else:
+                await asyncio.sleep(0.01)
+        done.set()
+        await ticker
+        return max(gaps)
+
+    out["loop_stall_ms"] = asyncio.run(stall(True)) * 1e3
+    out["loop_stall_idle_ms"] = asyncio.run(stall(False)) * 1e3
+    return out
+
+
+def run(quick: bool = False, baseline_src: str | None = None) -> dict[str, Any]:
+    """Both costs, as `--only kv` reports them; with `baseline_src` (another checkout) its
+    ingestion too, measured the same way in the same run, and the ratio."""
+    del quick  # already short
+    ingest = _ingest_in(ROOT)
+    floor = _ingest_in(ROOT, recv_only=True)
+    out: dict[str, Any] = {
+        "ingest_events_per_s": round(ingest["events_per_s"]),
+        "ingest_core_share": round(ingest["core_share"], 4),
+        "ingest_us_per_event": round(ingest["us_per_event"], 2),
+        "recv_only_core_share": round(floor["core_share"], 4),
+    }
+    if baseline_src:
+        base = _ingest_in(Path(baseline_src))
+        out["baseline_core_share"] = round(base["core_share"], 4)
+        out["baseline_us_per_event"] = round(base["us_per_event"], 2)
+        out["core_share_vs_baseline"] = round(ingest["core_share"] / base["core_share"], 3)
+    tok = _tokenizer()
+    out.update(
+        tokenizer_tokens=tok["tokens"],
+        tokenizer_cold_ms=round(tok["cold_ms"], 3),
+        tokenizer_warm_ms=round(tok["warm_ms"], 4),
+        tokenizer_render_ms=round(tok["render_ms"], 3),
+        tokenizer_library_ms=round(tok["library_ms"], 3),
+        tokenizer_loop_thread_ms=round(tok["loop_thread_ms"], 3),
+        tokenizer_loop_stall_ms=round(tok["loop_stall_ms"], 2),
+        keys_bs128_ms=round(tok["keys_bs128_ms"], 3),
+        keys_bs16_ms=round(tok["keys_bs16_ms"], 3),
+        tokenizer_loop_stall_idle_ms=round(tok["loop_stall_idle_ms"], 2),
+    )
+    return out
+
+
+def _ingest_in(src: Path, recv_only: bool = False) -> dict[str, float]:
+    """The ingestion in a fresh process whose `router` package comes from `src` (this file's
+    harness either way): nothing else in the process, and a baseline checkout runs the same."""
+    argv = ["kv", "--ingest-json", *(["--recv-only"] if recv_only else [])]
+    code = (
+        f"import sys, runpy; sys.path.insert(0, {str(src)!r}); sys.argv = {argv!r}; "
+        f"runpy.run_path({__file__!r}, run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        stdin=subprocess.DEVNULL,
+        cwd=src,
+    )
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def main() -> None:
-    ingest = uvloop.run(_ingest())
+    if sys.argv[1:2] == ["--publish"]:
+        _publish(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))
+        return
+    if "--ingest-json" in sys.argv:
+        print(json.dumps(uvloop.run(_ingest("--recv-only" in sys.argv))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--baseline-src", help="also the ingestion of this checkout, and the ratio")
+    args = ap.parse_args()
+    res = run(baseline_src=args.baseline_src)
     print(
-        f"ingestion: {ingest['events_per_s']:.0f} events/s from {ENGINES} engines: "
-        f"{ingest['core_share'] * 100:.1f} % of one core ({ingest['us_per_event']:.1f} us/event)"
+        f"ingestion: {res['ingest_events_per_s']} events/s from {ENGINES} engines: "
+        f"{res['ingest_core_share'] * 100:.1f} % of one core "
+        f"({res['ingest_us_per_event']} us/event); of which reading the sockets alone (ZMQ's "
+        f"I/O thread included, nothing decoded) {res['recv_only_core_share'] * 100:.1f} %"
     )
-    tok = _tokenizer()
+    if "baseline_core_share" in res:
+        print(
+            f"baseline: {res['baseline_core_share'] * 100:.1f} % of one core "
+            f"({res['baseline_us_per_event']} us/event); this / baseline "
+            f"{res['core_share_vs_baseline']}"
+        )
     print(
-        f"tokenizer: {tok['tokens']:.0f}-token chat prompt: cold {tok['cold_ms']:.2f} ms, "
-        f"warm (system prompt seen) {tok['warm_ms']:.3f} ms CPU"
+        f"tokenizer: {res['tokenizer_tokens']}-token chat prompt: cold "
+        f"{res['tokenizer_cold_ms']:.2f} ms, warm (system prompt seen) "
+        f"{res['tokenizer_warm_ms']:.3f} ms CPU; of a cold one: template "
+        f"{res['tokenizer_render_ms']:.2f} ms, the tokenizers library's encode of the same "
+        f"text alone {res['tokenizer_library_ms']:.2f} ms, on the event loop's thread "
+        f"{res['tokenizer_loop_thread_ms']:.3f} ms; longest event-loop stall meanwhile "
+        f"{res['tokenizer_loop_stall_ms']:.1f} ms (idle: {res['tokenizer_loop_stall_idle_ms']:.1f})"
+    )
+    print(
+        f"block keys of that prompt: {res['keys_bs128_ms']:.3f} ms at block size 128, "
+        f"{res['keys_bs16_ms']:.3f} ms at 16"
     )
 
 

@@ -27,10 +27,17 @@ class Result:
     cpu_s: float = 0.0
 
 
-def build_request(host: str, port: int, path: str, body: bytes, extra: str = "") -> bytes:
+def build_request(
+    host: str,
+    port: int,
+    path: str,
+    body: bytes,
+    extra: str = "",
+    content_type: str = "application/json",
+) -> bytes:
     """`extra`: more header lines, each ending in CRLF."""
     return (
-        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: {content_type}\r\n"
         f"{extra}content-length: {len(body)}\r\n\r\n"
     ).encode() + body
 
@@ -127,6 +134,7 @@ async def run_load(
     request_timeout: float = 120.0,
     ramp: float = 0.0,
     extra_headers: str = "",
+    content_type: str = "application/json",
 ) -> Result:
     """`concurrency` users until `requests` are done or `duration` seconds pass (bounded)."""
     if not ipaddress.ip_address(host).is_loopback:
@@ -134,7 +142,7 @@ async def run_load(
     if not duration and not requests:
         raise ValueError("give a duration or a request count")
     loop = asyncio.get_running_loop()
-    req = build_request(host, port, path, body, extra_headers)
+    req = build_request(host, port, path, body, extra_headers, content_type)
     res = Result()
     stop_at = time.perf_counter() + (duration or request_timeout)
     budget = [requests or 10**9]

@@ -87,6 +87,10 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         add("overhead c=32: router CPU ms/request", "<= 1", cpu, cpu <= 1)
         added = o["router_added_ttfb_p50_ms"]
         add("overhead c=32: added TTFC p50 ms", "<= 2", added, added <= 2)
+    co = r.get("console")
+    if co:
+        share = co["pages_cpu_share_percent"]
+        add("console: 5 open pages, router CPU % of a core", "<= 1", share, share <= 1)
     st = r.get("streaming")
     if st:
         add(
@@ -190,6 +194,10 @@ def sections(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     """Each scenario of this run that has a section of the page: (name, its lines)."""
     r = report["results"]
     found: list[tuple[str, list[str]]] = []
+    if "hop" in r:
+        from bench.hop import lines
+
+        found.append(("hop", lines(r["hop"])))
     if "overhead" in r:
         out = ["## Overhead (64-token streams, no token delay)", ""]
         rows = [
@@ -263,10 +271,30 @@ def sections(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
 
         p = r["prefix"]
         found.append(("prefix", prefix_section(p, p.get("plot"), report["machine"]["date"])))
+    if "lora" in r:
+        from bench.lora import section as lora_section
+
+        found.append(("lora", lora_section(r["lora"])))
+    if "pd" in r:
+        from bench.pd import section as pd_section
+
+        found.append(("pd", pd_section(r["pd"])))
+    if "console" in r:
+        from bench.console import section as console_section
+
+        found.append(("console", console_section(r["console"])))
     if "real" in r:
         from bench.real_engine import section as real_section
 
         found.append(("real", real_section(r["real"], report["machine"]["date"])))
+    if "kv" in r:
+        from bench.kv_workload import section as kv_section
+
+        found.append(("kv", kv_section(r["kv"], report["machine"]["date"])))
+    if "kv_real" in r:
+        from bench.kv_real import section as kv_real_section
+
+        found.append(("kv_real", kv_real_section(r["kv_real"], report["machine"]["date"])))
     if "noisy" in r:
         from bench.noisy import section as noisy_section
 

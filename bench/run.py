@@ -6,6 +6,8 @@
                                          # the others are kept)
     python -m bench.run --only compare   # beside a textbook FastAPI proxy and LiteLLM
     python -m bench.run --quick --only overhead --baseline-src DIR   # A/B against a checkout
+    python -m bench.run --only hop --check   # beside nginx and the floor; exit 1 when CPU per
+                                             # request vs nginx grew > 5 % over the baseline
 
 Targets are started and stopped here (mock upstreams, the router, nginx, redis-server), all on
 127.0.0.1; loads alternate between targets in rounds so noise on this shared machine spreads
@@ -81,6 +83,21 @@ http {{
     return conf
 
 
+def start_nginx(cluster: Cluster, ups: list[Proc]) -> Proc | None:
+    """nginx in front of `ups` (None when it is not installed)."""
+    binary = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
+    if binary is None:
+        return None
+    port = free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="sluicegate-nginx-", dir=cluster.tmp))
+    conf = nginx_conf(port, [u.port for u in ups], tmp)
+    proc = cluster._spawn([binary, "-c", str(conf), "-p", str(tmp)], port, "nginx", None)
+    wait_http(f"http://127.0.0.1:{port}/health", proc=proc.popen)
+    return proc
+
+
 class Bench:
     def __init__(
         self, quick: bool, soak_seconds: float | None = None, baseline_src: str | None = None
@@ -91,6 +108,7 @@ class Bench:
         self.cluster = Cluster()
         self.results: dict[str, Any] = {}
         self.samples: dict[str, list[float]] = {}
+        self.check = False  # hop: the CPU/request gate against bench/hop_baseline.json
 
     # ---------- processes
     def mock(self, name: str, **kw: Any) -> Proc:
@@ -112,17 +130,7 @@ class Bench:
         return self.cluster.router(cfg, workers=workers, env=env, src=src)
 
     def nginx(self, ups: list[Proc]) -> Proc | None:
-        binary = shutil.which("nginx") or (
-            "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
-        )
-        if binary is None:
-            return None
-        port = free_port()
-        tmp = Path(tempfile.mkdtemp(prefix="sluicegate-nginx-", dir=self.cluster.tmp))
-        conf = nginx_conf(port, [u.port for u in ups], tmp)
-        proc = self.cluster._spawn([binary, "-c", str(conf), "-p", str(tmp)], port, "nginx", None)
-        wait_http(f"http://127.0.0.1:{port}/health", proc=proc.popen)
-        return proc
+        return start_nginx(self.cluster, ups)
 
     # ---------- load
     def load(self, target: Proc, body: dict[str, Any], concurrency: int, **kw: Any) -> Result:
@@ -518,10 +526,51 @@ def prefix(bench: Bench) -> None:
     bench.results["prefix"] = {**res, "plot": PNG if made else None}
 
 
+def lora(bench: Bench) -> None:
+    from bench.lora import run as lora_run
+
+    bench.results["lora"] = lora_run(bench.cluster, bench.quick)
+
+
+def console(bench: Bench) -> None:
+    from bench.console import run as console_run
+
+    bench.results["console"] = console_run(bench.cluster, bench.quick)
+
+
 def real(bench: Bench) -> None:
     from bench.real_engine import run as real_run
 
     bench.results["real"] = real_run(bench.cluster, bench.quick)
+
+
+def kv(bench: Bench) -> None:
+    from bench.kv_workload import run as kv_run
+
+    bench.results["kv"] = kv_run(bench.cluster, bench.quick)
+
+
+def hop(bench: Bench) -> None:
+    from bench.hop import check
+    from bench.hop import run as hop_run
+
+    res = hop_run(bench.cluster, bench.quick, bench.baseline_src)
+    if bench.check:
+        res["check"] = dict(zip(("ok", "message"), check(res), strict=True))
+        print(res["check"]["message"], flush=True)
+    bench.results["hop"] = res
+
+
+def pd(bench: Bench) -> None:
+    from bench.pd import run as pd_run
+
+    bench.results["pd"] = pd_run(bench.cluster, bench.quick, bench.baseline_src)
+
+
+def kv_real(bench: Bench) -> None:
+    from bench.kv_real import run as kv_real_run
+
+    bench.results["kv_real"] = kv_real_run(bench.cluster, bench.quick)
 
 
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
@@ -535,8 +584,14 @@ SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "admission": admission,
     "noisy": noisy,
     "prefix": prefix,
-    # Not in a full run: it needs the real-engine venv (make engine-venv); `--only real`.
+    "lora": lora,
+    "kv": kv,
+    "console": console,
+    "hop": hop,
+    "pd": pd,
+    # Not in a full run: they need the real-engine venv (make engine-venv); `--only real`.
     "real": real,
+    "kv_real": kv_real,
 }
 
 
@@ -549,12 +604,18 @@ def main() -> int:
     ap.add_argument(
         "--baseline-src", help="overhead: also a router from this checkout (A/B in one run)"
     )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="hop: exit 1 when CPU/request vs nginx grew > 5 %% over bench/hop_baseline.json",
+    )
     args = ap.parse_args()
     uvloop.install()
     bench = Bench(args.quick, args.soak_seconds, args.baseline_src)
+    bench.check = args.check
     started = time.monotonic()
     try:
-        for name in args.only or [n for n in SCENARIOS if n != "real"]:
+        for name in args.only or [n for n in SCENARIOS if n not in ("real", "kv_real")]:
             SCENARIOS[name](bench)
     finally:
         bench.close()
@@ -581,7 +642,8 @@ def main() -> int:
 
     write_report(report, bench.samples, ROOT / "docs", only=args.only)
     print(f"done in {report['seconds']:.0f}s; results in {out / 'latest.json'}", flush=True)
-    return 0
+    gate = bench.results.get("hop", {}).get("check")
+    return 1 if gate is not None and not gate["ok"] else 0
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ class HealthBook:
         self._models_of: dict[str, tuple[str, ...]] = {}  # backend name -> models
         self._urls: dict[str, str] = {}
         self._panicking: set[str] = set()
-        self._draining: frozenset[str] = frozenset()
+        self._draining: set[str] = set()
+        self._members: dict[str, dict[str, None]] = {}  # model -> names, in order (`update`)
 
     # -- the backend set --------------------------------------------------------------------
 
@@ -106,11 +107,60 @@ class HealthBook:
             for model in b.models:
                 groups.setdefault(model, []).append(b.name)
         self._groups = {m: tuple(ns) for m, ns in groups.items()}
+        self._members = {m: dict.fromkeys(ns) for m, ns in groups.items()}
         self._models_of = {b.name: tuple(b.models) for b in backends}
-        self._draining = frozenset(b.name for b in backends if b.draining)
+        self._draining = {b.name for b in backends if b.draining}
         for gone in set(self._state) - names:
             del self._state[gone]
         self._panicking &= set(self._groups)
+
+    def update(self, upserted: Sequence[Backend], removed: Sequence[str]) -> None:
+        """`sync` for a change alone (a discovery slice): work in the size of the change."""
+        touched: set[str] = set()
+        for name in removed:
+            self._urls.pop(name, None)
+            self._health_cfg.pop(name, None)
+            self._outlier_cfg.pop(name, None)
+            self._state.pop(name, None)
+            self._draining.discard(name)
+            for m in self._models_of.pop(name, ()):
+                touched.add(m)
+                self._members.get(m, {}).pop(name, None)
+        # Discovered backends share their template's sections: merged once per section.
+        health_of: dict[int, HealthConfig] = {}
+        outlier_of: dict[int, OutlierConfig] = {}
+        for b in upserted:
+            if self._urls.get(b.name, b.url) != b.url:
+                self._state.pop(b.name, None)  # another server under the same name
+            self._urls[b.name] = b.url
+            h = health_of.get(id(b.health))
+            if h is None:
+                h = health_of[id(b.health)] = merged(self._health, b.health)
+            o = outlier_of.get(id(b.outlier))
+            if o is None:
+                o = outlier_of[id(b.outlier)] = merged(self._outlier, b.outlier)
+            self._health_cfg[b.name] = h
+            self._outlier_cfg[b.name] = o
+            for m in self._models_of.get(b.name, ()):
+                if m not in b.models:
+                    touched.add(m)
+                    self._members.get(m, {}).pop(b.name, None)
+            self._models_of[b.name] = tuple(b.models)
+            for m in b.models:
+                touched.add(m)
+                self._members.setdefault(m, {})[b.name] = None
+            if b.draining:
+                self._draining.add(b.name)
+            else:
+                self._draining.discard(b.name)
+        for m in touched:
+            members = self._members.get(m)
+            if members:
+                self._groups[m] = tuple(members)
+            else:
+                self._groups.pop(m, None)
+                self._members.pop(m, None)
+                self._panicking.discard(m)
 
     def health_config(self, name: str) -> HealthConfig:
         return self._health_cfg.get(name, self._health)
@@ -143,14 +193,27 @@ class HealthBook:
         # except those that asked for a pause (Retry-After): they are left alone as asked.
         return [b for b in backends if not b.draining and not self._cooling(b.name, now)]
 
+    def healthy(self, backends: Sequence[Backend]) -> list[Backend]:
+        """The routable ones, no panic mode: for a leg that has another way to be served (a
+        prefill engine: the decode engine can serve the request whole)."""
+        now = self._clock()
+        return [b for b in backends if self.routable(b, now)]
+
     def advance(self) -> None:
         """Apply what time has brought: ejections and cooldowns that ended, panic mode entered or
         left by a model. Called by the monitor's tick; reads never do this."""
         now = self._clock()
         for name, st in list(self._state.items()):
-            self._settle(name, st, now)
+            if st.ejected_until or st.cooldown_until:  # nothing else ends with time
+                self._settle(name, st, now)
         for model, names in self._groups.items():
-            healthy = sum(1 for n in names if self._free(n, now))
+            # Stops at the first routable backend: a large healthy fleet costs little per tick.
+            if not any(self._free(n, now) for n in names):
+                healthy = 0
+            elif model in self._panicking:
+                healthy = sum(1 for n in names if self._free(n, now))
+            else:
+                continue
             if healthy and model in self._panicking:
                 self._panicking.discard(model)
                 self._transition("panic mode over", None, model=model, healthy=healthy)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
 
@@ -23,17 +21,22 @@ from router.core.backend import Backend
 from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
 from router.core.netpolicy import NetPolicy
 from router.core.redis_client import RedisTarget
+from router.core.runner import Runner
 from router.core.settings import Settings
 from router.discovery.runner import Discovery
+from router.engine.adapters import routes as adapter_routes
 from router.engine.kv_events import KvEvents
+from router.engine.lora_loads import LoraLoads, pool_sender
 from router.engine.scraper import EngineScraper
+from router.ops.collector import tune_collector
 from router.ops.logs import count_drops, register_secret, secret_header
 from router.ops.logs import stop as stop_logging
 from router.ops.memory import Trimmer, pin_mmap_threshold
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.ops.tracing import make_tracing
-from router.registry.admin import admin_routes
+from router.registry.admin import BackendRows, admin_routes
 from router.registry.fleet import (
+    Change,
     Fleet,
     LocalRecords,
     RecordStore,
@@ -46,10 +49,13 @@ from router.request.drain import Lifecycle
 from router.request.hops import HopMarker
 from router.request.proxy import Proxy
 from router.request.quota import QuotaBook, Quotas
+from router.request.response_ids import ResponseIds
 from router.request.usage_book import UsageBook
 from router.upstream.pools import Pools
 from router.web.api import FastPath, openai_routes, proxy_endpoints
 from router.web.auth import AdminAuth, ClientKeys
+from router.web.console import console_routes
+from router.web.live_state import LiveState
 from router.web.usage_admin import usage_routes
 
 log = logging.getLogger("sluicegate.app")
@@ -59,16 +65,7 @@ class _Closes(Protocol):
     async def aclose(self) -> None: ...
 
 
-async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str) -> None:
-    while True:
-        await asyncio.sleep(seconds)
-        try:
-            await step()
-        except Exception as exc:  # a background chore must outlive one bad round
-            log.warning(f"{what} failed", extra={"fields": {"error": type(exc).__name__}})
-
-
-def make_store(settings: Settings) -> InflightStore:
+def make_store(settings: Settings, runner: Runner) -> InflightStore:
     """Local counts unless Redis is configured; then one count shared by every replica."""
     target = RedisTarget.from_settings(settings)
     if target is None:
@@ -80,10 +77,11 @@ def make_store(settings: Settings) -> InflightStore:
         timeout=settings.redis_timeout,
         lease_ttl=settings.redis_lease_ttl,
         prefix=settings.redis_prefix,
+        runner=runner,
     )
 
 
-def make_quotas(settings: Settings, metrics: Metrics) -> QuotaBook:
+def make_quotas(settings: Settings, metrics: Metrics, runner: Runner) -> QuotaBook:
     """Per-key quotas in this process, or shared by every replica when Redis is configured."""
     target = RedisTarget.from_settings(settings)
     if target is None:
@@ -97,10 +95,17 @@ def make_quotas(settings: Settings, metrics: Metrics) -> QuotaBook:
         prefix=settings.redis_prefix,
         on_refused=metrics.ratelimited,
         on_degraded=metrics.quota_degraded,
+        runner=runner,
     )
 
 
-def make_affinity(settings: Settings, metrics: Metrics, kv: KvEvents | None = None) -> Affinity:
+def make_affinity(
+    settings: Settings,
+    metrics: Metrics,
+    runner: Runner,
+    kv: KvEvents | None = None,
+    pools: Pools | None = None,
+) -> Affinity:
     """The prefix index: this process's own, plus the one shared in Redis when configured."""
     target = RedisTarget.from_settings(settings)
     shared = None
@@ -112,9 +117,14 @@ def make_affinity(settings: Settings, metrics: Metrics, kv: KvEvents | None = No
             timeout=settings.redis_timeout,
             ttl=settings.affinity.ttl,
             prefix=settings.redis_prefix,
+            runner=runner,
         )
     return Affinity(
-        settings.affinity, shared=shared, on_fallback=metrics.affinity_fallbacks.inc, kv=kv
+        settings.affinity,
+        shared=shared,
+        on_fallback=metrics.affinity_fallbacks.inc,
+        kv=kv,
+        pools=pools,
     )
 
 
@@ -136,14 +146,30 @@ def _usage_book(settings: Settings, metrics: Metrics) -> UsageBook:
     return UsageBook(client, settings.redis_prefix, on_dropped=metrics.usage_dropped.inc)
 
 
+def _response_ids(settings: Settings) -> ResponseIds:
+    """Response id -> backend: shared through Redis when it is configured, else this process's."""
+    target = RedisTarget.from_settings(settings)
+    client = (
+        target.client(timeout=settings.redis_timeout * 4, max_connections=16)
+        if target is not None
+        else None
+    )
+    cfg = settings.response_ids
+    return ResponseIds(cfg.ttl, cfg.max_local, client, settings.redis_prefix)
+
+
 def create_app(settings: Settings) -> FastPath:
     backends = [Backend.from_config(b) for b in settings.backends]
     # Backends added at run time (admin API, discovery) reach only the networks allowed.
     policy = NetPolicy.from_config(settings.admin)
     pools = Pools(settings.timeouts, settings.limits, policy)
     metrics = Metrics()
+    # Every background chore of this process runs on it (and is counted per chore).
+    runner = Runner(on_run=metrics.background_run)
     count_drops(metrics.log_dropped.inc)
     kv_reset: list[Callable[[str], None]] = []
+    # Streams on a backend gone from the registry (its drain grace over) migrate, when on.
+    backends_now: list[Callable[[frozenset[str]], None]] = []
 
     def health_changed(backend: str, healthy: bool, reason: str) -> None:
         metrics.health_changed(backend, healthy, reason)
@@ -152,9 +178,13 @@ def create_app(settings: Settings) -> FastPath:
                 reset(backend)
 
     health = HealthBook(settings.health, settings.outlier, on_change=health_changed)
-    monitor = HealthMonitor(health)
+    monitor = HealthMonitor(health, policy=policy, runner=runner)
     engine = EngineScraper(
-        settings.engine_metrics, on_error=metrics.engine_scrape_failed, policy=policy
+        settings.engine_metrics,
+        on_error=metrics.engine_scrape_failed,
+        policy=policy,
+        lora_refresh=settings.lora.refresh,
+        runner=runner,
     )
 
     def kv_capacity(name: str) -> int | None:
@@ -168,26 +198,52 @@ def create_app(settings: Settings) -> FastPath:
         capacity=kv_capacity,
         on_events=metrics.kv_events,
         pending_ttl=settings.affinity.pending_ttl,
+        policy=policy,
     )
     kv_reset.append(kv_events.reset)
 
-    def on_swap(snapshot: Snapshot) -> None:
+    def learn_secrets(backends: Sequence[Backend]) -> None:
         # Keys of backends added through the admin API are secrets from now on, in logs too.
         register_secret(
             *(
                 v.decode("latin-1").split(" ")[-1]
-                for b in snapshot.backends
+                for b in backends
                 for k, v in b.auth_headers
                 if (name := k.decode("latin-1")) == b.key_header
                 or secret_header(name, v.decode("latin-1"))
             )
         )
+
+    def on_swap(snapshot: Snapshot) -> None:
+        learn_secrets(snapshot.backends)
         health.sync(snapshot.backends)
         monitor.sync(snapshot.backends)  # new or changed backends are probed at once
         engine.sync(snapshot.backends)
         kv_events.sync(snapshot.backends)
+        for moved in backends_now:
+            moved(frozenset(snapshot.by_name))
 
-    registry = Registry(backends, settings.balancer, settings.model_balancers, on_swap=on_swap)
+    def on_patch(snapshot: Snapshot, change: Change) -> None:
+        # A discovery change: only what changed (a 50,000 endpoint fleet, one slice moved).
+        learn_secrets(change.upserted)
+        health.update(change.upserted, change.removed)
+        monitor.update(change.upserted, change.removed)
+        engine.update(change.upserted, change.removed)
+        kv_events.update(change.upserted, change.removed)
+
+    registry = Registry(
+        backends, settings.balancer, settings.model_balancers, on_swap=on_swap, on_patch=on_patch
+    )
+    lora = LoraLoads(settings.lora, pool_sender(pools), metrics.lora_load)
+    lora.on_loaded = engine.refresh_adapters
+
+    def adapters_changed() -> None:
+        registry.set_adapters(
+            adapter_routes(registry.snapshot.backends, engine.readings, settings.lora)
+        )
+
+    engine.on_adapters = adapters_changed
+    adapters_changed()  # lora.sources route from the start
     fleet = Fleet(
         registry,
         settings.backends,
@@ -197,14 +253,14 @@ def create_app(settings: Settings) -> FastPath:
     admin_auth = AdminAuth(settings.admin_token)
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
     metrics.backends_known([b.name for b in backends])
-    store = MeteredInflight(make_store(settings), metrics)
+    store = MeteredInflight(make_store(settings, runner), metrics)
     lifecycle = Lifecycle()
     tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
     admission = Admission(settings.admission, metrics) if settings.admission else None
-    affinity = make_affinity(settings, metrics, kv_events)
+    affinity = make_affinity(settings, metrics, runner, kv_events, pools)
     if admission is not None:
         engine.on_change = admission.changed
-    quotas = make_quotas(settings, metrics)
+    quotas = make_quotas(settings, metrics, runner)
     proxy = Proxy(
         settings,
         registry,
@@ -219,14 +275,24 @@ def create_app(settings: Settings) -> FastPath:
         quotas=quotas,
         affinity=affinity,
         usage=_usage_book(settings, metrics),
+        response_ids=_response_ids(settings),
         hops=HopMarker(settings.deployment_id),
+        lora=lora if settings.lora.load_on_demand else None,
     )
+
+    backends_now.append(proxy.migration.backends_changed)
 
     async def counts(names: Sequence[str]) -> dict[str, int]:
         return await store.counts(list(names))
 
     discovery = Discovery(
-        settings.discovery, fleet, counts, metrics, settings.drain_grace, policy=policy
+        settings.discovery,
+        fleet,
+        counts,
+        metrics,
+        settings.drain_grace,
+        policy=policy,
+        runner=runner,
     )
 
     async def close_removed_pools() -> None:
@@ -243,31 +309,40 @@ def create_app(settings: Settings) -> FastPath:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Before the pools, stores and discovery start: what is frozen here lives as long as
+        # the process (a pool frozen with its backend could not be collected once closed).
+        tune_collector()
         try:
             fleet.apply(await fleet.store.load())
         except (RegistryError, StoreUnavailable):
             # Serve the file's entries meanwhile; the watch below keeps trying and catches up.
             log.warning("shared registry unavailable at start; serving the file's backends")
         for b in registry.snapshot.backends:
-            pools.get(b)
+            pools.transport(b)
         await store.start()
         await quotas.start()
         if affinity.shared is not None:
             await affinity.shared.start()
         pin_mmap_threshold()  # big bodies mapped and unmapped: a flood's memory leaves
-        chores = [
-            asyncio.create_task(fleet.store.watch(fleet.apply)),
-            asyncio.create_task(_every(1.0, close_removed_pools, "closing removed pools")),
-            asyncio.create_task(_every(5.0, Trimmer().step, "returning freed memory")),
-        ]
-        if proxy.usage.shared:
-            chores.append(asyncio.create_task(proxy.usage.run(settings.usage_flush)))
-        if settings.api_keys_file:
-            chores.append(
-                asyncio.create_task(
-                    _every(settings.api_keys_reload, reload_keys, "reloading client keys")
-                )
+        if fleet.store.kind != "local":
+            runner.forever(
+                "registry_sync",
+                lambda: fleet.store.watch(fleet.apply),
+                backoff_max=settings.registry_resync,
             )
+        runner.every("close_removed_pools", close_removed_pools, 1.0)
+        runner.every("memory_trim", Trimmer().step, 5.0)
+        if settings.lora.load_on_demand:
+
+            async def lora_sweep() -> None:
+                lora.sweep(registry.snapshot.by_name, engine.readings)
+
+            runner.every("lora_sweep", lora_sweep, 1.0)
+        if proxy.usage.shared:
+            runner.every("usage_flush", proxy.usage.flush_round, settings.usage_flush)
+        if settings.api_keys_file:
+            runner.every("client_keys_reload", reload_keys, settings.api_keys_reload)
+        runner.start()
         if settings.workers > 1 and fleet.store.kind == "local" and admin_auth.configured:
             log.warning(
                 "admin changes reach only the worker that takes them: set SLUICEGATE_REDIS_URL"
@@ -295,14 +370,12 @@ def create_app(settings: Settings) -> FastPath:
         finally:
             lifecycle.draining = True
             await lifecycle.wait_idle(settings.drain_grace)
-            for task in chores:
-                task.cancel()
-            for task in chores:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await runner.stop()
             closers: list[_Closes | None] = [discovery, fleet.store, monitor, engine, kv_events]
+            closers.append(lora)
             closers.append(pools)
             closers += [store, quotas, affinity.shared, tracing, proxy.usage, admission]
+            closers.append(proxy.response_ids)
             for part in closers:
                 if part is None:
                     continue
@@ -319,20 +392,21 @@ def create_app(settings: Settings) -> FastPath:
         title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.include_router(openai_routes(proxy, registry, client_keys))
-    app.include_router(
-        admin_routes(
-            fleet,
-            store,
-            health,
-            admin_auth,
-            settings.drain_grace,
-            lambda: engine.readings,
-            settings.admin,
-            kv_events.status,
-        )
-    )
+    rows = BackendRows(fleet, store, health, lambda: engine.readings, kv_events.status)
+    app.include_router(admin_routes(rows, admin_auth, settings.drain_grace, settings.admin))
 
     app.include_router(usage_routes(proxy.usage, admin_auth))
+    if settings.console.enabled:
+        live = LiveState(
+            rows,
+            metrics.live,
+            admission,
+            quotas,
+            client_keys,
+            admin_auth.configured,
+            settings.console.refresh,
+        )
+        app.include_router(console_routes(settings.console, admin_auth, live))
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:

@@ -15,13 +15,12 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from router.core.settings import ConfigError, Settings, load_settings
-from router.discovery.runner import check_discovery
-from router.registry.fleet import check_balancers
+if TYPE_CHECKING:
+    from router.core.settings import Settings
 
 
 def drain_on_signal(lifecycle: Any, grace: float) -> None:
@@ -65,6 +64,7 @@ def drain_on_signal(lifecycle: Any, grace: float) -> None:
 
 def _app_factory() -> Any:
     from router.app import create_app
+    from router.core.settings import load_settings
     from router.ops.logs import configure, secrets_of
 
     settings = load_settings()
@@ -105,6 +105,8 @@ def check_temp_dir(workers: int) -> None:
     """Several workers share their metrics through files: in PROMETHEUS_MULTIPROC_DIR when set,
     else in a new temporary directory. On a read-only root filesystem there is none unless one
     is mounted: a `ConfigError` saying so, not a traceback from the workers."""
+    from router.core.settings import ConfigError
+
     given = os.environ.get(_MULTIPROC_ENV)
     if given:
         try:
@@ -180,7 +182,7 @@ def _demo_config(ports: Sequence[int]) -> str:
             "    models:",
             "      demo-model: mock-model",
         ]
-    lines += ["health: {interval: 2}"]
+    lines += ["health: {interval: 2}", "console: {enabled: true}"]
     return "\n".join(lines) + "\n"
 
 
@@ -214,10 +216,13 @@ def demo(host: str, port: int) -> int:
             f.write(_demo_config(upstream_ports))
         print(
             f"sluicegate demo: router on http://{host}:{port}/v1 (model `demo-model`), "
-            f"mock upstreams on {upstream_ports}; Ctrl-C stops",
+            f"the console on http://{host}:{port}/console, mock upstreams on {upstream_ports}; "
+            "Ctrl-C stops",
             flush=True,
         )
         time.sleep(0.5)
+        from router.core.settings import load_settings
+
         serve(load_settings(f.name, host=host, port=port))
         return 0
     finally:
@@ -235,21 +240,30 @@ def engines(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from router.enginefleet.fleet import EngineOptions, Fleet, ready_line, sample_config
-    from router.enginefleet.install import engine_home, ensure_venv
+    from router.enginefleet.install import engine_home, ensure_venv, nixl_dir
     from router.enginefleet.model import write_model
 
+    roles = ["prefill", "decode"] if args.pd else args.roles
+    if roles and len(roles) != args.count:
+        print(f"--roles: {len(roles)} roles for --count {args.count}", file=sys.stderr)
+        return 2
     home = Path(args.home) if args.home else engine_home()
     python = ensure_venv(home)
     model = write_model(home / "models")
     if args.install_only:
-        print(f"vLLM venv ready: {python}; model: {model}")
+        print(f"vLLM venv ready: {python}; NIXL: {nixl_dir(home)}; model: {model}")
         return 0
     options = EngineOptions(
-        model_name=args.model_name, kv_blocks=args.kv_blocks, max_model_len=args.max_model_len
+        model_name=args.model_name,
+        kv_blocks=args.kv_blocks,
+        max_model_len=args.max_model_len,
+        nixl=nixl_dir(home) if roles else None,  # roles are for prefill/decode handoffs
     )
-    fleet = Fleet(python, model, args.count, options)
-    # SIGTERM unwinds like Ctrl-C, through the `finally` that stops every engine.
+    fleet = Fleet(python, model, args.count, options, roles=roles or None)
+    # SIGTERM unwinds like Ctrl-C, through the `finally` that stops every engine. SIGINT is set
+    # again because a shell starting us in the background hands it over ignored.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         print(f"starting {args.count} vLLM engine(s), logs in {fleet.run_dir}", flush=True)
         fleet.start()
@@ -274,6 +288,7 @@ def engines(args: argparse.Namespace) -> int:
 
 def check_tokenizers(settings: Settings) -> None:
     """Each `affinity.tokenizers` directory loads, before any worker starts (ConfigError)."""
+    from router.core.settings import ConfigError
     from router.request.tokens import RouterTokenizer, TokenizerError
 
     for model, tc in settings.affinity.tokenizers.items():
@@ -317,6 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="answer only these models (vLLM's 404 for others); default: any name",
     )
     p_mock.add_argument("--max-model-len", type=int, default=131072, help="context length")
+    tls = p_mock.add_argument_group("TLS: serve https (a backend behind a private CA)")
+    tls.add_argument("--ssl-certfile", help="PEM server certificate")
+    tls.add_argument("--ssl-keyfile", help="PEM server key")
+    tls.add_argument("--ssl-ca-certs", help="PEM CA: client certificates it signed are required")
     eng = p_mock.add_argument_group("engine model (router/mock/engine.py): behave like a vLLM")
     eng.add_argument("--engine", action="store_true", help="simulate a vLLM scheduler")
     eng.add_argument("--max-num-seqs", type=int, default=32)
@@ -335,14 +354,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     eng.add_argument("--kv-events", help="publish KV-cache events here (ipc://... or tcp://*:P)")
     eng.add_argument(
+        "--kv-events-replay", help="serve vLLM's replay socket here (ipc://... or tcp://*:P)"
+    )
+    eng.add_argument(
         "--kv-events-encoding",
         choices=("map", "array"),
         default="map",
         help="vLLM's event encoding: map (0.24 on) or array (before)",
     )
 
+    eng.add_argument("--max-loras", type=int, default=0, help="LoRA slots (vLLM --enable-lora)")
+    eng.add_argument(
+        "--lora-modules", nargs="+", default=[], help="adapters at start: NAME=PATH (vLLM's form)"
+    )
+    eng.add_argument("--lora-load-ms", type=float, default=0.0, help="a run-time load's time")
+    eng.add_argument("--lora-slot-ms", type=float, default=0.0, help="moving one into a slot")
+    pd = p_mock.add_argument_group("prefill/decode handoff (router/mock/handoff.py)")
+    pd.add_argument("--kv-role", choices=("prefill", "decode", "both"), help="turns it on")
+    pd.add_argument("--kv-connector", choices=("nixl", "sglang"), default="nixl")
+    pd.add_argument("--kv-engine-id", default="", help="NIXL engine id (default: from the name)")
+    pd.add_argument(
+        "--kv-fail-delay-ms", type=float, default=5000.0, help="a failed pull's 500 this late"
+    )
+    pd.add_argument("--kv-lease-ms", type=float, default=30000.0, help="held blocks expire")
+
     p_eng = sub.add_parser("engines", help="real vLLM engines (CPU build, tiny local model)")
     p_eng.add_argument("--count", type=int, default=2, help="engines, one per core")
+    p_eng.add_argument(
+        "--roles",
+        nargs="+",
+        choices=("prefill", "decode", "both"),
+        help="one per engine; runs vLLM's NixlConnector (KV handed from prefill to decode)",
+    )
+    p_eng.add_argument("--pd", action="store_true", help="a prefill and a decode engine (--roles)")
     p_eng.add_argument("--kv-blocks", type=int, default=64, help="KV blocks (128 tokens) each")
     p_eng.add_argument("--max-model-len", type=int, default=2048)
     p_eng.add_argument("--model-name", default="tiny-llama", help="the served model name")
@@ -352,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "engines":
+        if args.pd:
+            args.count = 2
         return engines(args)
     if args.command == "status":
         from router.ops.status import run as status
@@ -361,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             return 0
     if args.command == "mock-upstream":
+        from router.mock.handoff import HandoffConfig
         from router.mock.upstream import run
 
         engine = None
@@ -384,6 +431,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prefix_caching=not args.no_prefix_caching,
                 kv_events=args.kv_events,
                 kv_events_encoding=args.kv_events_encoding,
+                kv_events_replay=args.kv_events_replay,
+                max_loras=args.max_loras,
+                lora_modules=dict(m.split("=", 1) for m in args.lora_modules),
+                lora_load_ms=args.lora_load_ms,
+                lora_slot_ms=args.lora_slot_ms,
             )
         run(
             args.host,
@@ -395,8 +447,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine=engine,
             served_model_names=args.served_model_name,
             max_model_len=args.max_model_len,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            handoff=HandoffConfig(
+                role=args.kv_role,
+                connector=args.kv_connector,
+                engine_id=args.kv_engine_id,
+                host=args.host,
+                fail_delay_ms=args.kv_fail_delay_ms,
+                lease_ms=args.kv_lease_ms,
+            )
+            if args.kv_role
+            else None,
         )
         return 0
+    # Imported here, not at the top: a mock upstream (tests start hundreds) needs none of them.
+    from router.core.settings import ConfigError, load_settings
+    from router.discovery.runner import check_discovery
+    from router.registry.fleet import check_balancers
+
     try:
         if args.command == "demo":
             return demo(args.host, args.port)

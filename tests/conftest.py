@@ -5,6 +5,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.harness import Cluster
+from tests.hostile_backend import HostileBackend
 
 
 @pytest.fixture
@@ -24,3 +25,13 @@ def module_procs() -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[HostileBackend]:
+    """The raw-socket backend that misbehaves in the way each model name asks for."""
+    h = HostileBackend().start()
+    try:
+        yield h
+    finally:
+        h.stop()

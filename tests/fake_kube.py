@@ -59,11 +59,12 @@ class FakeKube:
         self.requests: list[str] = []  # "list" | "watch" | "410", in order
         # Hostile answers (set from the test): lists answer this status; watches answer this
         # status (410: an ERROR event, as a real server does); watches send one malformed line;
-        # watches stay silent (no events, no bookmarks).
+        # watches stay silent (no events, no bookmarks); watches flood bookmarks.
         self.list_error: int | None = None
         self.watch_error: int | None = None
         self.watch_garbage = False
         self.silent = False
+        self.bookmark_flood = 0  # this many bookmarks back to back at the start of each watch
         self._changed: asyncio.Condition | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
@@ -276,7 +277,10 @@ class FakeKube:
             writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
             await writer.drain()
             return
-        since = int(query.get("resourceVersion") or 0)
+        # A watch from version R gets every change after R, R = "0" included (the version an
+        # empty list answers): a change made between that list and this watch is not lost.
+        given = query.get("resourceVersion")
+        since = int(given or 0)
         if (since and since < self.oldest) or self.watch_error == 410:
             self.requests.append("410")
             await event("ERROR", _status(410, "Expired", f"too old resource version: {since}"))
@@ -285,7 +289,10 @@ class FakeKube:
             return
         bookmarks = _true(query.get("allowWatchBookmarks"))
         end = time.monotonic() + float(query.get("timeoutSeconds") or 3600)
-        sent = since or self.rv
+        mark = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1"}
+        for _ in range(self.bookmark_flood if bookmarks else 0):
+            await event("BOOKMARK", {**mark, "metadata": {"resourceVersion": str(self.rv)}})
+        sent = since if given else self.rv
         assert self._changed is not None
         while time.monotonic() < end:
             for rv, kind, obj in list(self.history):

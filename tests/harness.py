@@ -6,6 +6,7 @@ a bounded deadline.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -356,3 +358,21 @@ def _cli(port: int, *command: str) -> str:
         text=True,
     )
     return out.stdout.replace("\r", "")
+
+
+def sha(key: str) -> str:
+    """How the router names a client key where the key itself must not appear."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def expected_text(n: int) -> str:
+    """The mock engine's text for `n` tokens at its defaults."""
+    return "".join(f"tok{i} " for i in range(n))
+
+
+async def stream_text(client: openai.AsyncOpenAI, max_tokens: int) -> str:
+    """One streamed chat completion for model `m`, its text joined."""
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=max_tokens
+    )
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])

@@ -5,7 +5,6 @@ a client that leaves while queued never reaches a backend; nothing stays counted
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import re
 import time
 from collections.abc import Callable
@@ -15,15 +14,11 @@ import httpx
 import openai
 import pytest
 
-from tests.harness import Cluster, Proc, backend, in_flight, stats
+from tests.harness import Cluster, Proc, backend, control, in_flight, sha, stats
 
 CRIT = "sk-admission-critical-0123456789"
 STD = "sk-admission-standard-0123456789"
 CHAT = "/v1/chat/completions"
-
-
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +210,14 @@ def test_max_wait_and_the_timeout_header_answer_503_with_retry_after(
             assert (await blocker).status_code == 200
         return late, waited
 
-    # admission.max_wait (1.5 s) runs out while the 2.4 s request holds the only slot.
-    late, waited = asyncio.run(expired(tight, None, {}))
+    # admission.max_wait (1.5 s) runs out while a 4.5 s request holds the only slot: 3 s of
+    # margin for the blocker's admission to be seen and the late request sent (a loaded
+    # machine took more than the 0.9 s the usual 2.4 s left).
+    control(fleet["b"], itl_ms=75)
+    try:
+        late, waited = asyncio.run(expired(tight, None, {}))
+    finally:
+        control(fleet["b"], itl_ms=40)
     assert late.status_code == 503
     assert late.json()["error"]["code"] == "queue_timeout"
     assert set(late.json()["error"]) == {"message", "type", "code"}
@@ -226,8 +227,13 @@ def test_max_wait_and_the_timeout_header_answer_503_with_retry_after(
     assert "expire-late" not in served_ids(fleet["b"])
     assert_idle(tight)
 
-    # The client's own deadline, shorter than max_wait (10 s here).
-    late, waited = asyncio.run(expired(router, STD, {"x-sluicegate-timeout": "0.1"}))
+    # The client's own deadline, shorter than max_wait (10 s here), while a 1.5 s request holds
+    # the slot.
+    control(mock_a, itl_ms=150)
+    try:
+        late, waited = asyncio.run(expired(router, STD, {"x-sluicegate-timeout": "0.1"}))
+    finally:
+        control(mock_a, itl_ms=30)
     assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout"
     assert "retry-after" in late.headers
     assert waited < 2  # far under max_wait (10 s)

@@ -333,7 +333,7 @@ def test_slow_backend_least_inflight_sends_fewer_and_keeps_ttft_low(procs: Clust
         )
         for m in mocks.values():
             control(m, reset_stats=True)
-        ttfts = asyncio.run(_closed_loop(router, users=28, seconds=5.0))
+        ttfts = asyncio.run(_closed_loop(router, users=28, seconds=4.0))
         counts = {n: int(stats(m)["requests"]) for n, m in mocks.items()}
         share = counts["slow"] / sum(counts.values())
         ttfts.sort()

@@ -3,7 +3,6 @@ official openai SDK against a real router."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from pathlib import Path
@@ -15,14 +14,10 @@ import yaml
 from starlette.requests import Request
 
 from router.web.auth import ClientKey, ClientKeys
-from tests.harness import Cluster, Proc, backend, stats
+from tests.harness import Cluster, Proc, backend, sha, stats
 
 FULL = "sk-client-full-0123456789"
 LIMITED = "sk-client-limited-0123456789"
-
-
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def sdk(router: Proc, key: str) -> openai.OpenAI:

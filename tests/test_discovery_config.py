@@ -8,7 +8,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
@@ -42,6 +41,10 @@ K8S = {"kind": "kubernetes", "namespace": "models", "service": "vllm", "port": "
         ({**K8S, "kind": "consul"}, ["discovery[0]", "kind"]),
         ({"kind": "dns", "name": "vllm.svc", "port": "http"}, ["discovery[0]", "port"]),
         ({"kind": "dns", "name": "vllm.svc", "port": 8000, "interval": 0}, ["interval"]),
+        ({**K8S, "models": ["m"], "models_allow": ["m"]}, ["models_allow", "auto"]),
+        ({**K8S, "models": ["m"], "shadow": True}, ["shadow", "auto"]),
+        ({**K8S, "models_allow": []}, ["models_allow"]),
+        ({**K8S, "models_allow": ["bad id"]}, ["models_allow", "visible"]),
     ],
 )
 def test_bad_sources_stop_startup_naming_the_field(
@@ -106,8 +109,8 @@ class Events:
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
 
-    def discovery_event(self, source: str, event: str) -> None:
-        self.seen.append((source, event))
+    def discovery_event(self, source: str, event: str, n: int = 1) -> None:
+        self.seen += [(source, event)] * n
 
 
 def test_a_vanished_backend_drains_until_its_streams_end_or_grace_passes() -> None:
@@ -122,26 +125,25 @@ def test_a_vanished_backend_drains_until_its_streams_end_or_grace_passes() -> No
         fleet = Fleet(registry, [], LocalRecords())
         source = KubernetesDiscovery.model_validate({**K8S, "models": ["m"]})
         events = Events()
-        async with httpx.AsyncClient() as http:
-            rec = Reconciler("k", source, fleet, counts, events, 30, http, lambda: now[0])
-            await rec.update([Endpoint("10.0.0.1", 8000, True), Endpoint("10.0.0.2", 8000, True)])
-            assert len(registry.snapshot.backends) == 2
-            await rec.update([Endpoint("10.0.0.2", 8000, True)])
-            gone = registry.snapshot.by_name["vllm-10.0.0.1-8000"]
-            assert gone.draining  # streams in flight: stays, takes no new requests
-            now[0] = 10
-            await rec.tick()
-            assert "vllm-10.0.0.1-8000" in registry.snapshot.by_name
-            inflight.clear()
-            await rec.tick()
-            assert list(registry.snapshot.by_name) == ["vllm-10.0.0.2-8000"]
-            # grace: a stream that never ends does not keep a dead endpoint forever
-            inflight["vllm-10.0.0.2-8000"] = 1
-            await rec.update([])
-            assert registry.snapshot.by_name["vllm-10.0.0.2-8000"].draining
-            now[0] = 41
-            await rec.tick()
-            assert registry.snapshot.backends == ()
+        rec = Reconciler("k", source, fleet, counts, events, 30, lambda: now[0])
+        await rec.update([Endpoint("10.0.0.1", 8000, True), Endpoint("10.0.0.2", 8000, True)])
+        assert len(registry.snapshot.backends) == 2
+        await rec.update([Endpoint("10.0.0.2", 8000, True)])
+        gone = registry.snapshot.by_name["vllm-10.0.0.1-8000"]
+        assert gone.draining  # streams in flight: stays, takes no new requests
+        now[0] = 10
+        await rec.tick()
+        assert "vllm-10.0.0.1-8000" in registry.snapshot.by_name
+        inflight.clear()
+        await rec.tick()
+        assert list(registry.snapshot.by_name) == ["vllm-10.0.0.2-8000"]
+        # grace: a stream that never ends does not keep a dead endpoint forever
+        inflight["vllm-10.0.0.2-8000"] = 1
+        await rec.update([])
+        assert registry.snapshot.by_name["vllm-10.0.0.2-8000"].draining
+        now[0] = 41
+        await rec.tick()
+        assert registry.snapshot.backends == ()
         assert [e for _, e in events.seen].count("removed") == 2
 
     asyncio.run(run())
@@ -194,11 +196,10 @@ def test_a_slice_without_the_port_warns_again_once_deleted_and_recreated() -> No
         fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
         cfg = KubernetesDiscovery.model_validate({**K8S, "models": ["m"]})
         events = Events()
-        async with httpx.AsyncClient() as http:
-            rec = Reconciler("k", cfg, fleet, counts, events, 30, http)
-            src = KubernetesSource(cfg, rec)
-            for kind in ("ADDED", "MODIFIED", "DELETED", "ADDED"):
-                await src._event(slice_event(kind))
+        rec = Reconciler("k", cfg, fleet, counts, events, 30)
+        src = KubernetesSource(cfg, rec)
+        for kind in ("ADDED", "MODIFIED", "DELETED", "ADDED"):
+            await src._event(slice_event(kind))
         return [e for _, e in events.seen]
 
     assert asyncio.run(run()).count("bad_port") == 2  # once per slice life, not per event

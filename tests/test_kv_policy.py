@@ -12,7 +12,7 @@ from balancers.base import Candidate
 from balancers.cache_aware import CacheAware, Hints, KvHints
 from router.core.engine import EngineReading
 from router.engine.calibrate import Calibration
-from router.request.tokens import RouterTokenizer
+from router.request.tokens import GIL_FREE_CHARS, RouterTokenizer
 from tests.tiny_tokenizer import write_tokenizer
 
 
@@ -98,6 +98,10 @@ def test_piece_cache_gives_the_same_ids(tmp_path: Path) -> None:
     assert tk.tokens(chat) == plain  # cold: pieces encoded
     assert tk.tokens(chat) == plain  # warm: pieces from the cache
     assert tk.tokens({"prompt": "hello"}) == list(tk.tokenizer.encode("hello").ids)
+    # A long completion prompt goes through the GIL-releasing batch call: the same ids.
+    long = doc * 2
+    assert len(long) > GIL_FREE_CHARS
+    assert tk.tokens({"prompt": long}) == list(tk.tokenizer.encode(long).ids)
     assert tk.tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
     cut = tk.tokens(chat, limit=200)
     assert cut is not None and plain[: len(cut)] == cut and len(cut) < len(plain)
@@ -122,3 +126,39 @@ def test_developer_and_several_system_messages_render_as_vllm_does(tmp_path: Pat
         "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
+
+
+def test_the_mocks_histograms_teach_its_own_rates() -> None:
+    """The mock engine times prefill and decode steps in its histograms as vLLM does, so the
+    router's calibration learns the mock's configured costs (never less: a busy host only
+    stretches its sleeps), not a documented default."""
+    import asyncio
+
+    from router.engine.parse import parse
+    from router.mock.engine import Engine, EngineConfig
+
+    prefill_ms_per_1k, decode_ms = 40.0, 5.0
+
+    async def main() -> Calibration:
+        engine = Engine(
+            EngineConfig(prefill_ms_per_1k=prefill_ms_per_1k, decode_ms=decode_ms, block_size=16)
+        )
+        cal = Calibration()
+
+        def scrape() -> None:
+            p = parse(engine.metrics_text(), "vllm")
+            cal.update(p.counters, p.running)
+
+        scrape()
+        seqs = [engine.submit(1000, 12) for _ in range(3)]
+        async with asyncio.timeout(10):
+            while not all(s.done for s in seqs):  # noqa: ASYNC110 (the step loop sets it)
+                await asyncio.sleep(0.01)
+        scrape()
+        return cal
+
+    cal = asyncio.run(main())
+    assert cal.prefill_s_per_token is not None and cal.step_s_per_seq is not None
+    # 3 prompts of 1000 tokens prefilled in one step: each waited for all 3000 tokens' prefill
+    assert cal.prefill_s_per_token >= 3 * prefill_ms_per_1k / 1000 / 1000
+    assert cal.step_s_per_seq >= decode_ms / 1000 / 3  # a step's time over the 3 running

@@ -16,8 +16,12 @@ PACKAGES = ("router", "balancers", "health")
 # Longest matching prefix wins. A new module must be placed here: an unknown one fails the test.
 LAYERS: dict[str, int] = {
     "router.core": 0,
+    "router.core.tls": 0,  # a backend's TLS policy as one shared ssl.SSLContext
     "router.upstream": 1,
     "router.ops.logs": 1,
+    "router.ops.collector": 1,  # the startup heap out of the collector's walk (stdlib only)
+    "router.ops.memory": 1,  # freed request bodies handed back to the system (stdlib only)
+    "router.ops.live": 1,  # the console's last two minutes of routing, per second (stdlib only)
     "balancers": 2,
     "health": 2,
     "router.engine": 2,  # engine metrics scraping: core and upstream only
@@ -43,22 +47,37 @@ LAYERS: dict[str, int] = {
     "router.request.hops": 3,  # the hop marker: loops refused (core only)
     "router.request.usage_stream": 3,  # include_usage asked for and its event taken out (pure)
     "router.request.usage_book": 3,  # hourly usage per key and model: core only
+    "router.request.multipart": 3,  # a form's model and stream fields (pure)
+    "router.request.response_ids": 3,  # response id -> backend, local or in Redis
+    "router.request.estimate": 3,  # a request's token estimate (pure)
+    "router.request.continuation": 3,  # migration: the continuation request (pure)
+    "router.request.migration": 3,  # migration policy: which calls may go on elsewhere
+    "router.request.relayed": 3,  # migration: what one attempt relayed (pure)
+    "router.request.adapter_flights": 3,  # LoRA: adapters in flight per engine (pure)
+    "router.request.stitch": 3,  # migration: a continuation's events joined to the stream (pure)
+    "router.request.usage": 3,  # tokens and the first content token from the bytes (pure)
+    "router.request.pd": 3,  # prefill/decode: a model's pools by role, the two legs' bodies
     "router.ops.metrics": 4,
+    "router.ops.tracing": 4,  # OpenTelemetry spans: core only, used by the lifecycle and the app
     "router.discovery": 4,
     "router.request.proxy": 5,
     "router.web": 6,
+    "router.web.console": 6,  # the console page, its assets and its live view's route
+    "router.web.live_state": 6,  # the console's live view: admin rows, routing, queue, quotas
     "router.registry.admin": 6,
     "router.ops.status": 6,
     "router.mock": 6,
+    "router.mock.apis": 0,  # the other APIs' shapes: pure formatting
+    "router.mock.handoff": 0,  # the mock's NIXL and SGLang handoff (stdlib only)
     "router.enginefleet": 6,  # real vLLM engines for the engine tier and `sluicegate engines`
     "router.app": 7,
     "router.cli": 8,
-    # Package markers hold only a docstring.
-    "router": 0,
-    "router.request": 0,
-    "router.registry": 0,
-    "router.ops": 0,
+    "router.ops.probe": 8,  # the image's HEALTHCHECK entry point (stdlib only)
 }
+
+# Package markers (`__init__.py` holding only a docstring) sit in layer 0. They match their own
+# name only: a prefix here would place every unlisted module of the package silently.
+PACKAGE_MARKERS = frozenset({"router", "router.request", "router.registry", "router.ops"})
 
 
 def _modules() -> dict[str, Path]:
@@ -85,6 +104,8 @@ def _imports(path: Path, known: set[str]) -> set[str]:
 
 
 def _layer(module: str) -> int:
+    if module in PACKAGE_MARKERS:
+        return 0
     best = max(
         (p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None
     )
@@ -134,3 +155,22 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path: Path) -> None:
     deps = _imports(tmp_path / "a.py", {"router.app", "router.app.create_app"})
     assert "router.app" in deps
     assert _layer("router.core.settings") < _layer("router.app")
+
+
+def test_every_module_is_placed_and_markers_are_only_markers() -> None:
+    """No module falls into a layer by accident: each is named (or sits under a named prefix),
+    and a package marker matched by its exact name holds nothing but a docstring."""
+    modules = _modules()
+    for name in modules:
+        _layer(name)  # fails naming an unlisted module
+    for marker in PACKAGE_MARKERS:
+        tree = ast.parse(modules[marker].read_text(encoding="utf-8"))
+        assert all(
+            isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in tree.body
+        ), f"{marker}: a package marker holds code; place it in LAYERS instead"
+    try:
+        _layer("router.request.not_listed_anywhere")
+    except AssertionError as exc:
+        assert "not placed in a layer" in str(exc)
+    else:
+        raise AssertionError("an unlisted module under a package marker was placed silently")

@@ -4,7 +4,6 @@ those headers on successful answers too, tokens corrected by the real usage."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -17,16 +16,12 @@ from starlette.responses import Response
 
 from router.core.settings import ConfigError, load_settings
 from router.request.quota import KeyLimits, Quotas, Reservation
-from tests.harness import Cluster, Proc, backend, in_flight, stats
+from tests.harness import Cluster, Proc, backend, in_flight, sha, stats
 
 RPM = "sk-quota-rpm-0123456789"
 TPM = "sk-quota-tpm-0123456789"
 PAR = "sk-quota-parallel-0123456789"
 CHAT = "/v1/chat/completions"
-
-
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @pytest.fixture(scope="module")

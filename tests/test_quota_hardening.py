@@ -8,7 +8,6 @@ the official openai SDK where a client is one."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -30,17 +29,13 @@ from router.request.estimate import (
 )
 from router.request.quota import KeyLimits, Quotas, Reservation
 from router.request.quota_shared import SharedQuotas
-from tests.harness import Cluster, Proc, backend
+from tests.harness import Cluster, Proc, backend, sha
 
 TPM_A = "sk-hard-attack-0123456789"
 TPM_C = "sk-hard-control-0123456789"
 TPM_N = "sk-hard-n-0123456789"
 TPM_GONE = "sk-hard-abandon-0123456789"
 OPEN = "sk-hard-open-0123456789"
-
-
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @pytest.fixture(scope="module")

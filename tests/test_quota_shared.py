@@ -7,7 +7,6 @@ so in /readyz and a metric, and shared enforcement resumes when Redis returns.""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import signal
 import threading
 import time
@@ -24,7 +23,7 @@ from redis.cluster import RedisCluster
 from router.core.redis_client import RedisTarget
 from router.request.quota import KeyLimits, Reservation
 from router.request.quota_shared import SharedQuotas, SharedReservation, key_tag
-from tests.harness import Cluster, Proc, backend, wait_http
+from tests.harness import Cluster, Proc, backend, sha, wait_http
 
 pytestmark = pytest.mark.redis
 
@@ -225,10 +224,6 @@ def test_keys_spread_over_a_redis_cluster_and_each_key_is_enforced_on_its_shard(
 # --- real routers ----------------------------------------------------------------------------
 
 TPM, RPM, PAR = "sk-shared-tpm-0123456789", "sk-shared-rpm-0123456789", "sk-shared-par-0123456789"
-
-
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @pytest.fixture(scope="module")

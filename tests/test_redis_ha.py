@@ -25,7 +25,17 @@ import redis
 from redis.cluster import RedisCluster
 
 from router.registry.sync import RedisRecords
-from tests.harness import Cluster, Proc, backend, control, free_port, stats, wait_http
+from tests.harness import (
+    Cluster,
+    Proc,
+    backend,
+    control,
+    expected_text,
+    free_port,
+    stats,
+    stream_text,
+    wait_http,
+)
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -39,10 +49,6 @@ BASE_ENV = {
     "SLUICEGATE_REDIS_LEASE_TTL": str(LEASE_TTL),
     "SLUICEGATE_REGISTRY_RESYNC": "0.5",
 }
-
-
-def expected_text(n: int) -> str:
-    return "".join(f"tok{i} " for i in range(n))
 
 
 def eventually(check: Callable[[], bool], within: float, every: float = 0.1) -> float:
@@ -124,13 +130,6 @@ def aclient(router: Proc) -> openai.AsyncOpenAI:
     )
 
 
-async def stream_text(client: openai.AsyncOpenAI, max_tokens: int) -> str:
-    stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=max_tokens
-    )
-    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-
-
 def registry_reaches(source: Proc, other: Proc, mock: Proc, name: str) -> float:
     """Seconds until a backend registered on `source` is routable by name on `other`."""
     record = backend(name, mock)
@@ -143,7 +142,8 @@ def test_cluster_shares_counts_and_registry(module_procs: Cluster, mocks: dict[s
     reset(mocks, itl_ms=30)
     env = {**BASE_ENV, "SLUICEGATE_REDIS_URL": nodes[1].url, "SLUICEGATE_REDIS_CLUSTER": "true"}
     routers = start_routers(module_procs, mocks, [env, env])
-    tokens = 60  # ~1.8 s streams
+    # ~4.5 s streams: the counts are compared while all 20 run, on a loaded host too.
+    tokens = 150
     seen: dict[str, Any] = {}
 
     async def main() -> list[str | BaseException]:
@@ -158,6 +158,10 @@ def test_cluster_shares_counts_and_registry(module_procs: Cluster, mocks: dict[s
                 def agree() -> bool:
                     seen.update(truth=running(mocks), redis=live_leases(rc))
                     seen["admin"] = [admin_counts(r) for r in routers]
+                    # All 20 still running: counts that agree at 0 after the streams ended
+                    # would prove nothing.
+                    if sum(seen["truth"].values()) != 20:
+                        raise AssertionError(f"streams ended before the counts agreed: {seen}")
                     return all(v == seen["truth"] for v in (seen["redis"], *seen["admin"]))
 
                 eventually(agree, within=5)

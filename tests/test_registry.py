@@ -1,4 +1,4 @@
-"""The registry's rules for file entries and admin records (as the README states them), on the real
+"""The registry's rules for file entries and admin records (docs/admin.md), on the real
 Fleet/Registry with in-process records; the drain deadline with an injected clock."""
 
 from __future__ import annotations

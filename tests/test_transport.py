@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -15,15 +14,6 @@ from router.upstream.transport import LeanTransport
 from tests.hostile_backend import HostileBackend
 
 TIMEOUTS = httpx.Timeout(connect=2, read=5, write=2, pool=2).as_dict()
-
-
-@pytest.fixture(scope="module")
-def hostile() -> Iterator[HostileBackend]:
-    h = HostileBackend().start()
-    try:
-        yield h
-    finally:
-        h.stop()
 
 
 def _request(h: HostileBackend, mode: str, rid: str) -> httpx.Request:

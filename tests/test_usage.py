@@ -73,7 +73,7 @@ def test_counts_match_parsing_every_event(
     body = b"".join(events)
     points = sorted({c % len(body) for c in cuts} - {0})
     chunks = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
-    u = ResponseUsage("/v1/chat/completions" if chat else "/v1/completions")
+    u = ResponseUsage("chat" if chat else "completion")
     for chunk in chunks:
         u.feed(chunk)
     u.close(True)
@@ -91,7 +91,7 @@ def test_counts_match_parsing_every_event(
 
 def test_first_token_is_the_first_content_not_the_first_byte() -> None:
     events = vllm_stream(["Hel", "lo"], True, None, False)
-    u = ResponseUsage("/v1/chat/completions")
+    u = ResponseUsage("chat")
     u.feed(events[0])  # role only
     assert u.first_token_at is None
     u.feed(events[1])
@@ -112,7 +112,7 @@ def test_non_streamed_body_reads_usage_from_its_end() -> None:
             "usage": {"prompt_tokens": 12, "completion_tokens": 34, "total_tokens": 46},
         }
     ).encode()
-    u = ResponseUsage("/v1/chat/completions")
+    u = ResponseUsage("chat")
     for i in range(0, len(body), 4096):
         u.keep(body[i : i + 4096])
     u.close(True)

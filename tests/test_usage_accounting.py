@@ -6,7 +6,6 @@ through Redis, and keeps buckets in memory without it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -18,17 +17,13 @@ import pytest
 import redis as redis_lib
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.harness import Cluster, Proc, backend, control, wait_http
+from tests.harness import Cluster, Proc, backend, control, sha, wait_http
 
 ADMIN = "admin-usage-token-0123456789"
 ALPHA = "sk-usage-alpha-0123456789"
 BETA = "sk-usage-beta-0123456789"
 ENGINE = ["--engine", "--decode-ms", "1", "--decode-ms-per-seq", "0", "--prefill-ms-per-1k", "0"]
 LONG = "You are a careful assistant. " * 40  # ~1100 characters: whole prefix-cache blocks
-
-
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 KEYS = [{"sha256": sha(ALPHA), "name": "alpha"}, {"sha256": sha(BETA), "name": "beta"}]
@@ -152,16 +147,6 @@ def test_tokens_counted_equal_the_engines_own_counts(fleet: dict[str, Proc]) -> 
     assert all(r["hour"].endswith(":00:00Z") for r in rows)
 
 
-# vLLM 0.32 puts `system_fingerprint` on the last token's event, or, with `include_usage`, on
-# the usage event instead: a stream whose usage event sluicegate asked for and removed lacks it.
-FINGERPRINT = b',"system_fingerprint":"vllm-0.32.0-mock"'
-
-
-def unprinted(stream: bytes) -> bytes:
-    """The stream the client gets when the router injected `include_usage` and stripped it."""
-    return stream.replace(FINGERPRINT, b"")
-
-
 def raw_stream(url: str, model: str, request_id: str, **extra: Any) -> bytes:
     body = {"model": model, "stream": True, "max_tokens": 5, **extra}
     headers = {"authorization": f"Bearer {ALPHA}", "x-request-id": request_id}
@@ -187,10 +172,11 @@ def test_the_client_gets_the_engines_bytes(
         direct = raw_stream(mock.url + path, "mock-model", "same-id", **extra)
         assert (b'"usage"' in direct) == (options == {"include_usage": True})
         for router in (r1, passive):
-            # r1 injects include_usage into a stream that did not ask; passive never does.
-            want = unprinted(direct) if router is r1 and options is None else direct
+            # r1 injects include_usage into a stream that did not ask, passive never does: the
+            # client gets the engine's bytes either way (the usage event's system_fingerprint
+            # moved back onto the last token's event, where vLLM puts it without the option).
             for model in ("m", "mock-model"):
-                assert raw_stream(router.url + path, model, "same-id", **extra) == want
+                assert raw_stream(router.url + path, model, "same-id", **extra) == direct
 
 
 def test_openai_shape_loses_its_usage_nulls_too(fleet: dict[str, Proc]) -> None:
@@ -203,7 +189,7 @@ def test_openai_shape_loses_its_usage_nulls_too(fleet: dict[str, Proc]) -> None:
     )
     assert b'"usage"' not in direct and asked.count(b'"usage":null') == 6  # 5 tokens, finish
     before = total(usage(r1, model="oa").json()["data"], "completion_tokens")
-    assert raw_stream(r1.url + chat, "oa", "oa-id", **hi) == unprinted(direct)
+    assert raw_stream(r1.url + chat, "oa", "oa-id", **hi) == direct
     rows = usage(r1, model="oa").json()["data"]
     assert total(rows, "completion_tokens") - before == 5
     assert total(rows, "estimated_requests") == 0
@@ -222,7 +208,7 @@ def test_a_usage_event_cut_across_reads_is_still_removed(
         options = {"stream_options": {"include_usage": True}}
         asked = raw_stream(oa.url + chat, "mock-model", "cut-id", **hi, **options)
         assert b'"choices":[],"usage"' in asked
-        assert raw_stream(r1.url + chat, "oa", "cut-id", **hi) == unprinted(direct)
+        assert raw_stream(r1.url + chat, "oa", "cut-id", **hi) == direct
     finally:
         control(oa, split_tail_ms=0, usage_nulls=True)
 
@@ -340,3 +326,40 @@ def test_usage_counted_since_the_last_write_is_written_at_shutdown(
         client.close()
     assert fields[("alpha", "m", "requests")] == 1
     assert fields[("alpha", "m", "completion_tokens")] == 6
+
+
+def test_a_client_leaving_at_done_is_counted_with_the_engines_usage(
+    fleet: dict[str, Proc],
+) -> None:
+    # The openai SDK stops reading at `[DONE]` and closes: the router sees that client leave
+    # while it still waits for the engine's end of body. The engine's usage had already
+    # passed; it must be what is counted, not an estimate.
+    r1, mock = fleet["r1"], fleet["mock"]
+    control(mock, end_gap_ms=300)
+    try:
+        before_engine, before = engine_counts(mock), usage(r1, key="alpha").json()["data"]
+        c = sdk(r1, ALPHA)
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "leave at done"}]
+        for options in (None, {"include_usage": True}):
+            extra = {"stream_options": options} if options else None
+            chunks = list(
+                c.chat.completions.create(
+                    model="m", messages=messages, stream=True, extra_body=extra
+                )
+            )
+            assert chunks and all(ch.usage is None for ch in chunks[:-1])
+        # Counted as the request ends: at the client's close, or at worst the gap after it.
+        deadline = time.monotonic() + 5
+        while True:
+            rows = usage(r1, key="alpha").json()["data"]
+            if total(rows, "requests") - total(before, "requests") >= 2:
+                break
+            assert time.monotonic() < deadline, "the two requests were not counted"
+            time.sleep(0.02)
+    finally:
+        control(mock, end_gap_ms=0)
+    engine = {k: v - before_engine[k] for k, v in engine_counts(mock).items()}
+    assert total(rows, "estimated_requests") == total(before, "estimated_requests")
+    assert total(rows, "prompt_tokens") - total(before, "prompt_tokens") == engine["prompt_tokens"]
+    assert total(rows, "completion_tokens") - total(before, "completion_tokens") == 2 * 6
+    assert engine["generation_tokens"] == 2 * 6

@@ -159,3 +159,59 @@ def test_an_endless_usage_event_is_relayed_not_held() -> None:
     tail = b'"}}\n\n' + usage + b"data: [DONE]\n\n"
     assert strip.feed(tail) == b'"}}\n\n' + b"data: [DONE]\n\n"
     assert strip.stripped
+
+
+FP = ',"system_fingerprint":"vllm-0.32.0"'
+
+
+def vllm_stream(line_end: str) -> tuple[bytes, bytes]:
+    """(vLLM's stream with include_usage, without): the fingerprint on the usage event in the
+    first, on the last token's event (the finish reason's) in the second."""
+    head = 'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":['
+    mid = head + '{"index":0,"delta":{"content":"a"},"logprobs":null,"finish_reason":null}]}\n\n'
+    last = head + '{"index":0,"delta":{"content":"b"},"logprobs":null,"finish_reason":"length"}]'
+    usage = head + '],"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2}'
+    done = "data: [DONE]\n\n"
+    with_usage = mid + last + "}\n\n" + usage + FP + "}\n\n" + done
+    without = mid + last + FP + "}\n\n" + done
+    return (
+        with_usage.replace("\n", line_end).encode(),
+        without.replace("\n", line_end).encode(),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["\n", "\r\n", "\r"]), st.data())
+def test_the_usage_events_fingerprint_goes_back_on_the_finish_event(
+    line_end: str, data: st.DataObject
+) -> None:
+    sent, want = vllm_stream(line_end)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(sent)), max_size=6)))
+    strip = UsageStrip(strip_nulls=False)
+    out = b""
+    for a, b in zip([0, *cuts], [*cuts, len(sent)], strict=True):
+        out += strip.feed(sent[a:b])
+    out += strip.flush()
+    assert out == want and strip.stripped
+
+
+def test_a_finish_event_with_its_own_fingerprint_is_untouched() -> None:
+    sent, _ = vllm_stream("\n")
+    # OpenAI's shape: every chunk has its fingerprint (and `"usage":null`).
+    sent = sent.replace(
+        b'"finish_reason":"length"}]}', b'"finish_reason":"length"}]' + FP.encode() + b"}"
+    )
+    strip = UsageStrip(strip_nulls=False)
+    out = strip.feed(sent) + strip.flush()
+    assert out.count(b"system_fingerprint") == 1 and b'"usage":{' not in out
+
+
+def test_a_held_finish_event_is_sent_when_the_stream_ends_without_usage() -> None:
+    _, plain = vllm_stream("\n")
+    strip = UsageStrip(strip_nulls=False)
+    body = plain.replace(FP.encode(), b"")
+    finish_end = body.index(b"data: [DONE]")
+    out = strip.feed(body[:finish_end])
+    assert not out.endswith(b'"length"}]}\n\n')  # the finish event waits for the next one
+    out += strip.feed(body[finish_end:]) + strip.flush()
+    assert out == body and not strip.stripped

@@ -1,6 +1,6 @@
 """The engine tier's fixtures: two real vLLM engines for the whole session, routers per test.
 
-`engine_fleet` starts the engines once (about 30 s; the venv is installed first if absent) and
+`engine_fleet` starts the engines once (about 40 s; the venv is installed first if absent) and
 stops them at the end of the session, whatever happened: a finalizer stops every process group,
 and the engines die with this process if it is killed (PR_SET_PDEATHSIG). `fleet` hands the
 same fleet to a test after making sure every engine is up again (a test that kills one and fails
@@ -9,24 +9,47 @@ before restarting it does not take the next tests down). `procs` starts routers 
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from router.enginefleet.fleet import Engine, EngineOptions, Fleet
-from router.enginefleet.install import engine_home, ensure_venv
+from router.enginefleet.install import engine_home, ensure_venv, nixl_dir
 from router.enginefleet.model import write_model
 from tests.harness import Cluster
 from tests_engine.support import ensure_healthy, wait_idle
 
 # One engine per core, 64 KV blocks of 128 tokens each (8,192 tokens): small enough that a trace
-# of a few long conversations evicts, big enough for prompts up to max_model_len.
+# of a few long conversations evicts, big enough for prompts up to max_model_len. Every module's
+# flags are on from the start, so that no module restarts the engines with others (a restart of
+# both costs about 35 s): LoRA (two slots, adapters loaded at run time; no adapter is loaded
+# unless a test loads one, and the base model is served as without it) and NIXL as `kv_both`
+# (an engine hands KV over only for a request that asks with `kv_transfer_params`).
+LORA_ARGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
 FLEET_OPTIONS = EngineOptions(
     kv_blocks=64,
     max_model_len=2048,
-    # /v1/responses with previous_response_id needs the engine's response store.
-    extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+    extra_args=LORA_ARGS,
+    extra_env={
+        # /v1/responses with previous_response_id needs the engine's response store.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+    },
 )
+
+
+# Modules that leave an engine restarting (they kill one mid-answer) run last, so that no later
+# test waits for the restart (about 30 s on these machines).
+LAST = ("test_migration.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name in LAST)  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +57,12 @@ def engine_fleet(request: pytest.FixtureRequest) -> Fleet:
     home = engine_home()
     python = ensure_venv(home)
     model = write_model(home / "models")
-    fleet = Fleet(python, model, count=2, options=FLEET_OPTIONS)
+    keep = os.environ.get("SLUICEGATE_ENGINE_RUN_DIR")  # engine logs kept there, for a post-mortem
+    run_dir = Path(keep) if keep else None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    options = dataclasses.replace(FLEET_OPTIONS, nixl=nixl_dir(home))
+    fleet = Fleet(python, model, count=2, options=options, run_dir=run_dir)
     request.addfinalizer(fleet.stop)  # registered before the start: a failed start stops too
     fleet.start()
     return fleet
@@ -54,10 +82,19 @@ def engines(fleet: Fleet) -> list[Engine]:
 
 
 @pytest.fixture
-def procs() -> Iterator[Cluster]:
-    """Routers (and other processes) started by one test, stopped when it ends."""
+def procs(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Routers (and other processes) started by one test, stopped when it ends; with
+    SLUICEGATE_ENGINE_RUN_DIR set their logs are kept there too, one folder per test."""
     c = Cluster()
     try:
         yield c
     finally:
+        for proc in c.procs:
+            proc.stop(grace=5)
+        keep = os.environ.get("SLUICEGATE_ENGINE_RUN_DIR")
+        if keep:
+            where = Path(keep) / re.sub(r"[^\w.-]+", "_", request.node.name)
+            where.mkdir(parents=True, exist_ok=True)
+            for log in c.tmp.glob("*.log"):
+                shutil.copy(log, where / log.name)
         c.close()

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.enginefleet.fleet import Engine, Fleet
+from router.enginefleet.fleet import START_TIMEOUT_S, Engine, Fleet
 from tests.harness import Cluster, Proc
 
 
@@ -90,13 +90,10 @@ def wait_idle(engines: Iterable[Engine], timeout_s: float = 60.0) -> None:
         wait_for(f"engine {e.index} idle", idle, timeout_s, 0.2)
 
 
-def ensure_healthy(fleet: Fleet, timeout_s: float = 240.0) -> None:
-    """Every engine up and healthy: one a previous test killed (and failed to restore) restarts."""
-    for e in fleet.engines:
-        if not e.alive() or not e.healthy():
-            e.restart(wait=False)
-    for e in fleet.engines:
-        e.wait_ready(timeout_s)
+def ensure_healthy(fleet: Fleet, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Every engine up and healthy: one a previous test killed (and failed to start again)
+    starts; a running one is waited for (Fleet.ensure_up)."""
+    fleet.ensure_up(timeout_s)
 
 
 def backends(
@@ -132,7 +129,8 @@ def start_router(
     base: dict[str, Any] = {
         "backends": backends(fleet, engines),
         "expose_backend_header": True,  # x-sluicegate-backend: which engine served
-        "engine_metrics": {"interval": 0.1, "timeout": 2.0, "stale_after": 2.0},
+        # Fresh for longer than a starved engine's slowest page takes (a stale reading is none).
+        "engine_metrics": {"interval": 0.1, "timeout": 10.0, "stale_after": 30.0},
         "health": {"interval": 0.5},
     }
     return cluster.router({**base, **(config or {})}, env=env)

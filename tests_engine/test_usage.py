@@ -27,6 +27,7 @@ from tests_engine.support import (
 ENGINE_PROMPT, ENGINE_GEN = "vllm:prompt_tokens_total", "vllm:generation_tokens_total"
 ENGINE_CACHED = "vllm:prompt_tokens_cached_total"
 CACHED = "sluicegate_tokens_total{kind=cached}"
+REQUESTS = "sluicegate_requests_total"
 PROMPT, COMPLETION = (
     "sluicegate_tokens_total{kind=prompt}",
     "sluicegate_tokens_total{kind=completion}",
@@ -50,7 +51,7 @@ def test_router_usage_equals_the_engines_own_counters(fleet: Fleet, procs: Clust
     before = router_metrics(router)
     # A prompt longer than a KV block, sent again: the repeats are served partly from cache.
     long = Words(fleet, seed=30).text(2 * kv_capacity_blocks(fleet.engines[0])[1])
-    for i in range(4):  # round robin: each shape reaches both engines
+    for i in range(4):  # round robin: each shape reaches both engines; 5 requests each
         messages = [{"role": "user", "content": f"count the tokens of request {i} " * (i + 1)}]
         if i >= 2:
             messages = [{"role": "user", "content": long + f" request {i}"}]
@@ -78,18 +79,19 @@ def test_router_usage_equals_the_engines_own_counters(fleet: Fleet, procs: Clust
         text = list(c.completions.create(prompt=f"complete {i}", stream=True, **common))
         assert all(ch.usage is None for ch in text)
         assert c.completions.create(prompt=f"complete {i}", **common).usage is not None
+    # Counted as each response ends, which may trail the client a little (the SDK closes at
+    # [DONE]): every request answered is counted before the figures are compared.
+    sent = 4 * 5
+    wait_for(
+        "the router counted every response",
+        lambda: router_metrics(router).get(REQUESTS, 0) - before.get(REQUESTS, 0) >= sent,
+        10.0,
+    )
     after_engines = engine_totals(fleet)
     engine_prompt = after_engines[0] - before_engines[0]
     engine_gen = after_engines[1] - before_engines[1]
     engine_cached = after_engines[2] - before_engines[2]
     assert engine_prompt > 0 and engine_gen > 0 and engine_cached > 0
-
-    def counted() -> bool:  # the router counts when a response ends: it may trail the client
-        m = router_metrics(router)
-        return m.get(COMPLETION, 0) - before.get(COMPLETION, 0) >= engine_gen
-
-    wait_for("the router counted every response", counted, 5.0)
     after = router_metrics(router)
-    assert after.get(PROMPT, 0) - before.get(PROMPT, 0) == engine_prompt
-    assert after.get(COMPLETION, 0) - before.get(COMPLETION, 0) == engine_gen
-    assert after.get(CACHED, 0) - before.get(CACHED, 0) == engine_cached
+    counted = {k: after.get(k, 0) - before.get(k, 0) for k in (PROMPT, COMPLETION, CACHED)}
+    assert counted == {PROMPT: engine_prompt, COMPLETION: engine_gen, CACHED: engine_cached}

@@ -40,6 +40,7 @@ from balancers.inflight.batch import Batcher
 from router.core.backend import Backend
 from router.core.errors import STORE_FAILURES, StoreUnavailable, store_unavailable
 from router.core.redis_client import KeyConnections, RedisTarget, follow_master
+from router.core.runner import Runner, shared_or_own
 
 log = logging.getLogger("sluicegate.inflight")
 
@@ -147,6 +148,7 @@ class RedisInflight:
         prefix: str = "sluicegate",
         clock: Callable[[], float] | None = None,
         heartbeat: bool = True,
+        runner: Runner | None = None,
     ) -> None:
         # Hot-path commands go pipelined through one connection (see batch.py); the heartbeat
         # takes others.
@@ -176,7 +178,9 @@ class RedisInflight:
         self._live: dict[str, str] = {}  # lease id -> backend, for this replica
         self._local: dict[str, int] = {}  # this replica's own counts: the fallback view
         self._orphans: set[tuple[str, str]] = set()  # (backend, lease id) removals still owed
-        self._beat_task: asyncio.Task[None] | None = None
+        self._runner = runner  # the app's; None: one of its own once the heartbeat starts
+        self._own_runner: Runner | None = None
+        self._beating = False
         self._wake = asyncio.Event()
         self._failures = 0  # Redis calls failed in a row
         self.degraded = False
@@ -231,21 +235,16 @@ class RedisInflight:
                     functools.partial(self._batch.call, "SCRIPT", "LOAD", source), batched=True
                 )
         await self.heartbeat()
-        if self._run_heartbeat and self._beat_task is None:
-            self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
-
-    async def _beat_loop(self) -> None:
-        while True:
-            self._wake.clear()
+        if self._run_heartbeat and not self._beating:
+            self._beating = True
+            runner, self._own_runner = shared_or_own(self._runner)
             # While degraded, probe often so shared counts come back quickly.
-            wait = 0.5 if self.degraded else self._beat_every
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self._wake.wait()
-            try:
-                await self.heartbeat()
-            except Exception:  # a bug here must not end the beats that keep leases alive
-                log.exception("in-flight heartbeat failed")
+            runner.every(
+                "inflight_heartbeat",
+                self.heartbeat,
+                lambda: 0.5 if self.degraded else self._beat_every,
+                wake=self._wake,
+            )
 
     async def heartbeat(self) -> bool:
         """Re-stamp (or re-add) this replica's live leases and settle owed removals; True when
@@ -293,11 +292,9 @@ class RedisInflight:
         await self._batch.drain(within)
 
     async def aclose(self) -> None:
-        if self._beat_task is not None:
-            self._beat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat_task
-            self._beat_task = None
+        if self._own_runner is not None:
+            await self._own_runner.stop()
+            self._own_runner = None
         for token, backend in list(self._live.items()):
             self.release(Lease(backend, token))
         await self.flush(max(1.0, self._timeout * 4))

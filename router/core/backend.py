@@ -1,16 +1,24 @@
 """A backend as a frozen value: what every layer (balancers, health, the request path) sees.
 
 Built from a `BackendConfig` once per registry snapshot; never mutated (a change is a new value).
-Secret-bearing fields stay out of `repr` and `public()`.
+Secret-bearing fields stay out of `repr` and `public()`. `ssl_context` is the backend's TLS
+policy made once (router/core/tls.py): every connection to it (traffic, probes, scrapes) uses it.
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from router.core.settings import BackendConfig, HealthConfig, KvEventsConfig, OutlierConfig
+from router.core.settings import (
+    BackendConfig,
+    HealthConfig,
+    KvEventsConfig,
+    OutlierConfig,
+    TlsConfig,
+)
 from router.core.validation import check_header_name, check_header_value, check_url
 
 
@@ -43,6 +51,17 @@ class Backend:
     header_names: tuple[str, ...] = ()  # extra headers' names; their values may be secrets
     metrics_path: str | None = None  # engine metrics to scrape; None for openai or when off
     kv_events: KvEventsConfig | None = None  # where its KV-cache events come from (vllm only)
+    role: str = "both"  # prefill | decode | both (router/request/pd.py)
+    bootstrap_port: int = 8998  # SGLang's bootstrap server, on a prefill engine
+    tls: TlsConfig | None = None
+    # The shared context of `tls` (None: the system default). Compared by identity, so a
+    # backend rebuilt after its files changed is a changed backend and reconnects.
+    ssl_context: ssl.SSLContext | None = field(default=None, repr=False)
+
+    @property
+    def server_name(self) -> str | None:
+        """SNI and the certificate's expected name, when not the URL's host."""
+        return self.tls.server_name if self.tls is not None else None
 
     @classmethod
     def from_config(
@@ -58,6 +77,10 @@ class Backend:
             value = f"Bearer {key}" if hname == "authorization" else key
             headers.append(_wire("api_key", hname, value))
         check_url(cfg.url)
+        try:
+            context = cfg.tls.context() if cfg.tls is not None else None
+        except ValueError as exc:  # validated already; its files may have gone since
+            raise ValueError(f"tls.{exc}") from None
         return cls(
             name=cfg.name,
             url=cfg.url,
@@ -76,6 +99,10 @@ class Backend:
             header_names=tuple(k.lower() for k in cfg.headers),
             metrics_path=cfg.metrics_path if cfg.kind != "openai" else None,
             kv_events=cfg.kv_events if cfg.kind == "vllm" else None,
+            tls=cfg.tls,
+            ssl_context=context,
+            role=cfg.role,
+            bootstrap_port=cfg.bootstrap_port,
         )
 
     def public(self) -> dict[str, Any]:
@@ -96,4 +123,7 @@ class Backend:
             "draining": self.draining,
             "metrics_path": self.metrics_path,
             "kv_events": self.kv_events.model_dump() if self.kv_events is not None else None,
+            # Paths and flags only: nothing here is a secret, the key file's contents never read.
+            "tls": self.tls.model_dump() if self.tls is not None else None,
+            "role": self.role,
         }

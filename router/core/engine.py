@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+NO_ADAPTERS: frozenset[str] = frozenset()
+
 
 @dataclass(frozen=True, slots=True)
 class EngineReading:
@@ -24,6 +26,21 @@ class EngineReading:
     # Learned from the engine's histograms (router/engine/calibrate.py); None: not enough yet.
     prefill_s_per_token: float | None = None  # prefill seconds per uncached prompt token
     step_s_per_seq: float | None = None  # decode step seconds per running sequence
+    # LoRA (vllm:lora_requests_info, the newest series; only engines started with --enable-lora)
+    max_lora: int | None = None  # adapters the engine runs at once (None: LoRA off/unreported)
+    lora_running: frozenset[str] = NO_ADAPTERS  # adapters with requests in the running batch
+    lora_waiting: frozenset[str] = NO_ADAPTERS  # adapters with requests only in the queue
+    # Adapters the engine serves (its `/v1/models` entries whose `parent` is its base model),
+    # refreshed every `lora.refresh` seconds; None: not asked yet, or not a vLLM engine.
+    adapters: frozenset[str] | None = None
+
+    def serves(self, adapter: str) -> bool:
+        """The engine can run `adapter` without a load (listed, or seen running or waiting)."""
+        return (
+            (self.adapters is not None and adapter in self.adapters)
+            or adapter in self.lora_running
+            or adapter in self.lora_waiting
+        )
 
     def public(self) -> dict[str, object]:
         return {
@@ -37,6 +54,14 @@ class EngineReading:
             "block_size": self.block_size,
             "prefill_s_per_token": self.prefill_s_per_token,
             "step_s_per_seq": self.step_s_per_seq,
+            "lora": None
+            if self.max_lora is None and not self.adapters
+            else {
+                "max_lora": self.max_lora,
+                "loaded": sorted(self.adapters or ()),
+                "running": sorted(self.lora_running),
+                "waiting": sorted(self.lora_waiting),
+            },
         }
 
 

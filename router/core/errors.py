@@ -14,7 +14,10 @@ SluicegateError
 Foreign exceptions (httpx's tree, which the upstream transport speaks; OSError, TimeoutError;
 redis-py) are mapped here and nowhere else: `upstream_failure()` for an attempt at a backend,
 `store_unavailable()` for Redis. `FailureKind` names what went wrong with an attempt, for health,
-metrics and logs alike. `STATUS_TYPES` is the one status -> OpenAI error type table.
+metrics and logs alike. `STATUS_TYPES` is the one status -> OpenAI error type table;
+`ANTHROPIC_TYPES` the same for Anthropic's format (`{"type":"error","error":{"type","message"}}`),
+which endpoints of the Messages API answer in (`as_anthropic()`: the same status, headers and
+message).
 """
 
 from __future__ import annotations
@@ -76,9 +79,50 @@ def error_response(
     )
 
 
-def sse_error_event(message: str, type_: str, code: str) -> bytes:
-    """The closing events of a stream that failed after it began."""
+def sse_error_event(message: str, type_: str, code: str, anthropic: bool = False) -> bytes:
+    """The closing events of a stream that failed after it began (Anthropic's: one `error`
+    event, which its SDKs raise)."""
+    if anthropic:
+        return b"event: error\ndata: " + anthropic_payload(message, "api_error") + b"\n\n"
     return b"data: " + error_payload(message, type_, code) + b"\n\ndata: [DONE]\n\n"
+
+
+ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_payload(message: str, type_: str) -> bytes:
+    return json.dumps({"type": "error", "error": {"type": type_, "message": message}}).encode()
+
+
+def as_anthropic(response: Response) -> Response:
+    """One of the router's own OpenAI-format error answers in Anthropic's format: the same
+    status, headers (request id, Retry-After, rate limits) and message."""
+    status = response.status_code
+    try:
+        message = str(json.loads(bytes(response.body))["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = "The request failed."
+    type_ = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    headers = {
+        k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")
+    }
+    return Response(
+        anthropic_payload(message, type_),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 class SluicegateError(Exception):
@@ -95,11 +139,12 @@ class ProxyError(SluicegateError):
         self.message = message
         self.retry_after = retry_after
 
-    def response(self, request_id: str) -> Response:
+    def response(self, request_id: str, anthropic: bool = False) -> Response:
         headers = {"x-request-id": request_id}
         if self.retry_after is not None:
             headers["retry-after"] = str(max(1, round(self.retry_after)))
-        return error_response(self.status, self.message, self.type_, self.code, headers)
+        answer = error_response(self.status, self.message, self.type_, self.code, headers)
+        return as_anthropic(answer) if anthropic else answer
 
 
 class UpstreamConnectError(ProxyError):
@@ -156,11 +201,17 @@ class FailureKind(StrEnum):
     POOL = "pool"  # our own pool to it had no free connection: not the backend's failure
     STATUS = "status"  # it answered 5xx or 429
     MID_STREAM = "mid_stream"  # it failed after the answer began
+    LORA_LOAD = "lora_load"  # loading the request's LoRA adapter there failed (not its health)
 
 
 class InvalidUpstreamResponse(httpx.RemoteProtocolError):
     """An answer the upstream transport refuses to relay (a head over its limits, a 101, a status
     outside 100-599); it drops the connection. Raised in httpx's tree, mapped below."""
+
+
+class UpstreamTlsError(httpx.ConnectError):
+    """The TLS handshake with a backend failed (its certificate refused, or the backend refused
+    ours): a connect error everywhere, told apart in probe reasons and logs."""
 
 
 @dataclass(frozen=True, slots=True)

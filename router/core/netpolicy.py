@@ -26,7 +26,7 @@ import asyncio
 import ipaddress
 import socket
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.core.settings import DEFAULT_DENIED_NETWORKS, AdminConfig
 
@@ -58,19 +58,59 @@ def _forms(ip: IPAddress) -> list[IPAddress]:
     return out
 
 
-def parse_address(text: str) -> IPAddress | None:
-    """`text` as a strict IP literal (brackets and a zone index allowed), else None."""
-    text = text.strip("[]").split("%", 1)[0]
+def dotted_quad(text: str) -> int | None:
+    """`text` as an IPv4 address (its integer) when it is one in its own canonical spelling
+    (`10.0.0.1`, not `010.0.0.1`), else None: the C parser's verdict, a tenth of the cost of
+    `ipaddress` (discovery reads 50,000 at a time). Any other text may still be an address."""
+    try:
+        packed = socket.inet_pton(socket.AF_INET, text)
+    except (OSError, ValueError, TypeError):
+        return None
+    if socket.inet_ntop(socket.AF_INET, packed) != text:
+        return None
+    return int.from_bytes(packed, "big")
+
+
+def ip_literal(text: str) -> IPAddress | None:
+    """`text` as a strict IP literal, else None: what `ipaddress.ip_address` accepts."""
+    n = dotted_quad(text)
+    if n is not None:
+        return ipaddress.IPv4Address(n)
     try:
         return ipaddress.ip_address(text)
     except ValueError:
         return None
 
 
+def parse_address(text: str) -> IPAddress | None:
+    """`text` as a strict IP literal (brackets and a zone index allowed), else None."""
+    return ip_literal(text.strip("[]").split("%", 1)[0])
+
+
+def _v4(nets: Iterable[IPNetwork]) -> tuple[tuple[int, int, IPNetwork], ...]:
+    return tuple(
+        (int(n.netmask), int(n.network_address), n)
+        for n in nets
+        if isinstance(n, ipaddress.IPv4Network)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class NetPolicy:
     allowed: tuple[IPNetwork, ...] = ()  # empty: anywhere not denied
     denied: tuple[IPNetwork, ...] = _networks(DEFAULT_DENIED_NETWORKS)
+    # (mask, network, net) of the IPv4 networks: an IPv4 address is judged by two integer
+    # operations per network (discovery judges 50,000 at a time).
+    _denied4: tuple[tuple[int, int, IPNetwork], ...] = field(
+        init=False, repr=False, compare=False, default=()
+    )
+    _allowed4: tuple[tuple[int, int, IPNetwork], ...] = field(
+        init=False, repr=False, compare=False, default=()
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_denied4", _v4(self.denied))
+        object.__setattr__(self, "_allowed4", _v4(self.allowed))
 
     @classmethod
     def from_config(cls, cfg: AdminConfig) -> NetPolicy:
@@ -79,9 +119,15 @@ class NetPolicy:
     def refusal(self, address: str | IPAddress) -> str | None:
         """Why `address` (an IP) may not be a backend's, or None when it may. A string that is
         not an IP literal is refused: resolve names with `check_host`."""
+        if isinstance(address, str):
+            n = dotted_quad(address)
+            if n is not None:
+                return self._refusal4(n, address)
         ip = parse_address(address) if isinstance(address, str) else address
         if ip is None:
             return f"{str(address)[:100]!r} is not an IP address"
+        if isinstance(ip, ipaddress.IPv4Address):
+            return self._refusal4(int(ip), str(ip))
         forms = _forms(ip)
         for form in forms:
             for net in self.denied:
@@ -91,6 +137,15 @@ class NetPolicy:
             form.version == net.version and form in net for form in forms for net in self.allowed
         ):
             return f"{ip} is in none of the allowed networks"
+        return None
+
+    def _refusal4(self, n: int, shown: str) -> str | None:
+        # An IPv4 address carries no other form: two integer operations per network.
+        for mask, base, net in self._denied4:
+            if n & mask == base:
+                return f"{shown} is in a denied network ({net})"
+        if self.allowed and not any(n & mask == base for mask, base, _ in self._allowed4):
+            return f"{shown} is in none of the allowed networks"
         return None
 
     async def resolve(self, host: str, port: int | None = None) -> list[str]:

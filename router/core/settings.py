@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import contextvars
+import fnmatch
 import ipaddress
 import os
 import re
+import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -31,6 +33,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from router.core.tls import TlsError, context
 from router.core.validation import check_header_name, check_header_value, check_url
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
@@ -79,6 +82,10 @@ class HealthConfig(_Strict):
     healthy_threshold: int = Field(2, ge=1)
     path: str | None = None
     enabled: bool = True
+    # The whole process's probe budget (global `health:` only; ignored per backend): probes
+    # start at most this often across all backends, so a large discovered fleet costs a flat
+    # amount and each backend's interval stretches instead (2,000 backends: every 10 s).
+    max_probes_per_second: float = Field(200.0, gt=0, le=100_000)
 
 
 class OutlierConfig(_Strict):
@@ -93,6 +100,36 @@ class RetryConfig(_Strict):
     budget_percent: float = Field(20.0, ge=0, le=100)
     min_retries: int = Field(3, ge=0)
     deadline: float = Field(30.0, gt=0)
+
+
+class MigrationRule(_Strict):
+    """Whether a generation whose engine dies mid-stream goes on on another backend
+    (router/request/migration.py). `enabled` unset: on, except from or to `kind: openai`
+    backends (a client may expect a provider's output to come from that provider alone)."""
+
+    enabled: bool | None = None
+    max_migrations: int = Field(2, ge=1, le=10)
+
+
+class MigrationConfig(MigrationRule):
+    """The global rule, and per public model name a rule that replaces it for that model."""
+
+    models: dict[str, MigrationRule] = Field(default_factory=dict)
+
+    def rule(self, model: str) -> MigrationRule:
+        return self.models.get(model, self)
+
+
+class DisaggregationConfig(_Strict):
+    """How a model with prefill and decode backends splits a request (router/request/pd.py):
+    `nixl`: vLLM's NixlConnector handoff (prefill first, then decode with its
+    `kv_transfer_params`); `sglang`: SGLang's bootstrap (both at once, one `bootstrap_room`)."""
+
+    # `nixl`: vLLM's NixlConnector handoff; `sglang`: SGLang's bootstrap.
+    connector: Literal["nixl", "sglang"] = "nixl"
+    # A prompt is split only when at least this many of its tokens are not already cached on
+    # the decode engine chosen for it; shorter ones are served whole there.
+    min_uncached_tokens: int = Field(512, ge=0, le=1 << 24)
 
 
 class TracingConfig(_Strict):
@@ -129,6 +166,47 @@ class KvEventsConfig(_Strict):
     bind: bool | None = None
 
 
+class TlsConfig(_Strict):
+    """How the router's connections to an https backend are secured: traffic, health probes
+    and engine scrapes alike (router/core/tls.py). The files are read when the backend is
+    built (startup, an admin call, a discovery template); a file that cannot be read or parsed
+    fails that with the field named."""
+
+    # PEM file of the CA(s) that signed the backend's certificate; it replaces the system trust
+    # store for this backend (null: the system store).
+    ca_file: str | None = Field(None, min_length=1)
+    # PEM client certificate for backends that require one (mTLS); may hold the key too.
+    cert_file: str | None = Field(None, min_length=1)
+    # PEM private key of `cert_file`, when it is a file of its own (not encrypted).
+    key_file: str | None = Field(None, min_length=1)
+    # false: the backend's certificate is not checked at all (encryption without
+    # authentication: for tests and trusted networks only).
+    verify: bool = True
+    # The name sent as SNI and checked against the certificate instead of the URL's host (a
+    # backend addressed by IP, or a certificate issued to its service name).
+    server_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$",
+    )
+
+    @model_validator(mode="after")
+    def _loads(self) -> TlsConfig:
+        if self.key_file is not None and self.cert_file is None:
+            raise ValueError("key_file: needs cert_file")
+        if not self.verify and self.ca_file is not None:
+            raise ValueError("ca_file: has no effect with verify: false (drop one)")
+        try:
+            self.context()
+        except TlsError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def context(self) -> ssl.SSLContext:
+        """The shared `ssl.SSLContext` of this policy; raises TlsError (router/core/tls.py)."""
+        return context(self.ca_file, self.cert_file, self.key_file, self.verify)
+
+
 class BackendConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: str
@@ -147,6 +225,13 @@ class BackendConfig(_Strict):
     health: HealthConfig | None = None
     outlier: OutlierConfig | None = None
     kv_events: KvEventsConfig | None = None  # vLLM only: precise prefix-cache routing
+    tls: TlsConfig | None = None  # https backends: CA, client certificate, verify, SNI name
+    # Prefill/decode disaggregation (docs/disaggregation.md): a `prefill` engine only prefills
+    # the long prompts of its model's requests, a `decode` engine takes them after the handoff
+    # and serves short ones whole, `both` does either.
+    role: Literal["prefill", "decode", "both"] = "both"
+    # SGLang's bootstrap server on a prefill engine (`--disaggregation-bootstrap-port`).
+    bootstrap_port: int = Field(8998, ge=1, le=65535)
 
     @field_validator("models", mode="before")
     @classmethod
@@ -236,6 +321,43 @@ class EngineMetricsConfig(_Strict):
     max_kv_tokens: int = Field(8 * 1024 * 1024, ge=1, le=1 << 34)
     # A page past this is refused unread (a vLLM's is ~56 KB): every byte is read each interval.
     max_page_bytes: int = Field(1024 * 1024, ge=4096, le=64 * 1024 * 1024)
+    # The scrape budget: at most this many scrapes a second across all engines, taken in turn;
+    # past `max_scrapes_per_second * interval` engines each one's reading refreshes less often
+    # (and counts as stale only after three of its turns), so background cost stays flat.
+    max_scrapes_per_second: float = Field(1000.0, gt=0, le=100_000)
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters (router/engine/lora_loads.py): the adapters each engine serves are read from
+    its `/v1/models` every `refresh` seconds; with `load_on_demand`, an adapter in `sources`
+    (adapter name -> the path the engine loads it from) that no healthy engine serves is loaded
+    on the engine with the most room (vLLM's `/v1/load_lora_adapter`, which needs
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` on the engine), and what the router loaded is
+    unloaded after `idle_unload` seconds unused."""
+
+    # Load an adapter of `sources` that no healthy engine serves on the engine with the most room.
+    load_on_demand: bool = False
+    sources: dict[str, str] = Field(default_factory=dict)  # adapter name -> path on the engine
+    # Seconds without a request in flight after which an adapter the router loaded is unloaded.
+    idle_unload: float = Field(600.0, gt=0, le=7 * 86400)
+    refresh: float = Field(5.0, ge=0.05, le=3600)  # seconds between reads of /v1/models
+    # The public model the `sources` adapters were trained for (None: any engine with LoRA on).
+    base_model: str | None = None
+    load_timeout: float = Field(60.0, gt=0, le=3600)  # one load, and a request's wait for it
+    # After a failed load, that engine is not tried again for that adapter for this long.
+    failure_cooldown: float = Field(30.0, ge=0, le=3600)
+
+    @field_validator("sources")
+    @classmethod
+    def _names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not re.match(r"^[\x21-\x7e]{1,256}$", name):
+                raise ValueError(f"adapter name {name!r} must be 1-256 visible ASCII characters")
+            if not path:
+                raise ValueError(f"adapter {name!r}: the path is empty")
+        if len(v) > 1024:
+            raise ValueError("at most 1024 adapters")
+        return v
 
 
 class TokenizerConfig(_Strict):
@@ -251,6 +373,15 @@ class TokenizerConfig(_Strict):
         if self.via == "router" and not self.path:
             raise ValueError("via: router needs `path` (the model's tokenizer directory)")
         return self
+
+
+class ResponseIdsConfig(_Strict):
+    """Where stored Responses live: response id -> the backend that holds it (the engine keeps
+    the response and its conversation in its own memory). With Redis the map is shared by every
+    replica; without it, each process keeps its own."""
+
+    ttl: float = Field(86400.0, ge=1, le=30 * 86400)  # seconds after its last use an id is kept
+    max_local: int = Field(100_000, ge=1, le=10_000_000)  # ids this process keeps itself
 
 
 class AffinityConfig(_Strict):
@@ -351,6 +482,28 @@ class AdminConfig(_Strict):
         return v
 
 
+# Paths the console may not take: the router's own routes live there.
+_CONSOLE_TAKEN = ("/v1", "/admin", "/metrics", "/healthz", "/readyz")
+
+
+class ConsoleConfig(_Strict):
+    """The web console (docs/console.md): one page that shows the fleet live, served by the
+    router itself; its actions go through the admin API and need the admin token."""
+
+    enabled: bool = False  # off unless asked for: the page shows topology
+    # Path prefix of the page, its assets (`<path>/static/`) and its live view (`<path>/api/live`).
+    path: str = Field("/console", pattern=r"^(/[A-Za-z0-9._~-]+)+$", max_length=100)
+    refresh: float = Field(1.0, ge=0.5, le=60)  # seconds between the page's reads of live state
+
+    @field_validator("path")
+    @classmethod
+    def _free_path(cls, v: str) -> str:
+        for taken in _CONSOLE_TAKEN:
+            if v == taken or v.startswith(taken + "/"):
+                raise ValueError(f"{v!r} is under {taken}, one of the router's own routes")
+        return v
+
+
 _TEMPLATE_FIXED = ("name", "url", "models")
 _PORT_NAME = r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$"  # an IANA_SVC_NAME, as Kubernetes has it
 
@@ -367,6 +520,12 @@ class _DiscoveryBase(_Strict):
     scheme: Literal["http", "https"] = "http"
     # At most this many backends from this source; the excess is refused, counted and shown.
     max_endpoints: int = Field(2000, ge=1, le=100_000)
+    # models: auto only. The model ids an endpoint may claim: names or shell-style patterns
+    # (`llama-*`, `qwen?-7b`); None: any id. Ids outside are refused, counted and logged.
+    models_allow: list[str] | None = Field(None, min_length=1, max_length=256)
+    # models: auto only. False: an endpoint never takes a model that a file or admin backend
+    # serves (that id is refused for it); True: it joins that model's backends.
+    shadow: bool = False
 
     @field_validator("models", mode="before")
     @classmethod
@@ -391,6 +550,25 @@ class _DiscoveryBase(_Strict):
             raise ValueError(describe_validation(exc, "")) from None
         return v
 
+    @field_validator("models_allow")
+    @classmethod
+    def _allow_patterns(cls, v: list[str] | None) -> list[str] | None:
+        for pattern in v or ():
+            if not re.match(r"^[\x21-\x7e]{1,256}$", pattern):
+                raise ValueError(f"{pattern!r}: a model id or pattern of visible characters")
+        return v
+
+    @model_validator(mode="after")
+    def _auto_only(self) -> _DiscoveryBase:
+        if self.models != "auto" and (self.models_allow is not None or self.shadow):
+            raise ValueError("models_allow and shadow apply to `models: auto` only")
+        return self
+
+    def model_allowed(self, model: str) -> bool:
+        if self.models_allow is None:
+            return True
+        return any(fnmatch.fnmatchcase(model, p) for p in self.models_allow)
+
     def backend_config(self, name: str, url: str, models: dict[str, str]) -> BackendConfig:
         data = {**self.backend, "name": name, "url": url, "models": models}
         return BackendConfig.model_validate(data)
@@ -411,6 +589,8 @@ class KubernetesDiscovery(_DiscoveryBase):
     # after which the watch counts as hung: it is restarted and the source shows stale.
     watch_idle_timeout: float = Field(60.0, gt=0, le=3600)
     kubeconfig: str | None = None  # default: in-cluster service account, else KUBECONFIG
+    # An EndpointSlice label naming its endpoints' `role` (prefill, decode, both): llm-d's.
+    role_label: str = Field("llm-d.ai/role", pattern=r"^[A-Za-z0-9./_-]{1,316}$")
 
     @field_validator("port")
     @classmethod
@@ -535,6 +715,8 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     admin_token: SecretStr | None = None
     admin: AdminConfig = AdminConfig()
+    # The web console at `console.path` (docs/console.md); off unless `enabled: true`.
+    console: ConsoleConfig = ConsoleConfig()
     # Stamped on every upstream request (`x-sluicegate-hop`, router/request/hops.py) so a backend
     # that points back at this router is refused, not looped. One per `serve` (its workers share
     # it) unless set; replicas given the same id catch a loop through their Service at once.
@@ -544,13 +726,21 @@ class Settings(BaseSettings):
     backends: list[BackendConfig] = Field(default_factory=list)
     balancer: str = "least_inflight"
     model_balancers: dict[str, str] = Field(default_factory=dict)
+    # Applies to every model with both prefill and decode backends (`role`).
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
+    # Per public model name: its own rule, or null for none (its prefill engines then idle).
+    model_disaggregation: dict[str, DisaggregationConfig | None] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
     limits: PoolLimits = PoolLimits()
     server: ServerConfig = ServerConfig()
     health: HealthConfig = HealthConfig()
     outlier: OutlierConfig = OutlierConfig()
     retries: RetryConfig = RetryConfig()
+    migration: MigrationConfig = MigrationConfig()
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # multipart/form-data bodies (audio uploads): OpenAI's own limit is 25 MB
+    max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1024)
+    response_ids: ResponseIdsConfig = ResponseIdsConfig()
     max_error_body_bytes: int = Field(64 * 1024, ge=1024)
     drain_grace: float = Field(30.0, ge=0)
     # Client keys: set either (or both) and /v1/* requires `Authorization: Bearer <key>`.
@@ -561,6 +751,8 @@ class Settings(BaseSettings):
     registry_resync: float = Field(1.0, gt=0, le=60)
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     affinity: AffinityConfig = AffinityConfig()
+    # LoRA adapters: read from the engines, routed to those that hold them (docs/lora.md).
+    lora: LoraConfig = LoraConfig()
     # Adds `x-sluicegate-backend: <name>` to responses; off by default: it reveals topology.
     expose_backend_header: bool = False
     # Backends that follow the cluster (EndpointSlices) or DNS answers; see router/discovery/.

@@ -19,15 +19,16 @@ service account in a cluster, else `kubeconfig:` or `KUBECONFIG`.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
+from router.core.netpolicy import dotted_quad, ip_literal
 from router.core.settings import KubernetesDiscovery
 from router.discovery.reconcile import Endpoint, Reconciler
 
@@ -38,6 +39,8 @@ _MAX_LIST_BYTES = 256 * 1024 * 1024  # a list answer past this is not a Service'
 _BACKOFF_BASE = 0.2
 _HEALTHY = 10.0  # seconds a watch must stay up before the backoff starts over
 _BOOKMARKS_PER_S = 20
+_YIELD_EVERY = 500  # endpoints parsed between yields to the loop
+_YIELD_BYTES = 1 << 20  # list JSON decoded between yields
 
 
 class KubernetesSource:
@@ -50,13 +53,17 @@ class KubernetesSource:
         self.cfg = cfg
         self.rec = reconciler
         self._clock = clock
-        self._slices: dict[str, dict[str, Any]] = {}
-        self._good: dict[str, list[Endpoint]] = {}  # per slice: its last usable endpoints
+        # Per slice: its last usable endpoints, as plain tuples (the collector untracks those).
+        self._good: dict[str, list[tuple[str, int, bool, str | None]]] = {}
         self._bad_port: set[str] = set()  # slices already warned about (once until fixed)
         self._failures = 0  # failed rounds since the watch was last healthy (the backoff)
         self._rng = random.Random()
         self._bookmark_window = 0.0
         self._bookmarks = 0
+        # The client's import takes ~0.3 s (hundreds of model modules): here, at startup, not
+        # in the running loop on the source's first round.
+        import kubernetes_asyncio.client
+        import kubernetes_asyncio.watch  # noqa: F401
 
     async def _api(self) -> Any:
         from kubernetes_asyncio import client, config
@@ -71,7 +78,6 @@ class KubernetesSource:
 
     async def run(self) -> None:
         import aiohttp
-        from kubernetes_asyncio import watch
         from kubernetes_asyncio.client.exceptions import ApiException
         from kubernetes_asyncio.config import ConfigException
 
@@ -89,7 +95,7 @@ class KubernetesSource:
                         version = await self._list(api)
                         next_list = self._clock() + self.cfg.resync
                     remaining = max(1, int(next_list - self._clock()))
-                    w = watch.Watch()
+                    w = _raw_watch()
                     try:
                         # No event and no bookmark for `idle` seconds: the watch is hung (or
                         # dripping); restart it, and say so meanwhile.
@@ -105,8 +111,16 @@ class KubernetesSource:
                             ):
                                 quiet.reschedule(asyncio.get_running_loop().time() + idle)
                                 version = w.resource_version or version
-                                await self._event(ev)
-                                await self._pace(ev)
+                                change = self._read_event(ev)
+                                bookmark = ev.get("type") == "BOOKMARK"
+                                # The event's JSON (thousands of objects for a large slice)
+                                # goes before the apply, not after: kept through it, the
+                                # collector moves it to its old generation and then runs
+                                # full collections for it.
+                                del ev
+                                if change is not None:
+                                    await self.rec.update_group(*change)
+                                await self._pace(bookmark)
                                 if self._clock() - started >= _HEALTHY:
                                     self._failures = 0
                     except TimeoutError:
@@ -166,10 +180,10 @@ class KubernetesSource:
         self._failures = min(self._failures + 1, 30)
         await asyncio.sleep(self._rng.uniform(cap / 2, cap))
 
-    async def _pace(self, ev: Any) -> None:
+    async def _pace(self, bookmark: bool) -> None:
         """Bookmarks come about once a minute; a flood of them is the server's fault: past
         `_BOOKMARKS_PER_S`, the watch yields for a while instead of spinning the loop."""
-        if not isinstance(ev, dict) or ev.get("type") != "BOOKMARK":
+        if not bookmark:
             return
         now = self._clock()
         if now - self._bookmark_window >= 1.0:
@@ -194,17 +208,22 @@ class KubernetesSource:
         if not 200 <= resp.status <= 299:
             resp.release()
             raise ApiException(status=resp.status, reason="list failed")
-        raw = await resp.content.read(_MAX_LIST_BYTES + 1)
-        if len(raw) > _MAX_LIST_BYTES:
-            resp.release()
-            raise ValueError("list answer too large")
-        body = json.loads(raw)
-        items = body.get("items") if isinstance(body, dict) else None
-        meta = body.get("metadata") if isinstance(body, dict) else None
+        # read(n) returns what has arrived, up to n: a large list comes in many reads.
+        raw = bytearray()
+        while chunk := await resp.content.read(_MAX_LIST_BYTES + 1 - len(raw)):
+            raw += chunk
+            if len(raw) > _MAX_LIST_BYTES:
+                resp.release()
+                raise ValueError("list answer too large")
+        body = await _decode_list(raw.decode("utf-8"))
+        items = body.get("items")
+        meta = body.get("metadata")
         rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
         if not isinstance(items, list) or not isinstance(rv, str) or not rv:
             raise ValueError("not an EndpointSliceList")
-        self._slices = {
+        # The answer's JSON is not kept (only each slice's endpoints): 50,000 endpoints' dicts
+        # and lists would stay for the collector to walk on every full collection.
+        slices = {
             item["metadata"]["name"]: item
             for item in items
             if isinstance(item, dict)
@@ -213,58 +232,72 @@ class KubernetesSource:
             and item["metadata"]["name"]
         }
         self.rec.event("relist")
-        await self.rec.update(self._endpoints())
+        groups: dict[str, list[Endpoint]] = {}
+        walked = 0
+        for name, sl in slices.items():
+            groups[name] = self._slice_endpoints(name, sl)
+            walked += len(groups[name])
+            if walked >= _YIELD_EVERY:  # thousands of endpoints: let requests through
+                walked = 0
+                await asyncio.sleep(0)
+        for gone in set(self._good) - set(slices):
+            self._good.pop(gone, None)
+        self._bad_port &= slices.keys()  # deleted slices: not remembered for ever
+        del raw, body, items, slices  # the JSON goes before the apply, not after it
+        await self.rec.replace(groups)
         return rv
 
     async def _event(self, ev: dict[str, Any]) -> None:
+        change = self._read_event(ev)
+        if change is not None:
+            await self.rec.update_group(*change)
+
+    def _read_event(self, ev: dict[str, Any]) -> tuple[str, list[Endpoint] | None] | None:
+        """A watch event as the slice it changes and that slice's endpoints now (None: the
+        slice is gone), or None when it changes no slice (a bookmark, a bad event)."""
         kind = ev.get("type")
         if kind == "BOOKMARK":
             self.rec.event("bookmark")
             self.rec.synced()
-            return
+            return None
         obj = ev.get("raw_object")
         meta = obj.get("metadata") if isinstance(obj, dict) else None
         name = meta.get("name") if isinstance(meta, dict) else None
         if not isinstance(obj, dict) or not isinstance(name, str) or not name:
             self.rec.warn("bad_answer", "ignoring a watch event without an object name")
-            return
+            return None
         if kind in ("ADDED", "MODIFIED"):
-            self._slices[name] = obj
+            eps: list[Endpoint] | None = self._slice_endpoints(name, obj)
         elif kind == "DELETED":
-            self._slices.pop(name, None)
             self._good.pop(name, None)
-        else:
-            return
-        self.rec.event("watch_" + kind.lower())
-        await self.rec.update(self._endpoints())
-
-    def _endpoints(self) -> list[Endpoint]:
-        out: list[Endpoint] = []
-        for name, sl in self._slices.items():
-            port = self._port(sl)
-            if port is None:
-                # A slice without the port: keep what it had (never empty the fleet on it).
-                if name not in self._bad_port:
-                    self._bad_port.add(name)
-                    self.rec.warn(
-                        "bad_port",
-                        "EndpointSlice has no such port; keeping its last endpoints",
-                        slice=name,
-                        port=str(self.cfg.port),
-                    )
-                out.extend(self._good.get(name, ()))
-                continue
             self._bad_port.discard(name)
-            found, bad = _slice_endpoints(sl, port)
-            if bad:
-                # Skipped and counted; the slice's good endpoints still apply.
-                self.rec.event("bad_endpoint", bad)
-            self._good[name] = found
-            out.extend(found)
-        for gone in set(self._good) - set(self._slices):
-            self._good.pop(gone, None)
-        self._bad_port &= self._slices.keys()  # deleted slices: not remembered for ever
-        return out
+            eps = None
+        else:
+            return None
+        self.rec.event("watch_" + kind.lower())
+        # Only this slice is looked at again: a change costs the slice, not the fleet.
+        return name, eps
+
+    def _slice_endpoints(self, name: str, sl: dict[str, Any]) -> list[Endpoint]:
+        port = self._port(sl)
+        if port is None:
+            # A slice without the port: keep what it had (never empty the fleet on it).
+            if name not in self._bad_port:
+                self._bad_port.add(name)
+                self.rec.warn(
+                    "bad_port",
+                    "EndpointSlice has no such port; keeping its last endpoints",
+                    slice=name,
+                    port=str(self.cfg.port),
+                )
+            return [Endpoint(*e) for e in self._good.get(name, [])]
+        self._bad_port.discard(name)
+        found, bad = _slice_endpoints(sl, port, self.cfg.role_label)
+        if bad:
+            # Skipped and counted; the slice's good endpoints still apply.
+            self.rec.event("bad_endpoint", bad)
+        self._good[name] = [(e.host, e.port, e.ready, e.role) for e in found]
+        return found
 
     def _port(self, sl: dict[str, Any]) -> int | None:
         ports = [p for p in sl.get("ports") or [] if isinstance(p, dict)]
@@ -276,12 +309,93 @@ class KubernetesSource:
         return None
 
 
-def _slice_endpoints(sl: dict[str, Any], port: int) -> tuple[list[Endpoint], int]:
+def _raw_watch() -> Any:
+    from kubernetes_asyncio import watch
+
+    class RawWatch(watch.Watch):
+        """Events as the JSON dicts the server sent: the client would also build its model
+        objects (a few ms per 1,000-endpoint slice, in Python), which nothing here reads."""
+
+        def unmarshal_event(self, data: str | bytes, response_type: str | None) -> Any:
+            return super().unmarshal_event(data, None)
+
+    return RawWatch()
+
+
+async def _decode_list(text: str) -> dict[str, Any]:
+    """A list answer, decoded one item at a time and yielding to the loop every few MB: a
+    50,000 endpoint list is tens of MB of JSON, and one `json.loads` of it would hold the loop
+    for far longer than a request may wait. Each value is decoded by the standard decoder."""
+    dec = json.JSONDecoder()
+    ws = re.compile(r"[ \t\n\r]*")
+    out: dict[str, Any] = {}
+
+    def skip(i: int) -> int:
+        m = ws.match(text, i)
+        return m.end() if m else i
+
+    def expect(i: int, ch: str) -> int:
+        i = skip(i)
+        if text[i : i + 1] != ch:
+            raise ValueError("not an EndpointSliceList")
+        return i + 1
+
+    i = expect(0, "{")
+    if text[skip(i) : skip(i) + 1] == "}":
+        return out
+    since = 0
+    while True:
+        key, i = dec.raw_decode(text, skip(i))
+        i = expect(i, ":")
+        i = skip(i)
+        if key == "items" and text[i : i + 1] == "[":
+            items: list[Any] = []
+            i = skip(i + 1)
+            if text[i : i + 1] == "]":
+                i += 1
+            else:
+                while True:
+                    start = i
+                    item, i = dec.raw_decode(text, skip(i))
+                    items.append(item)
+                    since += i - start
+                    if since >= _YIELD_BYTES:
+                        since = 0
+                        await asyncio.sleep(0)
+                    i = skip(i)
+                    if text[i : i + 1] == "]":
+                        i += 1
+                        break
+                    i = expect(i, ",")
+            value: Any = items
+        else:
+            value, i = dec.raw_decode(text, i)
+        if isinstance(key, str):
+            out[key] = value
+        i = skip(i)
+        if text[i : i + 1] == "}":
+            return out
+        i = expect(i, ",")
+
+
+_ROLES = frozenset(("prefill", "decode", "both"))
+
+
+def _slice_endpoints(
+    sl: dict[str, Any], port: int, role_label: str = "llm-d.ai/role"
+) -> tuple[list[Endpoint], int]:
     """The slice's usable endpoints, and how many it held that are not (no address, an
-    address that is not an IP of the slice's `addressType`, a port outside 1-65535)."""
+    address that is not an IP of the slice's `addressType`, a port outside 1-65535). Their
+    `role` is the slice's `role_label` (the Service's labels are copied onto its slices), when
+    it names one."""
     out: list[Endpoint] = []
     bad = 0
+    meta = sl.get("metadata")
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    label = labels.get(role_label) if isinstance(labels, dict) else None
+    role = label if label in _ROLES else None
     family = {"IPv4": 4, "IPv6": 6}.get(str(sl.get("addressType") or "IPv4"))
+    good_port = 1 <= port <= 65535
     for ep in sl.get("endpoints") or []:
         if not isinstance(ep, dict):
             bad += 1
@@ -290,11 +404,16 @@ def _slice_endpoints(sl: dict[str, Any], port: int) -> tuple[list[Endpoint], int
         if not isinstance(addrs, list) or not addrs:
             bad += 1
             continue
-        try:
-            ip = ipaddress.ip_address(str(addrs[0]))
-        except ValueError:
-            ip = None
-        if ip is None or ip.version != family or not 1 <= port <= 65535:
+        text = str(addrs[0])
+        if family == 4 and dotted_quad(text) is not None:
+            host = text  # already the canonical spelling
+        else:
+            ip = ip_literal(text)
+            if ip is None or ip.version != family:
+                host = ""
+            else:
+                host = ip.compressed
+        if not host or not good_port:
             bad += 1  # FQDN slices too: an address must be an IP the router can dial as is
             continue
         cond = ep.get("conditions")
@@ -305,7 +424,7 @@ def _slice_endpoints(sl: dict[str, Any], port: int) -> tuple[list[Endpoint], int
         serving = cond.get("serving")
         serving = (cond.get("ready") is not False) if serving is None else bool(serving)
         if ready:
-            out.append(Endpoint(ip.compressed, port, True))
+            out.append(Endpoint(host, port, True, role))
         elif serving and terminating:
-            out.append(Endpoint(ip.compressed, port, False))
+            out.append(Endpoint(host, port, False, role))
     return out, bad

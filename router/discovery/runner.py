@@ -1,20 +1,18 @@
-"""Builds the configured discovery sources, runs them as tasks the app owns, and reports them
-(the `/readyz` details, the `sluicegate_discovery_*` gauges). A source's task never ends on an
-error: every failure is caught in the source, logged, counted, and retried."""
+"""Builds the configured discovery sources, runs them as chores on the app's runner, and reports
+them (the `/readyz` details, the `sluicegate_discovery_*` gauges). A source never ends on an
+error: its own failures are caught in the source, logged, counted and retried, and a bug that
+escapes it is logged by the runner and the source started again after a backoff."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import importlib.util
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import httpx
-
 from router.core.netpolicy import NetPolicy
+from router.core.runner import Runner, shared_or_own
 from router.core.settings import ConfigError, DnsDiscovery, KubernetesDiscovery, Settings
 from router.discovery.reconcile import DiscoveryMetrics, InFlight, Reconciler
 from router.registry.fleet import Fleet
@@ -58,17 +56,16 @@ class Discovery:
         grace: float,
         clock: Callable[[], float] = time.monotonic,
         policy: NetPolicy | None = None,
+        runner: Runner | None = None,
     ) -> None:
+        self._runner = runner  # the app's; None: one of its own at start
+        self._own_runner: Runner | None = None
         self._metrics = metrics
         self._clock = clock
-        self._http = httpx.AsyncClient(trust_env=False)
-        self._tasks: list[asyncio.Task[None]] = []
         self.sources: list[Source] = []
         for i, cfg in enumerate(configs):
             source_id = f"{cfg.kind}[{i}]:{cfg.names_prefix}"
-            rec = Reconciler(
-                source_id, cfg, fleet, in_flight, metrics, grace, self._http, clock, policy
-            )
+            rec = Reconciler(source_id, cfg, fleet, in_flight, metrics, grace, clock, policy)
             if isinstance(cfg, KubernetesDiscovery):
                 from router.discovery.kubernetes import KubernetesSource
 
@@ -79,40 +76,19 @@ class Discovery:
                 self.sources.append(DnsSource(cfg, rec, clock))
 
     async def start(self) -> None:
+        if not self.sources:
+            return
+        runner, self._own_runner = shared_or_own(self._runner)
         for src in self.sources:
-            self._tasks.append(asyncio.create_task(self._guard(src.run, src.rec.source_id)))
-        if self.sources:
-            self._tasks.append(asyncio.create_task(self._ticks()))
+            # A source's run() loops until cancelled; one that raises is started again.
+            runner.forever(f"discovery:{src.rec.source_id}", src.run, backoff=1.0)
+            # One chore a source: a failing tick leaves the other sources' ticks alone.
+            runner.every(f"discovery_tick:{src.rec.source_id}", src.rec.tick, _TICK)
 
-    async def _guard(self, run: Callable[[], Any], what: str) -> None:
-        while True:
-            try:
-                await run()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bug in one round must not end discovery for good
-                log.error(
-                    "discovery source failed; restarting it",
-                    extra={"fields": {"source": what, "error": type(exc).__name__}},
-                    exc_info=exc,
-                )
-                await asyncio.sleep(1.0)
-
-    async def _ticks(self) -> None:
-        while True:
-            await asyncio.sleep(_TICK)
-            for src in self.sources:
-                try:
-                    await src.rec.tick()
-                except Exception as exc:
-                    log.warning(
-                        "discovery tick failed",
-                        extra={
-                            "fields": {"source": src.rec.source_id, "error": type(exc).__name__}
-                        },
-                    )
+        async def refresh() -> None:
             self.refresh_metrics()
+
+        runner.every("discovery_metrics", refresh, _TICK)
 
     def refresh_metrics(self) -> None:
         now = self._clock()
@@ -145,11 +121,8 @@ class Discovery:
         ]
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._own_runner is not None:
+            await self._own_runner.stop()
+            self._own_runner = None
         for src in self.sources:
             src.rec.forget_questions()
-        await self._http.aclose()

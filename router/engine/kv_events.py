@@ -2,8 +2,9 @@
 
 One ZMQ SUB socket per publisher (a backend with `kv_events`, or each data-parallel rank that its
 `GET /kv_event_sources` lists), read on the event loop without a future per message: the
-socket's file descriptor wakes a reader that drains every queued message (at most DRAIN_MAX per
-wake-up, then it yields). Every router process subscribes on its own, so no index is shared:
+sockets are polled together every PUMP_INTERVAL and each ready one drained (at most DRAIN_MAX
+messages per round), so a busy engine's batches are read several at a time rather than one
+wake-up each. Every router process subscribes on its own, so no index is shared:
 each replica is exact once it has caught up. Connect or bind follows vLLM (router/core/settings
 `KvEventsConfig`); an `ipc://` path keeps both on one machine.
 Sequence numbers, per publisher:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -39,16 +41,21 @@ import zmq
 import zmq.asyncio
 
 from router.core.backend import Backend
+from router.core.netpolicy import NetPolicy
 from router.core.settings import KvEventsConfig
 from router.engine.kv_index import TokenIndex
-from router.engine.kv_wire import Batch, Cleared, Removed, Stored, WireError, decode
+from router.engine.kv_wire import Batch, BlockHash, Removed, Stored, WireError, decode
+from router.upstream.pools import ask
 
 log = logging.getLogger("sluicegate.kv_events")
 
-DRAIN_MAX = 512  # messages per wake-up before yielding to the loop
+DRAIN_MAX = 512  # messages per socket per round before the others' turn
+PUMP_INTERVAL = 0.02  # seconds between two rounds of reading every socket (lag added, at most)
 HOLD_MAX = 10_000  # batches held while a replay runs
 RETRY = 5.0  # seconds between discovery or socket attempts
 REPLAY_TIMEOUT = 5.0
+DISCOVER_TIMEOUT = 2.0  # seconds for the whole /kv_event_sources answer
+MAX_SOURCES_BODY = 256 * 1024  # one publisher per data-parallel rank: a few hundred bytes each
 DEFAULT_BLOCKS = 1024  # an engine's capacity in blocks until its metrics say
 PENDING_MAX = 4096  # dispatches counted as pending per backend
 
@@ -114,7 +121,9 @@ class KvEvents:
         monotonic: Callable[[], float] = time.monotonic,
         on_events: Callable[[str, str, int], None] | None = None,
         pending_ttl: float = 2.0,
+        policy: NetPolicy | None = None,
     ) -> None:
+        self._policy = policy  # for backends not from the file, as their traffic
         self.index = index or TokenIndex()
         self._capacity = capacity or (lambda _name: None)
         self._wall = wall
@@ -130,6 +139,9 @@ class KvEvents:
         self._configs: dict[str, tuple[str, KvEventsConfig]] = {}  # name -> (url, config)
         self._backends: dict[str, Backend] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._poller = zmq.Poller()
+        self._by_sock: dict[zmq.Socket[bytes], Feed] = {}
+        self._pumping = False
         self._started = False
         self._closed = False
         self.batches = 0
@@ -237,6 +249,23 @@ class KvEvents:
                 if self._started:
                     self._open(name)
 
+    def update(self, upserted: Iterable[Backend], removed: Iterable[str]) -> None:
+        """`sync` for a change alone (a discovery slice)."""
+        for name in removed:
+            if name in self._engines:
+                self._drop(name)
+        for b in upserted:
+            if b.name in self._engines and self._configs.get(b.name) != (b.url, b.kv_events):
+                self._drop(b.name)
+            if b.kv_events is None:
+                continue
+            self._backends[b.name] = b
+            if b.name not in self._engines:
+                self._engines[b.name] = Engine()
+                self._configs[b.name] = (b.url, b.kv_events)
+                if self._started:
+                    self._open(b.name)
+
     def _drop(self, name: str) -> None:
         e = self._engines.pop(name, None)
         self._configs.pop(name, None)
@@ -285,14 +314,16 @@ class KvEvents:
             return
         feed.sock = sock
         feed.error = None
-        # The ZMQ descriptor is edge-triggered: drain until EVENTS says no more input.
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable, feed)
+        self._poller.register(sock, zmq.POLLIN)
+        self._by_sock[sock] = feed
+        if not self._pumping:  # only a router with events configured runs the timer
+            self._pumping = True
+            self._spawn(self._pump())
         if feed.replay is not None and feed.last_seq is None:
             # Joining an engine that may have published already (and may stay idle): ask for
             # its history now rather than wait for its next batch to show the hole.
             feed.state = "replaying"
             self._spawn(self._replay(feed, 0))
-        self._readable(feed)
 
     async def _retry(self, name: str, feed: Feed) -> None:
         await asyncio.sleep(RETRY)
@@ -305,24 +336,29 @@ class KvEvents:
 
     async def _discover(self, name: str) -> None:
         """Ask the engine where it publishes, until it answers (it may still be starting)."""
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-            while not self._closed and name in self._engines:
-                b = self._backends.get(name)
-                if b is None:
-                    return
-                try:
-                    r = await client.get(b.url + "/kv_event_sources", headers=list(b.auth_headers))
-                    sources = r.json() if r.status_code == 200 else None
-                except (httpx.HTTPError, ValueError):
-                    sources = None
-                feeds = _feeds_from(name, b, sources) if isinstance(sources, dict) else []
-                e = self._engines.get(name)
-                if feeds and e is not None and self._backends.get(name) is b:
-                    e.discovering = False
-                    for f in feeds:
-                        self._attach(name, e, f)
-                    return
-                await asyncio.sleep(RETRY)
+        while not self._closed and name in self._engines:
+            b = self._backends.get(name)
+            if b is None:
+                return
+            try:
+                async with asyncio.timeout(DISCOVER_TIMEOUT):
+                    sources = await self._ask_sources(b)
+            except (TimeoutError, httpx.HTTPError, ValueError):
+                sources = None
+            feeds = _feeds_from(name, b, sources) if isinstance(sources, dict) else []
+            e = self._engines.get(name)
+            if feeds and e is not None and self._backends.get(name) is b:
+                e.discovering = False
+                for f in feeds:
+                    self._attach(name, e, f)
+                return
+            await asyncio.sleep(RETRY)
+
+    async def _ask_sources(self, b: Backend) -> Any:
+        """`GET /kv_event_sources` through a transport made as traffic's (its TLS policy and
+        the network policy), read up to `MAX_SOURCES_BODY`; None unless a 200."""
+        status, body = await ask(b, b.url + "/kv_event_sources", MAX_SOURCES_BODY, self._policy)
+        return json.loads(body) if status == 200 else None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -352,22 +388,41 @@ class KvEvents:
 
     # --- receiving ------------------------------------------------------------------------------
 
-    def _readable(self, feed: Feed) -> None:
+    async def _pump(self) -> None:
+        """Every PUMP_INTERVAL: one poll over every SUB socket, then each ready one drained.
+
+        A timer, not a reader per descriptor: at a busy fleet's rates (thousands of batches a
+        second) a wake-up per batch, with its epoll round and callback, cost as much as
+        decoding it; here a wake-up reads everything that arrived in the interval (the lag
+        it adds is at most PUMP_INTERVAL), and an idle fleet costs one poll per interval."""
+        poller = self._poller
+        feeds = self._by_sock
+        while not self._closed:
+            await asyncio.sleep(PUMP_INTERVAL)
+            if not feeds:
+                continue
+            try:
+                ready = poller.poll(0)
+            except zmq.ZMQError:
+                continue
+            for sock, _ in ready:
+                feed = feeds.get(sock)
+                if feed is not None:
+                    self._drain(feed)
+
+    def _drain(self, feed: Feed) -> None:
         sock = feed.sock
         if sock is None or sock.closed:
             return
-        for _ in range(DRAIN_MAX):
-            try:
-                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    return
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                return
-            self._message(feed, frames)
-        # More are queued: come back after others had their turn (no new edge will fire).
-        asyncio.get_running_loop().call_soon(self._readable, feed)
+        recv = sock.recv_multipart
+        message = self._message
+        try:
+            for _ in range(DRAIN_MAX):  # the rest at the next round: others get their turn
+                message(feed, recv(zmq.NOBLOCK))
+        except zmq.Again:
+            pass
+        except zmq.ZMQError:
+            return
 
     def _message(self, feed: Feed, frames: list[bytes]) -> None:
         try:
@@ -429,22 +484,30 @@ class KvEvents:
         e.pending.clear()
         stored = removed = cleared = 0
         blocks = 0
+        cap = self._capacity(name) or DEFAULT_BLOCKS
+        gone: list[BlockHash] = []  # vLLM sends one BlockRemoved per block: removed together
         for ev in batch.events:
-            if isinstance(ev, Stored):
+            if type(ev) is Stored:
+                if gone:
+                    index.removed(name, gone)
+                    gone = []
                 stored += 1
-                cap = self._capacity(name) or DEFAULT_BLOCKS
                 blocks += index.stored(name, ev, cap)
-            elif isinstance(ev, Removed):
+            elif type(ev) is Removed:
                 removed += 1
-                index.removed(name, ev.hashes)
-            elif isinstance(ev, Cleared):
+                gone += ev.hashes
+            else:
+                if gone:
+                    gone = []  # cleared anyway
                 cleared += 1
                 index.cleared(name)
                 if feed.state == "unsure":
                     feed.state = "live"  # nothing held: the index is exact again
+        if gone:
+            index.removed(name, gone)
         if feed.state == "unsure":
             feed.stored_since_gap += blocks
-            if feed.stored_since_gap >= (self._capacity(name) or DEFAULT_BLOCKS):
+            if feed.stored_since_gap >= cap:
                 feed.state = "live"
         counts = e.counts
         on = self._on_events
@@ -510,10 +573,12 @@ class KvEvents:
     def _close_feed(self, feed: Feed) -> None:
         sock = feed.sock
         feed.sock = None
-        if sock is not None and not sock.closed:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(sock.fileno())
-            sock.close(0)
+        if sock is not None:
+            if self._by_sock.pop(sock, None) is not None:
+                with contextlib.suppress(KeyError, zmq.ZMQError):
+                    self._poller.unregister(sock)
+            if not sock.closed:
+                sock.close(0)
 
     async def aclose(self) -> None:
         self._closed = True

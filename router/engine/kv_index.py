@@ -1,10 +1,16 @@
 """What each engine's KV cache holds, from its own events: block keys the router computes.
 
-A block's key is blake2b-64 over its parent's key, its namespace and its token ids (4 bytes
-each), so two prompts share key i exactly when they share their first i+1 blocks of tokens, on
-any engine: vLLM's hash algorithm, its `PYTHONHASHSEED` and its hash spelling (int or bytes) do
-not matter. `BlockStored` carries the tokens; the key of its first block chains from the key the
-parent's engine hash maps to (a parent this index never saw, or already forgot: the blocks are
+A block's key is blake2b-64 over its parent's key, its namespace and its token ids, so two
+prompts share key i exactly when they share their first i+1 blocks of tokens, on any engine:
+vLLM's hash algorithm, its `PYTHONHASHSEED` and its hash spelling (int or bytes) do not matter.
+The token ids are hashed as the msgpack array of the block's ids, each in its shortest form
+(what msgspec, vLLM's encoder, writes): a one-block `BlockStored`, the common
+event while engines decode, is then keyed on the bytes it came in, with no int built. msgpack
+decodes one way, so equal bytes are equal tokens: an encoder that wrote longer forms could only
+make keys miss, never match wrongly, and each engine's first such event is checked against a
+re-encoding (`_Engine.raw_ok`; a mismatch keys that engine's events from their ints).
+`BlockStored` carries the tokens; the key of its first block chains from the key the parent's
+engine hash maps to (a parent this index never saw, or already forgot: the blocks are
 unreachable by a prefix walk and are skipped). Each engine keeps engine hash -> key, so that
 `BlockRemoved` resolves.
 Namespaces keep apart what must not match a base-model prompt: a LoRA adapter's blocks
@@ -19,27 +25,31 @@ MAX_BLOCKS_PER_ENGINE; nothing a client sends adds to it. No I/O, no clock.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from hashlib import blake2b
+from itertools import islice
 from typing import Any
 
+import msgspec
+
 from balancers.prefix_index import held_prefix
-from router.engine.kv_wire import BlockHash, Stored
+from router.engine.kv_wire import BlockHash, Stored, token_list
 
 MAX_BLOCKS_PER_ENGINE = 1 << 20
 BASE = b""
+
+_encode = msgspec.msgpack.Encoder().encode
 
 
 def namespace(lora_name: str | None) -> bytes:
     return BASE if not lora_name else b"lora:" + lora_name.encode("utf-8", "replace")
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    try:
-        return array("I", tokens).tobytes()
-    except OverflowError:  # ids past 2^32 (none seen): still one spelling per token list
-        return array("Q", [t & ((1 << 64) - 1) for t in tokens]).tobytes()
+@lru_cache(maxsize=64)
+def _header(n: int) -> bytes:
+    """The msgpack array header of `n` items, as msgspec writes it."""
+    return _encode([0] * n)[:-n] if n else _encode([])
 
 
 def chain_keys(
@@ -47,14 +57,10 @@ def chain_keys(
 ) -> list[bytes]:
     """Keys of `tokens`' full blocks of `block_size` (a partial tail block is not cached)."""
     n = len(tokens) // block_size
-    if n <= 0:
-        return []
-    data = _token_bytes(tokens[: n * block_size])
-    step = 4 * block_size if len(data) == 4 * n * block_size else 8 * block_size
     out: list[bytes] = []
     key = parent
-    for i in range(0, n * step, step):
-        key = blake2b(key + ns + data[i : i + step], digest_size=8).digest()
+    for i in range(0, n * block_size, block_size):
+        key = blake2b(key + ns + _encode(tokens[i : i + block_size]), digest_size=8).digest()
         out.append(key)
     return out
 
@@ -69,14 +75,34 @@ def _extra_ns(ns: bytes, extra: Any, lora_name: str | None) -> bytes:
     return ns + b"|x:" + repr(items).encode() if items else ns
 
 
+def _lora_only(extra: list[Any], lora: str | None) -> bool:
+    """Every block's extra keys are just its LoRA name (what vLLM sends for an adapter)."""
+    if not lora:
+        return False
+    only = [lora]
+    return all(x is None or list(x) == only for x in extra)
+
+
+def _as_msgspec_writes(raw: msgspec.Raw) -> bool | None:
+    """Whether `raw`, a msgpack array of ints, is what `chain_keys` would hash for its ints;
+    None when it is not an array of ints (that event tells nothing of the encoder)."""
+    try:
+        return _encode(msgspec.msgpack.decode(raw, type=list[int])) == bytes(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, OverflowError):
+        return None
+
+
 class _Engine:
-    __slots__ = ("block_size", "by_hash", "loras", "refs")
+    __slots__ = ("block_size", "by_hash", "dups", "loras", "raw_ok")
 
     def __init__(self) -> None:
         self.by_hash: dict[BlockHash, bytes] = {}  # engine hash -> key, oldest first
-        self.refs: dict[bytes, int] = {}  # key -> engine blocks naming it
+        # key -> engine blocks naming it beyond the first (rare: the same tokens under two
+        # engine hashes); a key in by_hash's values and not here is named once.
+        self.dups: dict[bytes, int] = {}
         self.block_size: int | None = None
         self.loras: set[str] = set()
+        self.raw_ok: bool | None = None  # its encoded tokens are msgspec's (None: not seen yet)
 
 
 class TokenIndex:
@@ -113,54 +139,73 @@ class TokenIndex:
     def stored(self, backend: str, ev: Stored, max_blocks: int) -> int:
         """Index `ev`'s blocks on `backend`; returns how many were added."""
         e = self._engine(backend)
-        n = len(ev.hashes)
-        if ev.medium not in (None, "GPU") or ev.group != 0 or ev.block_size <= 0:
-            self.skipped += n
+        hashes = ev.hashes
+        bs = ev.block_size
+        if ev.medium not in (None, "GPU") or ev.group not in (0, None) or bs <= 0:
+            self.skipped += len(hashes)
             return 0
-        e.block_size = ev.block_size
+        e.block_size = bs
+        by_hash = e.by_hash
         if ev.parent is None:
             parent = b""
         else:
-            found = e.by_hash.get(ev.parent)
+            found = by_hash.get(ev.parent)
             if found is None:
-                self.skipped += n
+                self.skipped += len(hashes)
                 return 0
             parent = found
-        bs = ev.block_size
-        n = min(n, len(ev.token_ids) // bs)
-        ns = namespace(ev.lora_name)
-        if ev.lora_name:
-            e.loras.add(ev.lora_name)
+        lora = ev.lora_name
+        ns = BASE if not lora else namespace(lora)
+        if lora:
+            e.loras.add(lora)
         extra = ev.extra_keys
-        lora_only = [ev.lora_name] if ev.lora_name else None
-        if not extra or all(x is None or list(x) == lora_only for x in extra):
-            keys = chain_keys(ev.token_ids[: n * bs], bs, ns, parent)
-        else:
-            keys = []
-            key = parent
-            for i in range(n):
-                block_ns = _extra_ns(ns, extra[i] if i < len(extra) else None, ev.lora_name)
-                key = chain_keys(ev.token_ids[i * bs : (i + 1) * bs], bs, block_ns, key)[0]
-                keys.append(key)
+        plain = not extra or extra.count(None) == len(extra) or _lora_only(extra, lora)
+        raw = ev.token_ids
+        hdr = _header(bs)
+        keys: list[bytes] | None = None
+        if plain and hashes and e.raw_ok is not False and memoryview(raw)[: len(hdr)] == hdr:
+            # Exactly one block of tokens: its key hashes the bytes as they came.
+            if e.raw_ok is None:
+                e.raw_ok = _as_msgspec_writes(raw)  # still None: not ids, skipped below
+            if e.raw_ok:
+                keys = [blake2b(parent + ns + raw, digest_size=8).digest()]
+        if keys is None:
+            tokens = token_list(ev)
+            if tokens is None:
+                self.skipped += len(hashes)
+                return 0
+            n = min(len(hashes), len(tokens) // bs)
+            if plain or extra is None:
+                keys = chain_keys(
+                    tokens if n * bs == len(tokens) else tokens[: n * bs], bs, ns, parent
+                )
+            else:
+                keys = []
+                key = parent
+                for i in range(n):
+                    block_ns = _extra_ns(ns, extra[i] if i < len(extra) else None, lora)
+                    key = chain_keys(tokens[i * bs : (i + 1) * bs], bs, block_ns, key)[0]
+                    keys.append(key)
         holders = self._holders
-        for h, key in zip(ev.hashes, keys, strict=False):
-            old = e.by_hash.pop(h, None)
+        for h, key in zip(hashes, keys, strict=False):
+            old = by_hash.pop(h, None)
             if old is not None:
                 self._unref(e, old, backend)
-            e.by_hash[h] = key
-            refs = e.refs.get(key, 0)
-            e.refs[key] = refs + 1
-            if not refs:
-                held = holders.get(key)
-                if held is None:
-                    holders[key] = {backend}
-                else:
-                    held.add(backend)
+            by_hash[h] = key
+            held = holders.get(key)
+            if held is None:
+                holders[key] = {backend}
+            elif backend not in held:
+                held.add(backend)
+            else:  # this engine holds the key already: under another hash, or this one again
+                e.dups[key] = e.dups.get(key, 0) + 1
         limit = max(1, min(max_blocks, MAX_BLOCKS_PER_ENGINE))
-        by_hash = e.by_hash
-        while len(by_hash) > limit:
-            oldest = next(iter(by_hash))
-            self._unref(e, by_hash.pop(oldest), backend)
+        if len(by_hash) > limit:
+            # Oldest first; one iterator for the whole trim (a fresh `next(iter(d))` per block
+            # rescans the slots already emptied at the dict's front).
+            excess = len(by_hash) - limit
+            for h in list(islice(by_hash, excess)):
+                self._unref(e, by_hash.pop(h), backend)
         return len(keys)
 
     def removed(self, backend: str, hashes: Sequence[BlockHash]) -> int:
@@ -168,11 +213,21 @@ class TokenIndex:
         if e is None:
             return 0
         gone = 0
+        pop = e.by_hash.pop
+        holders = self._holders
         for h in hashes:
-            key = e.by_hash.pop(h, None)
-            if key is not None:
+            key = pop(h, None)
+            if key is None:
+                continue
+            gone += 1
+            if e.dups:
                 self._unref(e, key, backend)
-                gone += 1
+                continue
+            held = holders.get(key)  # `_drop_holder`, inlined: one call per evicted block
+            if held is not None:
+                held.discard(backend)
+                if not held:
+                    del holders[key]
         return gone
 
     def cleared(self, backend: str) -> None:
@@ -180,10 +235,11 @@ class TokenIndex:
         e = self._engines.get(backend)
         if e is None:
             return
-        for key in e.refs:
+        for key in set(e.by_hash.values()):
             self._drop_holder(key, backend)
         e.by_hash.clear()
-        e.refs.clear()
+        e.dups.clear()
+        e.raw_ok = None  # a restarted engine may be another version
 
     def forget(self, backend: str) -> None:
         """`backend` left the fleet."""
@@ -197,11 +253,15 @@ class TokenIndex:
         return e
 
     def _unref(self, e: _Engine, key: bytes, backend: str) -> None:
-        refs = e.refs.get(key, 0) - 1
-        if refs > 0:
-            e.refs[key] = refs
-            return
-        e.refs.pop(key, None)
+        dups = e.dups
+        if dups:
+            more = dups.get(key)
+            if more is not None:
+                if more > 1:
+                    dups[key] = more - 1
+                else:
+                    del dups[key]
+                return
         self._drop_holder(key, backend)
 
     def _drop_holder(self, key: bytes, backend: str) -> None:

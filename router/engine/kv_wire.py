@@ -9,8 +9,12 @@ default; a signed one is taken modulo 2^64, so either spelling names the same bl
 (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 
 msgspec, not msgpack-python: it is what vLLM encodes with, and it decodes straight into typed
-structs in C (one map-or-array peek per event, then one call), ~2x faster than building dicts
-and reading them back in Python (bench/kv.py measures the ingestion budget).
+structs in C. Token ids stay encoded (`msgspec.Raw`, a view of the payload): building a Python
+int per token was most of the decoding's cost, and the index keys a block on the encoded bytes.
+A map-encoded batch of known types (what vLLM 0.32 sends) is one decoder call into the very
+`Stored`/`Removed`/`Cleared` structs the index reads, with no per-event Python objects besides
+those; an array-encoded batch, or one holding a type we do not know, falls back to one decode
+per event (bench/kv.py measures the ingestion budget).
 """
 
 from __future__ import annotations
@@ -28,32 +32,42 @@ class WireError(ValueError):
     """A message that is not a vLLM KV event batch; str() is a short reason."""
 
 
-class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None = None
-    token_ids: list[int] = []
+_NO_TOKENS = msgspec.Raw(b"\x90")  # an empty msgpack array
+
+
+class Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    """`BlockStored`: `hashes` are consecutive blocks, `token_ids` all their tokens, left
+    encoded (the msgpack array as it came): the index keys a block on these bytes, so most
+    events never become Python ints (`token_list` decodes them when needed)."""
+
+    hashes: list[BlockHash] = msgspec.field(name="block_hashes")
+    parent: BlockHash | None = msgspec.field(default=None, name="parent_block_hash")
+    token_ids: msgspec.Raw = _NO_TOKENS
     block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
-
-class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
-    block_hashes: list[int | bytes]
     medium: str | None = None
-    group_idx: int | None = None
+    group: int | None = msgspec.field(default=0, name="group_idx")
 
 
-class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+class Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    hashes: list[BlockHash] = msgspec.field(name="block_hashes")
+    medium: str | None = None
+    group: int | None = msgspec.field(default=0, name="group_idx")
+
+
+class Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
     pass
 
 
+Event = Stored | Removed | Cleared
+
+
+# The array encoding: vLLM's declaration order (lora_id sits between block_size and medium).
 class _StoredArr(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None = None
-    token_ids: list[int] = []
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: msgspec.Raw = _NO_TOKENS
     block_size: int = 0
     lora_id: Any = None
     medium: str | None = None
@@ -63,7 +77,7 @@ class _StoredArr(msgspec.Struct, tag="BlockStored", array_like=True):
 
 
 class _RemovedArr(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[int | bytes]
+    block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: Any = None
 
@@ -72,42 +86,31 @@ class _ClearedArr(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
     pass
 
 
-class _Batch(msgspec.Struct, array_like=True):
+class _MapBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+class _RawBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
 
 
-_MAP = msgspec.msgpack.Decoder(_StoredMap | _RemovedMap | _ClearedMap)
+_FAST = msgspec.msgpack.Decoder(_MapBatch)
+_RAW = msgspec.msgpack.Decoder(_RawBatch)
+_MAP = msgspec.msgpack.Decoder(Event)
 _ARR = msgspec.msgpack.Decoder(_StoredArr | _RemovedArr | _ClearedArr)
-_BATCH = msgspec.msgpack.Decoder(_Batch)
+_TOKENS = msgspec.msgpack.Decoder(list[int])
 
 
-@dataclass(frozen=True, slots=True)
-class Stored:
-    hashes: list[BlockHash]
-    parent: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_name: str | None
-    extra_keys: list[Any] | None
-    medium: str | None
-    group: int
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    hashes: list[BlockHash]
-    medium: str | None
-    group: int
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    pass
-
-
-Event = Stored | Removed | Cleared
+def token_list(ev: Stored) -> list[int] | None:
+    """`ev`'s token ids as ints; None when they are not a list of ints (the event is skipped)."""
+    try:
+        return _TOKENS.decode(ev.token_ids)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,27 +127,24 @@ def norm(h: int | bytes) -> BlockHash:
     return h & MASK64 if isinstance(h, int) else h
 
 
+def _norm_all(hashes: list[BlockHash]) -> list[BlockHash]:
+    # vLLM sends unsigned ints: the common case costs one pass and no new list.
+    for h in hashes:
+        if not isinstance(h, int) or h < 0:
+            return [norm(x) for x in hashes]
+    return hashes
+
+
 def _group(value: Any) -> int:
     return value if isinstance(value, int) else 0
 
 
-def _event(raw: msgspec.Raw) -> Event | None:
-    data = bytes(raw)
-    first = data[0] if data else 0
-    # msgpack: fixmap 0x80-0x8f, map16/32 0xde/0xdf; fixarray 0x90-0x9f, array16/32 0xdc/0xdd
-    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
-        ev: Any = _MAP.decode(data)
-    elif 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
-        ev = _ARR.decode(data)
-    else:
-        return None
-    if isinstance(ev, _StoredMap | _StoredArr):
-        parent = ev.parent_block_hash
-        lora = ev.lora_name
-        extra = ev.extra_keys
+def _from_array(ev: Any) -> Event:
+    if isinstance(ev, _StoredArr):
+        lora, extra = ev.lora_name, ev.extra_keys
         return Stored(
-            [norm(h) for h in ev.block_hashes],
-            None if parent is None else norm(parent),
+            ev.block_hashes,
+            ev.parent_block_hash,
             ev.token_ids,
             ev.block_size,
             lora if isinstance(lora, str) else None,
@@ -152,9 +152,21 @@ def _event(raw: msgspec.Raw) -> Event | None:
             ev.medium,
             _group(ev.group_idx),
         )
-    if isinstance(ev, _RemovedMap | _RemovedArr):
-        return Removed([norm(h) for h in ev.block_hashes], ev.medium, _group(ev.group_idx))
+    if isinstance(ev, _RemovedArr):
+        return Removed(ev.block_hashes, ev.medium, _group(ev.group_idx))
     return Cleared()
+
+
+def _event(raw: msgspec.Raw) -> Event | None:
+    data = bytes(raw)
+    first = data[0] if data else 0
+    # msgpack: fixmap 0x80-0x8f, map16/32 0xde/0xdf; fixarray 0x90-0x9f, array16/32 0xdc/0xdd
+    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
+        ev: Event = _MAP.decode(data)
+        return ev
+    if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
+        return _from_array(_ARR.decode(data))
+    return None
 
 
 def decode(frames: list[bytes]) -> Batch:
@@ -162,19 +174,36 @@ def decode(frames: list[bytes]) -> Batch:
     if len(frames) != 3 or len(frames[1]) != 8:
         raise WireError(f"expected [topic, seq, payload], got {len(frames)} frames")
     seq = int.from_bytes(frames[1], "big", signed=True)
-    try:
-        batch = _BATCH.decode(frames[2])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"not an event batch: {str(exc)[:80]}") from None
-    events: list[Event] = []
+    payload = frames[2]
     unknown = 0
-    for raw in batch.events:
+    try:
+        fast = _FAST.decode(payload)
+        events: list[Event] = fast.events
+        ts, rank = fast.ts, fast.data_parallel_rank
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        # An array-encoded batch, a type we do not know, or not a batch at all.
         try:
-            ev = _event(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            ev = None
-        if ev is None:
-            unknown += 1
-        else:
-            events.append(ev)
-    return Batch(seq, batch.ts, events, batch.data_parallel_rank, unknown)
+            raw = _RAW.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"not an event batch: {str(exc)[:80]}") from None
+        events = []
+        for item in raw.events:
+            try:
+                ev = _event(item)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                ev = None
+            if ev is None:
+                unknown += 1
+            else:
+                events.append(ev)
+        ts, rank = raw.ts, raw.data_parallel_rank
+    for ev in events:
+        if isinstance(ev, Cleared):
+            continue
+        hashes = ev.hashes
+        # vLLM's one-hash BlockRemoved, an unsigned int: nothing to spell again.
+        if len(hashes) != 1 or type(hashes[0]) is not int or hashes[0] < 0:
+            ev.hashes = _norm_all(hashes)
+        if isinstance(ev, Stored) and ev.parent is not None:
+            ev.parent = norm(ev.parent)
+    return Batch(seq, ts, events, rank, unknown)

@@ -14,6 +14,12 @@ series per model and data-parallel rank: a page of 70,000 valid series took 78 m
 loop per scrape; the caps bound the Python work per page to a few hundred lines, the rest of the
 page is only scanned by `bytes.find`).
 
+LoRA (`vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`): vLLM
+sets a new series to the current time whenever the adapter sets change and never removes old ones,
+so the series with the highest value is the current one; only its labels are parsed. That family
+may hold many series on a long-running engine: it has its own cap (MAX_LORA_SERIES), past which
+the LoRA part of the reading is dropped (`lora` None) instead of failing the whole scrape.
+
 The KV capacity (`vllm:cache_config_info`, block_size x num_gpu_blocks) is only believed when
 plausible (a block of 1..MAX_BLOCK_SIZE tokens, at most MAX_GPU_BLOCKS blocks; else it is taken
 as unreported) and is capped at `max_kv_tokens` (`engine_metrics.max_kv_tokens`): it sizes the
@@ -52,6 +58,9 @@ MAX_REQUESTS = 1_000_000.0  # more waiting or running than this is a broken expo
 MAX_KV_USAGE = 1.0001  # a share; rounding may overshoot 1 by a hair
 MAX_SERIES = 256  # series of one family (models x data-parallel ranks)
 MAX_LINES = 1024  # lines starting with a family's name (its own and longer names)
+MAX_LORA_SERIES = 4096  # vllm:lora_requests_info: one series per adapter-set change
+MAX_ADAPTERS = 1024  # names in one label
+LORA_FAMILY = b"\nvllm:lora_requests_info"
 MAX_BLOCK_SIZE = 65536  # tokens per KV block (vLLM: 16 by default; hybrid models a few hundred)
 MAX_GPU_BLOCKS = 1 << 31
 DEFAULT_MAX_KV_TOKENS = 8 * 1024 * 1024
@@ -70,6 +79,8 @@ class Parsed:
     preemptions: float | None
     block_size: int | None = None
     counters: dict[str, float] | None = None  # COUNTERS found (cumulative)
+    # (max_lora, running adapters, waiting adapters) from the newest lora_requests_info series
+    lora: tuple[int, frozenset[str], frozenset[str]] | None = None
 
 
 _NEEDLES = {
@@ -79,15 +90,16 @@ _NEEDLES = {
 _LABEL = re.compile(rb'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def _lines(text: bytes, needle: bytes) -> list[tuple[bytes, bytes]]:
+def _lines(text: bytes, needle: bytes, max_series: int = MAX_SERIES) -> list[tuple[bytes, bytes]]:
     """(labels, value) of each sample line of one family: `bytes.find` skips the rest."""
     out: list[tuple[bytes, bytes]] = []
     n = len(needle)
     pos = text.find(needle)
     lines = 0
+    max_lines = max(MAX_LINES, max_series)
     while pos >= 0:
         lines += 1
-        if lines > MAX_LINES or len(out) >= MAX_SERIES:
+        if lines > max_lines or len(out) >= max_series:
             raise MetricsError(f"too many series of {needle[1:].decode(errors='replace')}")
         after = text[pos + n : pos + n + 1]
         end = text.find(b"\n", pos + n)
@@ -121,6 +133,45 @@ def _number(raw: bytes) -> float:
     if v < 0:
         raise MetricsError("negative value")
     return v
+
+
+def _names(raw: bytes) -> frozenset[str]:
+    if not raw:
+        return frozenset()
+    names = raw.decode("utf-8", "replace").split(",")
+    if len(names) > MAX_ADAPTERS:
+        raise MetricsError("too many LoRA adapters")
+    return frozenset(n for n in names if n)
+
+
+def parse_lora(text: bytes) -> tuple[int, frozenset[str], frozenset[str]] | None:
+    """The newest `vllm:lora_requests_info` series (`text` starts with a newline); None when
+    the engine runs without LoRA, or the family has more series than MAX_LORA_SERIES."""
+    if text.find(LORA_FAMILY) < 0:
+        return None
+    try:
+        lines = _lines(text, LORA_FAMILY, MAX_LORA_SERIES)
+    except MetricsError:
+        return None
+    best: bytes | None = None
+    newest = -1.0
+    for labels, raw in lines:
+        v = _number(raw)
+        if v >= newest:
+            newest, best = v, labels
+    if best is None:
+        return None
+    found = dict(_LABEL.findall(best))
+    try:
+        max_lora = int(found.get(b"max_lora", b"0"))
+    except ValueError:
+        raise MetricsError("max_lora is not a number") from None
+    if not 0 <= max_lora <= MAX_ADAPTERS:
+        raise MetricsError("absurd max_lora")
+    running = _names(found.get(b"running_lora_adapters", b""))
+    # As written: vLLM 0.32 lists every adapter with requests under both (balancers/lora.py).
+    waiting = _names(found.get(b"waiting_lora_adapters", b""))
+    return max_lora, running, waiting
 
 
 def parse(text: bytes, kind: str, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS) -> Parsed:
@@ -168,4 +219,5 @@ def parse(text: bytes, kind: str, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS) ->
         sums.get("preemptions"),
         block_size,
         counters or None,
+        parse_lora(text) if kind == "vllm" else None,
     )

@@ -4,10 +4,14 @@ Every `engine_metrics.interval` each scrapable backend (kind vllm or sglang, `me
 gets one GET unless its previous one is still running, so a slow engine costs one task and one
 connection, never a pile. Each scrape is bounded by `timeout`; its connection comes from a
 one-connection transport of the scraper's own, so scrapes never take a pool slot from proxied
-requests. A good answer replaces the backend's reading; a failed one (status, timeout, refused,
+requests, made by `backend_transport` as traffic's (the same TLS context and network policy).
+A good answer replaces the backend's reading; a failed one (status, timeout, refused,
 malformed, NaN/negative/absurd values, more series than an engine has, a page over
 `max_page_bytes`, whose reading stops there) keeps the last figures, sets `scrape_error` and
-counts an error; a reading with no good scrape for `stale_after` is `stale`. Nothing here ejects
+counts an error; a reading with no good scrape for `stale_after` is `stale`.
+A vLLM backend's LoRA adapters (router/engine/adapters.py) are asked of its `/v1/models` after a
+good scrape at most every `lora_refresh` seconds, over the same connection and deadline; a failed
+answer keeps the adapters last read. Nothing here ejects
 a backend (health owns that) and nothing raises into a request: the request path only reads
 `readings`, an immutable mapping swapped whole.
 """
@@ -26,10 +30,14 @@ import httpx
 
 from router.core.backend import Backend
 from router.core.engine import EngineReading
+from router.core.errors import UpstreamTlsError
 from router.core.netpolicy import NetPolicy
+from router.core.runner import Runner, shared_or_own
 from router.core.settings import EngineMetricsConfig
+from router.engine.adapters import MAX_BODY, AdaptersError, adapters_of
 from router.engine.calibrate import Calibration
 from router.engine.parse import FAMILIES, MetricsError, parse
+from router.upstream.pools import backend_transport
 from router.upstream.transport import LeanTransport
 
 log = logging.getLogger("sluicegate.engine")
@@ -44,6 +52,13 @@ class _Target:
     errors: int = 0
     busy: bool = False
     calibration: Calibration = field(default_factory=Calibration)
+    adapters: frozenset[str] | None = None  # from /v1/models (vLLM only)
+    adapters_at: float = float("-inf")  # monotonic time of the last /v1/models question
+
+
+def _reached(b: Backend) -> tuple[object, ...]:
+    """What a scrape's connection depends on: a change of any of it starts a fresh one."""
+    return (b.url, b.metrics_path, b.source == "file", b.ssl_context, b.server_name)
 
 
 def scrapable(backend: Backend) -> bool:
@@ -58,19 +73,27 @@ class EngineScraper:
         wall: Callable[[], float] = time.time,
         on_error: Callable[[str], None] | None = None,
         policy: NetPolicy | None = None,
+        lora_refresh: float = 5.0,
+        runner: Runner | None = None,
     ) -> None:
         self.cfg = cfg
+        self._lora_refresh = lora_refresh
         self._policy = policy  # for backends not from the file, as their traffic
         self._on_error = on_error
         self._mono = monotonic
         self._wall = wall
         self._targets: dict[str, _Target] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._runner = runner  # the app's; None: one of its own at start
+        self._own_runner: Runner | None = None
+        self._started = False
+        self._cursor = 0  # where the next tick's turns start (the budget)
         self.readings: Mapping[str, EngineReading] = MappingProxyType({})
         self.scrapes = 0
         # Called after new readings are published (the admission queue re-checks on it).
         self.on_change: Callable[[], None] | None = None
+        # Called when an engine's adapters (its /v1/models) changed: LoRA routes follow.
+        self.on_adapters: Callable[[], None] | None = None
 
     # --- what the rest of the router reads --------------------------------------------------
 
@@ -80,73 +103,146 @@ class EngineScraper:
     def in_flight(self) -> int:
         return len(self._tasks)
 
+    def refresh_adapters(self, name: str) -> None:
+        """Ask `name`'s /v1/models again with its next scrape (an adapter was just loaded)."""
+        t = self._targets.get(name)
+        if t is not None:
+            t.adapters_at = float("-inf")
+
     # --- membership ---------------------------------------------------------------------------
 
     def sync(self, backends: Iterable[Backend]) -> None:
         """Follow a registry swap: new backends are scraped from the next tick; removed ones
         are forgotten; a changed URL or path starts over with a fresh connection."""
         wanted = {b.name: b for b in backends if scrapable(b)}
+        lost_adapters = False
         for name in list(self._targets):
             t = self._targets[name]
             nb = wanted.get(name)
-            if nb is None or (nb.url, nb.metrics_path, nb.source == "file") != (
-                t.backend.url,
-                t.backend.metrics_path,
-                t.backend.source == "file",
-            ):
+            if nb is None or _reached(nb) != _reached(t.backend):
                 t.transport.retire()
+                lost_adapters = lost_adapters or bool(t.adapters)
                 del self._targets[name]
         for name, b in wanted.items():
             old = self._targets.get(name)
             if old is None:
-                self._targets[name] = _Target(
-                    b,
-                    LeanTransport(
-                        httpx.Limits(max_connections=1, max_keepalive_connections=1),
-                        policy=self._policy if b.source != "file" else None,
-                    ),
-                    EngineReading(0.0, 0.0, 0.0, None, None, 0.0, 0, stale=True),
-                )
+                self._targets[name] = self._target(b)
             else:
                 old.backend = b  # weight or key changes: same connection
         self._publish()
+        if lost_adapters and self.on_adapters is not None:
+            self.on_adapters()
+
+    def update(self, upserted: Iterable[Backend], removed: Iterable[str]) -> None:
+        """`sync` for a change alone (a discovery slice)."""
+        changed: dict[str, EngineReading | None] = {}
+        lost_adapters = False
+        for name in removed:
+            t = self._targets.pop(name, None)
+            if t is not None:
+                t.transport.retire()
+                lost_adapters = lost_adapters or bool(t.adapters)
+                changed[name] = None
+        for b in upserted:
+            t = self._targets.get(b.name)
+            if t is not None and _reached(b) == _reached(t.backend):
+                t.backend = b  # weight or key changes: same connection
+                continue
+            if t is not None:
+                t.transport.retire()
+                lost_adapters = lost_adapters or bool(t.adapters)
+                del self._targets[b.name]
+                changed[b.name] = None
+            if scrapable(b):
+                self._targets[b.name] = self._target(b)
+                changed[b.name] = self._targets[b.name].reading
+        if changed:
+            new = self._readings_copy()
+            for name, reading in changed.items():
+                if reading is None:
+                    new.pop(name, None)
+                else:
+                    new[name] = reading
+            self.readings = MappingProxyType(new)
+            if self.on_change is not None:
+                self.on_change()
+        if lost_adapters and self.on_adapters is not None:
+            self.on_adapters()
+
+    def _target(self, b: Backend) -> _Target:
+        return _Target(
+            b,
+            backend_transport(
+                b, httpx.Limits(max_connections=1, max_keepalive_connections=1), self._policy
+            ),
+            EngineReading(0.0, 0.0, 0.0, None, None, 0.0, 0, stale=True),
+        )
 
     # --- the loop -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._loop_task is None:
-            self._loop_task = asyncio.create_task(self._run())
+        if self._started:
+            return
+        self._started = True
+        runner, self._own_runner = shared_or_own(self._runner)
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                self.tick()
-            except Exception as exc:  # a bug here must not end scraping for good
-                log.warning("engine scrape round failed", extra={"fields": {"error": repr(exc)}})
-            await asyncio.sleep(self.cfg.interval)
+        async def tick() -> None:
+            self.tick()
+
+        runner.every("engine_scrape", tick, self.cfg.interval, immediately=True)
 
     def tick(self) -> None:
-        """Start a scrape for each idle target, then re-judge staleness for all."""
-        for t in self._targets.values():
+        """Start a scrape for each idle target, within the budget (`max_scrapes_per_second`
+        times `interval` a tick, taken in turn from where the last tick stopped), then re-judge
+        staleness for all."""
+        targets = list(self._targets.values())
+        budget = max(1, int(self.cfg.max_scrapes_per_second * self.cfg.interval))
+        i = self._cursor
+        started = 0
+        for _ in range(len(targets)):
+            if started >= budget:
+                break
+            t = targets[i % len(targets)]
+            i += 1
             if not t.busy:
                 t.busy = True
+                started += 1
                 task = asyncio.create_task(self._scrape(t))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+        self._cursor = i % len(targets) if targets else 0
         self._mark_stale()
+
+    def _stale_after(self) -> float:
+        # Over budget, a target's turn comes every len/rate seconds: stale after three missed.
+        turn = len(self._targets) / self.cfg.max_scrapes_per_second
+        return max(self.cfg.stale_after, 3 * turn)
 
     async def _scrape(self, t: _Target) -> None:
         b = t.backend
         error: str | None = None
         parsed = None
+        adapters_changed = False
         try:
             async with asyncio.timeout(self.cfg.timeout):
                 body = await self._fetch(b, t.transport)
             parsed = parse(body, b.kind, self.cfg.max_kv_tokens)
+            if b.kind == "vllm" and self._mono() - t.adapters_at >= self._lora_refresh:
+                t.adapters_at = self._mono()
+                with contextlib.suppress(  # keeps the last adapters; the load reading stands
+                    TimeoutError, httpx.HTTPError, MetricsError, AdaptersError, _BadStatus
+                ):
+                    async with asyncio.timeout(self.cfg.timeout):
+                        models = await self._fetch(b, t.transport, "/v1/models", MAX_BODY)
+                    found = adapters_of(models, set(b.models.values()))
+                    adapters_changed = found != t.adapters
+                    t.adapters = found
         except TimeoutError:
             error = "timeout"
         except MetricsError as exc:
             error = f"malformed: {exc}"
+        except UpstreamTlsError as exc:
+            error = f"unreachable: {exc}"
         except httpx.HTTPError as exc:
             error = f"unreachable: {type(exc).__name__}"
         except _BadStatus as exc:
@@ -162,11 +258,20 @@ class EngineScraper:
             t.errors += 1
             if self._on_error is not None:
                 self._on_error(b.name)
-            t.reading = replace(t.reading, scrape_error=error, stale=self._is_stale(t))
+            failed = replace(t.reading, scrape_error=error, stale=self._is_stale(t))
+            if failed == t.reading:
+                # The same failure again (an engine that stays unreachable): the readings
+                # are as they were, and copying them (a map of every engine) once per failed
+                # scrape cost, at 50,000 engines, more than the scrapes themselves.
+                if adapters_changed and self.on_adapters is not None:
+                    self.on_adapters()
+                return
+            t.reading = failed
         else:
             t.last_ok = self._mono()
             cal = t.calibration
             cal.update(parsed.counters, parsed.running)
+            lora = parsed.lora
             t.reading = EngineReading(
                 parsed.waiting,
                 parsed.running,
@@ -178,14 +283,24 @@ class EngineScraper:
                 block_size=parsed.block_size,
                 prefill_s_per_token=cal.prefill_s_per_token,
                 step_s_per_seq=cal.step_s_per_seq,
+                max_lora=lora[0] if lora else None,
+                lora_running=lora[1] if lora else frozenset(),
+                lora_waiting=lora[2] if lora else frozenset(),
+                adapters=t.adapters,
             )
         self._publish_one(b.name, t.reading)
+        if adapters_changed and self.on_adapters is not None:
+            self.on_adapters()
 
-    async def _fetch(self, b: Backend, transport: LeanTransport) -> bytes:
+    async def _fetch(
+        self, b: Backend, transport: LeanTransport, path: str | None = None, cap: int = 0
+    ) -> bytes:
+        accept = b"application/json" if path else b"text/plain"
+        limit = cap or self.cfg.max_page_bytes
         request = httpx.Request(
             "GET",
-            b.url + (b.metrics_path or "/metrics"),
-            headers=[(b"accept", b"text/plain"), *b.auth_headers],
+            b.url + (path or b.metrics_path or "/metrics"),
+            headers=[(b"accept", accept), *b.auth_headers],
             extensions={"timeout": {"connect": None, "read": None, "write": None, "pool": None}},
         )
         response = await transport.handle_async_request(request)
@@ -196,7 +311,7 @@ class EngineScraper:
             size = 0
             async for chunk in response.aiter_raw():
                 size += len(chunk)
-                if size > self.cfg.max_page_bytes:
+                if size > limit:
                     raise MetricsError("answer too large")
                 parts.append(chunk)
             return b"".join(parts)
@@ -204,7 +319,7 @@ class EngineScraper:
             await response.aclose()
 
     def _is_stale(self, t: _Target) -> bool:
-        return self._mono() - t.last_ok > self.cfg.stale_after
+        return self._mono() - t.last_ok > self._stale_after()
 
     def _mark_stale(self) -> None:
         changed = False
@@ -216,24 +331,27 @@ class EngineScraper:
         if changed:
             self._publish()
 
+    def _readings_copy(self) -> dict[str, EngineReading]:
+        # The proxy's own copy is the dict's (memcpy-like); dict(proxy) walks it key by key.
+        r = self.readings
+        return r.copy() if isinstance(r, MappingProxyType) else dict(r)
+
     def _publish(self) -> None:
         self.readings = MappingProxyType({n: t.reading for n, t in self._targets.items()})
         if self.on_change is not None:
             self.on_change()
 
     def _publish_one(self, name: str, reading: EngineReading) -> None:
-        new = dict(self.readings)
+        new = self._readings_copy()
         new[name] = reading
         self.readings = MappingProxyType(new)
         if self.on_change is not None:
             self.on_change()
 
     async def aclose(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
+        if self._own_runner is not None:
+            await self._own_runner.stop()
+            self._own_runner = None
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

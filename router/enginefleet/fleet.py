@@ -8,6 +8,11 @@ also gets SIGTERM if the process that started it dies (PR_SET_PDEATHSIG), so a k
 leaves no engine behind. Engine i is bound to core i (mod the core count), serves the tiny model
 with prefix caching, `--enable-prompt-tokens-details`, a KV cache of `kv_blocks` blocks (small,
 so eviction really happens) and KV events on a ZMQ publisher it binds on an `ipc://` path.
+
+With `EngineOptions.nixl` (the NIXL install's directory) every engine also runs vLLM's
+NixlConnector over loopback, as its role says: `prefill` produces KV, `decode` consumes it, and
+`both` (vLLM's deprecated `kv_both`, which still does either) lets one fleet serve plain traffic
+and prefill/decode handoffs alike, a router's `role:` per backend deciding which engine does what.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ START_TIMEOUT_S = 240.0  # 22 s alone, 32 s for two at once, measured; shared ma
 STOP_GRACE_S = 10.0  # SIGTERM to the group is done in ~2 s measured
 PORT_RETRIES = 3
 _PR_SET_PDEATHSIG = 1
+ROLES = ("prefill", "decode", "both")
+_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class EngineOptions:
     kv_blocks: int = 64  # x 128 tokens per block on CPU
     max_model_len: int = 2048
     kv_space_gib: int = 1
+    nixl: Path | None = None  # the NIXL install (install.nixl_dir): NixlConnector on, as roles say
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -68,9 +76,20 @@ class Engine:
     """
 
     def __init__(
-        self, index: int, python: Path, model_dir: Path, run_dir: Path, options: EngineOptions
+        self,
+        index: int,
+        python: Path,
+        model_dir: Path,
+        run_dir: Path,
+        options: EngineOptions,
+        role: str = "both",
     ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"engine role {role!r}: one of {', '.join(ROLES)}")
+        if role != "both" and options.nixl is None:
+            raise ValueError(f"a {role} engine needs NIXL (EngineOptions.nixl)")
         self.index = index
+        self.role = role
         self.python = python
         self.model_dir = model_dir
         self.options = options
@@ -88,6 +107,7 @@ class Engine:
 
     def _take_port(self) -> None:
         self.port = free_port()
+        self.side_channel_port = free_port()  # NIXL's handshake listener, when it runs
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = self.url + "/metrics"
 
@@ -120,8 +140,19 @@ class Engine:
             "--enable-prompt-tokens-details",
             "--num-gpu-blocks-override", str(o.kv_blocks),
             "--kv-events-config", json.dumps(kv_events),
+            *self._kv_transfer_args(),
             *o.extra_args,
         ]  # fmt: skip
+
+    def _kv_transfer_args(self) -> list[str]:
+        if self.options.nixl is None:
+            return []
+        config = {
+            "kv_connector": "NixlConnector",
+            "kv_role": _KV_ROLES[self.role],
+            "kv_buffer_device": "cpu",
+        }
+        return ["--kv-transfer-config", json.dumps(config)]
 
     def env(self) -> dict[str, str]:
         return {
@@ -135,7 +166,22 @@ class Engine:
             "DO_NOT_TRACK": "1",
             "PYTHONHASHSEED": "0",  # block hashes the same on every start
             "PYTHONUNBUFFERED": "1",
+            **self._nixl_env(),
             **self.options.extra_env,
+        }
+
+    def _nixl_env(self) -> dict[str, str]:
+        if self.options.nixl is None:
+            return {}
+        # The install's directory first: its sitecustomize.py must win over any other.
+        path = os.pathsep.join(
+            p for p in (str(self.options.nixl), os.environ.get("PYTHONPATH")) if p
+        )
+        return {
+            "PYTHONPATH": path,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+            "UCX_NET_DEVICES": "lo",  # loopback only
         }
 
     def start(self) -> None:
@@ -248,13 +294,16 @@ class Engine:
             "kv_replay_endpoint": self.kv_replay_endpoint,
             "kv_topic": self.kv_topic,
             "model": self.model,
+            "role": self.role,
+            "nixl_side_channel_port": self.side_channel_port if self.options.nixl else None,
             "core": self.core,
             "log": str(self.log_path),
         }
 
 
 class Fleet:
-    """`count` engines sharing one run directory (logs, ZMQ sockets), removed by `stop()`."""
+    """`count` engines sharing one run directory (logs, ZMQ sockets), removed by `stop()`;
+    `roles` gives engine i its role (default: every one `both`)."""
 
     def __init__(
         self,
@@ -263,13 +312,17 @@ class Fleet:
         count: int = 2,
         options: EngineOptions | None = None,
         run_dir: Path | None = None,
+        roles: Sequence[str] | None = None,
     ) -> None:
         self.options = options or EngineOptions()
+        roles = list(roles) if roles is not None else ["both"] * count
+        if len(roles) != count:
+            raise ValueError(f"{len(roles)} roles for {count} engines")
         # Short: an ipc:// path must fit in a unix socket address (~107 bytes).
         self._own_run_dir = run_dir is None
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="sg-engines-"))
         self.engines = [
-            Engine(i, python, model_dir, self.run_dir, self.options) for i in range(count)
+            Engine(i, python, model_dir, self.run_dir, self.options, roles[i]) for i in range(count)
         ]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -284,6 +337,18 @@ class Fleet:
             self.stop()
             raise
 
+    def ensure_up(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Every engine running and healthy. One that is not running (killed, crashed) starts
+        again; one that is running is waited for, never restarted: a busy engine, or one on a
+        starved machine, answers `/health` late, and restarting it would cost a whole start
+        (30 s on a quiet machine, minutes on a loaded one) and could outlast `timeout_s`."""
+        for e in self.engines:
+            if not e.alive():
+                e.start()
+        end = time.monotonic() + timeout_s
+        for e in self.engines:
+            e.wait_ready(max(1.0, end - time.monotonic()))
+
     def stop(self) -> None:
         for e in self.engines:
             e._signal_group(signal.SIGTERM)  # all at once: the waits below then overlap
@@ -291,6 +356,19 @@ class Fleet:
             e.stop()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def restart_with(self, options: EngineOptions, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Every engine again, all at once, with other options (same ports): a test module
+        that needs other flags (LoRA) reuses the session's engines, never more of them."""
+        for e in self.engines:
+            e._signal_group(signal.SIGTERM)
+        for e in self.engines:
+            e.stop()
+        self.options = options
+        for e in self.engines:
+            e.options = options
+            e.model = options.model_name
+        self.start(timeout_s)
 
     def __enter__(self) -> Fleet:
         self.start()
@@ -300,13 +378,14 @@ class Fleet:
         self.stop()
 
     def backends(self) -> list[dict[str, Any]]:
-        """sluicegate `backends:` entries for these engines."""
+        """sluicegate `backends:` entries for these engines, each with its `role`."""
         return [
             {
                 "name": f"engine-{e.index}",
                 "url": e.url,
                 "kind": "vllm",
                 "models": {e.model: e.model},
+                "role": e.role,
             }
             for e in self.engines
         ]
@@ -314,9 +393,13 @@ class Fleet:
 
 @contextlib.contextmanager
 def running(
-    python: Path, model_dir: Path, count: int = 2, options: EngineOptions | None = None
+    python: Path,
+    model_dir: Path,
+    count: int = 2,
+    options: EngineOptions | None = None,
+    roles: Sequence[str] | None = None,
 ) -> Iterator[Fleet]:
-    fleet = Fleet(python, model_dir, count, options)
+    fleet = Fleet(python, model_dir, count, options, roles=roles)
     with fleet:
         yield fleet
 
@@ -325,10 +408,15 @@ def sample_config(fleet: Fleet, balancer: str = "least_load") -> str:
     """A sluicegate YAML config routing `fleet.options.model_name` over these engines."""
     import yaml
 
-    return yaml.safe_dump({"balancer": balancer, "backends": fleet.backends()}, sort_keys=False)
+    config: dict[str, Any] = {"balancer": balancer, "backends": fleet.backends()}
+    if any(e.role != "both" for e in fleet.engines):
+        config["disaggregation"] = {"connector": "nixl"}
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 def ready_line(engines: Sequence[Engine]) -> str:
     return "engines ready: " + "  ".join(
-        f"{e.url} (pid {e.pid}, kv events {e.kv_events_endpoint})" for e in engines
+        f"{e.url} ({e.role + ', ' if e.role != 'both' else ''}pid {e.pid}, "
+        f"kv events {e.kv_events_endpoint})"
+        for e in engines
     )

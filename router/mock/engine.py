@@ -17,7 +17,9 @@ Models (one step loop per engine, continuous batching):
   or the old `vllm:gpu_cache_usage_perc`, `vllm:num_preemptions_total`,
   `vllm:request_success_total{finished_reason}` (a client's abort is not counted, as in vLLM),
   `vllm:cache_config_info` with vLLM's whole label set) with the `model_name`/`engine` labels,
-  counters with their `_created` samples, plus a few histogram families of the size a real
+  counters with their `_created` samples, `vllm:request_prefill_time_seconds` (admission to
+  first token) and `vllm:inter_token_latency_seconds` as the simulation times them (what the
+  router's calibration learns from), plus more histogram families of the size a real
   engine exposes, or SGLang's (`sglang:num_queue_reqs`, `sglang:num_running_reqs`,
   `sglang:token_usage`);
 - automatic prefix caching (vLLM's APC, on by default as in vLLM v1; `prefix_caching=False` turns
@@ -33,6 +35,17 @@ Models (one step loop per engine, continuous batching):
   first token is generated) and `vllm:generation_tokens_total` (every token generated, background
   load included).
 
+- LoRA (`max_loras` > 0, as `--enable-lora --max-loras N`): adapters registered at start
+  (`lora_modules`, name -> path) or loaded at run time (the upstream's `/v1/load_lora_adapter`,
+  after `lora_load_ms`); a waiting request whose adapter is not among the running batch's is
+  skipped (it keeps its place; others go ahead) while `max_loras` adapters run, as vLLM's
+  scheduler does; an adapter that is not in one of the `max_loras` slots is moved in when its
+  first request is admitted, which adds `lora_slot_ms` to that step and counts in `lora_loads`
+  (what adapter-unaware routing multiplies); `vllm:lora_requests_info` as vLLM 0.32 exports it
+  (a new series per label set, set to the current time, labels in sorted order; both adapter
+  labels list every adapter with requests, waiting or running, since vLLM fills both from one
+  dict).
+
 Does not model: chunked-prefill token budgets, swapping, speculative decoding, priorities, tensor
 parallelism, real tokenisation (a prompt is `len(text) // 4` tokens), or GPU noise. The prefix
 cache is bounded by the whole KV capacity, not by what the running batch leaves free (in vLLM a
@@ -43,6 +56,7 @@ it. Timing comes from the asyncio clock, so a busy host stretches every step ali
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import random
 import time
@@ -70,6 +84,11 @@ class EngineConfig:
     # KV-cache events (router/mock/kv_publish.py): where to publish (bound), and the encoding.
     kv_events: str | None = None
     kv_events_encoding: str = "map"  # or "array" (vLLM before ~0.24)
+    max_loras: int = 0  # LoRA slots (vLLM's --max-loras); 0: LoRA off
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapters at start: name -> path
+    lora_load_ms: float = 0.0  # a run-time load (POST /v1/load_lora_adapter) takes this long
+    lora_slot_ms: float = 0.0  # moving an adapter into a slot adds this to its step
+    kv_events_replay: str | None = None  # vLLM's replay_endpoint (bound)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -89,6 +108,8 @@ class Seq:
     prefix: Sequence[int] = ()  # chained hashes of the prompt's full blocks
     tokens: Sequence[int] = ()  # the prompt's token ids (for KV events' token_ids)
     cached: int = 0  # prompt tokens found in the prefix cache at (the last) admission
+    lora: str | None = None  # the adapter it runs under
+    admitted: float = 0.0  # loop clock at (the last) admission: its prefill time starts
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -111,16 +132,30 @@ class Engine:
         # vllm:request_success_total{finished_reason="length"}; an abort is not counted (vLLM
         # 0.32 does not count a client's disconnect under "abort" either)
         self.finished_length = 0
+        # What vLLM's histograms say and the router's calibration reads (router/engine/
+        # calibrate.py): each request's prefill time (admission to first token) and each
+        # inter-token gap, in seconds, as they happen in this simulation.
+        self.prefill_time = Histogram()
+        self.inter_token = Histogram()
         self.started = time.time()  # the counters' `_created` value
         self._rng = random.Random(0)  # same hidden load on every run
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.kv = (
-            kv_publish.KvPublisher(config.kv_events, encoding=config.kv_events_encoding)
+            kv_publish.KvPublisher(
+                config.kv_events,
+                encoding=config.kv_events_encoding,
+                replay_endpoint=config.kv_events_replay,
+            )
             if config.kv_events
             else None
         )
         self._kv_batch: list[object] = []  # this step's events, published together
+        self.adapters: dict[str, str] = dict(config.lora_modules)  # registered: name -> path
+        self.slots: OrderedDict[str, None] = OrderedDict()  # adapters in a slot, LRU first
+        self.lora_loads = 0  # adapters moved into a slot
+        self._slot_ms = 0.0  # this step's slot loads
+        self._lora_series: dict[tuple[str, str], float] = {}  # (running, waiting) -> set at
 
     # --- the HTTP side ---------------------------------------------------------------------
 
@@ -131,10 +166,13 @@ class Engine:
         background: bool = False,
         prefix: Sequence[int] = (),
         tokens: Sequence[int] = (),
+        lora: str | None = None,
     ) -> Seq:
         """`prefix`: the prompt's chained block hashes (`block_hashes()`), for the prefix cache;
-        `tokens`: its token ids, which KV events carry."""
-        seq = Seq(max(1, prompt), max(1, max_tokens), background, prefix=prefix, tokens=tokens)
+        `tokens`: its token ids, which KV events carry; `lora`: a registered adapter."""
+        seq = Seq(
+            max(1, prompt), max(1, max_tokens), background, prefix=prefix, tokens=tokens, lora=lora
+        )
         self.waiting.append(seq)
         self._ensure_running()
         return seq
@@ -185,6 +223,7 @@ class Engine:
 
     async def _loop(self) -> None:
         cfg = self.config
+        loop = asyncio.get_running_loop()
         while True:
             self._drop_gone()
             if not self.running and not self.waiting:
@@ -200,13 +239,21 @@ class Engine:
                 cfg.decode_ms
                 + cfg.decode_ms_per_seq * len(self.running)
                 + cfg.prefill_ms_per_1k * prefill_tokens / 1000
+                + self._slot_ms
             )
+            self._slot_ms = 0.0
+            t0 = loop.time()
             await asyncio.sleep(step_ms / 1000)
+            now = loop.time()
             self.steps += 1
             finished = False
             for seq in self.running:
                 if seq.gone:
                     continue
+                if seq.generated == 0 or not seq.prefilled:
+                    self.prefill_time.observe(now - seq.admitted)
+                else:
+                    self.inter_token.observe(now - t0)
                 if seq.generated == 0:
                     self.prompt_tokens += seq.prompt
                 seq.prefilled = True
@@ -240,19 +287,69 @@ class Engine:
         prefill in this step (a preempted sequence recomputes its prompt and output)."""
         cfg = self.config
         prefill = 0
+        lora = cfg.max_loras > 0
+        active = {s.lora for s in self.running if s.lora} if lora else set()
+        skipped: list[Seq] = []
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora and seq.lora not in active and len(active) >= cfg.max_loras:
+                skipped.append(self.waiting.popleft())  # every slot runs another adapter
+                continue
             need = self._blocks_for(seq.prompt + seq.generated + 1)
             if self.used_blocks + need > cfg.num_gpu_blocks:
                 break  # head-of-line: vLLM's FIFO does not skip ahead
             self.waiting.popleft()
+            if seq.lora:
+                active.add(seq.lora)
+                self._slot_in(seq.lora, active)
+            seq.admitted = asyncio.get_running_loop().time()
+            seq.prefilled = False  # (again, after a preemption: it recomputes)
             seq.blocks = need
             self.used_blocks += need
             if cfg.prefix_caching and not seq.background:
                 seq.cached = self._lookup_prefix(seq)
             prefill += seq.prompt + seq.generated - seq.cached
             self.running.append(seq)
+        self.waiting.extendleft(reversed(skipped))
         return prefill
+
+    def _slot_in(self, name: str, active: set[str]) -> None:
+        if name in self.slots:
+            self.slots.move_to_end(name)
+            return
+        self.slots[name] = None
+        self.lora_loads += 1
+        self._slot_ms += self.config.lora_slot_ms
+        while len(self.slots) > self.config.max_loras:
+            idle = next((n for n in self.slots if n not in active), None)
+            if idle is None:
+                break
+            del self.slots[idle]
+
+    def unload(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        self.slots.pop(name, None)
+
+    def lora_text(self) -> str:
+        """`vllm:lora_requests_info` as vLLM 0.32 writes it (module docstring)."""
+        with_requests: dict[str, None] = {}
+        for s in (*self.running, *self.waiting):
+            if s.lora and not s.gone:
+                with_requests[s.lora] = None
+        names = ",".join(with_requests)
+        series = self._lora_series
+        series[(names, names)] = time.time()
+        if len(series) > 256:  # vLLM keeps every one; a mock must not grow
+            del series[min(series, key=lambda k: series[k])]
+        lines = "".join(
+            f'vllm:lora_requests_info{{max_lora="{self.config.max_loras}",'
+            f'running_lora_adapters="{r}",waiting_lora_adapters="{w}"}} {t}\n'
+            for (r, w), t in series.items()
+        )
+        return (
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+            "# TYPE vllm:lora_requests_info gauge\n" + lines
+        )
 
     def _lookup_prefix(self, seq: Seq) -> int:
         """Prompt tokens already cached (a true prefix, whole blocks, never the last token);
@@ -281,11 +378,11 @@ class Engine:
 
     def _kv_events(self, seq: Seq, new: list[int], gone: list[int], array: bool) -> None:
         """What vLLM would publish: each run of newly cached blocks as one BlockStored (its
-        parent the block before), each evicted block as a BlockRemoved."""
+        parent the block before), each evicted block as a BlockRemoved of its own."""
         bs = self.config.block_size
         batch = self._kv_batch
         if gone:
-            batch.append(kv_publish.removed(gone, array))
+            batch.extend(kv_publish.removed_each(gone, array))
         run: list[int] = []
         for i in [*new, -1]:
             if run and (i != run[-1] + 1):
@@ -381,6 +478,10 @@ class Engine:
             "# TYPE vllm:cache_config_info gauge\n"
             f"vllm:cache_config_info{{{_cache_labels(cfg)}}} 1.0\n"
         )
+        if cfg.max_loras > 0:
+            parts.append(self.lora_text())
+        parts.append(self.prefill_time.text("vllm:request_prefill_time_seconds", inner))
+        parts.append(self.inter_token.text("vllm:inter_token_latency_seconds", inner))
         parts.append(_filler("vllm", lab))
         return "".join(parts).encode()
 
@@ -479,6 +580,30 @@ _HISTOGRAMS = (
     "request_max_num_generation_tokens",
 )
 _FILLER: dict[tuple[str, str], str] = {}
+_LIVE = ("request_prefill_time_seconds", "inter_token_latency_seconds")  # not filler
+
+
+class Histogram:
+    """A Prometheus histogram of seconds over _BUCKETS, as prometheus-client writes it."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(_BUCKETS, value)] += 1
+        self.sum += value
+
+    def text(self, name: str, inner: str) -> str:
+        help_ = name.split(":", 1)[1].replace("_", " ")
+        lines = [f"# HELP {name} Histogram of {help_}.", f"# TYPE {name} histogram"]
+        total = 0
+        for le, n in zip((*_BUCKETS, "+Inf"), self.counts, strict=True):
+            total += n
+            lines.append(f'{name}_bucket{{{inner},le="{le}"}} {float(total)}')
+        lines.append(f"{name}_count{{{inner}}} {float(total)}")
+        lines.append(f"{name}_sum{{{inner}}} {self.sum}")
+        return "\n".join(lines) + "\n"
 
 
 def _filler(prefix: str, lab: str) -> str:
@@ -489,6 +614,8 @@ def _filler(prefix: str, lab: str) -> str:
         inner = lab[1:-1]
         lines = []
         for name in _HISTOGRAMS:
+            if prefix == "vllm" and name in _LIVE:
+                continue  # the engine's own (Engine.metrics_text)
             full = f"{prefix}:{name}"
             lines.append(f"# HELP {full} Histogram of {name.replace('_', ' ')}.")
             lines.append(f"# TYPE {full} histogram")

@@ -1,23 +1,31 @@
 """A vLLM-compatible mock upstream, cheap enough to sit under a benchmark.
 
-Serves chat/completions/embeddings/models, `/health`, `/metrics` (vLLM's running/waiting gauges)
-and `/stats` (requests, completed, aborted, tokens generated after its client went away, and
-recent requests with the headers tests check). Token text is deterministic: ``tok0 tok1 ...``.
-What goes on the wire is vLLM 0.32's (router/mock/wire.py: field sets, the role-only first chat
-event, the finish reason on the last token's event, usage with `prompt_tokens_details`, errors),
-held to a real engine by tests_engine/test_conformance.py.
+Serves chat/completions/embeddings/models, the other APIs of vLLM 0.32 in its shapes
+(`router/mock/apis.py`: Responses with stored ids, GET and cancel; Messages and count_tokens;
+tokenize/detokenize; pooling, score, rerank, classify; audio multipart), `/health`, `/metrics`
+(vLLM's running/waiting gauges) and `/stats` (requests, completed, aborted, tokens generated
+after its client went away, and recent requests with the headers tests check). Token text is
+deterministic: ``tok0 tok1 ...``. What goes on the wire is vLLM 0.32's (router/mock/wire.py:
+field sets, the role-only first chat event, the finish reason on the last token's event, usage
+with `prompt_tokens_details`, errors), held to a real engine by tests_engine/test_conformance.py.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
-metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms; `reset_prefix_cache`
-empties the engine's prefix cache) so fault tests need no second implementation. Streams end
-with vLLM's usage event when the request asks for it (`stream_options.include_usage`, with
-`continuous_usage_stats` the counts in every event); with `usage_nulls` every other event then
-also carries `"usage":null`, as OpenAI's API does (vLLM does not).
+metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms, end_gap_ms;
+`reset_prefix_cache` empties the engine's prefix cache) so fault tests need no second
+implementation. Streams end with vLLM's usage event when the request asks for it
+(`stream_options.include_usage`, with `continuous_usage_stats` the counts in every event); with
+`usage_nulls` every other event then also carries `"usage":null`, as OpenAI's API does (vLLM
+does not).
 `role_chunk` sends the role-only first event right after the headers, before the prefill wait
 (vLLM sends it with the first token; sending it early lets tests tell the first byte from the
 first content token).
 With an `EngineConfig` (`--engine` flags) generation runs through a simulated vLLM scheduler
 (`router/mock/engine.py`: batch, queue, KV blocks, background load, vLLM's metric names).
+With its `max_loras` > 0 (vLLM's `--enable-lora`) the mock serves LoRA adapters: listed in
+`/v1/models` with `"parent"` the base model, requests for one run under it (an unknown name gets
+vLLM's 404), and `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` answer as vLLM's do
+(a load takes `lora_load_ms`; a path that is not a directory fails as vLLM's does; `/stats`
+counts `lora_loads` (slot loads) and `lora_runtime_loads`).
 A raw ASGI app: no framework on the hot path.
 
 Not modelled (where a real vLLM differs): without `--served-model-name` any model name is served
@@ -38,16 +46,44 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
+import re
 import time
+import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from router.mock import wire
+from router.mock import apis, wire
 from router.mock.engine import Engine, EngineConfig, block_hashes
+from router.mock.handoff import Handoff, HandoffConfig
 from router.mock.kv_publish import mock_tokens
+from router.request.multipart import boundary_of, form_fields
+
+# POST paths served by `_api` (other APIs than chat/completions/embeddings), in vLLM's shapes
+_API_PATHS = frozenset(
+    {
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/detokenize",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+    }
+)
+_GENERATES = frozenset(
+    {"/v1/responses", "/v1/messages", "/v1/audio/transcriptions", "/v1/audio/translations"}
+)
+_MAX_STORED = 10_000  # stored responses kept (vLLM keeps every one: a mock must not grow)
 
 _JSON = [(b"content-type", b"application/json")]
 METRICS_TYPE = b"text/plain; version=1.0.0; charset=utf-8"
@@ -68,7 +104,16 @@ class Behaviour:
     retry_after: float | None = None
     hang: bool = False  # accept, read the request, never answer
     half_event_after: int = -1  # send this many tokens, then half an event, then close
-    die_after: int = -1  # send this many tokens, then drop the connection
+    die_after: int = -1  # send (or, not streaming, generate) this many tokens, then drop the conn.
+    # Faults at answer positions (migration tests): before token k of the whole answer (k in
+    # `fail_at`, counted across a continuation's start, never a response's first token), `close`
+    # the connection, send vLLM's `error` event and [DONE], or a `finish_error` event
+    # (finish_reason "error"); a non-streamed answer closes.
+    fail_at: list[int] = field(default_factory=list)
+    fail_how: str = "close"
+    # vLLM's own ids and times: a random `chatcmpl-<hex>` and the Unix time in `created`, rather
+    # than the request id and 0 (what byte-exact tests compare)
+    fresh_ids: bool = False
     gzip: bool = False
     max_running: int = 0  # batch slots (vLLM's max_num_seqs); more requests queue; 0 = no limit
     pad_bytes: int = 0  # pad each token's text, to move megabytes (backpressure tests)
@@ -80,6 +125,9 @@ class Behaviour:
     # OpenAI's shape with include_usage: `"usage":null` in every chunk before the usage one
     usage_nulls: bool = False
     split_tail_ms: float = 0.0  # > 0: the stream's last events in three writes this far apart
+    # > 0: a stream's end (the chunked terminator) this long after `[DONE]`, in a write of its
+    # own: a client that leaves once it reads `[DONE]` (the openai SDK does) leaves before it.
+    end_gap_ms: float = 0.0
 
 
 @dataclass
@@ -122,6 +170,7 @@ class MockUpstream:
         engine: EngineConfig | None = None,
         served_model_names: list[str] | None = None,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        handoff: HandoffConfig | None = None,
     ) -> None:
         self.name = name
         self.behaviour = behaviour or Behaviour()
@@ -135,7 +184,62 @@ class MockUpstream:
         self.metrics_active = 0  # /metrics answers in progress (a scraper must not pile up)
         self.metrics_active_max = 0
         self.stats = Stats()
+        # Stored Responses (vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1): id -> response object
+        self.responses: dict[str, dict[str, Any]] = {}
         self._queue: deque[asyncio.Future[None]] = deque()  # requests waiting for a batch slot
+        self.lora_runtime_loads = 0  # POST /v1/load_lora_adapter that succeeded
+        # Prefill/decode handoff (router/mock/handoff.py); None: a plain engine.
+        self.handoff = Handoff(handoff, name, self.default_model) if handoff is not None else None
+
+    def _lora_on(self) -> bool:
+        return self.engine is not None and self.engine.config.max_loras > 0
+
+    async def _lora_admin(self, path: str, body: bytes, send: Send) -> None:
+        """vLLM's load and unload endpoints (entrypoints/serve/lora, 0.32): plain-text success,
+        its JSON errors otherwise."""
+        engine = self.engine
+        assert engine is not None
+        try:
+            req = json.loads(body)
+        except ValueError:
+            req = None
+        if not isinstance(req, dict):
+            await _json(send, 400, wire.error(400, "Invalid JSON", "BadRequestError", None).body)
+            return
+        name, where = req.get("lora_name"), req.get("lora_path")
+        if path == "/v1/unload_lora_adapter":
+            if not name:
+                msg = "'lora_name' needs to be provided to unload a LoRA adapter."
+                await _json(send, 400, wire.error(400, msg, "InvalidUserInput", None).body)
+            elif name not in engine.adapters:
+                msg = f"The lora adapter '{name}' cannot be found."
+                await _json(send, 404, wire.error(404, msg, "NotFoundError", None).body)
+            else:
+                engine.unload(name)
+                await _text(send, f"Success: LoRA adapter '{name}' removed successfully.")
+            return
+        names = self.served or [self.default_model]
+        if not name or not where:
+            msg = "Both 'lora_name' and 'lora_path' must be provided."
+            await _json(send, 400, wire.error(400, msg, "InvalidUserInput", None).body)
+        elif name in names:
+            msg = f"The lora adapter '{name}' conflicts with a served base model."
+            await _json(send, 400, wire.error(400, msg, "InvalidUserInput", None).body)
+        elif name in engine.adapters and not req.get("load_inplace"):
+            msg = (
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True."
+            )
+            await _json(send, 400, wire.error(400, msg, "InvalidUserInput", None).body)
+        else:
+            await asyncio.sleep(engine.config.lora_load_ms / 1000)
+            if not await asyncio.to_thread(os.path.isdir, str(where)):
+                msg = f"Loading lora {name} failed: No adapter found for {where}"
+                await _json(send, 404, wire.error(404, msg, "NotFoundError", None).body)
+                return
+            engine.adapters[name] = str(where)
+            self.lora_runtime_loads += 1
+            await _text(send, f"Success: LoRA adapter '{name}' added successfully.")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -157,6 +261,10 @@ class MockUpstream:
             # Only connections that carried generation requests: probes and test calls to
             # /stats or /control would blur what pool-reuse tests look at.
             self.stats.connections.add((client[0], client[1]))
+        if path.startswith("/v1/responses/"):
+            await _read_body(receive)
+            await self._stored(method, path, send)
+            return
         if method == "GET":
             if path in ("/health", "/v1/models"):
                 self.stats.probes += 1
@@ -169,10 +277,17 @@ class MockUpstream:
         if path == "/control":
             await self._control(body, send)
             return
+        if path.startswith("/kv_handoff/") and self.handoff is not None:
+            status, answer = await self.handoff.serve(path, body)
+            await _json(send, status, answer)
+            return
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and self._lora_on():
+            await self._lora_admin(path, body, send)
+            return
         if path in _GENERATION:
             await self._generate(scope, path, body, receive, send)
             return
-        if path == "/tokenize":  # vLLM's: the prompt's (here: the mock's) token ids
+        if path == "/tokenize":  # vLLM's: the prompt's (here: the mock's, as its KV events) ids
             try:
                 req = json.loads(body)
             except ValueError:
@@ -180,8 +295,17 @@ class MockUpstream:
             if not isinstance(req, dict):
                 await _json(send, 400, {"error": {"message": "bad body", "code": 400}})
                 return
-            ids = mock_tokens(prompt_text(req))
-            await _json(send, 200, {"count": len(ids), "max_model_len": 1 << 20, "tokens": ids})
+            text = req.get("prompt")
+            text = text if isinstance(text, str) else prompt_text(req)
+            # The mock's own answer words (`tokN `) at the end are one token each, as its
+            # answers generate them and `prompt_tokens` counts them.
+            found = _RUN.search(text)
+            run = found.group(0) if found is not None else ""
+            ids = mock_tokens(text[: len(text) - len(run)]) + list(range(run.count(" ")))
+            await _json(send, 200, apis.tokenize(ids, self.max_model_len))
+            return
+        if path in _API_PATHS:
+            await self._api(scope, path, body, receive, send)
             return
         await _json(send, 404, _NOT_FOUND)
 
@@ -195,7 +319,10 @@ class MockUpstream:
             await _json(send, 200, {"0": kv.source()} if kv is not None else {})
         elif path == "/v1/models":
             names = self.served or [self.default_model]
-            await _json(send, 200, wire.models(names, self.name, self.max_model_len))
+            listed = wire.models(names, self.name, self.max_model_len)
+            if self.engine is not None and self._lora_on():
+                listed["data"] += wire.lora_models(self.engine.adapters, self.default_model)
+            await _json(send, 200, listed)
         elif path == "/stats":
             await _json(
                 send,
@@ -206,6 +333,9 @@ class MockUpstream:
                     "behaviour": asdict(self.behaviour),
                     "metrics_scrapes": self.metrics_scrapes,
                     "metrics_active_max": self.metrics_active_max,
+                    "lora_loads": self.engine.lora_loads if self.engine is not None else 0,
+                    "lora_runtime_loads": self.lora_runtime_loads,
+                    "handoff": self.handoff.public() if self.handoff is not None else None,
                 },
             )
         elif path == "/metrics":
@@ -233,6 +363,8 @@ class MockUpstream:
                     "# TYPE vllm:num_requests_waiting gauge\n"
                     f"vllm:num_requests_waiting{lab} {float(len(self._queue))}\n"
                 ).encode()
+            if self.handoff is not None and bh.metrics_body is None:
+                text += self.handoff.metrics_text().encode()
             await send(
                 {
                     "type": "http.response.start",
@@ -293,12 +425,17 @@ class MockUpstream:
         }
         st.recent.append(rec)
         chat = path == "/v1/chat/completions"
+        start = 0  # where the answer begins: past a continued answer's tokens
         try:
             if path == "/v1/embeddings":
                 req, asked, prompt = _embedding_request(body), None, 1
             else:
-                req, asked = wire.parse_request(chat, body, self.served, self.max_model_len)
-                prompt = prompt_tokens(req)
+                served = self.served
+                if self.engine is not None and self._lora_on():
+                    served = [*(served or [self.default_model]), *self.engine.adapters]
+                req, asked = wire.parse_request(chat, body, served, self.max_model_len)
+                start, run = continued_from(req, chat)
+                prompt = prompt_tokens(req, run) + start
                 wire.check_prompt(prompt, self.max_model_len)
                 if asked is not None:
                     wire.check_max_tokens(asked)
@@ -319,6 +456,21 @@ class MockUpstream:
 
         gone = asyncio.Event()
         watcher = asyncio.ensure_future(_watch(receive, gone, rec))
+        handoff = self.handoff
+        if handoff is not None and path != "/v1/embeddings":
+            rec["kv_params"] = req.get("kv_transfer_params")
+            rec["body"] = req  # what each leg was sent, for the tests (256 kept)
+            rec["room"] = req.get("bootstrap_room")
+            if not self._prefills(req):
+                failed = await handoff.before_generate(req, prompt, prompt_text(req), gone)
+                if failed is not None:
+                    watcher.cancel()
+                    if not gone.is_set():
+                        await _json(send, 500, failed)
+                    st.completed += 1
+                    return
+            else:
+                handoff.stats.local_tokens += prompt
         if self.engine is not None and path != "/v1/embeddings":
             st.running += 1
             try:
@@ -340,7 +492,9 @@ class MockUpstream:
             if bh.hang:
                 await gone.wait()
                 return
-            n = asked if asked is not None else bh.tokens
+            # Without max_tokens the answer ends at `tokens` (as a model's end of text would),
+            # also when it continues one begun elsewhere.
+            n = asked if asked is not None else max(0, bh.tokens - start)
             if path == "/v1/embeddings":
                 await self._sleep(bh.ttft_ms, gone)
                 await _json(
@@ -356,9 +510,10 @@ class MockUpstream:
                 st.completed += 1
                 return
             if req.get("stream") is True:
-                await self._stream(send, rec, req, model, chat, prompt, n, gone)
+                await self._stream(send, rec, req, model, chat, prompt, n, gone, start)
             else:
-                await self._whole(send, rec, model, chat, prompt, n, gone)
+                await self._whole(send, rec, model, chat, prompt, n, gone, start, req)
+            self._room_done(rec, req, prompt, gone)
         finally:
             st.running -= 1
             self._wake_one()
@@ -368,6 +523,184 @@ class MockUpstream:
             else:
                 st.completed += 1
             watcher.cancel()
+
+    async def _stored(self, method: str, path: str, send: Send) -> None:
+        """GET /v1/responses/{id}, POST /v1/responses/{id}/cancel: as vLLM answers them."""
+        self.stats.requests += 1
+        rest = path[len("/v1/responses/") :]
+        cancel = method == "POST" and rest.endswith("/cancel")
+        response_id = rest[: -len("/cancel")] if cancel else rest
+        self.stats.recent.append({"path": path, "method": method, "response_id": response_id})
+        stored = self.responses.get(response_id)
+        if (method != "GET" and not cancel) or "/" in response_id:
+            await _json(send, 404, {"detail": "Not Found"})
+        elif stored is None:
+            await _json(send, 404, apis.not_found_response(response_id))
+        elif cancel:  # the mock's responses are all synchronous and done
+            await _json(send, 400, apis.cannot_cancel())
+        else:
+            await _raw(send, 200, apis.dumps(stored))
+        self.stats.completed += 1
+
+    async def _failing(self, send: Send, anthropic: bool = False) -> bool:
+        """Answer with the configured failure, if one applies; True when it did."""
+        bh = self.behaviour
+        if not bh.fail_status or bh.fail_count == 0:
+            return False
+        if bh.fail_count > 0:
+            bh.fail_count -= 1
+        extra = [(b"retry-after", str(bh.retry_after).encode())] if bh.retry_after else []
+        message = f"{self.name} failing on purpose"
+        body: dict[str, Any] = (
+            apis.anthropic_error("api_error", message)
+            if anthropic
+            else {"error": {"message": message, "type": "server_error", "code": bh.fail_status}}
+        )
+        await _json(send, bh.fail_status, body, extra)
+        self.stats.completed += 1
+        return True
+
+    async def _api(
+        self, scope: Scope, path: str, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        """Responses, Messages, tokenize, pooling and audio, in vLLM 0.32's shapes."""
+        st = self.stats
+        st.requests += 1
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        rec: dict[str, Any] = {
+            "path": path,
+            "request_id": headers.get("x-request-id"),
+            "authorization": headers.get("authorization"),
+            "headers": headers,
+            "model": None,
+            "tokens": 0,
+            "aborted": False,
+            "started_at": time.time(),
+            "disconnected_at": None,
+            "query": scope.get("query_string", b"").decode("latin-1"),
+        }
+        st.recent.append(rec)
+        anthropic = path.startswith("/v1/messages")
+        req = _form(body, headers.get("content-type")) if path.startswith("/v1/audio/") else None
+        if req is None:
+            try:
+                req = json.loads(body)
+                if not isinstance(req, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                await _json(send, 400, {"error": {"message": "bad json", "type": "invalid"}})
+                return
+        rec["model"] = model = str(req.get("model") or "mock-model")
+        rec["previous_response_id"] = req.get("previous_response_id")
+        if await self._failing(send, anthropic):
+            return
+        prompt = _api_prompt_tokens(req)
+        if path not in _GENERATES:
+            await _json(send, 200, _answer(path, model, req, prompt))
+            st.completed += 1
+            return
+        previous = req.get("previous_response_id")
+        if path == "/v1/responses" and previous is not None and previous not in self.responses:
+            await _json(send, 404, apis.not_found_response(str(previous)))
+            st.completed += 1
+            return
+        field = {"/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens"}.get(path)
+        n = req.get(field) if field else None
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else self.behaviour.tokens
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(_watch(receive, gone, rec))
+        await self._admit(gone)
+        st.running += 1
+        try:
+            await self._api_generate(send, rec, path, req, model, prompt, min(n, 100_000), gone)
+        finally:
+            st.running -= 1
+            self._wake_one()
+            if gone.is_set():
+                rec["aborted"] = True
+                st.aborted += 1
+            else:
+                st.completed += 1
+            watcher.cancel()
+
+    async def _api_generate(
+        self,
+        send: Send,
+        rec: dict[str, Any],
+        path: str,
+        req: dict[str, Any],
+        model: str,
+        prompt: int,
+        n: int,
+        gone: asyncio.Event,
+    ) -> None:
+        bh = self.behaviour
+        rid = (rec["request_id"] or "0")[:64]
+        stream = req.get("stream") is True
+        responses = path == "/v1/responses"
+        messages = path == "/v1/messages"
+        obj = apis.response_object(rid, model, req, None, None, n) if responses else {}
+        if stream:
+            await send({"type": "http.response.start", "status": 200, "headers": list(_SSE)})
+            head = (
+                apis.response_head(obj, rid)
+                if responses
+                else apis.message_head(rid, model, prompt)
+                if messages
+                else b""
+            )
+            if head:
+                await send({"type": "http.response.body", "body": head, "more_body": True})
+        await self._sleep(bh.ttft_ms, gone)
+        parts: list[str] = []
+        for i in range(n):
+            if gone.is_set():
+                return
+            if i and bh.itl_ms:
+                await self._sleep(bh.itl_ms, gone)
+                if gone.is_set():
+                    return
+            self._count_token(rec, gone)
+            text = token_text(i)
+            parts.append(text)
+            if not stream:
+                continue
+            event = (
+                apis.response_delta(rid, text, 4 + i)
+                if responses
+                else apis.message_delta(text)
+                if messages
+                else apis.transcription_chunk(rid, model, text, i == n - 1)
+            )
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        text = "".join(parts)
+        if responses:
+            usage = apis.response_usage(prompt, n)
+            done = apis.response_object(rid, model, req, text, usage, n)
+            if req.get("store") is not False:
+                self.responses[done["id"]] = done
+                while len(self.responses) > _MAX_STORED:
+                    del self.responses[next(iter(self.responses))]
+            if stream:
+                tail = apis.response_tail(done, rid, text, 4 + n)
+            else:
+                await _raw(send, 200, apis.dumps(done))
+                return
+        elif messages:
+            usage = apis.message_usage(prompt, n)
+            if stream:
+                tail = apis.message_tail(usage)
+            else:
+                await _raw(send, 200, apis.dumps(apis.message_object(rid, model, text, usage)))
+                return
+        else:
+            if not stream:
+                await _raw(send, 200, apis.dumps(apis.transcription(text, 1)))
+                return
+            tail = b""
+            if req.get("stream_include_usage") == "true":
+                tail = apis.transcription_usage(rid, model, prompt, n)
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _admit(self, gone: asyncio.Event) -> None:
         """Wait for a batch slot when `max_running` is set, so time to first token grows with
@@ -411,8 +744,11 @@ class MockUpstream:
         options = req.get("stream_options")
         usage = _wants_usage(req)
         continuous = usage and options.get("continuous_usage_stats") is True  # type: ignore[union-attr]
-        rid = rec["request_id"] or "0"
-        return wire.Chunks(chat, rid, model, usage, continuous, self.behaviour.usage_nulls, prompt)
+        rid = _fresh_id() if self.behaviour.fresh_ids else (rec["request_id"] or "0")
+        created = int(time.time()) if self.behaviour.fresh_ids else 0
+        return wire.Chunks(
+            chat, rid, model, usage, continuous, self.behaviour.usage_nulls, prompt, created
+        )
 
     async def _stream(
         self,
@@ -424,6 +760,7 @@ class MockUpstream:
         prompt: int,
         n: int,
         gone: asyncio.Event,
+        start: int = 0,
     ) -> None:
         bh = self.behaviour
         chunks = self._chunks(rec, req, model, chat, prompt)
@@ -449,8 +786,11 @@ class MockUpstream:
                 await self._sleep(bh.itl_ms, gone)
                 if gone.is_set():
                     return
+            if i and start + i in bh.fail_at:
+                await self._fault(send, first, chunks, prompt, i)
+                return
             self._count_token(rec, gone)
-            text = token_text(i).encode()
+            text = token_text(start + i).encode()
             if bh.pad_bytes:
                 text += b"." * bh.pad_bytes
             chunk = chunks.token(text, i == n - 1)
@@ -488,7 +828,30 @@ class MockUpstream:
                 await send({"type": "http.response.body", "body": part, "more_body": True})
                 await self._sleep(bh.split_tail_ms, gone)
             tail = tail[2 * third :]
+        await self._end_stream(send, tail, gone)
+
+    async def _end_stream(self, send: Send, tail: bytes, gone: asyncio.Event) -> None:
+        """The stream's last bytes and its end: one write, or two `end_gap_ms` apart."""
+        if self.behaviour.end_gap_ms > 0:
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
+            await self._sleep(self.behaviour.end_gap_ms, gone)
+            tail = b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _fault(
+        self, send: Send, first: bytes, chunks: wire.Chunks, prompt: int, sent: int
+    ) -> None:
+        """End a stream the way `fail_how` says (after `sent` tokens)."""
+        how = self.behaviour.fail_how
+        if how == "error":  # vLLM's stream generator on an exception: an error event, [DONE]
+            message = f"{self.name} failing mid-stream"
+            failing = wire.error(500, message, "InternalServerError", None)
+            body = first + b"data: " + wire.dumps(failing.body) + b"\n\ndata: [DONE]\n\n"
+        elif how == "finish_error":
+            body = first + chunks.token(b"", True, "error") + chunks.tail(prompt, sent + 1, 0)
+        else:
+            raise ConnectionAbortedError("dying on purpose")
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _whole(
         self,
@@ -499,6 +862,8 @@ class MockUpstream:
         prompt: int,
         n: int,
         gone: asyncio.Event,
+        start: int = 0,
+        req: dict[str, Any] | None = None,
     ) -> None:
         bh = self.behaviour
         await self._sleep(bh.ttft_ms, gone)
@@ -510,11 +875,48 @@ class MockUpstream:
                 await self._sleep(bh.itl_ms, gone)
                 if gone.is_set():
                     return
+            if bh.die_after == i or (i and start + i in bh.fail_at):
+                raise ConnectionAbortedError("dying on purpose")
             self._count_token(rec, gone)
-            text.append(token_text(i))
-        rid = rec["request_id"] or "0"
+            text.append(token_text(start + i))
+        rid = _fresh_id() if bh.fresh_ids else (rec["request_id"] or "0")
         payload = wire.completion(rid, model, chat, "".join(text), prompt, n, 0)
+        self._held(payload, rec, req or {}, prompt, 0)
         await _json(send, 200, payload, gzip_body=bh.gzip)
+
+    def _prefills(self, req: dict[str, Any]) -> bool:
+        """A prefill engine's part of a split request (NIXL's phase 1, SGLang's P copy)."""
+        handoff = self.handoff
+        if handoff is None or handoff.cfg.role == "decode":
+            return False
+        params = req.get("kv_transfer_params")
+        if isinstance(params, dict) and params.get("do_remote_decode"):
+            return True
+        return handoff.cfg.connector == "sglang" and req.get("bootstrap_room") is not None
+
+    def _held(
+        self,
+        payload: dict[str, Any],
+        rec: dict[str, Any],
+        req: dict[str, Any],
+        prompt: int,
+        cached: int,
+    ) -> None:
+        """NIXL phase 1 answered: its blocks held, and vLLM's params naming them in the answer."""
+        params = rec.get("kv_params")
+        if self.handoff is None or not isinstance(params, dict):
+            return
+        if params.get("do_remote_decode") and self.handoff.cfg.role != "decode":
+            rid = rec["request_id"] or _fresh_id()
+            payload["kv_transfer_params"] = self.handoff.hold(rid, prompt, cached, prompt_text(req))
+
+    def _room_done(
+        self, rec: dict[str, Any], req: dict[str, Any], prompt: int, gone: asyncio.Event
+    ) -> None:
+        room = rec.get("room")
+        if self.handoff is not None and isinstance(room, int) and not gone.is_set():
+            if self._prefills(req):
+                self.handoff.room_done(room, prompt, prompt_text(req))
 
     async def _engine_generate(
         self,
@@ -539,7 +941,8 @@ class MockUpstream:
             prefix = block_hashes(text, engine.config.block_size * 4)
             if engine.kv is not None:
                 tokens = mock_tokens(text)
-        seq = engine.submit(prompt, n, prefix=prefix, tokens=tokens)
+        lora = model if model in engine.adapters else None
+        seq = engine.submit(prompt, n, prefix=prefix, tokens=tokens, lora=lora)
 
         def left(_: object) -> None:
             if gone.is_set():
@@ -579,21 +982,23 @@ class MockUpstream:
             else:
                 engine.finished_length += 1
         if stream:
-            tail = chunks.tail(prompt, n, seq.cached)
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            await self._end_stream(send, chunks.tail(prompt, n, seq.cached), gone)
+            self._room_done(rec, req, prompt, gone)
             return
         content = "".join(token_text(i) for i in range(n))
-        await _json(
-            send,
-            200,
-            wire.completion(rec["request_id"] or "0", model, chat, content, prompt, n, seq.cached),
+        payload = wire.completion(
+            rec["request_id"] or "0", model, chat, content, prompt, n, seq.cached
         )
+        self._held(payload, rec, req, prompt, seq.cached)
+        await _json(send, 200, payload)
+        self._room_done(rec, req, prompt, gone)
 
 
-def prompt_tokens(req: dict[str, Any]) -> int:
+def prompt_tokens(req: dict[str, Any], run: str = "") -> int:
     """A prompt's length in tokens, estimated as vLLM's tokenizer would roughly count English:
-    four characters a token."""
-    chars = 0
+    four characters a token; `run`, the continued answer at its end, is left out (its tokens
+    are counted one each by the caller)."""
+    chars = -len(run)
     messages = req.get("messages")
     if isinstance(messages, list):
         for m in messages:
@@ -607,6 +1012,41 @@ def prompt_tokens(req: dict[str, Any]) -> int:
         if isinstance(prompt, str):
             chars = len(prompt)
     return max(1, chars // 4)
+
+
+_RUN = re.compile(r"(?:tok\d+ )+$")
+
+
+def continued_from(req: dict[str, Any], chat: bool) -> tuple[int, str]:
+    """Where the answer starts, and the text it continues: the mock's "model" goes on with the
+    `tok0 tok1 ... tok<k-1> ` its own answers begin with, when the prompt (completions) or the
+    final assistant message under `continue_final_message` (chat, as vLLM honours it) ends with
+    them; else (0, "")."""
+    if chat:
+        messages = req.get("messages")
+        if req.get("continue_final_message") is not True or not isinstance(messages, list):
+            return 0, ""
+        last = messages[-1] if messages else None
+        if not isinstance(last, dict) or last.get("role") != "assistant":
+            return 0, ""
+        text = last.get("content")
+    else:
+        text = req.get("prompt")
+    if not isinstance(text, str):
+        return 0, ""
+    found = _RUN.search(text)
+    if found is None:
+        return 0, ""
+    words = found.group(0).split()
+    # The longest tail that counts up from tok0.
+    for begin in range(len(words)):
+        if words[begin:] == [f"tok{i}" for i in range(len(words) - begin)]:
+            return len(words) - begin, text[len(text) - sum(len(w) + 1 for w in words[begin:]) :]
+    return 0, ""
+
+
+def _fresh_id() -> str:
+    return uuid.uuid4().hex[:16]
 
 
 def prompt_text(req: dict[str, Any]) -> str:
@@ -651,6 +1091,71 @@ async def _watch(receive: Receive, gone: asyncio.Event, rec: dict[str, Any]) -> 
             return
 
 
+async def _max_tokens(req: dict[str, Any], default: int, least: int, send: Send) -> int | None:
+    """The request's `max_tokens`, or None after answering 400 as vLLM does for a bad value or
+    one beyond the context length."""
+    n = req.get("max_tokens") or default
+    if isinstance(n, int) and not isinstance(n, bool) and least <= n <= 100_000:
+        return n
+    message = f"max_tokens must be {least}..100000"
+    await _json(send, 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
+    return None
+
+
+def _form(body: bytes, content_type: str | None) -> dict[str, Any] | None:
+    """A multipart upload's plain fields (the file's bytes are skipped), or None."""
+    boundary = boundary_of(content_type)
+    if boundary is None:
+        return None
+    names = frozenset({"model", "stream", "stream_include_usage", "language"})
+    return {
+        k: body[a:b].decode("utf-8", "replace")
+        for k, (a, b) in form_fields(body, boundary, names).items()
+    } | {"stream": _field_true(body, boundary, "stream")}
+
+
+def _field_true(body: bytes, boundary: bytes, name: str) -> bool:
+    span = form_fields(body, boundary, frozenset({name})).get(name)
+    return span is not None and body[span[0] : span[1]].strip().lower() == b"true"
+
+
+def _api_prompt_tokens(req: dict[str, Any]) -> int:
+    """Prompt tokens as `prompt_tokens` counts them, for the other APIs' bodies too."""
+    given = req.get("input")
+    if isinstance(given, str):
+        return max(1, len(given) // 4)
+    if isinstance(given, list):
+        return max(1, len(json.dumps(given)) // 4)
+    for name in ("query", "text_1", "text"):
+        if isinstance(req.get(name), str):
+            return max(1, len(req[name]) // 4)
+    return prompt_tokens(req)
+
+
+def _answer(path: str, model: str, req: dict[str, Any], prompt: int) -> dict[str, Any]:
+    """The endpoints that generate nothing: answered at once."""
+    if path == "/v1/messages/count_tokens":
+        return apis.count_tokens(prompt)
+    if path == "/detokenize":
+        tokens = req.get("tokens")
+        return apis.detokenize(tokens if isinstance(tokens, list) else [])
+    return apis.pooling(path, model, req, prompt)
+
+
+async def _raw(send: Send, status: int, body: bytes) -> None:
+    headers = [*_JSON, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _text(send: Send, text: str) -> None:
+    """A plain 200 as vLLM's `Response(content=...)`: no content type."""
+    body = text.encode()
+    headers = [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 async def _read_body(receive: Receive) -> bytes:
     parts = []
     while True:
@@ -691,11 +1196,19 @@ def run(
     engine: EngineConfig | None = None,
     served_model_names: list[str] | None = None,
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    ssl_ca_certs: str | None = None,
+    handoff: HandoffConfig | None = None,
 ) -> None:
+    import ssl
+
     import uvicorn
 
     behaviour = Behaviour(ttft_ms=ttft_ms, itl_ms=itl_ms, tokens=tokens)
-    app = MockUpstream(name, behaviour, engine, served_model_names, max_model_len)
+    if handoff is not None:
+        handoff.port = handoff.port or port
+    app = MockUpstream(name, behaviour, engine, served_model_names, max_model_len, handoff)
     uvicorn.run(
         app,
         host=host,
@@ -705,4 +1218,9 @@ def run(
         log_level=log_level,
         access_log=False,
         lifespan="on",
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        ssl_ca_certs=ssl_ca_certs,
+        # With a CA given, a client without a certificate it signed is refused (mTLS).
+        ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_ca_certs else ssl.CERT_NONE,
     )

@@ -55,6 +55,7 @@ class Chunks:
         continuous: bool = False,
         nulls: bool = False,
         prompt: int = 0,
+        created: int = 0,
     ) -> None:
         self._chat = chat
         self.usage = usage
@@ -64,7 +65,7 @@ class Chunks:
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._head = (
             f'data: {{"id":"{"chatcmpl" if chat else "cmpl"}-{rid}","object":"{obj}",'
-            f'"created":0,"model":{json.dumps(model)},"choices":['
+            f'"created":{created},"model":{json.dumps(model)},"choices":['
         ).encode()
         end = _NULL_END if nulls and usage else _END
         fp = b"" if usage else _FP
@@ -115,9 +116,11 @@ class Chunks:
             + b"}\n\n"
         )
 
-    def token(self, text: bytes, last: bool) -> bytes:
+    def token(self, text: bytes, last: bool, finish: str = "length") -> bytes:
         """One token's event; `last` carries the finish reason (and the fingerprint)."""
         pre, post = self._last if last else self._mid
+        if finish != "length":
+            post = post.replace(b'"finish_reason":"length"', f'"finish_reason":"{finish}"'.encode())
         if self._cont:
             self._sent += 1
             return self._head + pre + text + post + self._counts() + _END
@@ -256,6 +259,38 @@ class RequestError(Exception):
         super().__init__(body["error"]["message"])
         self.status = status
         self.body = body
+
+
+def lora_models(adapters: dict[str, str], parent: str) -> list[dict[str, Any]]:
+    """vLLM's `/v1/models` entries of LoRA adapters: `root` the path, `parent` the base model."""
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "vllm",
+            "root": path,
+            "parent": parent,
+            "max_model_len": None,
+            "permission": [
+                {
+                    "id": f"modelperm-lora-{i}",
+                    "object": "model_permission",
+                    "created": 0,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+        for i, (name, path) in enumerate(adapters.items())
+    ]
 
 
 def error(status: int, message: str, type_: str, param: str | None) -> RequestError:

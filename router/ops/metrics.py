@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from router.ops.live import Live
+
 if TYPE_CHECKING:
     from balancers.base import Balancer
     from balancers.inflight.base import InflightStore, Lease, Readings
@@ -93,6 +95,8 @@ class Metrics:
 
     def __init__(self) -> None:
         reg = self.registry = CollectorRegistry(auto_describe=True)
+        # The console's last two minutes (this process only), fed by the same calls as below.
+        self.live = Live()
         self._multiproc = multiprocess_dir()
         self.requests = Counter(
             "sluicegate_requests_total",
@@ -110,16 +114,18 @@ class Metrics:
         self.ttft = Histogram(
             "sluicegate_time_to_first_token_seconds",
             "Streams only: arrival to the first body byte from the backend (see "
-            "sluicegate_ttft_seconds for the first content token).",
-            ("model", "backend"),
+            "sluicegate_ttft_seconds for the first content token); `path`: disaggregated "
+            "(after a prefill engine) or direct.",
+            ("model", "backend", "path"),
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
         self.ttft_content = Histogram(
             "sluicegate_ttft_seconds",
             "Streams only: arrival to the first event carrying content the client receives "
-            "(not the role-only first event).",
-            ("model", "backend"),
+            "(not the role-only first event); `path`: disaggregated (after a prefill engine) "
+            "or direct.",
+            ("model", "backend", "path"),
             buckets=TTFT_BUCKETS,
             registry=reg,
         )
@@ -148,6 +154,13 @@ class Metrics:
             ("model",),
             registry=reg,
         )
+        self.lora_loads = Counter(
+            "sluicegate_lora_loads_total",
+            "LoRA adapter loads and unloads the router asked engines for, by result: loaded, "
+            "failed, unloaded, unload_failed (adapters come only from lora.sources).",
+            ("backend", "adapter", "result"),
+            registry=reg,
+        )
         self.attempts = Counter(
             "sluicegate_upstream_attempts_total",
             "Attempts sent to each backend (the denominator of its error rate).",
@@ -158,6 +171,31 @@ class Metrics:
             "sluicegate_upstream_errors_total",
             "Failed attempts by backend and kind: connect, timeout, status (5xx/429), mid_stream.",
             ("backend", "kind"),
+            registry=reg,
+        )
+        self.migrations = Counter(
+            "sluicegate_migrations_total",
+            "Generations whose engine died mid-answer, by outcome: ok (went on on another "
+            "backend), failed (none took it), limit (max_migrations reached), budget (the retry "
+            "budget refused it), refused (the request may not migrate).",
+            ("model", "result"),
+            registry=reg,
+        )
+        self.disaggregated = Counter(
+            "sluicegate_disaggregated_requests_total",
+            "Requests of models with prefill and decode backends, by what was done: "
+            "disaggregated (a prefill engine first), short, cached (served whole: too little "
+            "of the prompt to compute), no_prefill (none could take it), prefill_refused (it "
+            "answered 4xx), client_params, failed (split, and no answer).",
+            ("model", "result"),
+            registry=reg,
+        )
+        self.prefill_seconds = Histogram(
+            "sluicegate_prefill_seconds",
+            "Prefill leg of a disaggregated request: sent to the prefill engine until its "
+            "answer (NIXL), or until its answer to the bootstrap copy (SGLang).",
+            ("backend",),
+            buckets=TTFT_BUCKETS,
             registry=reg,
         )
         self.in_flight = Gauge(
@@ -365,6 +403,14 @@ class Metrics:
             "was unreachable.",
             registry=reg,
         )
+        self.background_runs = Counter(
+            "sluicegate_background_runs_total",
+            "Rounds of the background chores (heartbeats, registry sync, usage writer, probes, "
+            "scrapes, discovery), by chore and result: ok, or error (an exception, logged once a "
+            "streak).",
+            ("task", "result"),
+            registry=reg,
+        )
         # Hostile or broken input refused or cut (issue 22's hardening): counted, not logged
         # per request.
         self.loops_refused = Counter(
@@ -385,6 +431,8 @@ class Metrics:
         # Label lookups take a lock and validate; resolve each combination once.
         self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
         self._by_backend: dict[str, tuple[Any, Any]] = {}
+        self._prefill_by: dict[str, Any] = {}
+        self._split_by: dict[tuple[str, str, str, str], tuple[Any, Any, Any]] = {}
 
     # -- exposition ---------------------------------------------------------------------------
 
@@ -408,24 +456,29 @@ class Metrics:
             children = self._by_request[key] = (
                 self.requests.labels(rec.model, backend, str(status)),
                 self.duration.labels(*labels, f"{status // 100}xx"),
-                self.ttft.labels(*labels),
-                self.ttft_content.labels(*labels),
+                self.ttft.labels(*labels, "direct"),
+                self.ttft_content.labels(*labels, "direct"),
                 self.tpot.labels(*labels),
                 self.bytes_out.labels(*labels),
                 self.disconnects.labels(*labels),
                 self.retries.labels(rec.model),
             )
         requests, duration, ttft, ttft_content, tpot, bytes_out, disconnects, retries = children
+        if rec.pd is not None:
+            ttft, ttft_content = self._split(rec, backend, status)
         requests.inc()
         duration.observe(time.perf_counter() - rec.started)
         if rec.stream and rec.ttfb_ms is not None:
             ttft.observe(rec.ttfb_ms / 1000)
         usage = rec.usage
+        first: float | None = None
         if usage is not None and usage.first_token_at is not None:
-            ttft_content.observe(usage.first_token_at - rec.started)
+            first = usage.first_token_at - rec.started
+            ttft_content.observe(first)
             per_token = usage.time_per_output_token()
             if per_token is not None:
                 tpot.observe(per_token)
+        self.live.answered(backend, first)
         if rec.bytes_out:
             bytes_out.inc(rec.bytes_out)
         if rec.disconnected:
@@ -436,6 +489,35 @@ class Metrics:
             # Failures after the first byte; those before it went through attempt_failed().
             self.upstream_errors.labels(rec.backend, rec.error).inc()
 
+    def background_run(self, task: str, ok: bool) -> None:
+        self.background_runs.labels(task, "ok" if ok else "error").inc()
+
+    def _split(self, rec: RequestRecord, backend: str, status: int) -> tuple[Any, Any]:
+        """A split model's request: its decision counted; its TTFT children by path."""
+        result = rec.pd or ""
+        if result == "disaggregated" and not 200 <= status < 300:
+            result = "failed"
+        path = "disaggregated" if rec.prefill_backend is not None else "direct"
+        key = (rec.model, backend, result, path)
+        children = self._split_by.get(key)
+        if children is None:
+            if len(self._split_by) > 4096:  # models x backends x results: bounded anyway
+                self._split_by.clear()
+            children = self._split_by[key] = (
+                self.disaggregated.labels(rec.model, result),
+                self.ttft.labels(rec.model, backend, path),
+                self.ttft_content.labels(rec.model, backend, path),
+            )
+        counted, ttft, ttft_content = children
+        counted.inc()
+        return ttft, ttft_content
+
+    def prefilled(self, backend: str, seconds: float) -> None:
+        child = self._prefill_by.get(backend)
+        if child is None:
+            child = self._prefill_by[backend] = self.prefill_seconds.labels(backend)
+        child.observe(seconds)
+
     def loop_refused(self) -> None:
         self.loops_refused.inc()
 
@@ -444,6 +526,7 @@ class Metrics:
 
     def queue_depth(self, model: str, priority: str, delta: int) -> None:
         self.queue_depth_gauge.labels(model, priority).inc(delta)
+        self.live.queued(delta)
 
     def queue_wait(self, model: str, priority: str, seconds: float) -> None:
         self.queue_wait_seconds.labels(model, priority).observe(seconds)
@@ -472,6 +555,9 @@ class Metrics:
     def ratelimited(self, key: str, limit: str) -> None:
         self.ratelimited_total.labels(key, limit).inc()
 
+    def migrated(self, model: str, result: str) -> None:
+        self.migrations.labels(model, result).inc()
+
     def attempt_failed(self, backend: str, kind: str) -> None:
         self.upstream_errors.labels(backend, kind).inc()
 
@@ -490,6 +576,7 @@ class Metrics:
         if child is None:
             child = self._routed[key] = self.routing_decisions.labels(*key)
         child.inc()
+        self.live.routed(backend, reason)
 
     def affinity(self, lookup_blocks: int, hit_blocks: int, entries: int) -> None:
         """One cache-aware dispatch: blocks looked up, blocks the pick held, index size."""
@@ -523,6 +610,9 @@ class Metrics:
         for name, lag in lags.items():
             self.kv_event_lag.labels(name).set(lag)
 
+    def lora_load(self, backend: str, adapter: str, result: str) -> None:
+        self.lora_loads.labels(backend, adapter, result).inc()
+
     def engine_scrape_failed(self, backend: str) -> None:
         self.engine_scrape_errors.labels(backend).inc()
 
@@ -540,8 +630,8 @@ class Metrics:
         self.healthy.labels(backend).set(0)
         self.ejections.labels(backend, reason).inc()
 
-    def discovery_event(self, source: str, event: str) -> None:
-        self.discovery_events.labels(source, event).inc()
+    def discovery_event(self, source: str, event: str, n: int = 1) -> None:
+        self.discovery_events.labels(source, event).inc(n)
 
     def discovery_state(self, source: str, backends: int, age: float | None) -> None:
         self.discovery_backends.labels(source).set(backends)

@@ -2,6 +2,7 @@
 
 Rows come from `GET /admin/backends` (health, in flight, the engine's own waiting/running/KV
 use when its metrics are scraped, the KV-event feed's state and lag, weight, cooldown/ejection);
+below the table, when any engine runs LoRA, each one's loaded, running and waiting adapters;
 the error rate comes from the admin row when the router reports one, else from `GET /metrics`
 (failed attempts / attempts; over the last refresh interval when watching). The admin token is
 read from `SLUICEGATE_ADMIN_TOKEN` and only ever sent as a header.
@@ -213,7 +214,30 @@ def render_table(
     ]
     if not cells:
         lines.append("(no backends)")
+    lines += _adapters(rows)
     return "\n".join(lines) + "\n"
+
+
+def _names(value: Any) -> str:
+    return ",".join(str(v) for v in value) if isinstance(value, list) and value else "-"
+
+
+def _adapters(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """`LORA ADAPTERS` lines: per engine with LoRA, loaded / running / waiting (max slots)."""
+    out: list[str] = []
+    for row in rows:
+        engine = row.get("engine")
+        lora = engine.get("lora") if isinstance(engine, dict) else None
+        if not isinstance(lora, dict):
+            continue
+        if not out:
+            out += ["", "LORA ADAPTERS"]
+        out.append(
+            f"{row.get('name', '?')}  loaded {_names(lora.get('loaded'))}"
+            f"  running {_names(lora.get('running'))}  waiting {_names(lora.get('waiting'))}"
+            f"  max {_num(lora.get('max_lora'))}"
+        )
+    return out
 
 
 def run(

@@ -117,6 +117,16 @@ class RequestTrace:
     def attempt_end(self, failure: str | None = None) -> None:
         return None
 
+    def migrated(self, backend: str, number: int, result: str, reason: str) -> None:
+        return None
+
+    def prefill(self, backend: str) -> None:
+        """A split request's prefill leg starts (its span ends at `prefill_end`)."""
+        return None
+
+    def prefill_end(self, failure: str | None = None, status: int | None = None) -> None:
+        return None
+
     def finish(self, rec: RequestLike, usage: UsageLike | None) -> None:
         return None
 
@@ -270,7 +280,7 @@ class OtelTracing(Tracing):
 
 
 class OtelRequestTrace(RequestTrace):
-    __slots__ = ("_attempt", "_failed", "_owner", "_recording", "_span")
+    __slots__ = ("_attempt", "_failed", "_owner", "_prefill", "_recording", "_span")
 
     def __init__(self, owner: OtelTracing, client_headers: Headers, rec: RequestLike) -> None:
         from opentelemetry.trace import SpanKind
@@ -299,11 +309,22 @@ class OtelRequestTrace(RequestTrace):
         # Not sampled: no attempt spans or events; upstream gets the trace id, flagged unsampled.
         self._recording = self._span.is_recording()
         self._attempt: Span | None = None
+        self._prefill: Span | None = None  # a split request's prefill leg, while it runs
         self._failed: tuple[Span, int] | None = None  # a failed attempt, until we know if retried
 
     def queued(self) -> None:
         if self._recording:
             self._span.add_event("queued")
+
+    def migrated(self, backend: str, number: int, result: str, reason: str) -> None:
+        if self._recording:
+            attributes: dict[str, str | int] = {
+                "sluicegate.backend": backend,  # the one whose stream broke
+                "sluicegate.migration": number,
+                "sluicegate.migration.result": result,
+                "sluicegate.migration.reason": reason,
+            }
+            self._span.add_event("migration", attributes)
 
     def picked(self, backend: str, reason: str | None = None) -> None:
         if not self._recording:
@@ -326,11 +347,37 @@ class OtelRequestTrace(RequestTrace):
             attributes={"sluicegate.backend": backend, "sluicegate.attempt": number},
         )
 
+    def prefill(self, backend: str) -> None:
+        if not self._recording:
+            return
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        self._prefill = self._owner.tracer.start_span(
+            f"prefill {backend}",
+            context=set_span_in_context(self._attempt or self._span),
+            kind=SpanKind.CLIENT,
+            attributes={"sluicegate.backend": backend, "sluicegate.leg": "prefill"},
+        )
+
+    def prefill_end(self, failure: str | None = None, status: int | None = None) -> None:
+        span = self._prefill
+        if span is None:
+            return
+        self._prefill = None
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+        if failure:
+            from opentelemetry.trace import StatusCode
+
+            span.set_attribute("error.type", str(failure))
+            span.set_status(StatusCode.ERROR)
+        span.end()
+
     def upstream_headers(self, headers: Headers) -> Headers:
         from opentelemetry.trace import set_span_in_context
 
         carrier: dict[str, str] = {}
-        span = self._attempt or self._span
+        span = self._prefill or self._attempt or self._span
         self._owner.propagator.inject(carrier, context=set_span_in_context(span))
         out = [(k, v) for k, v in headers if k.lower() not in _TRACE_HEADERS]
         out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())

@@ -91,31 +91,35 @@ def _engine_view(reading: EngineReading | None) -> dict[str, Any] | None:
     return reading.public() if reading is not None else None
 
 
-def admin_routes(
-    fleet: Fleet,
-    store: InflightStore,
-    health: HealthBook,
-    auth: AdminAuth,
-    drain_grace: float,
-    engine_readings: Callable[[], Mapping[str, EngineReading]] | None = None,
-    admin: AdminConfig | None = None,
-    kv_status: Callable[[str], dict[str, Any] | None] | None = None,
-) -> APIRouter:
-    router = APIRouter(prefix="/admin")
-    admin = admin or AdminConfig()
-    policy = NetPolicy.from_config(admin)
-    registry = fleet.registry
+class BackendRows:
+    """Backends as the admin API shows them: config without secrets, in flight, health, the
+    engine's last reading and the KV-event state (also what the console's live view lists)."""
 
-    async def describe(backends: tuple[Backend, ...]) -> list[dict[str, Any]]:
+    def __init__(
+        self,
+        fleet: Fleet,
+        store: InflightStore,
+        health: HealthBook,
+        engine_readings: Callable[[], Mapping[str, EngineReading]] | None = None,
+        kv_status: Callable[[str], dict[str, Any] | None] | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.store = store
+        self.health = health
+        self.engine_readings = engine_readings
+        self.kv_status = kv_status
+
+    async def __call__(self, backends: tuple[Backend, ...]) -> list[dict[str, Any]]:
+        store, health, kv_status = self.store, self.health, self.kv_status
         counts = await store.counts([b.name for b in backends])
-        readings = engine_readings() if engine_readings else {}
+        readings = self.engine_readings() if self.engine_readings else {}
         return [
             {
                 **b.public(),
                 "in_flight": counts.get(b.name, 0),
                 "inflight_store": store.kind,
                 "inflight_shared": store.kind != "local" and not store.degraded,
-                "registry_store": fleet.store.kind,
+                "registry_store": self.fleet.store.kind,
                 **health.describe(b.name),
                 "engine": _engine_view(readings.get(b.name)),
                 # KV-cache events: state, lag, blocks indexed, per-publisher seq (None: off)
@@ -123,6 +127,19 @@ def admin_routes(
             }
             for b in backends
         ]
+
+
+def admin_routes(
+    describe: BackendRows,
+    auth: AdminAuth,
+    drain_grace: float,
+    admin: AdminConfig | None = None,
+) -> APIRouter:
+    router = APIRouter(prefix="/admin")
+    admin = admin or AdminConfig()
+    policy = NetPolicy.from_config(admin)
+    fleet, store = describe.fleet, describe.store
+    registry = fleet.registry
 
     async def in_flight(name: str) -> int:
         return (await store.counts([name])).get(name, 0)

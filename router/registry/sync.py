@@ -182,51 +182,42 @@ class RedisRecords:
         raise StoreUnavailable("The shared registry is too busy; retry.")
 
     async def watch(self, on_records: Callable[[dict[str, Record]], None]) -> None:
-        backoff = 0.1
-        seen: str | None = None
-        while True:
-            pubsub = None
-            try:
-                await ready(self._redis)
-                pubsub = self._redis.pubsub()
-                await pubsub.subscribe(self._channel)
-                # Anything published while we were not subscribed is in the hash: read it now.
-                await self._adopt_legacy()  # if Redis was away when load() ran
-                seen, records = await self._read()
-                _deliver(on_records, records)
-                backoff = 0.1
-                next_check = time.monotonic() + self._resync
-                while True:
-                    wait = max(0.0, next_check - time.monotonic())
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-                    if msg is not None:
-                        # Coalesce a burst of changes into one reload.
-                        while await pubsub.get_message(ignore_subscribe_messages=True, timeout=0):
-                            pass
+        """One subscription: deliver every change until Redis is lost, then raise (the runner
+        starts it again after its backoff; a new subscription reads the whole hash first)."""
+        pubsub = None
+        try:
+            await ready(self._redis)
+            pubsub = self._redis.pubsub()
+            await pubsub.subscribe(self._channel)
+            # Anything published while we were not subscribed is in the hash: read it now.
+            await self._adopt_legacy()  # if Redis was away when load() ran
+            seen, records = await self._read()
+            _deliver(on_records, records)
+            next_check = time.monotonic() + self._resync
+            while True:
+                wait = max(0.0, next_check - time.monotonic())
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+                if msg is not None:
+                    # Coalesce a burst of changes into one reload.
+                    while await pubsub.get_message(ignore_subscribe_messages=True, timeout=0):
+                        pass
+                    seen, records = await self._read()
+                    _deliver(on_records, records)
+                elif time.monotonic() >= next_check:
+                    if await follow_master(self._redis, self._timeout):
+                        # Our subscription is on the former master, which hears nothing now.
+                        raise RedisConnectionError("the master changed")
+                    version = await self._redis.get(self._version)
+                    if version != seen:
                         seen, records = await self._read()
                         _deliver(on_records, records)
-                    elif time.monotonic() >= next_check:
-                        if await follow_master(self._redis, self._timeout):
-                            # Our subscription is on the former master, which hears nothing now.
-                            raise RedisConnectionError("the master changed")
-                        version = await self._redis.get(self._version)
-                        if version != seen:
-                            seen, records = await self._read()
-                            _deliver(on_records, records)
-                        next_check = time.monotonic() + self._resync
-            except STORE_FAILURES as exc:
-                log.warning(
-                    "registry sync lost Redis; retrying",
-                    extra={"fields": {"error": type(exc).__name__}},
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._resync)
-            finally:
-                try:
-                    if pubsub is not None:
-                        await asyncio.shield(pubsub.aclose())
-                except STORE_FAILURES:
-                    pass
+                    next_check = time.monotonic() + self._resync
+        finally:
+            try:
+                if pubsub is not None:
+                    await asyncio.shield(pubsub.aclose())
+            except STORE_FAILURES:
+                pass
 
     async def aclose(self) -> None:
         await self._redis.aclose()

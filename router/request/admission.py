@@ -67,6 +67,7 @@ class Ticket:
     deadline_reason: str  # "max_wait" or "deadline" (the client's own timeout)
     size: int = 0  # bytes of the request body it holds while queued (max_queue_bytes)
     start: float = 0.0  # fair-queue start tag, set on entering the queue
+    entered: float = 0.0  # when it entered the queue (the admission clock)
     seq: int = 0
     queued: bool = False  # in its band's heap
     woken: bool = False  # taken out of the heap to try again, not yet back
@@ -194,6 +195,22 @@ class Admission:
     def queued_bytes(self) -> int:
         return self._bytes
 
+    def bands(self) -> dict[str, dict[str, float | int]]:
+        """Per band: requests waiting and the oldest one's wait in seconds, all models. Walks
+        the queue (bounded by `max_queue`): for the console, not the request path."""
+        now = self._clock()
+        out: dict[str, dict[str, float | int]] = {
+            name: {"depth": 0, "oldest_wait": 0.0} for name in BANDS
+        }
+        for q in self._busy:
+            for name, band in zip(BANDS, q.bands, strict=True):
+                row = out[name]
+                row["depth"] += band.live
+                for _, _, t in band.heap:
+                    if t.queued:
+                        row["oldest_wait"] = max(row["oldest_wait"], round(now - t.entered, 3))
+        return out
+
     def saturated(self, backend: Backend, readings: Readings) -> bool:
         r = readings.get(backend.name)
         if r is None or r.stale:
@@ -222,7 +239,7 @@ class Admission:
                 return lease
             q = self._queues.setdefault(t.model, _ModelQueue())
         # Someone waits already (it goes first, unless this one ranks before it) or no room.
-        entered = self._clock()
+        entered = t.entered = self._clock()
         self._tag(t)
         try:
             self._enter(q, t)

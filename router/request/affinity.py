@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 from balancers.base import Balancer
 from balancers.cache_aware import CHARS_PER_TOKEN, Hints, KvHints
 from balancers.inflight.base import Readings
+from balancers.lora import AdapterWant
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
@@ -46,6 +47,7 @@ from router.request.tokens import (
 
 if TYPE_CHECKING:
     from router.request.affinity_store import SharedPrefixIndex
+    from router.upstream.pools import Pools
 
 MAX_SESSION_KEY_CHARS = 256
 
@@ -75,6 +77,7 @@ class Affinity:
         shared: SharedPrefixIndex | None = None,
         on_fallback: Callable[[], None] | None = None,
         kv: KvEvents | None = None,
+        pools: Pools | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -87,7 +90,7 @@ class Affinity:
                 except TokenizerError as exc:
                     raise ConfigError(f"affinity.tokenizers.{model}: {exc}") from None
             else:
-                self._tokenizers[model] = EngineTokenizer()
+                self._tokenizers[model] = EngineTokenizer(pools)
         self.index = index or PrefixIndex()
         self.shared = shared  # None: the local index is all there is
         self._on_fallback = on_fallback  # a shared lookup answered locally
@@ -97,13 +100,22 @@ class Affinity:
         self._aware: dict[type, bool] = {}
 
     def prepare(
-        self, balancer: Balancer, headers: Sequence[tuple[bytes, bytes]], payload: dict[str, Any]
+        self,
+        balancer: Balancer,
+        headers: Sequence[tuple[bytes, bytes]],
+        payload: dict[str, Any],
+        responses: bool = False,
+        adapter: str | None = None,
     ) -> RequestAffinity | None:
-        """What the request brings, when `balancer` routes on it (None: nothing to route on)."""
+        """What the request brings, when `balancer` routes on it (None: nothing to route on);
+        `responses`: a Responses API body (its prompt is `instructions` and `input`);
+        `adapter`: the LoRA adapter it names (its blocks are keyed by it)."""
         if not self._hint_aware(balancer):
             return None
         cfg = self.config
-        hashes = prefix_hashes(payload, cfg.block_chars, cfg.max_prefix_chars)
+        hashes = prefix_hashes(
+            payload, cfg.block_chars, cfg.max_prefix_chars, responses, adapter or ""
+        )
         key = self.session_key(headers, payload)
         if not hashes and key is None:
             return None
@@ -218,7 +230,11 @@ class Affinity:
             self.kv.dispatched(backend, len(request.tokens) - cached)
 
     def bind(
-        self, balancer: Balancer, request: RequestAffinity, eligible: Sequence[Backend]
+        self,
+        balancer: Balancer,
+        request: RequestAffinity,
+        eligible: Sequence[Backend],
+        adapter: AdapterWant | None = None,
     ) -> Balancer:
         """This attempt's picker: `balancer` with the index's view of the eligible backends."""
         if not self._hint_aware(balancer):
@@ -229,7 +245,9 @@ class Affinity:
         else:
             held = {b.name: known[b.name] for b in eligible if b.name in known}
         kv = self._kv_hints(request, eligible, held) if request.tokens is not None else None
-        hints = Hints(len(request.hashes), self.config.block_chars, held, request.session, kv)
+        hints = Hints(
+            len(request.hashes), self.config.block_chars, held, request.session, kv, adapter
+        )
         return cast(HintAware, balancer).with_hints(hints, self.config.load_factor)
 
     def dispatched(self, hashes: list[bytes], backend: str, readings: Readings | None) -> None:

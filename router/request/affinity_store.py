@@ -38,6 +38,7 @@ from balancers.inflight.batch import Batcher
 from balancers.prefix_index import MAX_BLOCKS_PER_BACKEND
 from router.core.errors import STORE_FAILURES
 from router.core.redis_client import KeyConnections, RedisTarget, follow_master
+from router.core.runner import Runner, shared_or_own
 
 log = logging.getLogger("sluicegate.affinity")
 
@@ -128,6 +129,7 @@ class SharedPrefixIndex:
         prefix: str = "sluicegate",
         clock: Callable[[], float] | None = None,
         flush_after: float = FLUSH_AFTER,
+        runner: Runner | None = None,
     ) -> None:
         target = RedisTarget(url=target) if isinstance(target, str) else target
         self._redis = target.client(timeout=timeout, max_connections=POOL_SIZE, blocking=True)
@@ -151,7 +153,9 @@ class SharedPrefixIndex:
         self._tasks: set[asyncio.Task[None]] = set()
         self._cards: dict[str, int] = {}
         self._failures = 0  # scripts failed in a row
-        self._probe_task: asyncio.Task[None] | None = None  # only while degraded
+        self._runner = runner  # the app's; None: one of its own at the first degrade
+        self._own_runner: Runner | None = None
+        self._probing = False  # the probe chore is registered (it idles while not degraded)
         self.degraded = False
         self.fallbacks = 0  # lookups answered by the local index instead
         self.scripts = 0  # scripts sent (lookups and lone record flushes)
@@ -183,11 +187,9 @@ class SharedPrefixIndex:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        probe = self._probe_task
-        if probe is not None:
-            probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probe
+        if self._own_runner is not None:
+            await self._own_runner.stop()
+            self._own_runner = None
         if self._pending and not self.degraded:
             await self._flush()
         for task in list(self._tasks):
@@ -305,24 +307,22 @@ class SharedPrefixIndex:
         if not self.degraded and self._failures >= DEGRADE_AFTER:
             self.degraded = True
             log.warning("redis prefix index unavailable; routing on this process's own index")
-            if self._probe_task is None:
-                self._probe_task = asyncio.get_running_loop().create_task(self._probe())
+            if not self._probing:
+                self._probing = True
+                runner, self._own_runner = shared_or_own(self._runner)
+                runner.every("prefix_index_probe", self._probe, PROBE_EVERY)
 
     async def _probe(self) -> None:
-        """While degraded: until Redis takes a write again, then back to shared lookups."""
+        """While degraded: one write, and back to shared lookups once Redis takes it."""
+        if not self.degraded or self._closed:
+            return
         try:
-            while True:
-                await asyncio.sleep(PROBE_EVERY)
-                try:
-                    await follow_master(self._redis, self._timeout)
-                    async with asyncio.timeout(self._timeout):
-                        # A write: a demoted master or a full Redis answers PING, not this.
-                        await self._batch.call("SET", self._tag + ":probe", 1, "PX", 1000)
-                    break
-                except STORE_FAILURES:
-                    continue
-        finally:
-            self._probe_task = None
+            await follow_master(self._redis, self._timeout)
+            async with asyncio.timeout(self._timeout):
+                # A write: a demoted master or a full Redis answers PING, not this.
+                await self._batch.call("SET", self._tag + ":probe", 1, "PX", 1000)
+        except STORE_FAILURES:
+            return
         self.degraded = False
         self._failures = 0
         log.info(

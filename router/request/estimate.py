@@ -6,7 +6,8 @@ sequences the engine generates (`n`, or `best_of` when larger). The budget is re
 endpoint's own limit field(s), the ones its engine honours, first present wins (chat:
 `max_completion_tokens` then `max_tokens`; completions: `max_tokens` only, so a
 `max_completion_tokens` that vLLM ignores there cannot inflate the estimate); an endpoint with no
-completion (embeddings) names none. Absent or null: `default_max_tokens`.
+completion (embeddings) names none. Absent or null: `default_max_tokens`. An endpoint whose body
+is not its prompt (an audio upload, a lookup) has no prompt part (`prompt_from_body=False`).
 
 Every part is an integer, and the prompt and the budget are each clamped to `max_model_len` (no
 sequence is longer), so an estimate stays far below 2^53: exact in a float window and in a Redis
@@ -21,15 +22,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-CHAT_LIMITS = ("max_completion_tokens", "max_tokens")
-COMPLETION_LIMITS = ("max_tokens",)
-NO_COMPLETION: tuple[str, ...] = ()
-# The limit fields each proxied endpoint's engine honours (the endpoint table may pass its own).
-LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
-    "/v1/chat/completions": CHAT_LIMITS,
-    "/v1/completions": COMPLETION_LIMITS,
-    "/v1/embeddings": NO_COMPLETION,
-}
+from router.core.endpoints import CHAT_LIMITS, COMPLETION_LIMITS
+
+__all__ = ["CHAT_LIMITS", "COMPLETION_LIMITS", "NO_COMPLETION", "BadLimit", "estimate_tokens"]
+
+NO_COMPLETION: tuple[str, ...] = ()  # each endpoint's own fields: router/core/endpoints.py
 SEQUENCE_FIELDS = ("n", "best_of")
 # Beyond any engine's reach: larger values are refused, not clamped (an int64 still fits).
 MAX_VALUE = 2**63 - 1
@@ -78,6 +75,7 @@ def estimate_tokens(
     limit_fields: Sequence[str] = CHAT_LIMITS,
     default_max_tokens: int = 256,
     max_model_len: int = 131072,
+    prompt_from_body: bool = True,
 ) -> int:
     """Estimated prompt + completion tokens of one request (see the module docstring); raises
     `BadLimit` for a limit field or `n`/`best_of` that is not a sane integer."""
@@ -96,5 +94,5 @@ def estimate_tokens(
             completion = default_max_tokens
     else:
         completion = 0
-    prompt = min(body_len // 4, max_model_len)
+    prompt = min(body_len // 4, max_model_len) if prompt_from_body else 0
     return prompt + sequences * min(completion, max_model_len)

@@ -62,6 +62,10 @@ class QuotaBook(Protocol):
         """For /readyz details (None: nothing to say)."""
         ...
 
+    def in_use(self, key_id: str) -> tuple[float, float, int]:
+        """Requests and tokens in the key's window and requests in flight, this process's view."""
+        ...
+
 
 class _Window:
     """(second, amount) buckets, oldest first, and their total."""
@@ -227,6 +231,19 @@ class Quotas:
 
     def status(self) -> dict[str, Any] | None:
         return None
+
+    def in_use(self, key_id: str) -> tuple[float, float, int]:
+        """The key's requests and tokens in its current window and its requests in flight, as
+        this process counts them (reads; prunes nothing)."""
+        st = self._keys.get(key_id)
+        if st is None:
+            return 0.0, 0.0, 0
+        first = int(self.clock()) - BUCKETS + 1
+        return (
+            sum(a for sec, a in st.requests.buckets if sec >= first),
+            sum(a for sec, a in st.tokens.buckets if sec >= first),
+            st.parallel,
+        )
 
     def keys(self) -> list[tuple[str, _KeyState]]:
         """Every key's windows (key id, state), for the shared store's write-back."""

@@ -57,6 +57,7 @@ from starlette.responses import Response
 from balancers.inflight.batch import Batcher
 from router.core.errors import STORE_FAILURES, StoreUnavailable, error_response, store_unavailable
 from router.core.redis_client import Client, KeyConnections, RedisTarget, follow_master
+from router.core.runner import Runner, shared_or_own
 from router.request.quota import (
     BUCKETS,
     KeyLimits,
@@ -312,6 +313,7 @@ class SharedQuotas:
         heartbeat: bool = True,
         on_refused: Callable[[str, str], None] | None = None,
         on_degraded: Callable[[bool], None] | None = None,
+        runner: Runner | None = None,
     ) -> None:
         target = RedisTarget(url=target) if isinstance(target, str) else target
         self._cluster = target.cluster
@@ -364,7 +366,9 @@ class SharedQuotas:
         self._failures = 0
         self.degraded = False
         self.fallbacks = 0  # requests decided locally because Redis did not answer in time
-        self._beat_task: asyncio.Task[None] | None = None
+        self._runner = runner  # the app's; None: one of its own once the heartbeat starts
+        self._own_runner: Runner | None = None
+        self._beating = False
         self._wake = asyncio.Event()
         self._closed = False
 
@@ -442,20 +446,16 @@ class SharedQuotas:
             for source in self._sources.values():
                 await self._call(self._members_key, "SCRIPT", "LOAD", source)
         await self.heartbeat()
-        if self._run_heartbeat and self._beat_task is None:
-            self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
-
-    async def _beat_loop(self) -> None:
-        while True:
-            self._wake.clear()
-            wait = 0.5 if self.degraded else self._beat_every
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self._wake.wait()
-            try:
-                await self.heartbeat()
-            except Exception:  # a bug here must not end the beats that keep slots alive
-                log.exception("quota heartbeat failed")
+        if self._run_heartbeat and not self._beating:
+            self._beating = True
+            runner, self._own_runner = shared_or_own(self._runner)
+            # While degraded, probe often so shared enforcement comes back quickly.
+            runner.every(
+                "quota_heartbeat",
+                self.heartbeat,
+                lambda: 0.5 if self.degraded else self._beat_every,
+                wake=self._wake,
+            )
 
     async def heartbeat(self) -> bool:
         """Register this process, re-stamp its live slots, settle owed releases; True when
@@ -520,11 +520,9 @@ class SharedQuotas:
             await batcher.drain(within)
 
     async def aclose(self) -> None:
-        if self._beat_task is not None:
-            self._beat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat_task
-            self._beat_task = None
+        if self._own_runner is not None:
+            await self._own_runner.stop()
+            self._own_runner = None
         # Requests still running past the drain give their slots back now, not a slot ttl later
         # (as in-flight leases do); their own late `close` then sends nothing.
         for slot, tag in list(self._live.items()):
@@ -538,6 +536,11 @@ class SharedQuotas:
         if self._held is not None:
             await self._held.drop()
         await self._redis.aclose()
+
+    def in_use(self, key_id: str) -> tuple[float, float, int]:
+        """This process's own traffic on the key (its local windows count what Redis admitted
+        here too); the replicas' sum lives in Redis."""
+        return self.local.in_use(key_id)
 
     def status(self) -> dict[str, Any]:
         """For /readyz: shared or each process its share, and how many processes share."""

@@ -36,6 +36,11 @@ class RequestRecord:
     reason: str | None = None  # why the last attempt's backend: prefix, session, load, spill
     prefix_chars: int | None = None  # prompt characters that backend was known to hold
     tokens_estimated: bool | None = None  # usage counted without the backend's own numbers
+    migrations: int = 0  # times the answer went on on another backend (router/request/migration.py)
+    # Prefill/decode (router/request/pd.py): the last attempt's decision (None: not a split
+    # model) and the prefill engine its answer followed (None: served whole).
+    pd: str | None = None
+    prefill_backend: str | None = None
 
     def emit(self) -> None:
         if not log.isEnabledFor(logging.INFO):
@@ -59,6 +64,9 @@ class RequestRecord:
                     "reason": self.reason,
                     "prefix_chars": self.prefix_chars,
                     "tokens_estimated": self.tokens_estimated,
+                    "migrations": self.migrations,
+                    "prefill_backend": self.prefill_backend,
+                    "disaggregation": self.pd,
                 }
             },
         )

@@ -16,10 +16,11 @@ need a parsed event rather than a substring (OpenAI chat and completions, Respon
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from router.core.fastjson import loads
 
 _PAIRS = (b"\n\n", b"\r\r", b"\n\r")
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -41,12 +42,16 @@ def next_boundary(buf: bytes, at: int = 0) -> int:
     """Where the event holding position `at` ends (past its blank line), or -1 when it has not
     ended within `buf` (as far as its bytes tell)."""
     best = -1
+    limit = len(buf)
     for pair in _PAIRS:
-        found = buf.find(pair, at)
+        # Only a pair before the best found so far can end the event sooner: the search stops
+        # there, so a kind of line end that is absent does not cost a scan of the whole buffer.
+        found = buf.find(pair, at, limit)
         while found >= 0 and _end_of(buf, found) < 0:
-            found = buf.find(pair, found + 1)
+            found = buf.find(pair, found + 1, limit)
         if found >= 0 and (best < 0 or found < best):
             best = found
+            limit = best + 2
     return _end_of(buf, best) if best >= 0 else -1
 
 
@@ -55,9 +60,12 @@ def last_boundary(buf: bytes, before: int) -> int:
     it (0 when there is none)."""
     start = 0
     for pair in _PAIRS:
-        found = buf.rfind(pair, 0, before)
+        # A blank line ends at most 3 bytes past its first byte: one that starts more than that
+        # before the best start found so far cannot give a later one, so the search stops there.
+        low = max(0, start - 3)
+        found = buf.rfind(pair, low, before)
         while found >= 0 and _end_of(buf, found) < 0:
-            found = buf.rfind(pair, 0, found)
+            found = buf.rfind(pair, low, found)
         if found >= 0:
             start = max(start, min(_end_of(buf, found), before))
     return start
@@ -97,7 +105,7 @@ def event_json(raw: bytes) -> dict[str, Any] | None:
     if not data.startswith(b"{"):
         return None
     try:
-        value = json.loads(data)
+        value = loads(data)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

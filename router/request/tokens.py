@@ -14,8 +14,10 @@ Two ways, chosen per model (`affinity.tokenizers`):
   construction, one round trip (~2-5 ms on a local engine) on the request's path.
 Cost (router): the rendered text is split at the special tokens (which the tokenizer never
 merges across) and each piece's ids are kept in an LRU of MAX_CACHED_TOKENS ids, so a repeated
-system prompt or document costs a dictionary lookup; a new piece is encoded in Rust. A prompt
-past `tokenize_inline_chars` is tokenized in a worker thread, off the event loop.
+system prompt or document costs a dictionary lookup; a new piece is encoded in Rust, with the
+GIL released (`encode_batch`; `encode` keeps it). A prompt past `tokenize_inline_chars` is
+tokenized in a worker thread, off the event loop. The floor is the library's: a cold 8k-token
+prompt costs what `tokenizers` takes to encode it (bench/kv.py reports both).
 Anything a template or tokenizer rejects gives no tokens (the request is routed on the
 approximate index), never an error: the engine answers for the request itself.
 """
@@ -39,9 +41,12 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from router.core.backend import Backend
+from router.core.settings import PoolLimits, Timeouts
+from router.upstream.pools import Pools
 
 MAX_CACHED_TOKENS = 4_000_000  # ids kept across pieces (~32 MB)
 MIN_CACHED_PIECE = 64  # characters: shorter pieces are cheaper to encode than to key
+GIL_FREE_CHARS = 4096  # longer texts are encoded with the GIL released
 
 
 class TokenizerError(ValueError):
@@ -205,7 +210,11 @@ class RouterTokenizer:
 
     def encode(self, text: str, special: bool) -> list[int]:
         if special or self._split is None or len(text) < 2 * MIN_CACHED_PIECE:
-            return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
+            if len(text) < GIL_FREE_CHARS:
+                return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
+            # `encode` holds the GIL throughout (the event loop stalls for all of it even
+            # with this in a worker thread); `encode_batch` releases it.
+            return list(self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
         out: list[int] = []
         cache = self._cache
         misses: list[tuple[int, str]] = []
@@ -341,10 +350,13 @@ def _merge_system(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class EngineTokenizer:
-    """The backend's own `/tokenize`: exact, one round trip."""
+    """The backend's own `/tokenize`: exact, one round trip, over the backend's traffic pool
+    (router/upstream/pools.py: its TLS policy and limits), bounded by `timeout` and
+    `MAX_TOKENIZE_BODY`."""
 
-    def __init__(self, timeout: float = 2.0) -> None:
-        self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
+    def __init__(self, pools: Pools | None = None, timeout: float = 2.0) -> None:
+        self._pools = pools if pools is not None else Pools(Timeouts(), PoolLimits())
+        self._timeout = timeout
 
     async def tokens(
         self, payload: dict[str, Any], backend: Backend, model: str, limit: int = 1 << 24
@@ -362,19 +374,30 @@ class EngineTokenizer:
         ):
             if key in payload:
                 body[key] = payload[key]
+        headers = [(b"content-type", b"application/json"), *backend.auth_headers]
         try:
-            r = await self._client.post(
-                backend.url + "/tokenize", json=body, headers=list(backend.auth_headers)
-            )
-            if r.status_code != 200:
-                return None
-            ids = r.json().get("tokens")
-        except (httpx.HTTPError, ValueError, AttributeError):
+            data = json.dumps(body).encode()
+            transport, request = self._pools.request(backend, "/tokenize", headers, data)
+            answer = bytearray()
+            async with asyncio.timeout(self._timeout):
+                r = await transport.handle_async_request(request)
+                try:
+                    if r.status_code != 200:
+                        return None
+                    async for chunk in r.aiter_raw():
+                        answer += chunk
+                        if len(answer) > MAX_TOKENIZE_BODY:
+                            return None
+                finally:
+                    await r.aclose()
+            ids = json.loads(answer).get("tokens")
+        except (TimeoutError, httpx.HTTPError, ValueError, TypeError, AttributeError):
             return None
         return ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None
 
-    async def aclose(self) -> None:
-        await self._client.aclose()
+
+# A /tokenize answer is read up to this (about 2 M token ids); a longer one is not used.
+MAX_TOKENIZE_BODY = 16 * 1024 * 1024
 
 
 async def request_tokens(

@@ -13,6 +13,14 @@ or compressed body gets. `close()` reads the final `usage`, when present, from t
 bytes: the engine's completion tokens win over the event count (an event may carry several
 tokens); prompt tokens and cached prompt tokens come only from there.
 
+Each API shape (`router/core/endpoints.py`) has its own event key and usage fields: chat and
+completions as above; Responses counts `response.output_text.delta` (and reasoning) events and
+reads `input_tokens`, `output_tokens` and `cached_tokens` from `response.completed` or the body;
+Messages counts `content_block_delta` events and reads `output_tokens` and `input_tokens` (plus
+`cache_read_input_tokens` and `cache_creation_input_tokens`: Anthropic's `input_tokens` leaves the
+cached part out) from `message_delta` or the body, `input_tokens` from `message_start` when the
+last event lacks it.
+
 Compact JSON is assumed (what vLLM, SGLang and OpenAI send); a body with spaces after its colons
 gets token counts only from its `usage`, and no time to first token.
 """
@@ -30,6 +38,18 @@ _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,9})')
+_INPUT = re.compile(rb'"input_tokens"\s*:\s*(\d{1,9})')
+_OUTPUT = re.compile(rb'"output_tokens"\s*:\s*(\d{1,9})')
+_CACHE_READ = re.compile(rb'"cache_read_input_tokens"\s*:\s*(\d{1,9})')
+_CACHE_CREATED = re.compile(rb'"cache_creation_input_tokens"\s*:\s*(\d{1,9})')
+# shape -> (the key counted once per content event, the first non-empty content)
+_EVENTS: dict[str, tuple[bytes, re.Pattern[bytes]]] = {
+    "chat": (_CHAT_KEY, _FIRST_CHAT),
+    "completion": (_TEXT_KEY, _FIRST_TEXT),
+    # `"type":"response.output_text.delta"` (and reasoning_text): the `event:` line has no quote
+    "responses": (b'_text.delta"', re.compile(rb'_text\.delta"')),
+    "messages": (b'block_delta"', re.compile(rb'block_delta"')),
+}
 _TAIL = 4096  # the final usage object sits in the last event (or at the end of a JSON body)
 BATCH = 16  # chunks counted together after the first token
 
@@ -45,6 +65,7 @@ class ResponseUsage:
         "_last",
         "_pending",
         "_prev",
+        "_shape",
         "_tail",
         "cached_tokens",
         "first_token_at",
@@ -53,10 +74,10 @@ class ResponseUsage:
         "reported_tokens",
     )
 
-    def __init__(self, path: str) -> None:
-        chat = not path.endswith("/completions") or path.endswith("/chat/completions")
-        self._key = _CHAT_KEY if chat else _TEXT_KEY
-        self._first = _FIRST_CHAT if chat else _FIRST_TEXT
+    def __init__(self, shape: str = "chat") -> None:
+        """`shape`: an endpoint's `usage` (`router/core/endpoints.py`)."""
+        self._shape = shape
+        self._key, self._first = _EVENTS.get(shape, _EVENTS["chat"])
         self._carry = b""
         self._head: bytes | None = None  # the first chunk: it names the model
         self._pending: list[bytes] = []  # chunks since the first token, not yet counted
@@ -83,6 +104,8 @@ class ResponseUsage:
             return
         if self._head is None:
             self._head = chunk
+        elif len(self._head) < _TAIL:  # the opening events (Messages: message_start's usage)
+            self._head += chunk
         self._prev = self._last  # a stream with no content at all reads its usage from these
         self._last = chunk
         buf = self._carry + chunk if self._carry else chunk
@@ -142,7 +165,26 @@ class ResponseUsage:
             self.reported_tokens = _last_match(_COMPLETION, found)
             self.input_tokens = _last_match(_PROMPT, found)
             self.cached_tokens = _last_match(_CACHED, found)
+        elif b'"output_tokens"' in found or b'"input_tokens"' in found:
+            self._read_input_output(found)
         self._end = tail
+
+    def _read_input_output(self, found: bytes) -> None:
+        """Responses' and Messages' usage: `input_tokens` / `output_tokens`."""
+        self.reported_tokens = _last_match(_OUTPUT, found)
+        prompt = _last_match(_INPUT, found)
+        if self._shape == "messages":
+            if prompt is None and self._head is not None:
+                # `message_delta` may carry only output_tokens: `message_start` has the input.
+                prompt = _last_match(_INPUT, self._head[:_TAIL])
+            read = _last_match(_CACHE_READ, found)
+            created = _last_match(_CACHE_CREATED, found)
+            if prompt is not None:
+                prompt += (read or 0) + (created or 0)
+            self.cached_tokens = read
+        else:
+            self.cached_tokens = _last_match(_CACHED, found)
+        self.input_tokens = prompt
 
     @property
     def response_model(self) -> str | None:

@@ -15,6 +15,7 @@ applied it is written again (counts may then run high, never low).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -148,16 +149,11 @@ class UsageBook:
         if lost:
             self._dropped(lost)
 
-    async def run(self, every: float) -> None:
-        """The background writer (with Redis): flush every `every` seconds."""
-        while True:
-            await asyncio.sleep(every)
-            try:
-                await self.flush()
-            except STORE_FAILURES:
-                pass  # kept for the next round
-            except Exception as exc:  # a background chore must outlive one bad round
-                log.warning("usage write failed", extra={"fields": {"error": type(exc).__name__}})
+    async def flush_round(self) -> None:
+        """One round of the background writer (every `usage_flush` s, on the app's runner): a
+        Redis failure is logged once by `flush` and its counts wait for the next round."""
+        with contextlib.suppress(*STORE_FAILURES):
+            await self.flush()
 
     async def aclose(self) -> None:
         if self._redis is None:

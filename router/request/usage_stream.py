@@ -16,14 +16,20 @@ request with
 `include_usage`, SGLang with or without it, so no edit is right for both (SGLang's chunks then
 carry the usage anyway).
 
+vLLM puts `system_fingerprint` on the last token's event (the one with a finish reason), or,
+with `include_usage`, on the usage event instead: the strip holds the finish event back until the
+next event shows whether it is the usage event, and moves the fingerprint onto it, so the client
+gets the bytes vLLM sends it without the option. An event that has a fingerprint of its own
+(OpenAI's chunks all do) is left as it is.
+
 The usage-only event is found by parsing events (router/request/sse.py): LF, CRLF or CR line
 ends, each complete event holding `"usage":{` parsed as JSON and judged on its fields. A partial
 event is held back until its end arrives (an SSE client cannot use half an event anyway), at most
 MAX_HELD bytes: a longer event is relayed as it comes and stripping resumes after it.
 
 Cost per chunk of an injected stream: the relay's inline test (an attribute, the chunk's last
-two bytes, one `rfind` of `"usage":{`; ~0.1 us) and nothing more for a chunk of whole events
-without it. After the usage event, chunks pass untouched.
+two bytes, an `rfind` of `"usage":{` and one of `"finish_reason":"`; ~0.2 us) and nothing more
+for a chunk of whole events without them. After the usage event, chunks pass untouched.
 """
 
 from __future__ import annotations
@@ -35,10 +41,14 @@ from typing import Any
 from router.request.sse import ends_an_event, event_json, last_boundary, next_boundary
 
 USAGE_OBJECT = b'"usage":{'
+FINISHED = b'"finish_reason":"'  # a finish reason that is not null: a choice's last event
+_FINGERPRINT = b'"system_fingerprint"'
 _USAGE_NULL = b',"usage":null'
 MAX_HELD = 65536  # bytes of a partial event held back; a longer event is relayed as it comes
 _INJECTED = b',"stream_options":{"include_usage":true}'
 STREAMED_PATHS = ("/v1/chat/completions", "/v1/completions")
+# `json.dumps` with arguments builds an encoder per call (~2 us); this one is made once.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def needs_injection(payload: dict[str, Any]) -> bool:
@@ -151,25 +161,25 @@ class UsageStrip:
         while (at := buf.find(USAGE_OBJECT, pos)) >= 0:
             start = last_boundary(buf, at)
             end = next_boundary(buf, at)
-            if end < 0:  # this event's end has not arrived yet
-                out.append(buf[pos:start])
-                out.append(self._hold(buf[start:]))
+            if end < 0:  # this event's end has not arrived yet (a finish event waits with it)
+                keep = _finish_start(buf, pos, start)
+                out.append(buf[pos:keep])
+                out.append(self._hold(buf[keep:]))
                 return b"".join(out)
             payload = event_json(buf[start:end]) if end - start <= MAX_HELD else None
             if payload is not None and self._is_usage(payload):
                 self._done = self.stripped = True
-                out.append(buf[pos:start])
+                out.append(_fingerprinted(buf[pos:start], payload.get("system_fingerprint")))
                 out.append(buf[end:])
                 return b"".join(out)
             # A usage object in an event with choices (continuous usage, another engine's
             # shape): not the usage-only event; the client gets it as it is.
             out.append(buf[pos:end])
             pos = end
-        if ends_an_event(buf):
-            rest = buf[pos:]
-        else:
-            cut = max(pos, last_boundary(buf, len(buf)))
-            rest = buf[pos:cut] + self._hold(buf[cut:])
+        cut = len(buf) if ends_an_event(buf) else max(pos, last_boundary(buf, len(buf)))
+        # A finish event among the last whole ones waits with the partial event after it.
+        keep = _finish_start(buf, pos, cut)
+        rest = buf[pos:keep] + self._hold(buf[keep:]) if keep < len(buf) else buf[pos:]
         if not out:
             return rest
         out.append(rest)
@@ -189,3 +199,36 @@ class UsageStrip:
         """What is held back, at the end of the stream (it ended inside an event)."""
         held, self._held = self._held, b""
         return held.replace(_USAGE_NULL, b"") if self._nulls else held
+
+
+def _finish_start(buf: bytes, pos: int, cut: int) -> int:
+    """Where the last whole event in `buf[pos:cut]` starts when it carries a finish reason and
+    no fingerprint (it then waits for the next event, which may be the usage event whose
+    fingerprint goes on it); else `cut`."""
+    at = buf.rfind(FINISHED, pos, cut)
+    if at < 0:
+        return cut
+    start = max(pos, last_boundary(buf, at))
+    # Its end is `cut`, or unknown (-1) when `buf` ends there in CR CR.
+    if next_boundary(buf, at) not in (-1, cut) or buf.find(_FINGERPRINT, start, cut) >= 0:
+        return cut
+    return start
+
+
+def _fingerprinted(events: bytes, fingerprint: object) -> bytes:
+    """`events` with `"system_fingerprint"` added to the last one, when that is a finish event
+    without one (where vLLM puts it when the client did not ask for usage)."""
+    if not isinstance(fingerprint, str) or not events:
+        return events
+    at = events.rfind(FINISHED)
+    # Whole events: a last one ending in CR CR reads as "not ended yet" (-1) here.
+    if at < 0 or next_boundary(events, at) not in (-1, len(events)):
+        return events
+    start = last_boundary(events, at)
+    if events.find(_FINGERPRINT, start) >= 0:
+        return events
+    brace = events.rfind(b"}")
+    if brace < start:
+        return events
+    value = _COMPACT.encode(fingerprint).encode()
+    return events[:brace] + b',"system_fingerprint":' + value + events[brace:]

@@ -1,110 +1,164 @@
-"""The one httpx connection pool each backend gets.
+"""Every connection to a backend: its traffic pool, and the transports its probes and scrapes use.
 
-One `httpx.AsyncClient` per backend keeps each pool small (pool bookkeeping grows with its size),
-reuses keep-alive connections across requests, and closes them all at shutdown.
+`backend_transport` is the one place that decides how the router reaches a backend: the lean
+transport (router/upstream/transport.py) with the backend's TLS context and SNI name
+(router/core/tls.py) and, for backends not from the file, the network policy. Traffic, health
+probes, engine scrapes, discovery's `models: auto` and the KV-event sources question all get
+their transport from it, so a backend behind a private CA passes or fails them all alike. The
+background ones get transports of their own on purpose (the same class and the same shared
+SSLContext, not the traffic pool): a probe or a scrape never waits for, or takes, a slot of the
+traffic pool (a full pool must not make a backend look dead), and the traffic pool's limits stay
+the operator's. `/tokenize` and LoRA loads, which serve requests, use the traffic pool.
+
+`Pools` holds one traffic transport per backend (small pools: bookkeeping grows with the size),
+reuses keep-alive connections across requests and closes them all at shutdown.
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
+from urllib.parse import urlencode
 
 import httpx
 
 from router.core.backend import Backend
 from router.core.netpolicy import NetPolicy
 from router.core.settings import PoolLimits, Timeouts
-from router.upstream.transport import LeanTransport
+from router.upstream.transport import LeanTransport, Outgoing
 
 
-class NoCookies(httpx.Cookies):
-    """A jar that stores nothing: a proxy must not carry one client's cookies to another, and
-    skipping the jar saves work on every request."""
-
-    def extract_cookies(self, response: httpx.Response) -> None:
-        return None
-
-    def set_cookie_header(self, request: httpx.Request) -> None:
-        return None
-
-
-def make_client(
-    backend: Backend, timeouts: Timeouts, limits: PoolLimits, policy: NetPolicy | None = None
-) -> tuple[httpx.AsyncClient, LeanTransport]:
-    pool_limits = httpx.Limits(
-        max_connections=limits.max_connections,
-        max_keepalive_connections=limits.max_keepalive,
-        keepalive_expiry=limits.keepalive_expiry,
+def backend_transport(
+    backend: Backend, limits: httpx.Limits, policy: NetPolicy | None = None
+) -> LeanTransport:
+    """A transport to `backend`: its TLS policy always, `policy` when it is not from the file
+    (backends added at run time reach only the networks allowed, router/core/netpolicy.py)."""
+    return LeanTransport(
+        limits,
+        ssl_context=backend.ssl_context,
+        policy=policy if backend.source != "file" else None,
+        server_name=backend.server_name,
     )
-    transport = LeanTransport(pool_limits, policy=policy)
-    client = httpx.AsyncClient(
-        base_url=backend.url,
-        timeout=httpx.Timeout(
-            connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=timeouts.pool
-        ),
-        transport=transport,
-        params=dict(backend.query) or None,
-        trust_env=False,
-        follow_redirects=False,
+
+
+def join_url(base: httpx.URL, query: bytes, path: str) -> httpx.URL:
+    """`path` (maybe with the client's query, kept byte for byte) under `base` (a backend's URL
+    and a slash), the backend's own `query` (encoded once) appended."""
+    rel = httpx.URL(path)
+    raw = base.raw_path + rel.raw_path.lstrip(b"/")
+    if query:
+        raw += (b"&" if rel.query else b"?") + query
+    return base.copy_with(raw_path=raw)
+
+
+_ONE = httpx.Limits(max_connections=1, max_keepalive_connections=0)  # one question, then closed
+
+
+async def ask(
+    backend: Backend, url: httpx.URL | str, max_bytes: int, policy: NetPolicy | None = None
+) -> tuple[int, bytes]:
+    """One GET of `url` on `backend` (a question beside its traffic: `/v1/models`,
+    `/kv_event_sources`), on a connection of its own made as traffic's, closed after. The
+    status and, for a 2xx, the body read up to `max_bytes` (ValueError past it); no timeout of
+    its own: the caller bounds the whole answer."""
+    request = httpx.Request(
+        "GET",
+        url,
+        headers=[(b"accept", b"application/json"), *backend.auth_headers],
+        extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"), None)},
     )
-    client._cookies = NoCookies()  # httpx has no public switch for "no jar"
-    # No default Accept-Encoding (httpx asks for gzip): the backend compresses only when the
-    # client asked, since the body is forwarded as is.
-    client.headers = httpx.Headers({})
-    return client, transport
+    r = await backend_transport(backend, _ONE, policy).handle_async_request(request)
+    try:
+        if not 200 <= r.status_code < 300:
+            return r.status_code, b""
+        body = bytearray()
+        async for chunk in r.aiter_raw():
+            body += chunk
+            if len(body) > max_bytes:
+                raise ValueError("answer too large")
+        return r.status_code, bytes(body)
+    finally:
+        await r.aclose()
 
 
 class Pools:
-    """Backend name -> its client and transport. They outlive config swaps that keep the URL."""
+    """Backend name -> its traffic transport. It outlives config swaps that keep the URL, the
+    query and the TLS context."""
 
     def __init__(
         self, timeouts: Timeouts, limits: PoolLimits, policy: NetPolicy | None = None
     ) -> None:
-        self._timeouts = timeouts
         # Held to backends not from the file (admin API, discovery): their traffic and probes.
         self._policy = policy
-        self._limits = limits
+        self._limits = httpx.Limits(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive,
+            keepalive_expiry=limits.keepalive_expiry,
+        )
         self._pools: dict[str, _Pool] = {}
         self._timeout = httpx.Timeout(
             connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=timeouts.pool
         ).as_dict()
 
+    @property
+    def policy(self) -> NetPolicy | None:
+        return self._policy
+
     def request(
-        self, backend: Backend, path: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> tuple[LeanTransport, httpx.Request]:
-        """The pool for `backend` and a POST to `path` on it, built without re-parsing URLs.
+        self,
+        backend: Backend,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        method: str = "POST",
+        cache: bool = True,
+    ) -> tuple[LeanTransport, Outgoing]:
+        """The pool for `backend` and a `method` request to `path` on it, built without
+        re-parsing URLs (`cache` False: a path that names one resource, never kept).
 
-        The proxy sends through the pool's transport directly: the client's own layers (auth,
-        redirects, cookies, event hooks, stream wrappers) are all off for a proxy, and each of
-        them costs time on every request and every body chunk."""
+        The proxy sends through the pool's transport directly: an httpx client's own layers
+        (auth, redirects, cookies, event hooks, stream wrappers) are all off for a proxy, and
+        each of them costs time on every request and every body chunk."""
         pool = self._get(backend)
-        url = pool.urls.get(path)
+        url = pool.urls.get(path) if cache else None
         if url is None:
-            url = pool.urls[path] = pool.client.build_request("POST", path).url
-        request = httpx.Request(
-            "POST", url, headers=headers, content=body, extensions={"timeout": self._timeout}
-        )
-        return pool.transport, request
+            url = join_url(pool.base, pool.encoded_query, path)
+            if cache:
+                pool.urls[path] = url
+        return pool.transport, Outgoing(method, url, headers, body, self._timeout)
 
-    def get(self, backend: Backend) -> httpx.AsyncClient:
-        return self._get(backend).client
+    def transport(self, backend: Backend) -> LeanTransport:
+        return self._get(backend).transport
 
     def _get(self, backend: Backend) -> _Pool:
         pool = self._pools.get(backend.name)
+        if pool is not None and pool.backend is backend:
+            return pool  # the request path's case: the snapshot's own value, already checked
         guarded = self._policy is not None and backend.source != "file"
         if (
             pool is not None
             and pool.url == backend.url
             and pool.query == backend.query
             and pool.guarded == guarded
+            and pool.ssl_context is backend.ssl_context
+            and pool.server_name == backend.server_name
         ):
+            pool.backend = backend
             return pool
         if pool is not None:
             # The URL changed: the old pool finishes its streams in flight, takes nothing new.
             pool.transport.retire()
-        policy = self._policy if guarded else None
-        client, transport = make_client(backend, self._timeouts, self._limits, policy)
+        transport = backend_transport(backend, self._limits, self._policy)
         pool = self._pools[backend.name] = _Pool(
-            backend.url, backend.query, client, transport, guarded
+            backend.url,
+            httpx.URL(backend.url + "/"),
+            urlencode(backend.query).encode("ascii"),
+            backend.query,
+            transport,
+            guarded,
+            backend.ssl_context,
+            backend.server_name,
+            backend,
         )
         return pool
 
@@ -114,20 +168,24 @@ class Pools:
     async def discard(self, name: str) -> None:
         pool = self._pools.pop(name, None)
         if pool is not None:
-            await pool.client.aclose()
+            await pool.transport.aclose()
 
     async def aclose(self) -> None:
         pools = list(self._pools.values())
         self._pools.clear()
         for pool in pools:
-            await pool.client.aclose()
+            await pool.transport.aclose()
 
 
 @dataclass(slots=True)
 class _Pool:
     url: str
+    base: httpx.URL  # the URL with a trailing slash, parsed once
+    encoded_query: bytes  # the backend's `query`, encoded once
     query: tuple[tuple[str, str], ...]
-    client: httpx.AsyncClient
     transport: LeanTransport
     guarded: bool  # held to the network policy
+    ssl_context: ssl.SSLContext | None  # the backend's when the pool was made (by identity)
+    server_name: str | None
+    backend: Backend  # the value last checked against the fields above
     urls: dict[str, httpx.URL] = field(default_factory=dict)  # request path -> full URL

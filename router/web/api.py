@@ -1,7 +1,9 @@
-"""OpenAI-compatible routes. Each hands the request to the proxy; nothing here does I/O upstream.
+"""The proxied routes, one per row of the endpoint table (`router/core/endpoints.py`), and
+`/v1/models`. Each hands the request to the proxy; nothing here does I/O upstream.
 
-With client keys configured every route here needs `Authorization: Bearer <key>` (checked before
-the body is read), and a key limited to some models sees and reaches only those.
+With client keys configured every route here needs a key (`Authorization: Bearer <key>` or
+`x-api-key`, checked before the body is read), and a key limited to some models sees and reaches
+only those. The router's own errors come in the endpoint's format (Anthropic's for Messages).
 """
 
 from __future__ import annotations
@@ -13,55 +15,90 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.core.errors import error_response
+from router.core.endpoints import ENDPOINTS, FIXED, Endpoint, match_follow
+from router.core.errors import as_anthropic, error_response
 from router.registry.fleet import Registry
 from router.request.drain import Lifecycle
-from router.request.proxy import Proxy
+from router.request.proxy import Proxy, ProxyCall
 from router.web.auth import ClientKeys
 
-PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+PROXIED_PATHS = tuple(e.path for e in ENDPOINTS if e.method == "POST" and "{" not in e.path)
 
-Endpoint = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Awaitable[Response]]
 log = logging.getLogger("sluicegate.app")
 
 
-def proxy_endpoints(proxy: Proxy, keys: ClientKeys | None = None) -> dict[str, Endpoint]:
-    """Path -> the handler of a proxied POST (client key check, then the proxy)."""
+def proxy_endpoints(proxy: Proxy, keys: ClientKeys | None = None) -> dict[Endpoint, Handler]:
+    """Each row of the endpoint table -> its handler (client key check, then the proxy)."""
     check = keys.check if keys is not None and keys.enabled else None
 
-    def endpoint_for(path: str) -> Endpoint:
-        async def endpoint(request: Request) -> Response:
+    def handler_for(row: Endpoint) -> Handler:
+        follows = row.state == "follows"
+
+        async def handler(request: Request) -> Response:
+            response_id = None
+            if follows:
+                matched = match_follow(request.method, request.scope["path"])
+                if matched is None:
+                    return error_response(404, "Not Found", "not_found_error")
+                response_id = matched[1]
             if check is None:
-                return await proxy.prepare(request, path)
+                return await proxy.prepare(request, row, response_id=response_id)
             key = check(request)
             if isinstance(key, Response):
                 return key
             return await proxy.prepare(
-                request, path, key.models, key.name, key.priority, key.weight, key.limits
+                request,
+                row,
+                key.models,
+                key.name,
+                key.priority,
+                key.weight,
+                key.limits,
+                response_id,
             )
 
-        endpoint.__name__ = path.strip("/").replace("/", "_")
-        return endpoint
+        async def anthropic_handler(request: Request) -> Response:
+            answer = await handler(request)
+            if isinstance(answer, ProxyCall) or answer.status_code < 400:
+                return answer
+            return as_anthropic(answer)
 
-    return {path: endpoint_for(path) for path in PROXIED_PATHS}
+        chosen = anthropic_handler if row.errors == "anthropic" else handler
+        chosen.__name__ = row.method.lower() + "_" + row.path.strip("/").replace("/", "_")
+        return chosen
+
+    return {row: handler_for(row) for row in ENDPOINTS}
 
 
 class FastPath:
-    """Proxied POSTs go straight to their handler; everything else to the FastAPI app.
+    """Proxied routes go straight to their handler; everything else to the FastAPI app.
 
     The proxied routes use none of FastAPI's machinery (no dependencies, no body model), and its
     middleware and routing layers cost about as much CPU per request as the rest of the request
     path did in profiles. The same handlers are also registered as FastAPI routes.
     """
 
-    def __init__(self, app: ASGIApp, endpoints: dict[str, Endpoint], lifecycle: Lifecycle) -> None:
+    def __init__(
+        self, app: ASGIApp, endpoints: dict[Endpoint, Handler], lifecycle: Lifecycle
+    ) -> None:
         self.app = app
-        self._endpoints = endpoints
+        # method -> fixed path -> handler: one dict get per request for a fixed path
+        self._fixed: dict[str, dict[str, Handler]] = {
+            method: {path: endpoints[row] for path, row in rows.items()}
+            for method, rows in FIXED.items()
+        }
+        self._follows = {(row.method, row.path): h for row, h in endpoints.items()}
         self.lifecycle = lifecycle  # the server's signal handlers start the drain through it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self._endpoints.get(scope["path"])
+        if scope["type"] == "http":
+            paths = self._fixed.get(scope["method"])
+            endpoint = paths.get(scope["path"]) if paths is not None else None
+            if endpoint is None:
+                matched = match_follow(scope["method"], scope["path"])
+                if matched is not None:
+                    endpoint = self._follows[(matched[0].method, matched[0].path)]
             if endpoint is not None:
                 try:
                     response = await endpoint(Request(scope, receive, send))
@@ -78,8 +115,8 @@ class FastPath:
 def openai_routes(proxy: Proxy, registry: Registry, keys: ClientKeys | None = None) -> APIRouter:
     router = APIRouter()
     check = keys.check if keys is not None and keys.enabled else None
-    for path, endpoint in proxy_endpoints(proxy, keys).items():
-        router.add_api_route(path, endpoint, methods=["POST"], response_class=Response)
+    for row, handler in proxy_endpoints(proxy, keys).items():
+        router.add_api_route(row.path, handler, methods=[row.method], response_class=Response)
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -4,7 +4,8 @@ Admin: `SLUICEGATE_ADMIN_TOKEN` as `Authorization: Bearer <token>`, compared in 
 Without a token configured the mutating admin routes answer 403 and reads stay open (they never
 show secrets). Client keys: `api_keys` (sha256 hashes) and/or `api_keys_file` (a file mounted
 from a Secret, re-read when it changes); when any is configured, /v1/* needs a valid key, and a
-key limited to some models gets 403 for the others. Presented keys are never logged or echoed.
+key limited to some models gets 403 for the others. A client key comes as `Authorization: Bearer`
+or as `x-api-key` (Anthropic's SDKs). Presented keys are never logged or echoed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def bearer(request: Request) -> str | None:
     if scheme.lower() != "bearer" or not token:
         return None
     return token
+
+
+def client_key_of(request: Request) -> str | None:
+    """A client key: `Authorization: Bearer <key>` (OpenAI's SDKs) or `x-api-key: <key>`
+    (Anthropic's)."""
+    given = bearer(request)
+    if given is None:
+        given = request.headers.get("x-api-key", "").strip() or None
+    return given
 
 
 def _digest(value: str) -> bytes:
@@ -136,6 +146,10 @@ class ClientKeys:
             )
         self._keys = keys
 
+    def limited(self) -> list[KeyLimits]:
+        """The limits of every named key that has some (unnamed keys have no name to show)."""
+        return [k.limits for k in self._keys.values() if k.limits is not None and k.name]
+
     def reload_if_changed(self) -> bool:
         """Re-read the key file when it changed on disk (a rotated Secret); True if it did."""
         if self._path is None:
@@ -165,11 +179,12 @@ class ClientKeys:
         return True
 
     def check(self, request: Request) -> ClientKey | Response:
-        given = bearer(request)
+        given = client_key_of(request)
         if given is None:
             return error_response(
                 401,
-                "You didn't provide an API key. Send `Authorization: Bearer <key>`.",
+                "You didn't provide an API key. Send `Authorization: Bearer <key>` or "
+                "`x-api-key: <key>`.",
                 "invalid_request_error",
                 "missing_api_key",
             )

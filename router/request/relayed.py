@@ -1,0 +1,182 @@
+"""What one attempt of a migratable stream relayed to the client (router/request/migration.py).
+
+The pump hands each chunk to `Relayed` only when migration is on for the call. The fast path is
+inline in the pump: a chunk of whole events with no `"error` in it is appended to `chunks` as it
+is, nothing parsed. `feed(chunk)` (the slow path) returns what may be sent now:
+- whole events only: a partial event is held until its end arrives (at most MAX_HELD bytes), so
+  the client never holds half an event when a continuation takes over;
+- never an engine's error event (`{"error": ...}`) nor a choice with `finish_reason: "error"`:
+  they and what follows them are withheld and `broken` says why;
+- after `move()` (the backend is being removed: router/request/migration.py), the whole events of
+  the chunk, then `broken = "moved"`.
+
+Memory: the raw events relayed, until they pass COMPACT_AT bytes; then they are folded into their
+text pieces (one regex pass), so a stream holds at most COMPACT_AT bytes of events plus its text,
+and all of it goes with the call. `summary()` folds what is left, once, when a continuation is
+built.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from router.request.sse import event_json, last_boundary, next_boundary
+
+COMPACT_AT = 256 * 1024  # bytes of raw events kept before they are folded into text
+CHECK_EVERY = 32  # chunks appended between size checks (a chunk is at most the transport's
+# high-water mark, 256 KiB, so at most COMPACT_AT + 8 MiB are ever held)
+MAX_HELD = 65536  # a partial event longer than this cannot be held: the stream is not migratable
+# In an error event (`{"error":`) and in `"finish_reason":"error"`; a token's text holding it
+# reads `\"error\"`. The closing quote also makes the search cheaper (about 3x, measured).
+ERROR_MARK = b'"error"'
+# The text of a chat delta or a completion choice, as its JSON string's escaped bytes.
+_TEXT = {
+    "chat": re.compile(rb'"content":"([^"\\]*(?:\\.[^"\\]*)*)"'),
+    "completion": re.compile(rb'"text":"([^"\\]*(?:\\.[^"\\]*)*)"'),
+}
+_TOOL_CALL = b'"tool_calls":[{'
+_FINISH = b'"finish_reason":"'
+_HEAD_BYTES = 4096  # the first event is kept apart: it names the stream's id, created, model
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What a continuation needs from the events relayed."""
+
+    text: str
+    head: dict[str, object] | None  # the first event's JSON (its id, created, model)
+    tool_calls: bool  # a tool call was being streamed
+    finished: bool  # a choice had finished (stop, length): nothing is left to generate
+
+
+class Relayed:
+    __slots__ = (
+        "_counted",
+        "_finished",
+        "_held",
+        "_pieces",
+        "_shape",
+        "_tools",
+        "broken",
+        "chunks",
+        "head",
+        "size",
+        "slow",
+        "spoiled",
+    )
+
+    def __init__(self, shape: str) -> None:
+        self._shape = shape
+        self.chunks: list[bytes] = []  # raw whole events relayed since the last fold
+        self.size = 0  # their bytes (of the first `_counted` of them)
+        self._counted = 0
+        self.spoiled = False  # an event too long to hold went out in parts: no continuation
+        self.head = b""  # the first event relayed
+        self._held = b""  # a partial event, not yet relayed
+        self._pieces: list[bytes] = []  # folded text, as escaped JSON string content
+        self._tools = False
+        self._finished = False
+        self.broken: str | None = None  # why the stream is over: error_event, finish_error, moved
+        # The next chunk must go through `feed` (the first one, a partial event is held, or a
+        # move was asked).
+        self.slow = True
+
+    def move(self) -> None:
+        """End the relay at the next event boundary (the backend is being removed)."""
+        if self.broken is None:
+            self.broken = "moved"
+            self.slow = True
+
+    def keep(self, chunk: bytes) -> None:
+        """A chunk of whole events, relayed as it is. The pump inlines this for every chunk but
+        the first: `chunks.append(chunk)`, and `grown()` every CHECK_EVERY chunks."""
+        if not self.head:
+            self.head = chunk[:_HEAD_BYTES]
+        self.chunks.append(chunk)
+        self.grown()
+
+    def grown(self) -> None:
+        """Fold the raw events once they pass COMPACT_AT bytes."""
+        chunks = self.chunks
+        self.size += sum(map(len, chunks[self._counted :]))
+        self._counted = len(chunks)
+        if self.size > COMPACT_AT:
+            self._fold()
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of `chunk` to relay now (whole events, none past a break)."""
+        if self._held:
+            chunk = self._held + chunk
+            self._held = b""
+        cut = last_boundary(chunk, len(chunk))
+        whole, partial = chunk[:cut], chunk[cut:]
+        if len(partial) > MAX_HELD:
+            # Relayed in parts as it comes; a continuation could not follow half an event.
+            self.spoiled = True
+            whole, partial = chunk, b""
+        if whole.find(ERROR_MARK) >= 0:
+            whole = self._before_error(whole)
+        if self.broken is None:
+            self._held = partial
+        self.slow = bool(self._held) or self.broken is not None
+        if whole:
+            self.keep(whole)
+        return whole
+
+    def _before_error(self, whole: bytes) -> bytes:
+        """`whole` up to its first error event (parsed: `"error` may be in a token's text)."""
+        pos = 0
+        while (at := whole.find(ERROR_MARK, pos)) >= 0:
+            start = last_boundary(whole, at)
+            end = next_boundary(whole, at)
+            end = len(whole) if end < 0 else end
+            event = event_json(whole[start:end])
+            if event is not None:
+                why = _error_in(event)
+                if why is not None:
+                    self.broken = why
+                    self._held = b""
+                    return whole[:start]
+            pos = end
+        return whole
+
+    def _fold(self) -> None:
+        """Raw events into their text pieces (and the flags a continuation needs)."""
+        if not self.chunks:
+            return
+        joined = b"".join(self.chunks)
+        self.chunks.clear()
+        self.size = self._counted = 0
+        self._pieces.extend(_TEXT[self._shape].findall(joined))
+        self._tools = self._tools or joined.find(_TOOL_CALL) >= 0
+        self._finished = self._finished or _finished(joined)
+
+    def summary(self) -> Summary:
+        self._fold()
+        raw = b"".join(self._pieces)
+        text = json.loads(b'"' + raw + b'"') if raw else ""
+        head = event_json(self.head[: max(0, next_boundary(self.head, 0))] or self.head)
+        return Summary(text, head, self._tools, self._finished)
+
+
+def _finished(joined: bytes) -> bool:
+    """A choice finished (stop, length, tool_calls; an error finish is a break, not an end)."""
+    at = joined.find(_FINISH)
+    while at >= 0:
+        if not joined.startswith(b'error"', at + len(_FINISH)):
+            return True
+        at = joined.find(_FINISH, at + 1)
+    return False
+
+
+def _error_in(event: dict[str, object]) -> str | None:
+    if "error" in event and "choices" not in event:
+        return "error_event"
+    choices = event.get("choices")
+    if isinstance(choices, list):
+        for c in choices:
+            if isinstance(c, dict) and c.get("finish_reason") == "error":
+                return "finish_error"
+    return None

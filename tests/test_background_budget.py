@@ -1,0 +1,91 @@
+"""Background cost stays flat with the number of backends (issue 31, case 7): scrapes and probes
+run within a budget per second, taken in turn across backends, instead of one of each per
+backend per interval (1,000 discovered endpoints took 0.9 core before; 5,000, seconds of p50).
+
+The backends point at a closed loopback port, so every scrape and probe fails at once: what is
+counted is how many were started, and for which backends."""
+
+from __future__ import annotations
+
+import asyncio
+
+from health.monitor import HealthMonitor
+from health.state import HealthBook, ProbeResult
+from router.core.backend import Backend
+from router.core.settings import BackendConfig, EngineMetricsConfig, HealthConfig
+from router.engine.scraper import EngineScraper
+from tests.harness import free_port
+
+
+def fleet(n: int) -> list[Backend]:
+    port = free_port()  # bound then closed: nothing listens
+    return [
+        Backend.from_config(
+            BackendConfig(name=f"b{i}", url=f"http://127.0.0.1:{port}", models=["m"]),
+            "kubernetes",
+        )
+        for i in range(n)
+    ]
+
+
+def test_scrapes_keep_to_the_budget_and_take_every_engine_in_turn() -> None:
+    async def run() -> None:
+        # 100 a second at a 0.1 s interval: 10 scrapes a tick for 50 engines.
+        cfg = EngineMetricsConfig(interval=0.1, max_scrapes_per_second=100)
+        scraper = EngineScraper(cfg)
+        scraper.sync(fleet(50))
+
+        async def settle() -> None:
+            for _ in range(500):  # scrapes of a closed port end at once
+                if not scraper.in_flight():
+                    return
+                await asyncio.sleep(0.01)
+
+        try:
+            for round_ in range(1, 6):
+                scraper.tick()
+                assert scraper.in_flight() == 10  # the budget, not all 50
+                await settle()
+                done = sorted(scraper.errors().values())
+                # In turn: after k ticks, 10k engines scraped once, none twice.
+                assert done.count(1) == 10 * round_ and done.count(0) == 50 - 10 * round_
+            scraper.tick()
+            await settle()
+            assert sorted(scraper.errors().values()).count(2) == 10  # the next turn begins
+        finally:
+            await scraper.aclose()
+
+    asyncio.run(run())
+
+
+class CountingBook(HealthBook):
+    def __init__(self, cfg: HealthConfig) -> None:
+        super().__init__(cfg)
+        self.probes = 0
+
+    def on_probe(self, name: str, result: ProbeResult) -> None:
+        self.probes += 1
+        super().on_probe(name, result)
+
+
+def test_probes_keep_to_the_budget_however_many_backends() -> None:
+    rate = 40.0
+    seconds = 1.0
+
+    async def run() -> int:
+        # Every 0.05 s for 200 backends would be 4,000 probes a second.
+        book = CountingBook(HealthConfig(interval=0.05, max_probes_per_second=rate))
+        backends = fleet(200)
+        book.sync(backends)
+        monitor = HealthMonitor(book)
+        monitor.sync(backends)
+        await monitor.start()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await monitor.aclose()
+        return book.probes
+
+    probes = asyncio.run(run())
+    # A burst of one second's worth, then `rate` a second (and a little slack for the clock).
+    assert 0 < probes <= rate + rate * seconds + 5, probes
