@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,28 @@ def test_a_stamped_venv_is_reused_without_installing(
     install.stamp(tmp_path).touch()
     install.nixl_dir(tmp_path).mkdir()
     install.nixl_stamp(tmp_path).touch()
+    shim = install.nixl_dir(tmp_path) / "sitecustomize.py"
+    shim.write_text(install.SITECUSTOMIZE)
     monkeypatch.setattr(install, "_run", lambda *args, **kw: pytest.fail(f"ran {args}"))
     assert install.ensure_venv(tmp_path) == python
+
+
+def test_an_older_sitecustomize_is_rewritten_without_reinstalling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = install.venv_python(tmp_path)
+    python.parent.mkdir(parents=True)
+    python.touch()
+    install.stamp(tmp_path).touch()
+    install.nixl_dir(tmp_path).mkdir()
+    install.nixl_stamp(tmp_path).touch()
+    shim = install.nixl_dir(tmp_path) / "sitecustomize.py"
+    shim.write_text('"""an earlier shim"""\n')
+    ran: list[list[str]] = []
+    monkeypatch.setattr(install, "_run", lambda args, env=None: ran.append(args))
+    assert install.ensure_venv(tmp_path, say=lambda _: None) == python
+    assert shim.read_text() == install.SITECUSTOMIZE
+    assert len(ran) == 1 and ran[0][1] == "-c"  # only the shim's check: no pip
 
 
 def test_a_venv_without_nixl_gains_only_nixl(
@@ -80,7 +101,8 @@ def test_the_affinity_fix_skips_nixls_call_only(monkeypatch: pytest.MonkeyPatch)
         os, "sched_setaffinity", lambda pid, cpus: calls.append((pid, cpus)), raising=False
     )
     fixed: dict[str, object] = {}
-    exec(compile(install.AFFINITY_FIX, "sitecustomize.py", "exec"), fixed)
+    exec(compile(install.SITECUSTOMIZE, "sitecustomize.py", "exec"), fixed)
+    sys.meta_path.remove(fixed["_finder"])  # type: ignore[arg-type]
     try:
         nixl: dict[str, object] = {"os": os}
         exec(compile("os.sched_setaffinity(0, {1})", "vllm/x/nixl/base_worker.py", "exec"), nixl)
@@ -89,6 +111,34 @@ def test_the_affinity_fix_skips_nixls_call_only(monkeypatch: pytest.MonkeyPatch)
         assert calls == [(0, {0})]
     finally:
         os.sched_setaffinity = fixed["_set_affinity"]  # type: ignore[assignment]
+
+
+def test_nixls_progress_thread_gets_a_delay_instead_of_a_busy_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stand-in for NIXL's compiled bindings: the agent reports the delay it was given.
+    package = tmp_path / "nixl_cu12"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_bindings.py").write_text(
+        "class nixlAgentConfig:\n    pthrDelay = 0\n\n"
+        "def nixlAgent(name, config):\n    return (name, config.pthrDelay)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shim: dict[str, object] = {}
+    exec(compile(install.SITECUSTOMIZE, "sitecustomize.py", "exec"), shim)
+    try:
+        os.sched_setaffinity = shim["_set_affinity"]  # type: ignore[assignment]
+        import nixl_cu12._bindings as bindings  # type: ignore[import-not-found]
+
+        assert bindings.nixlAgent("a", bindings.nixlAgentConfig()) == ("a", 1000)
+        slow = bindings.nixlAgentConfig()
+        slow.pthrDelay = 5000
+        assert bindings.nixlAgent("b", slow) == ("b", 5000)  # a longer delay is kept
+    finally:
+        sys.meta_path.remove(shim["_finder"])  # type: ignore[arg-type]
+        for name in ("nixl_cu12._bindings", "nixl_cu12"):
+            sys.modules.pop(name, None)
 
 
 def test_engines_run_on_loopback_with_the_tier_s_settings(tmp_path: Path) -> None:

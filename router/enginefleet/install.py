@@ -11,8 +11,8 @@ NIXL (vLLM's NixlConnector moves KV from a prefill engine to a decode engine) go
 directory next to the venv, not into it, with `--no-deps` (its CUDA build is the one that exists;
 on a machine without CUDA it falls back to a UCX backend on CPU), and the engines get that
 directory on `PYTHONPATH`. Pinned: nixl 1.5.2 pins a nixl-cu12 the index does not have. The same
-directory holds a `sitecustomize.py` that drops NIXL's one `os.sched_setaffinity` call (see
-`AFFINITY_FIX`), and its own stamp, so that a venv installed before NIXL only gains NIXL.
+directory holds a `sitecustomize.py` that keeps NIXL off the engines' cores (see
+`SITECUSTOMIZE`), and its own stamp, so that a venv installed before NIXL only gains NIXL.
 """
 
 from __future__ import annotations
@@ -32,10 +32,19 @@ INSTALL_TIMEOUT_S = 900.0  # ~70 s measured; a cold, loaded machine gets a wide 
 NIXL_VERSION = "1.5.1"
 NIXL_PACKAGES = (f"nixl=={NIXL_VERSION}", f"nixl-cu12=={NIXL_VERSION}")
 
-# vLLM's NIXL worker pins its whole process to the last core after vLLM's OpenMP binding has put
-# the engine on its own: two engines then share one core (a prefill measured 0.12-0.51 s instead
-# of 0.07 s), and no flag turns it off. Only that caller's call is skipped; any other goes through.
-AFFINITY_FIX = '''"""Written by sluicegate's engine installer: each engine keeps its own core."""
+# The engines' `sitecustomize.py`, beside NIXL on their `PYTHONPATH`: two fixes, each for one
+# caller only.
+# - vLLM's NIXL worker pins its whole process to the last core after vLLM's OpenMP binding has put
+#   the engine on its own: two engines then share one core (a prefill measured 0.12-0.51 s instead
+#   of 0.07 s), and no flag turns it off. That caller's `os.sched_setaffinity` is skipped.
+# - NIXL's Python agent gives its UCX progress thread a delay of 0 us, so the thread polls
+#   without sleeping: a whole core per idle engine, measured 40 CPU-s in 20 s for two idle
+#   engines on two cores, which starved everything else (the CI run that timed out). The
+#   bindings' agent constructor now gets at least 1 ms (0.0-0.1 CPU-s per second idle measured;
+#   a transfer still wakes the thread at once on UCX's event fd).
+SITECUSTOMIZE = '''"""Written by sluicegate's engine installer (its install.py says why)."""
+import importlib.abc
+import importlib.machinery
 import os
 import sys
 
@@ -51,6 +60,35 @@ def _sched_setaffinity(pid, cpus):
 
 if _set_affinity is not None:
     os.sched_setaffinity = _sched_setaffinity
+
+PROGRESS_DELAY_US = 1000
+
+
+class _ProgressDelay(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "nixl_cu12._bindings":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            make = module.nixlAgent
+
+            def nixlAgent(agent_name, config):
+                config.pthrDelay = max(config.pthrDelay, PROGRESS_DELAY_US)
+                return make(agent_name, config)
+
+            module.nixlAgent = nixlAgent
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_finder = _ProgressDelay()
+sys.meta_path.insert(0, _finder)
 '''
 
 
@@ -86,7 +124,9 @@ def nixl_stamp(home: Path) -> Path:
 
 
 def nixl_ready(home: Path) -> bool:
-    return nixl_stamp(home).exists()
+    """Installed, and with this version's `sitecustomize.py` (an older one is rewritten)."""
+    shim = nixl_dir(home) / "sitecustomize.py"
+    return nixl_stamp(home).exists() and shim.exists() and shim.read_text() == SITECUSTOMIZE
 
 
 def ensure_venv(home: Path, say: Callable[[str], None] = print) -> Path:
@@ -99,6 +139,8 @@ def ensure_venv(home: Path, say: Callable[[str], None] = print) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another installer finishes first; then we see its stamp
         if not ready(home):
             _install_venv(home, say)
+        if nixl_stamp(home).exists() and not nixl_ready(home):
+            _write_sitecustomize(home)
         if not nixl_ready(home):
             _install_nixl(home, say)
         return venv_python(home)
@@ -126,12 +168,19 @@ def _install_nixl(home: Path, say: Callable[[str], None]) -> None:
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
     _run([*pip, "--target", str(target), *NIXL_PACKAGES])
     target.mkdir(parents=True, exist_ok=True)
-    (target / "sitecustomize.py").write_text(AFFINITY_FIX)
-    check = (
-        "import nixl, sitecustomize, os; assert os.sched_setaffinity.__module__ == 'sitecustomize'"
-    )
-    _run([py, "-c", check], env={**os.environ, "PYTHONPATH": str(target)})
+    _write_sitecustomize(home)
     nixl_stamp(home).touch()
+
+
+def _write_sitecustomize(home: Path) -> None:
+    target = nixl_dir(home)
+    (target / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    check = (
+        "import os, sitecustomize, nixl_cu12._bindings as b;"
+        " assert os.sched_setaffinity.__module__ == 'sitecustomize';"
+        " assert b.nixlAgent.__module__ == 'sitecustomize'"
+    )
+    _run([str(venv_python(home)), "-c", check], env={**os.environ, "PYTHONPATH": str(target)})
 
 
 def _run(args: list[str], env: dict[str, str] | None = None) -> None:
