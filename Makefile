@@ -90,12 +90,17 @@ engines: $(STAMP)
 engine-venv: $(STAMP)
 	$(VENV)/bin/sluicegate engines --install-only
 
+# The whole tier is bounded (SIGINT first, so pytest still prints what failed and stops the
+# engines): a run that hangs fails in minutes, not at the CI's limit.
+ENGINE_TIER_LIMIT_S ?= 1200
+
 # The engine tier: tests against two real engines (tests_engine/, not part of `make test`). Direct
 # load on the engines comes from curl processes; two router replicas share a redis-server.
 test-engine: engine-venv redis-server
 	@command -v curl >/dev/null 2>&1 || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null; }
-	$(PY) -m pytest -q -p no:cacheprovider --timeout 600 --durations 12 tests_engine
+	timeout -s INT -k 60 $(ENGINE_TIER_LIMIT_S) \
+	  $(PY) -m pytest -q -p no:cacheprovider --timeout 300 --durations 12 tests_engine
 
 # The container image's hash-pinned locks, from pyproject.toml (tools/lock.py says how and why).
 # Run it after changing dependencies and commit both files; tests/test_lock.py notices a stale one.

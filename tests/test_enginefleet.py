@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.enginefleet import install
-from router.enginefleet.fleet import Engine, EngineOptions
+from router.enginefleet.fleet import Engine, EngineOptions, Fleet
 from router.enginefleet.model import MODEL_VERSION, corpus, write_model
 
 
@@ -208,3 +208,80 @@ def test_engines_roles_must_name_one_per_engine(capsys: pytest.CaptureFixture[st
 
     assert main(["engines", "--count", "2", "--roles", "prefill"]) == 2  # before any install
     assert "1 roles for --count 2" in capsys.readouterr().err
+
+
+FAKE_ENGINE = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+first = os.environ["FAKE_FIRST_PORT_FILE"]
+if not os.path.exists(first):
+    with open(first, "w") as f:
+        f.write(str(port))
+with open(first) as f:
+    sick_port = int(f.read())
+sick = os.environ.get("FAKE_ALWAYS_SICK") == "1" or port == sick_port
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503 if sick else 200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _fake_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, always_sick: bool) -> Fleet:
+    """Two engines whose "python" is a tiny HTTP server: the first port an engine is ever
+    started on answers `/health` with 503 for good (a start that hangs), any other with 200."""
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_ENGINE)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setenv("FAKE_FIRST_PORT_FILE", str(tmp_path / "first-port"))
+    monkeypatch.setenv("FAKE_ALWAYS_SICK", "1" if always_sick else "0")
+    fleet = Fleet(python, tmp_path, count=1, run_dir=tmp_path)
+    fleet.engines[0].start()
+    return fleet
+
+
+def test_an_engine_never_healthy_on_its_port_comes_back_on_fresh_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests_engine.support import ensure_healthy
+
+    fleet = _fake_fleet(tmp_path, monkeypatch, always_sick=False)
+    try:
+        engine = fleet.engines[0]
+        old_port, old_side_channel = engine.port, engine.side_channel_port
+        ensure_healthy(fleet, timeout_s=3.0)
+        assert engine.healthy() and engine.starts == 2
+        assert engine.port != old_port and engine.side_channel_port != old_side_channel
+        assert engine.url.endswith(f":{engine.port}") and fleet.broken is None
+    finally:
+        fleet.stop()
+
+
+def test_a_fleet_that_does_not_come_back_fails_later_tests_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests_engine.support import FleetBroken, ensure_healthy
+
+    fleet = _fake_fleet(tmp_path, monkeypatch, always_sick=True)
+    try:
+        with pytest.raises(FleetBroken, match="not healthy after 3 s"):
+            ensure_healthy(fleet, timeout_s=3.0)
+        starts = fleet.engines[0].starts
+        assert starts == 2 and fleet.broken
+        with pytest.raises(FleetBroken, match="broke in an earlier test"):
+            ensure_healthy(fleet, timeout_s=3.0)
+        assert fleet.engines[0].starts == starts  # no third start, and no wait
+    finally:
+        fleet.stop()

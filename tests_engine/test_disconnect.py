@@ -11,6 +11,7 @@ compare against the same figures measured directly, in the same test.
 from __future__ import annotations
 
 import statistics
+import itertools
 import time
 
 import openai
@@ -24,6 +25,7 @@ MAX_TOKENS = 1800  # far more than is read: generation must stop because the cli
 TRIALS = 3
 ATTEMPTS = 4  # streams per trial, for one the client leaves before the engine's end
 POLL_S = 0.005
+_TRIAL = itertools.count()
 
 
 def leave_mid_stream(base_url: str, engine: Engine) -> tuple[float, float, float]:
@@ -44,7 +46,9 @@ def _leave_once(base_url: str, engine: Engine) -> tuple[float, float, float] | N
     before = metrics(engine)["vllm:generation_tokens_total"]
     stream = c.completions.create(
         model=engine.model,
-        prompt="keep going",
+        # A prompt of its own per trial: after one abandoned stream, a stream of the same prompt
+        # from the SDK was measured held back until the engine had generated all of it.
+        prompt=f"keep going {next(_TRIAL)}",
         max_tokens=MAX_TOKENS,
         temperature=0,
         stream=True,

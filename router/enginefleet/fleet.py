@@ -284,6 +284,15 @@ class Engine:
         if wait:
             self.wait_ready(timeout_s)
 
+    def restart_elsewhere(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Stop it and start it on fresh ports (HTTP and NIXL's side channel): what a start
+        that never became healthy on its old ones gets, in case something still holds them.
+        A router configured before must be configured again with the new `url`."""
+        self.stop()
+        self._take_port()
+        self.start()
+        self.wait_ready(timeout_s)
+
     def describe(self) -> dict[str, Any]:
         return {
             "index": self.index,
@@ -324,6 +333,7 @@ class Fleet:
         self.engines = [
             Engine(i, python, model_dir, self.run_dir, self.options, roles[i]) for i in range(count)
         ]
+        self.broken: str | None = None  # why a caller (the engine tier) gave up on it, if it did
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start every engine at once (they load side by side), then wait for all of them."""
