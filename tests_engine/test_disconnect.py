@@ -10,8 +10,8 @@ compare against the same figures measured directly, in the same test.
 
 from __future__ import annotations
 
-import statistics
 import itertools
+import statistics
 import time
 
 import openai
