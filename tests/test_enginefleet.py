@@ -42,17 +42,24 @@ def test_the_tokenizer_fits_the_model_and_has_a_chat_template(tmp_path: Path) ->
     assert tok.decode(ids) == "the router streams tokens"
 
 
+def _installed(home: Path, shim_text: str) -> tuple[Path, Path]:
+    """A home as an install left it (venv and NIXL stamped), its shim holding `shim_text`:
+    the venv's python and the shim's path."""
+    python = install.venv_python(home)
+    python.parent.mkdir(parents=True)
+    python.touch()
+    install.stamp(home).touch()
+    install.nixl_dir(home).mkdir()
+    install.nixl_stamp(home).touch()
+    shim = install.nixl_dir(home) / "sitecustomize.py"
+    shim.write_text(shim_text)
+    return python, shim
+
+
 def test_a_stamped_venv_is_reused_without_installing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    python = install.venv_python(tmp_path)
-    python.parent.mkdir(parents=True)
-    python.touch()
-    install.stamp(tmp_path).touch()
-    install.nixl_dir(tmp_path).mkdir()
-    install.nixl_stamp(tmp_path).touch()
-    shim = install.nixl_dir(tmp_path) / "sitecustomize.py"
-    shim.write_text(install.SITECUSTOMIZE)
+    python, _ = _installed(tmp_path, install.SITECUSTOMIZE)
     monkeypatch.setattr(install, "_run", lambda *args, **kw: pytest.fail(f"ran {args}"))
     assert install.ensure_venv(tmp_path) == python
 
@@ -60,14 +67,7 @@ def test_a_stamped_venv_is_reused_without_installing(
 def test_an_older_sitecustomize_is_rewritten_without_reinstalling(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    python = install.venv_python(tmp_path)
-    python.parent.mkdir(parents=True)
-    python.touch()
-    install.stamp(tmp_path).touch()
-    install.nixl_dir(tmp_path).mkdir()
-    install.nixl_stamp(tmp_path).touch()
-    shim = install.nixl_dir(tmp_path) / "sitecustomize.py"
-    shim.write_text('"""an earlier shim"""\n')
+    python, shim = _installed(tmp_path, '"""an earlier shim"""\n')
     ran: list[list[str]] = []
     monkeypatch.setattr(install, "_run", lambda args, env=None: ran.append(args))
     assert install.ensure_venv(tmp_path, say=lambda _: None) == python
