@@ -260,7 +260,7 @@ class DirectLoad:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,
+            process_group=0,  # a group to kill, not a session (an autogroup: see fleet.py)
         )
 
     def stop(self) -> None:

