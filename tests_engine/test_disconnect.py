@@ -3,9 +3,9 @@ that leaves the engine directly: `vllm:num_requests_running` back to 0, and abou
 generated after the close.
 
 "After the close" is the engine's generated tokens counter after it stopped, less its value read
-just before the client closed (not less the chunks the client read: a starved engine sends its
-outputs late and in bulk, so it can be hundreds of tokens ahead of its client). The bounds
-compare against the same figures measured directly, in the same test.
+just before the client closed (not less the chunks the client read: a client starved of CPU on
+a loaded machine reads late and in bulk, so the engine can be hundreds of tokens ahead of it).
+The bounds compare against the same figures measured directly, in the same test.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def _leave_once(base_url: str, engine: Engine) -> tuple[float, float, float] | N
             first = time.monotonic()
         if read == READ_CHUNKS:
             break
-    # What the engine had generated when the client left: a starved engine's API server holds
-    # its outputs and then sends many at once, so the engine may be far ahead of what the client
-    # read (seen: 900 tokens ahead after 20 events, direct and routed alike).
+    # What the engine had generated when the client left: a starved client reads many events at
+    # once, so the engine may be far ahead of what it read (seen: 900 tokens ahead after 20
+    # events, direct and routed alike, when the engines ran in an autogroup of their own).
     ahead = metrics(engine)["vllm:generation_tokens_total"] - before
     closed = time.monotonic()
     stream.close()
@@ -76,9 +76,9 @@ def _leave_once(base_url: str, engine: Engine) -> tuple[float, float, float] | N
     time.sleep(0.2)  # the last step's tokens land in the counter
     generated = metrics(engine)["vllm:generation_tokens_total"] - before
     # Ran to the end: not cancelled, or the engine's core had finished before the abort reached
-    # it (its own worker starves its API server on two cores: the counter read at the close lags
-    # the core, seen once on a quiet machine). That trial is taken again; a router that never
-    # cancels fails every attempt. How soon it stopped is judged on the medians below.
+    # it (the counter read at the close lags the core on a loaded machine). That trial is taken
+    # again; a router that never cancels fails every attempt. How soon it stopped is judged on
+    # the medians below.
     if generated >= MAX_TOKENS:
         return None
     return took, generated - ahead, (read - 1) / max(closed - first, POLL_S)
