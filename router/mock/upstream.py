@@ -34,7 +34,9 @@ and ids carry the request id, not a random hex; every answer stops at `max_token
 `finish_reason: "length"` (no EOS, no `stop`), one event per token (vLLM may hold a token that
 ends mid-character back); tokens are counted as four characters each, not tokenised, and the
 chat template is not rendered (vLLM's prompt_tokens include the template's tokens); sampling
-parameters, `n`, logprobs, tools, `stop`, `/tokenize` and the other routes are ignored or absent;
+parameters, `n`, logprobs, tools (but a streamed chat request whose `tool_choice` names a
+function gets its tokens as that call's arguments, as vLLM streams a named tool choice), `stop`,
+`/tokenize` and the other routes are ignored or absent;
 validation covers the token limits (not vLLM's earlier check of a prompt's length in
 characters), the model, `messages`/`prompt` presence and JSON syntax, not
 every field pydantic checks; without `--engine` the `/metrics` page has only the running and
@@ -746,8 +748,9 @@ class MockUpstream:
         continuous = usage and options.get("continuous_usage_stats") is True  # type: ignore[union-attr]
         rid = _fresh_id() if self.behaviour.fresh_ids else (rec["request_id"] or "0")
         created = int(time.time()) if self.behaviour.fresh_ids else 0
+        tool = _named_tool(req) if chat else None
         return wire.Chunks(
-            chat, rid, model, usage, continuous, self.behaviour.usage_nulls, prompt, created
+            chat, rid, model, usage, continuous, self.behaviour.usage_nulls, prompt, created, tool
         )
 
     async def _stream(
@@ -1043,6 +1046,17 @@ def continued_from(req: dict[str, Any], chat: bool) -> tuple[int, str]:
         if words[begin:] == [f"tok{i}" for i in range(len(words) - begin)]:
             return len(words) - begin, text[len(text) - sum(len(w) + 1 for w in words[begin:]) :]
     return 0, ""
+
+
+def _named_tool(req: dict[str, Any]) -> str | None:
+    """The function a request's `tool_choice` names, when it has `tools` (vLLM then streams one
+    call to it: the answer's tokens are its arguments)."""
+    choice = req.get("tool_choice")
+    if not req.get("tools") or not isinstance(choice, dict):
+        return None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _fresh_id() -> str:

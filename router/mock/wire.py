@@ -44,7 +44,18 @@ class Chunks:
     `nulls`: OpenAI's shape, `"usage":null` in every event before the usage one (not vLLM's).
     """
 
-    __slots__ = ("_chat", "_cont", "_ends", "_head", "_last", "_mid", "_prompt", "_sent", "usage")
+    __slots__ = (
+        "_call",
+        "_chat",
+        "_cont",
+        "_ends",
+        "_head",
+        "_last",
+        "_mid",
+        "_prompt",
+        "_sent",
+        "usage",
+    )
 
     def __init__(
         self,
@@ -56,8 +67,10 @@ class Chunks:
         nulls: bool = False,
         prompt: int = 0,
         created: int = 0,
+        tool: str | None = None,
     ) -> None:
         self._chat = chat
+        self._call = b""  # a named tool call's opening, sent with the first token's arguments
         self.usage = usage
         self._cont = usage and continuous
         self._prompt = prompt
@@ -79,6 +92,19 @@ class Chunks:
                 b'"},"logprobs":null,"finish_reason":"length","stop_reason":null,'
                 b'"token_ids":null}]' + fp,
             )
+            if tool is not None:
+                # vLLM's named `tool_choice`: the tokens are the call's arguments; the first
+                # event also carries the call's id, type and name.
+                args = b'{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"'
+                self._call = (
+                    b'{"index":0,"delta":{"tool_calls":[{"id":"chatcmpl-tool-'
+                    + rid.encode()
+                    + b'","type":"function","index":0,"function":{"name":'
+                    + json.dumps(tool).encode()
+                    + b',"arguments":"'
+                )
+                self._mid = (args, b'"}}]}' + self._mid[1][2:])
+                self._last = (args, b'"}}]}' + self._last[1][2:])
         else:
             self._mid = (
                 b'{"index":0,"text":"',
@@ -119,6 +145,8 @@ class Chunks:
     def token(self, text: bytes, last: bool, finish: str = "length") -> bytes:
         """One token's event; `last` carries the finish reason (and the fingerprint)."""
         pre, post = self._last if last else self._mid
+        if self._call:
+            pre, self._call = self._call, b""
         if finish != "length":
             post = post.replace(b'"finish_reason":"length"', f'"finish_reason":"{finish}"'.encode())
         if self._cont:
