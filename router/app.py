@@ -168,8 +168,10 @@ def create_app(settings: Settings) -> FastPath:
     runner = Runner(on_run=metrics.background_run)
     count_drops(metrics.log_dropped.inc)
     kv_reset: list[Callable[[str], None]] = []
-    # Streams on a backend gone from the registry (its drain grace over) migrate, when on.
+    # Streams on a backend gone from the registry (its drain grace over) migrate, when on: after
+    # a whole swap (admin, config) and after a discovery patch (only the names it removed).
     backends_now: list[Callable[[frozenset[str]], None]] = []
+    backends_gone: list[Callable[[tuple[str, ...]], None]] = []
 
     def health_changed(backend: str, healthy: bool, reason: str) -> None:
         metrics.health_changed(backend, healthy, reason)
@@ -230,6 +232,9 @@ def create_app(settings: Settings) -> FastPath:
         monitor.update(change.upserted, change.removed)
         engine.update(change.upserted, change.removed)
         kv_events.update(change.upserted, change.removed)
+        if change.removed:
+            for gone in backends_gone:
+                gone(change.removed)
 
     registry = Registry(
         backends, settings.balancer, settings.model_balancers, on_swap=on_swap, on_patch=on_patch
@@ -281,6 +286,7 @@ def create_app(settings: Settings) -> FastPath:
     )
 
     backends_now.append(proxy.migration.backends_changed)
+    backends_gone.append(proxy.migration.backends_removed)
 
     async def counts(names: Sequence[str]) -> dict[str, int]:
         return await store.counts(list(names))

@@ -82,6 +82,13 @@ class Migration:
                 for relay in streams:
                     relay.move()
 
+    def backends_removed(self, names: tuple[str, ...]) -> None:
+        """`names` left the registry in a discovery change (their drain grace has ended): the
+        streams on them move. Work in the size of the change, not of the fleet."""
+        for backend in names:
+            for relay in self.running.get(backend, ()):
+                relay.move()
+
     def outcome(self, model: str, result: str, request_id: str, **fields: Any) -> None:
         self._count(model, result)
         log.info(
