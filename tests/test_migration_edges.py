@@ -37,7 +37,7 @@ from tests.otlp_receiver import Receiver, Span
 MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a long story"}]
 SERVER = 2  # OTLP SpanKind
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
-ITL_MS = 50  # the continuation's pace when the client leaves while it streams
+ITL_MS = 100  # the continuation's pace when the client leaves while it streams (2.8 s left)
 TOOLS: list[ChatCompletionToolParam] = [
     {
         "type": "function",
