@@ -1,8 +1,9 @@
 """What one attempt of a migratable stream relayed to the client (router/request/migration.py).
 
 The pump hands each chunk to `Relayed` only when migration is on for the call. The fast path is
-inline in the pump: a chunk of whole events with no `"error` in it is appended to `chunks` as it
-is, nothing parsed. `feed(chunk)` (the slow path) returns what may be sent now:
+inline in the pump: a chunk of whole events that ends in a choices event (CHOICES_END) and holds
+no finish reason is appended to `chunks` as it is, nothing parsed. `feed(chunk)` (the slow path)
+returns what may be sent now:
 - whole events only: a partial event is held until its end arrives (at most MAX_HELD bytes), so
   the client never holds half an event when a continuation takes over;
 - never an engine's error event (`{"error": ...}`) nor a choice with `finish_reason: "error"`:
@@ -31,6 +32,10 @@ MAX_HELD = 65536  # a partial event longer than this cannot be held: the stream 
 # In an error event (`{"error":`) and in `"finish_reason":"error"`; a token's text holding it
 # reads `\"error\"`. The closing quote also makes the search cheaper (about 3x, measured).
 ERROR_MARK = b'"error"'
+# How every choices event of a chat or completion stream ends (vLLM's, SGLang's, the mock's): a
+# chunk ending so, with no finish reason in it, holds no error (an engine sends its error event
+# last, then at most [DONE]), so the pump may skip the relay's parsing for it.
+CHOICES_END = b"]}\n\n"
 # The text of a chat delta or a completion choice, as its JSON string's escaped bytes.
 _TEXT = {
     "chat": re.compile(rb'"content":"([^"\\]*(?:\\.[^"\\]*)*)"'),
