@@ -16,7 +16,7 @@ import zmq
 
 from router.core.backend import Backend
 from router.core.settings import BackendConfig
-from router.engine.kv_events import KvEvents, resolve
+from router.engine.kv_events import KvEvents, _feeds_from, resolve
 from router.engine.kv_index import TokenIndex, chain_keys, namespace
 from router.engine.kv_wire import (
     MASK64,
@@ -314,6 +314,26 @@ async def test_router_binds_where_vllm_connects() -> None:
     finally:
         await kv.aclose()
         pub.close()
+
+
+def test_discovered_endpoints_follow_vllms_rule_and_the_backends_bind() -> None:
+    """`/kv_event_sources` endpoints get vLLM's rule (a wildcard: vLLM binds, the router
+    connects to the backend's host; `0.0.0.0` named: vLLM connects, the router binds), and the
+    backend's own `kv_events.bind` overrides it as for a configured endpoint."""
+
+    def src(endpoint: str) -> dict[str, object]:
+        return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}}
+
+    url = "http://10.1.2.3:8000"
+    plain = _backend("a", {}, url=url)
+    [wild] = _feeds_from("a", plain, src("tcp://*:5557"))
+    assert (wild.endpoint, wild.bind) == ("tcp://10.1.2.3:5557", False)
+    [named] = _feeds_from("a", plain, src("tcp://0.0.0.0:5557"))
+    assert (named.endpoint, named.bind) == ("tcp://0.0.0.0:5557", True)
+    [forced] = _feeds_from("a", _backend("a", {"bind": True}, url=url), src("tcp://*:5557"))
+    assert forced.bind is True
+    [kept] = _feeds_from("a", _backend("a", {"bind": False}, url=url), src("tcp://0.0.0.0:5557"))
+    assert (kept.endpoint, kept.bind) == ("tcp://10.1.2.3:5557", False)
 
 
 @run

@@ -153,11 +153,13 @@ class TracingConfig(_Strict):
 class KvEventsConfig(_Strict):
     """Where a vLLM engine publishes its KV-cache events (router/engine/kv_events.py).
 
-    `endpoint` is the engine's own `--kv-events-config` endpoint: where vLLM binds
-    (`tcp://*:P`, `tcp://0.0.0.0:P`, `ipc://...`) the router connects (to the backend's host in
-    place of the wildcard, or the same ipc path); where vLLM connects (a host named) the router
-    binds it. `bind` overrides that choice. Without `endpoint` the router asks the engine's
-    `GET /kv_event_sources` (one publisher per data-parallel rank), and retries until it answers.
+    `endpoint` is the engine's own `--kv-events-config` endpoint, and vLLM's own rule decides:
+    where vLLM binds (a `*` or `::` wildcard, `tcp://*:P`, or `ipc://...`) the router connects
+    (to the backend's host in place of the wildcard, or the same ipc path); where vLLM connects
+    (any host named, `tcp://0.0.0.0:P` included) the router binds it. `bind` overrides that
+    choice, also for endpoints learned from the engine: without `endpoint` the router asks the
+    engine's `GET /kv_event_sources` (one publisher per data-parallel rank), and retries until
+    it answers.
     """
 
     endpoint: str | None = Field(None, pattern=r"^(tcp://\S+:\d{1,5}|ipc://\S+)$")

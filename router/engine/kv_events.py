@@ -604,7 +604,10 @@ def _feeds_from(name: str, backend: Backend, sources: dict[str, Any]) -> list[Fe
             continue
         if not endpoint.startswith(("tcp://", "ipc://")):
             continue  # inproc: only inside the engine's own process
-        addr, bind = resolve(endpoint, backend.url)
+        # The backend's own `bind` wins, as for a configured endpoint.
+        addr, bind = resolve(
+            endpoint, backend.url, backend.kv_events.bind if backend.kv_events else None
+        )
         replay = src.get("replay_endpoint")
         replay_addr = (
             resolve(replay, backend.url, False)[0] if isinstance(replay, str) and replay else None
