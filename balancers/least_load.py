@@ -17,8 +17,9 @@ score = (max(0, running + QUEUE_WEIGHT x waiting + ours_since) + KV_WEIGHT x kv_
   and among stale ones the in-flight count decides.
 - a request for a LoRA adapter (`for_adapter()`, balancers/lora.py): only engines serving it
   are candidates (or, with load on demand and none serving it, engines running LoRA), and each
-  adds QUEUE_WEIGHT x lora.AHEAD[tier] / weight: running it 0, a free slot 1, waiting for a slot
-  4, to be loaded first 16 (+1 per adapter running there); `reason` is the chosen tier's.
+  adds QUEUE_WEIGHT x lora.ahead() / weight: by tier, running it 0, a free slot 1, waiting for a
+  slot 4, to be loaded first 16 (+1 per adapter running there), plus the adapter's home term
+  (QUEUE_WEIGHT x lora.HOME x a rendezvous hash in [0, 1): up to 24); `reason` is the tier's.
 With no reading among the candidates the pick is exactly `least_inflight`'s. Exact scan up to
 16 candidates, power of two choices above; ties drawn at random in proportion to weight.
 Pure: no I/O, no clock; the readings arrive on the candidates (`Candidate.engine`).
