@@ -84,9 +84,9 @@ class Relayed:
         self._tools = False
         self._finished = False
         self.broken: str | None = None  # why the stream is over: error_event, finish_error, moved
-        # The next chunk must go through `feed` (the first one, a partial event is held, or a
-        # move was asked).
-        self.slow = True
+        # The next chunk must go through `feed` (a partial event is held, or a move was asked).
+        # The first one need not: the head is taken from the first chunk kept when it is needed.
+        self.slow = False
 
     def move(self) -> None:
         """End the relay at the next event boundary (the backend is being removed)."""
@@ -151,6 +151,8 @@ class Relayed:
         """Raw events into their text pieces (and the flags a continuation needs)."""
         if not self.chunks:
             return
+        if not self.head:
+            self.head = self.chunks[0][:_HEAD_BYTES]
         joined = b"".join(self.chunks)
         self.chunks.clear()
         self.size = self._counted = 0
