@@ -15,12 +15,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -334,6 +336,25 @@ def in_flight(router: Proc) -> int:
     r = httpx.get(router.url + "/admin/backends", timeout=5)
     r.raise_for_status()
     return sum(int(b["in_flight"]) for b in r.json())
+
+
+def metric(router: Proc, name: str, **labels: str) -> float:
+    """The sum of the router's `/metrics` samples named `name` whose labels include `labels`."""
+    page = httpx.get(router.url + "/metrics", timeout=5).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def wait_for(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    """Poll `check` until true; fails naming `what` after `within` seconds."""
+    end = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < end, f"not within {within:.1f} s: {what}"
+        time.sleep(0.02)
 
 
 def stats(mock: Proc) -> dict[str, Any]:

@@ -12,8 +12,7 @@ interval, `lora.refresh` and the health interval.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 from openai import NotFoundError, OpenAI
 
 from tests.fake_kube import FakeKube, endpoint
-from tests.harness import Cluster, Proc, free_port, stats
+from tests.harness import Cluster, Proc, free_port, stats, wait_for
 
 MODEL = "mock-model"
 ADAPTER = "sql"
@@ -74,15 +73,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         kube.close()
 
 
-def wait_for(check: Callable[[], bool], within: float, what: str) -> None:
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {within:.1f}s: {what}")
-
-
 def backends(router: Proc) -> dict[str, dict[str, Any]]:
     r = httpx.get(router.url + "/admin/backends", timeout=5)
     r.raise_for_status()
@@ -99,15 +89,15 @@ def test_models_auto_learns_adapters_from_v1_models_and_routes_them(
     router, a, b = fleet["router"], fleet["a"], fleet["b"]
     wait_for(
         lambda: ADAPTER in loaded(backends(router).get(a.url, {})),
-        LEARN_WITHIN,
         "the router learns a's adapter from its /v1/models",
+        LEARN_WITHIN,
     )
 
     def both_healthy() -> bool:
         rows = backends(router)
         return len(rows) == 2 and all(row["healthy"] for row in rows.values())
 
-    wait_for(both_healthy, LEARN_WITHIN, "both discovered engines are healthy")
+    wait_for(both_healthy, "both discovered engines are healthy", LEARN_WITHIN)
 
     # The adapter is learned, not turned into a backend: two backends, each with the base model
     # only (models: auto keeps the base), and only a lists the adapter.
@@ -157,8 +147,8 @@ def test_an_adapter_loaded_and_unloaded_at_run_time_is_learned_and_forgotten(
     assert r.status_code == 200, r.text
     wait_for(
         lambda: "chat" in loaded(backends(router)[b.url]),
-        LEARN_WITHIN,
         "the router re-reads b's /v1/models",
+        LEARN_WITHIN,
     )
     assert backends(router)[b.url]["models"] == {MODEL: MODEL}
     raw = client.chat.completions.with_raw_response.create(
@@ -171,8 +161,8 @@ def test_an_adapter_loaded_and_unloaded_at_run_time_is_learned_and_forgotten(
     assert gone.status_code == 200, gone.text
     wait_for(
         lambda: "chat" not in {m.id for m in client.models.list()},
-        LEARN_WITHIN,
         "the router forgets the unloaded adapter",
+        LEARN_WITHIN,
     )
     with pytest.raises(NotFoundError):
         client.chat.completions.create(

@@ -15,16 +15,24 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fake_kube import FakeKube, endpoint
-from tests.harness import Cluster, Proc, control, free_port, in_flight, stats
+from tests.harness import (
+    Cluster,
+    Proc,
+    control,
+    free_port,
+    in_flight,
+    metric,
+    stats,
+    wait_for,
+)
 
 MODEL = "mock-model"
 GRACE = 0.5  # drain_grace, seconds
@@ -54,23 +62,6 @@ def backends(router: Proc) -> dict[str, dict[str, Any]]:
     r = httpx.get(router.url + "/admin/backends", timeout=5)
     r.raise_for_status()
     return {b["url"]: b for b in r.json()}
-
-
-def wait_for(check: Callable[[], bool], what: str, deadline: float = 10.0) -> None:
-    end = time.monotonic() + deadline
-    while not check():
-        assert time.monotonic() < end, f"not within {deadline} s: {what}"
-        time.sleep(0.02)
-
-
-def metric(router: Proc, name: str, **labels: str) -> float:
-    page = httpx.get(router.url + "/metrics", timeout=5).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(page)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 def test_a_stream_on_a_vanished_endpoint_migrates_after_the_drain_grace(

@@ -17,11 +17,9 @@ import asyncio
 import contextlib
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from openai.types.chat import (
@@ -29,9 +27,18 @@ from openai.types.chat import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionToolParam,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Cluster, Proc, backend, control, in_flight, stats
+from tests.harness import (
+    Cluster,
+    Proc,
+    backend,
+    control,
+    expected_text,
+    in_flight,
+    metric,
+    stats,
+    wait_for,
+)
 from tests.otlp_receiver import Receiver, Span
 
 MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a long story"}]
@@ -92,29 +99,8 @@ def _reset(fleet: dict[str, Proc]) -> None:
         control(fleet[name], reset_stats=True, fail_at=[], hang=False, itl_ms=0)
 
 
-def expected(n: int) -> str:
-    return "".join(f"tok{i} " for i in range(n))
-
-
-def metric(router: Proc, name: str, **labels: str) -> float:
-    page = httpx.get(router.url + "/metrics", timeout=5).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(page)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
 def sdk(router: Proc) -> openai.OpenAI:
     return openai.OpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0, timeout=20)
-
-
-def wait_for(check: Callable[[], bool], what: str, deadline: float = 10.0) -> None:
-    end = time.monotonic() + deadline
-    while not check():
-        assert time.monotonic() < end, f"not within {deadline} s: {what}"
-        time.sleep(0.02)
 
 
 def broken_stream(router: Proc, model: str = "m", **extra: Any) -> tuple[str, str]:
@@ -184,18 +170,18 @@ def test_the_client_leaving_mid_migration_leaves_nothing_behind(
         control(b, hang=True)
 
         def leave(text: str) -> bool:
-            return text == expected(10) and stats(b)["running"] == 1
+            return text == expected_text(10) and stats(b)["running"] == 1
 
     else:  # b streams the continuation slowly; the client leaves after two of its tokens
         control(b, itl_ms=ITL_MS)
 
         def leave(text: str) -> bool:
-            return text.startswith(expected(12))
+            return text.startswith(expected_text(12))
 
     rid = f"leaver-{while_}"
     text, ended = asyncio.run(leave_when(router, leave, rid))
     assert not ended, text
-    assert text.startswith(expected(10))
+    assert text.startswith(expected_text(10))
     # The continuation's upstream request goes with its client; nothing stays counted.
     wait_for(lambda: stats(b)["running"] == 0, "the continuation ended on b")
     assert stats(b)["requests"] == 1 and stats(b)["aborted"] == 1
@@ -206,7 +192,7 @@ def test_the_client_leaving_mid_migration_leaves_nothing_behind(
     assert line["disconnected"] is True
     # Its retry slot came back: the next migration is allowed (one slot in all).
     control(b, hang=False, itl_ms=0, reset_stats=True)
-    assert whole_stream(router) == expected(40)
+    assert whole_stream(router) == expected_text(40)
     assert stats(b)["requests"] == 1
 
 
@@ -231,7 +217,7 @@ def test_a_spent_retry_budget_refuses_migration(fleet: dict[str, Proc]) -> None:
         return refused
 
     text, error = asyncio.run(both())
-    assert text == expected(10)
+    assert text == expected_text(10)
     assert "Not migrated: the retry budget is spent." in error
     assert stats(a)["requests"] == 2 and stats(b)["requests"] == 1  # no second continuation
     after = metric(router, "sluicegate_migrations_total", model="m", result="budget")
@@ -239,7 +225,7 @@ def test_a_spent_retry_budget_refuses_migration(fleet: dict[str, Proc]) -> None:
     # The slot freed (its client left), the same failure migrates again.
     wait_for(lambda: stats(b)["running"] == 0, "the held continuation ended")
     control(b, hang=False)
-    assert whole_stream(router) == expected(40)
+    assert whole_stream(router) == expected_text(40)
 
 
 def test_a_tool_call_in_flight_is_not_migrated(fleet: dict[str, Proc]) -> None:
@@ -262,7 +248,7 @@ def test_a_tool_call_in_flight_is_not_migrated(fleet: dict[str, Proc]) -> None:
                 assert call.function is not None
                 names += [call.function.name] if call.function.name else []
                 args += call.function.arguments or ""
-    assert names == ["get_weather"] and args == expected(10)  # a tool call was streaming
+    assert names == ["get_weather"] and args == expected_text(10)  # a tool call was streaming
     assert "Not migrated: a tool call was streaming." in str(caught.value)
     assert stats(b)["requests"] == 0
     assert metric(router, "sluicegate_migrations_total", model="m", result="refused") == refused + 1
@@ -280,7 +266,7 @@ def test_a_migration_is_logged_and_traced(fleet: dict[str, Proc], receiver: Rece
     control(a, fail_at=[10])
     trace_id = os.urandom(16).hex()
     headers = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01", "x-request-id": "mig-1"}
-    assert whole_stream(router, extra_headers=headers) == expected(40)
+    assert whole_stream(router, extra_headers=headers) == expected_text(40)
 
     wait_for(lambda: bool(log_lines(router, "request", "mig-1")), "the request's log line")
     (request,) = log_lines(router, "request", "mig-1")
@@ -317,11 +303,11 @@ def test_a_stream_from_an_openai_backend_is_not_migrated_by_default(
     router, p, b = fleet["router"], fleet["p"], fleet["b"]
     control(p, fail_at=[10])
     text, error = broken_stream(router, "oa")
-    assert text == expected(10)
+    assert text == expected_text(10)
     assert "Not migrated: its backend is a `kind: openai` provider." in error
     assert stats(p)["requests"] == 1 and stats(b)["requests"] == 0
     # `enabled: true` includes it: the same failure then migrates (to b).
-    assert whole_stream(router, "oa-on") == expected(40)
+    assert whole_stream(router, "oa-on") == expected_text(40)
     assert stats(p)["requests"] == 2 and stats(b)["requests"] == 1
 
 
@@ -330,7 +316,7 @@ def test_no_continuation_goes_to_an_openai_backend_by_default(fleet: dict[str, P
     failed = metric(router, "sluicegate_migrations_total", model="m2", result="failed")
     control(a, fail_at=[10])
     text, error = broken_stream(router, "m2")
-    assert text == expected(10)
+    assert text == expected_text(10)
     assert "No backend could continue it." in error
     assert stats(b)["requests"] == 0  # q, b's process behind `kind: openai`, took nothing
     assert metric(router, "sluicegate_migrations_total", model="m2", result="failed") == failed + 1
