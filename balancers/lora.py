@@ -64,8 +64,8 @@ SLOT_IN_USE = 0.25  # LOAD: per adapter already running there (the most room goe
 # up to 24 requests, or 6 waiting ones): on `bench.run --only lora` (4 engines, 2 slots, 12
 # adapters) it served 1.28-1.33x the requests of least_load at TTFT p90 0.65-0.70x and 0.65-0.69x
 # the slot loads (two quiet runs), where 1 gave 1.06x, 0.93x and 0.91x, and 12 gave 1.54x, 0.57x,
-# 0.49x (one run each); past 6
-# an adapter's traffic piles on one engine, 12 waiting requests deep, before it spreads.
+# 0.49x (one run each); past 6 an adapter's traffic piles on one engine, 12 waiting requests deep,
+# before it spreads.
 HOME = 6.0
 REASONS = {
     Tier.RUNNING: "adapter_running",

@@ -97,9 +97,9 @@ class Relayed:
     def keep(self, chunk: bytes) -> None:
         """A chunk of whole events, relayed as it is. The pump inlines this for every chunk but
         the first: `chunks.append(chunk)`, and `grown()` every CHECK_EVERY chunks."""
-        if not self.head:
-            self.head = chunk[:_HEAD_BYTES]
         self.chunks.append(chunk)
+        if not self.head:  # the first chunk kept, also when the pump kept it inline
+            self.head = self.chunks[0][:_HEAD_BYTES]
         self.grown()
 
     def grown(self) -> None:
