@@ -126,7 +126,10 @@ class Bench:
         }
         # One JSON line per request is part of the product; the benchmark keeps it on but sends
         # it to the log file, as a deployment would.
-        env = {"SLUICEGATE_LOG_LEVEL": "warning"}
+        # One hash seed for every router: the layout of its dicts and sets moves one process's
+        # CPU per request by 1-4 % against another's of the same code (four identical routers
+        # spread 0.6 % with one seed), which would drown the A/B comparisons below.
+        env = {"SLUICEGATE_LOG_LEVEL": "warning", "PYTHONHASHSEED": "0"}
         return self.cluster.router(cfg, workers=workers, env=env, src=src)
 
     def nginx(self, ups: list[Proc]) -> Proc | None:

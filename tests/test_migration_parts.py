@@ -10,8 +10,9 @@ import pytest
 from router.core.settings import MigrationConfig
 from router.request.continuation import CannotContinue, build
 from router.request.migration import Migration, Plan
-from router.request.relayed import COMPACT_AT, ERROR_MARK, Relayed
+from router.request.relayed import CHOICES_END, COMPACT_AT, Relayed
 from router.request.stitch import Stitch
+from router.request.usage import ResponseUsage
 
 
 def event(obj: dict[str, Any]) -> bytes:
@@ -34,16 +35,19 @@ def chat_chunk(text: str | None, finish: str | None = None, **delta: Any) -> byt
 
 
 def relay_all(relay: Relayed, chunks: list[bytes]) -> bytes:
-    """What the pump would send: the inline fast path, or `feed`."""
+    """What the pump would send (its inline test, or `feed`), with what it sent reaching the
+    relay through the usage reader's batches, as in the pump."""
+    usage = ResponseUsage("chat")
+    usage.sink = relay.take
     out = b""
     for c in chunks:
-        if relay.slow or c[-2:] != b"\n\n" or c.find(ERROR_MARK) >= 0:
-            out += relay.feed(c)
-        else:
-            relay.keep(c)
-            out += c
+        if relay.slow or c[-4:] != CHOICES_END or c.find(b'"finish_reason":"') >= 0:
+            c = relay.feed(c)
+        usage.feed(c)
+        out += c
         if relay.broken is not None:
             break
+    usage.flush()
     return out
 
 
@@ -90,6 +94,37 @@ def test_an_engine_error_is_withheld_and_breaks_the_relay(bad: bytes, why: str) 
     assert sent == good
     assert relay.broken == why
     assert relay.summary().text == "x"
+
+
+USAGE = event({"id": "chatcmpl-1", "choices": [], "usage": {"completion_tokens": 3}})
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        # a choice that finishes in error, then the usage event: the error is not the last event
+        [chat_chunk("", finish="error"), USAGE, DONE],
+        [event({"error": {"message": "boom", "type": "InternalServerError"}}), DONE],
+        [event({"error": {"message": "boom", "type": "InternalServerError"}})],
+    ],
+)
+def test_an_engine_error_ending_a_whole_stream_read_at_once_is_found(tail: list[bytes]) -> None:
+    relay = Relayed("chat")
+    good = b"".join(chat_chunk(w) for w in ['say "error" ', "x"] * 50)
+    sent = relay_all(relay, [good + b"".join(tail)])
+    assert sent == good
+    assert relay.broken is not None
+    assert relay.summary().text == 'say "error" x' * 50
+
+
+def test_error_in_token_text_of_a_whole_stream_is_text() -> None:
+    relay = Relayed("chat")
+    body = b"".join(chat_chunk(w) for w in ['say "error"', "x"] * 50)
+    body += chat_chunk('"error"', finish="stop") + USAGE + DONE
+    assert relay_all(relay, [body]) == body
+    assert relay.broken is None
+    assert relay.summary().finished
 
 
 def test_tool_calls_and_finished_answers_are_noticed() -> None:

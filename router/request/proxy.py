@@ -72,7 +72,7 @@ from router.request.pd import (
 )
 from router.request.quota import Hold, KeyLimits, QuotaBook, Quotas
 from router.request.record import RequestRecord
-from router.request.relayed import CHECK_EVERY, CHOICES_END, Relayed
+from router.request.relayed import CHOICES_END, Relayed
 from router.request.response_ids import Holder, ResponseIds
 from router.request.stitch import Stitch
 from router.request.usage import ResponseUsage
@@ -1225,49 +1225,44 @@ class ProxyCall(Response):
         # What a migratable stream relayed (None: migration off for this call), and the stitch
         # of a continuation (None: the first stream, relayed byte-exact).
         relay = self._relay_for(backend) if streaming and readable else None
-        kept = relay.chunks if relay is not None else []
+        if relay is not None:
+            usage.sink = relay.take  # the usage reader's batches are what the relay keeps
         stitch = self._stitch
         searched = relay is not None or strip is not None  # they read a chunk's finish reason
-        until_check = CHECK_EVERY
         # `bytes` counts what the client was sent, also when it left mid-stream.
         try:
             async for chunk in response.stream:  # type: ignore[union-attr]
                 if rec.ttfb_ms is None:
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
-                tail = chunk[-2:]
+                # Four bytes: the end of a choices event (CHOICES_END), of [DONE], or of neither,
+                # told apart by comparing them, not by a method call per chunk.
+                tail = chunk[-4:]
                 # One search per chunk, shared by the relay and the strip: a choice's last event
                 # (a finish reason that is not null, `"error"` among them).
                 finish = searched and chunk.rfind(FINISHED) >= 0
-                if relay is not None:
-                    # Inline: only a chunk ending inside an event, or in an event that is not a
-                    # choices event (`]}`: an engine's `{"error": ...}`, which it sends last, or
-                    # [DONE] after it), holding a finish reason, or following a held part (or a
-                    # move) needs the relay's parsing: a constant-time test, not a search.
-                    if relay.slow or finish or not chunk.endswith(CHOICES_END):
-                        chunk = relay.feed(chunk)
-                        if not chunk:
-                            if relay.broken is not None:
-                                break
-                            continue
-                        tail = chunk[-2:]
-                        finish = chunk.rfind(FINISHED) >= 0  # it may be what the relay held
-                        if finish and not relay.slow:
-                            # The one choice finished (a migratable call has one), not in
-                            # error: nothing is left to continue, and the usage event and
-                            # [DONE] after it need no parsing.
-                            self._proxy.migration.untrack(backend.name, relay)
-                            relay = None
-                    else:  # inline `relay.keep(chunk)`, the size checked every CHECK_EVERY
-                        kept.append(chunk)
-                        until_check -= 1
-                        if not until_check:
-                            until_check = CHECK_EVERY
-                            relay.grown()
+                # Only a chunk ending inside an event, or in an event that is not a choices event
+                # (an engine's `{"error": ...}`, which it sends last, or [DONE] after it), holding
+                # a finish reason, or following a held part (or a move) concerns the relay.
+                if relay is not None and (finish or relay.slow or tail != CHOICES_END):
+                    chunk = relay.feed(chunk)
+                    if not chunk:
+                        if relay.broken is not None:
+                            break
+                        continue
+                    tail = chunk[-4:]
+                    finish = chunk.rfind(FINISHED) >= 0  # it may be what the relay held
+                    if finish and not relay.slow:
+                        # The one choice finished (a migratable call has one), not in error:
+                        # nothing is left to continue, and the usage event and [DONE] after it
+                        # need no parsing.
+                        self._proxy.migration.untrack(backend.name, relay)
+                        usage.sink = None
+                        relay = None
                 watch(chunk)
-                if tail == b"\n\n" and not ended and chunk.endswith(_DONE):
+                if tail == _DONE_TAIL and not ended and chunk.endswith(_DONE):
                     # The openai SDK closes once it reads [DONE], maybe before the engine's end
                     # of body arrives here (a disconnect then cancels this): the usage, which
-                    # came before [DONE], is read now. One `endswith` per chunk.
+                    # came before [DONE], is read now.
                     usage.close(readable)
                     ended = True
                 if seen is not None:
@@ -1276,7 +1271,10 @@ class ProxyCall(Response):
                 # holding the usage object or a finish reason, ending inside an event or following
                 # a held part needs the strip.
                 if strip is not None and (
-                    strip.slow or tail != b"\n\n" or finish or chunk.rfind(USAGE_OBJECT) >= 0
+                    strip.slow
+                    or finish
+                    or (tail != CHOICES_END and not tail.endswith(b"\n\n"))
+                    or chunk.rfind(USAGE_OBJECT) >= 0
                 ):
                     chunk = strip.feed(chunk)
                     if not chunk:
@@ -1302,12 +1300,13 @@ class ProxyCall(Response):
                 else f"Backend `{backend.name}` failed mid-stream."
             )
             if relay is not None and not relay.spoiled:
+                usage.flush()  # the relay's last batch
                 raise _Broken(kind, message, relay, "connection") from exc
             if self._why_not is not None:
                 message += f" Not migrated: {self._why_not}."
             event = sse_error_event(message, "upstream_error", f"upstream_{kind}", self._anthropic)
             held = strip.flush() if strip is not None else b""
-            if held or tail != b"\n\n":
+            if held or not tail.endswith(b"\n\n"):
                 event = held + b"\n\n" + event  # end the half event so the error parses alone
             await send({"type": "http.response.body", "body": event, "more_body": False})
             rec.bytes_out += len(event)
@@ -1325,6 +1324,7 @@ class ProxyCall(Response):
                 if why == "moved"
                 else f"Backend `{backend.name}` failed mid-stream ({why.replace('_', ' ')})."
             )
+            usage.flush()  # the relay's last batch
             raise _Broken(FailureKind.MID_STREAM, message, relay, why)
         if not ended:
             usage.close(readable and response.status_code < 400)
@@ -1355,6 +1355,7 @@ class ProxyCall(Response):
 
 
 _DONE = b"data: [DONE]\n\n"
+_DONE_TAIL = _DONE[-4:]
 
 
 async def _watch_disconnect(

@@ -1,9 +1,9 @@
 """What one attempt of a migratable stream relayed to the client (router/request/migration.py).
 
-The pump hands each chunk to `Relayed` only when migration is on for the call. The fast path is
-inline in the pump: a chunk of whole events that ends in a choices event (CHOICES_END) and holds
-no finish reason is appended to `chunks` as it is, nothing parsed. `feed(chunk)` (the slow path)
-returns what may be sent now:
+The pump asks `Relayed` about a chunk only when migration is on for the call, and only when the
+chunk may hold more than tokens: one that ends inside an event, in an event that is not a
+choices event (CHOICES_END), or holds a finish reason. `feed(chunk)` returns what may be sent
+now:
 - whole events only: a partial event is held until its end arrives (at most MAX_HELD bytes), so
   the client never holds half an event when a continuation takes over;
 - never an engine's error event (`{"error": ...}`) nor a choice with `finish_reason: "error"`:
@@ -11,10 +11,11 @@ returns what may be sent now:
 - after `move()` (the backend is being removed: router/request/migration.py), the whole events of
   the chunk, then `broken = "moved"`.
 
-Memory: the raw events relayed, until they pass COMPACT_AT bytes; then they are folded into their
-text pieces (one regex pass), so a stream holds at most COMPACT_AT bytes of events plus its text,
-and all of it goes with the call. `summary()` folds what is left, once, when a continuation is
-built.
+The events relayed reach `take()` from the usage reader (router/request/usage.py), which joins
+the stream's chunks in batches anyway: the pump spends no statement per chunk on keeping them.
+Memory: the raw events, until they pass COMPACT_AT bytes; then they are folded into their text
+pieces (one regex pass), so a stream holds at most COMPACT_AT bytes of events plus its text, and
+all of it goes with the call. `summary()` folds what is left, once, when a continuation is built.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from dataclasses import dataclass
 
 from router.request.sse import event_json, last_boundary, next_boundary
 
-COMPACT_AT = 256 * 1024  # bytes of raw events kept before they are folded into text
-CHECK_EVERY = 32  # chunks appended between size checks (a chunk is at most the transport's
-# high-water mark, 256 KiB, so at most COMPACT_AT + 8 MiB are ever held)
+COMPACT_AT = 256 * 1024  # bytes of raw events kept before they are folded into text (a batch
+# taken is at most the usage reader's BATCH chunks of the transport's 256 KiB high-water mark)
 MAX_HELD = 65536  # a partial event longer than this cannot be held: the stream is not migratable
 # In an error event (`{"error":`) and in `"finish_reason":"error"`; a token's text holding it
 # reads `\"error\"`. The closing quote also makes the search cheaper (about 3x, measured).
@@ -43,6 +43,7 @@ _TEXT = {
 }
 _TOOL_CALL = b'"tool_calls":[{'
 _FINISH = b'"finish_reason":"'
+_DONE = b"[DONE]\n\n"  # the end of the stream's last event, after any error
 _HEAD_BYTES = 4096  # the first event is kept apart: it names the stream's id, created, model
 
 
@@ -58,7 +59,6 @@ class Summary:
 
 class Relayed:
     __slots__ = (
-        "_counted",
         "_finished",
         "_held",
         "_pieces",
@@ -75,8 +75,7 @@ class Relayed:
     def __init__(self, shape: str) -> None:
         self._shape = shape
         self.chunks: list[bytes] = []  # raw whole events relayed since the last fold
-        self.size = 0  # their bytes (of the first `_counted` of them)
-        self._counted = 0
+        self.size = 0  # their bytes
         self.spoiled = False  # an event too long to hold went out in parts: no continuation
         self.head = b""  # the first event relayed
         self._held = b""  # a partial event, not yet relayed
@@ -85,7 +84,6 @@ class Relayed:
         self._finished = False
         self.broken: str | None = None  # why the stream is over: error_event, finish_error, moved
         # The next chunk must go through `feed` (a partial event is held, or a move was asked).
-        # The first one need not: the head is taken from the first chunk kept when it is needed.
         self.slow = False
 
     def move(self) -> None:
@@ -94,19 +92,12 @@ class Relayed:
             self.broken = "moved"
             self.slow = True
 
-    def keep(self, chunk: bytes) -> None:
-        """A chunk of whole events, relayed as it is. The pump inlines this for every chunk but
-        the first: `chunks.append(chunk)`, and `grown()` every CHECK_EVERY chunks."""
-        self.chunks.append(chunk)
-        if not self.head:  # the first chunk kept, also when the pump kept it inline
-            self.head = self.chunks[0][:_HEAD_BYTES]
-        self.grown()
-
-    def grown(self) -> None:
-        """Fold the raw events once they pass COMPACT_AT bytes."""
-        chunks = self.chunks
-        self.size += sum(map(len, chunks[self._counted :]))
-        self._counted = len(chunks)
+    def take(self, events: bytes) -> None:
+        """Whole events the client was sent (one chunk, or a batch of them)."""
+        if not self.head:
+            self.head = events[:_HEAD_BYTES]
+        self.chunks.append(events)
+        self.size += len(events)
         if self.size > COMPACT_AT:
             self._fold()
 
@@ -115,24 +106,35 @@ class Relayed:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        cut = last_boundary(chunk, len(chunk))
-        whole, partial = chunk[:cut], chunk[cut:]
+        if chunk.endswith(b"\n\n"):  # it ends an event (what engines write): nothing to hold
+            whole, partial = chunk, b""
+        else:
+            cut = last_boundary(chunk, len(chunk))
+            whole, partial = chunk[:cut], chunk[cut:]
         if len(partial) > MAX_HELD:
             # Relayed in parts as it comes; a continuation could not follow half an event.
             self.spoiled = True
             whole, partial = chunk, b""
-        if whole.find(ERROR_MARK) >= 0:
+        if whole:
             whole = self._before_error(whole)
         if self.broken is None:
             self._held = partial
         self.slow = bool(self._held) or self.broken is not None
-        if whole:
-            self.keep(whole)
         return whole
 
     def _before_error(self, whole: bytes) -> bytes:
-        """`whole` up to its first error event (parsed: `"error` may be in a token's text)."""
-        pos = 0
+        """`whole` up to the engine's error. An engine sends it last (then at most [DONE]): a
+        choice finishing in error (the last finish reason: a migratable call has one choice),
+        or an error event. So only from there is `"error"` searched, and each hit parsed (it
+        may be in a token's text): a stream of many events costs a few short searches."""
+        end = len(whole)
+        if whole.endswith(_DONE):
+            end = last_boundary(whole, end - len(_DONE))  # where [DONE] starts
+        low = last_boundary(whole, max(0, end - 2))  # the start of the last event before it
+        at = whole.rfind(_FINISH)
+        if at >= 0 and whole.startswith(b'error"', at + len(_FINISH)):
+            low = min(low, last_boundary(whole, at))
+        pos = low
         while (at := whole.find(ERROR_MARK, pos)) >= 0:
             start = last_boundary(whole, at)
             end = next_boundary(whole, at)
@@ -151,11 +153,9 @@ class Relayed:
         """Raw events into their text pieces (and the flags a continuation needs)."""
         if not self.chunks:
             return
-        if not self.head:
-            self.head = self.chunks[0][:_HEAD_BYTES]
         joined = b"".join(self.chunks)
         self.chunks.clear()
-        self.size = self._counted = 0
+        self.size = 0
         self._pieces.extend(_TEXT[self._shape].findall(joined))
         self._tools = self._tools or joined.find(_TOOL_CALL) >= 0
         self._finished = self._finished or _finished(joined)

@@ -11,7 +11,10 @@ first count even when empty: vLLM sends one per generated token, the last (finis
 and holds back the text of a token that ends mid-character. `keep(chunk)` is all a non-streamed
 or compressed body gets. `close()` reads the final `usage`, when present, from the body's last
 bytes: the engine's completion tokens win over the event count (an event may carry several
-tokens); prompt tokens and cached prompt tokens come only from there.
+tokens); prompt tokens and cached prompt tokens come only from there. `sink`, when set, receives
+every chunk fed, in order: one at a time until the first token, then each batch joined (a
+migratable stream's relay, router/request/relayed.py, keeps them so; `flush()` hands over the
+last batch).
 
 Each API shape (`router/core/endpoints.py`) has its own event key and usage fields: chat and
 completions as above; Responses counts `response.output_text.delta` (and reasoning) events and
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 
 _CHAT_KEY = b'content":"'
 _TEXT_KEY = b'"text":"'
@@ -72,6 +76,7 @@ class ResponseUsage:
         "input_tokens",
         "last_token_at",
         "reported_tokens",
+        "sink",
     )
 
     def __init__(self, shape: str = "chat") -> None:
@@ -91,6 +96,7 @@ class ResponseUsage:
         self.input_tokens: int | None = None
         self.cached_tokens: int | None = None  # prompt_tokens_details.cached_tokens
         self._end = b""  # the last bytes, kept at close for response_model
+        self.sink: Callable[[bytes], None] | None = None
 
     def feed(self, chunk: bytes) -> None:
         """One chunk of an uncompressed SSE stream, as it goes to the client."""
@@ -102,6 +108,8 @@ class ResponseUsage:
             if len(pending) >= BATCH:
                 self._count()
             return
+        if self.sink is not None:
+            self.sink(chunk)
         if self._head is None:
             self._head = chunk
         elif len(self._head) < _TAIL:  # the opening events (Messages: message_start's usage)
@@ -127,6 +135,8 @@ class ResponseUsage:
         joined = b"".join(pending)
         buf = self._carry + joined
         pending.clear()
+        if self.sink is not None:
+            self.sink(joined)
         n = buf.count(self._key)
         if n:
             self._events += n
@@ -135,6 +145,10 @@ class ResponseUsage:
             self.last_token_at = time.perf_counter()
         self._carry = buf[1 - len(self._key) :]
         self._tail = (self._tail + joined)[-_TAIL:] if len(joined) < _TAIL else joined[-_TAIL:]
+
+    def flush(self) -> None:
+        """Count (and hand `sink`) the chunks fed since the last batch."""
+        self._count()
 
     @property
     def events(self) -> int:
