@@ -109,10 +109,13 @@ DONE = b"data: [DONE]\n\n"
         [event({"error": {"message": "boom", "type": "InternalServerError"}})],
     ],
 )
-def test_an_engine_error_ending_a_whole_stream_read_at_once_is_found(tail: list[bytes]) -> None:
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
+def test_an_engine_error_ending_a_whole_stream_read_at_once_is_found(
+    tail: list[bytes], eol: bytes
+) -> None:
     relay = Relayed("chat")
-    good = b"".join(chat_chunk(w) for w in ['say "error" ', "x"] * 50)
-    sent = relay_all(relay, [good + b"".join(tail)])
+    good = b"".join(chat_chunk(w) for w in ['say "error" ', "x"] * 50).replace(b"\n", eol)
+    sent = relay_all(relay, [good + b"".join(tail).replace(b"\n", eol)])
     assert sent == good
     assert relay.broken is not None
     assert relay.summary().text == 'say "error" x' * 50

@@ -127,13 +127,14 @@ class Relayed:
         choice finishing in error (the last finish reason: a migratable call has one choice),
         or an error event. So only from there is `"error"` searched, and each hit parsed (it
         may be in a token's text): a stream of many events costs a few short searches."""
-        end = len(whole)
-        if whole.endswith(_DONE):
-            end = last_boundary(whole, end - len(_DONE))  # where [DONE] starts
-        low = last_boundary(whole, max(0, end - 2))  # the start of the last event before it
+        # At or before the start of the last event (before [DONE]: `data:`, at least 5 bytes
+        # more): past the blank line before it. A stream with CR line ends finds none and is
+        # searched whole, which is slower, not wrong.
+        end = len(whole) - (len(_DONE) + 7 if whole.endswith(_DONE) else 2)
+        low = max(0, whole.rfind(b"\n\n", 0, max(0, end)))
         at = whole.rfind(_FINISH)
         if at >= 0 and whole.startswith(b'error"', at + len(_FINISH)):
-            low = min(low, last_boundary(whole, at))
+            low = min(low, at)
         pos = low
         while (at := whole.find(ERROR_MARK, pos)) >= 0:
             start = last_boundary(whole, at)
