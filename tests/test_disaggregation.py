@@ -20,7 +20,7 @@ import pytest
 from balancers.disaggregation import decide
 from router.discovery.kubernetes import _slice_endpoints
 from router.discovery.reconcile import Endpoint
-from router.request.pd import PREFILL_PARAMS
+from router.request.pd import PREFILL_PARAMS, BadPrefillAnswer, transfer_params
 from tests.harness import Cluster, Proc, backend, control, in_flight, stats
 
 FAIL_DELAY_MS = 200  # the mock decode's 500 after a failed pull (vLLM's is ~5 s)
@@ -447,3 +447,28 @@ def test_sglang_prefill_engine_gone_means_a_direct_answer(procs: Cluster) -> Non
     assert "bootstrap_room" not in second["body"]  # then served whole
     assert handoff(d)["failed_transfers"] == 1
     wait_for(lambda: in_flight(router) == 0, timeout=3)
+
+
+def test_the_prefill_answers_params_go_on_as_the_engine_wrote_them() -> None:
+    params = b'{"remote_block_ids":[1,2,3],"remote_engine_id":"e-1","big":18446744073709551616}'
+    answer = b'{"id":"c","choices":[{"message":{"content":"x"}}],"kv_transfer_params":' + params
+    assert transfer_params(answer + b"}") == params  # byte for byte, past 64 bits too
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (b"<html>busy</html>", "not JSON"),
+        (b'{"kv_transfer_params":{"a":1}', "not JSON"),  # cut short
+        (b'[{"kv_transfer_params":{"a":1}}]', "no kv_transfer_params"),
+        (b'{"id":"c"}', "no kv_transfer_params"),
+        (b'{"kv_transfer_params":null}', "no kv_transfer_params"),
+        (b'{"kv_transfer_params":{ }}', "no kv_transfer_params"),
+        (b'{"kv_transfer_params":"x"}', "no kv_transfer_params"),
+    ],
+)
+def test_a_prefill_answer_without_params_is_a_failure_of_that_engine(
+    answer: bytes, why: str
+) -> None:
+    with pytest.raises(BadPrefillAnswer, match=why):
+        transfer_params(answer)

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from router.upstream.transport import LeanTransport
+from router.upstream.transport import Headers, LeanTransport
 from tests.hostile_backend import HostileBackend
 
 TIMEOUTS = httpx.Timeout(connect=2, read=5, write=2, pool=2).as_dict()
@@ -49,3 +49,19 @@ def test_stale_idle_connection_is_dropped_before_writing(
     assert status == 200 and body.count(b"tok") == 3
     assert hostile.seen[f"t-{mode}-2"] == 1
     assert hostile.connections == connections + 2  # the stale one was replaced, not reused
+
+
+def test_an_answer_reads_its_headers_as_httpx_does() -> None:
+    """The proxy's `Answer` stands in for an `httpx.Response`: the same lookups, the same raw
+    list (what goes back to the client)."""
+    raw = [
+        (b"Content-Type", b"text/event-stream"),
+        (b"x-multi", b"a"),
+        (b"X-Multi", b"b"),
+        (b"retry-after", b"3"),
+    ]
+    ours, theirs = Headers(raw), httpx.Headers(raw)
+    for name in ("content-type", "CONTENT-TYPE", "x-multi", "Retry-After", "absent"):
+        assert ours.get(name) == theirs.get(name), name
+    assert ours.get("absent", "identity") == theirs.get("absent", "identity") == "identity"
+    assert ours.raw == theirs.raw

@@ -30,7 +30,6 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.core import fastjson
 from router.core.backend import Backend
 from router.core.settings import DisaggregationConfig, Settings
 
@@ -105,16 +104,26 @@ def prefill_body(payload: dict[str, Any], target: str) -> bytes:
     return _encode(body)
 
 
+class _PrefillAnswer(msgspec.Struct):
+    """The one member phase 2 needs; the rest of P's answer is skipped, not built."""
+
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_ANSWER = msgspec.json.Decoder(_PrefillAnswer)
+
+
 def transfer_params(answer: bytes) -> bytes:
-    """P's `kv_transfer_params`, serialised for phase 2 (its values unchanged)."""
+    """P's `kv_transfer_params`, as P wrote them (phase 2 carries the bytes unchanged)."""
     try:
-        parsed = fastjson.loads(answer)
-    except (ValueError, RecursionError):
+        params = bytes(_ANSWER.decode(answer).kv_transfer_params).strip()
+    except msgspec.ValidationError:
+        params = b""  # JSON, but not an object
+    except msgspec.DecodeError:
         raise BadPrefillAnswer("its answer is not JSON") from None
-    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
-    if not isinstance(params, dict) or not params:
+    if not params.startswith(b"{") or not params[1:-1].strip():
         raise BadPrefillAnswer("its answer has no kv_transfer_params (is it a kv_producer?)")
-    return _encode(params)
+    return params
 
 
 def _encode(value: Any) -> bytes:

@@ -87,6 +87,7 @@ from router.request.usage_stream import (
 )
 from router.request.validate import ValidRequest, request_id_of, validate
 from router.upstream.pools import Pools
+from router.upstream.transport import Answer
 
 # Failures after the request went out: the backend was working on it when it broke.
 _SENT = (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError)
@@ -894,11 +895,11 @@ class ProxyCall(Response):
         if self._hop:
             headers.append((HOP_HEADER, self._hop))
         transport, request = self._proxy.pools.request(backend, "/tokenize", headers, body.encode())
-        response: httpx.Response | None = None
+        response: Answer | None = None
         head = b""
         try:
             async with asyncio.timeout(5):
-                response = await transport.handle_async_request(request)
+                response = await transport.send(request)
                 if response.status_code != 200:
                     return None
                 async for chunk in response.aiter_raw():
@@ -939,7 +940,7 @@ class ProxyCall(Response):
         # The request routes within the snapshot it started with.
         backend = next(b for b in self._backends if b.name == lease.backend)
         rec.backend = backend.name
-        response: httpx.Response | None = None
+        response: Answer | None = None
         lora = proxy.lora if self._adapter is not None else None
         used = False
         flying = self._adapter is not None
@@ -1008,7 +1009,7 @@ class ProxyCall(Response):
             )
             self._working = True
             try:
-                response = await transport.handle_async_request(request)
+                response = await transport.send(request)
             except UPSTREAM_FAILURES as exc:
                 failure = upstream_failure(exc, backend.name)
                 proxy.health.on_failure(backend.name, failure.kind)
@@ -1069,13 +1070,11 @@ class ProxyCall(Response):
 
     def _prefill_headers(self, backend: Backend) -> list[tuple[bytes, bytes]]:
         """The decode leg's headers for the prefill engine: the same request id, its own key."""
-        own = list(backend.auth_headers)
+        own = [*backend.auth_headers, (b"accept-encoding", b"identity")]  # its answer is read
+        # here; the backend's own headers replace the client's of the same name
         if self._hop:
             own.append((HOP_HEADER, self._hop))
-        headers = upstream_request_headers(self._client_headers, self._record.request_id, own)
-        headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
-        headers.append((b"accept-encoding", b"identity"))  # its answer is read here
-        return headers
+        return upstream_request_headers(self._client_headers, self._record.request_id, own)
 
     async def _prefill(self, backend: Backend) -> bytes | None:
         """NIXL phase 1 on `backend`: its `kv_transfer_params` (serialised, unchanged); None
@@ -1100,13 +1099,13 @@ class ProxyCall(Response):
         )
         started = time.perf_counter()
         self._working = True
-        response: httpx.Response | None = None
+        response: Answer | None = None
         try:
             try:
-                response = await transport.handle_async_request(request)
+                response = await transport.send(request)
                 parts: list[bytes] = []
                 size = 0
-                async for chunk in response.stream:  # type: ignore[union-attr]
+                async for chunk in response.stream:
                     parts.append(chunk)
                     size += len(chunk)
                     if size > MAX_PREFILL_ANSWER:
@@ -1156,9 +1155,9 @@ class ProxyCall(Response):
             backend, self._path, trace.upstream_headers(self._prefill_headers(backend)), body
         )
         started = time.perf_counter()
-        response: httpx.Response | None = None
+        response: Answer | None = None
         try:
-            response = await transport.handle_async_request(request)
+            response = await transport.send(request)
             async for _ in response.aiter_raw():
                 pass
             if response.status_code >= 500:
@@ -1175,7 +1174,7 @@ class ProxyCall(Response):
                 await response.aclose()
 
     async def _retryable_status(
-        self, backend: Backend, response: httpx.Response, blame: str | None = None
+        self, backend: Backend, response: Answer, blame: str | None = None
     ) -> None:
         """Read the (small) error answer, note it, and hand it to the retry loop. `blame`: the
         prefill engine whose handoff the decode engine refused: its failure, not the decode
@@ -1207,9 +1206,7 @@ class ProxyCall(Response):
         err = ProxyError(f"Backend `{backend.name}` answered {status}.")
         raise _Retry(err, FailureKind.STATUS, (status, headers, body))
 
-    async def _pump(
-        self, send: Send, response: httpx.Response, backend: Backend, streaming: bool
-    ) -> None:
+    async def _pump(self, send: Send, response: Answer, backend: Backend, streaming: bool) -> None:
         rec = self._record
         tail = b"\n\n"
         usage = rec.usage = ResponseUsage(self._endpoint.usage)
@@ -1231,7 +1228,7 @@ class ProxyCall(Response):
         searched = relay is not None or strip is not None  # they read a chunk's finish reason
         # `bytes` counts what the client was sent, also when it left mid-stream.
         try:
-            async for chunk in response.stream:  # type: ignore[union-attr]
+            async for chunk in response.stream:
                 if rec.ttfb_ms is None:
                     rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
                 # Four bytes: the end of a choices event (CHOICES_END), of [DONE], or of neither,

@@ -32,7 +32,7 @@ import ssl
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httptools
 import httpx
@@ -316,6 +316,41 @@ class _Body(httpx.AsyncByteStream):
             self._finish()
 
 
+class Headers:
+    """An answer's headers as they came (`raw`), with httpx's case-insensitive `get`."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        key = name.lower().encode("latin-1")
+        found = [v for k, v in self.raw if k.lower() == key]
+        return b", ".join(found).decode("latin-1") if found else default
+
+
+class Answer:
+    """What `LeanTransport.send` returns: the parts of an `httpx.Response` the proxy reads (the
+    status, the headers, the body's chunks, `aiter_raw`, `aclose`)."""
+
+    __slots__ = ("headers", "status_code", "stream")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], stream: _Body) -> None:
+        self.status_code = status
+        self.headers = Headers(headers)
+        self.stream = stream
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's chunks, then the connection released (as httpx's does)."""
+        async for chunk in self.stream:
+            yield chunk
+        await self.stream.aclose()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
 class Outgoing:
     """A request as this transport writes it: the URL it connects by, and its bytes, made once.
 
@@ -396,7 +431,26 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 if isinstance(request.stream, httpx.ByteStream)
                 else (await request.aread())
             )
-        conn = await self._acquire(request.url, timeouts)
+        conn = await self._open(request.url, head, body, timeouts)
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=_Body(conn, timeouts.get("read")),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    async def send(self, request: Outgoing) -> Answer:
+        """The proxy's exchange: what `handle_async_request` does, answered by an `Answer`
+        (an `httpx.Response` normalises its headers and builds its state: 9 us, measured)."""
+        timeouts = request.timeouts
+        conn = await self._open(request.url, request.head, request.body, timeouts)
+        return Answer(conn.status, conn.headers, _Body(conn, timeouts.get("read")))
+
+    async def _open(
+        self, url: httpx.URL, head: bytes, body: bytes, timeouts: dict[str, float | None]
+    ) -> _Conn:
+        """A connection that has sent the request and read the answer's head."""
+        conn = await self._acquire(url, timeouts)
         try:
             await self._exchange(conn, head, body, timeouts)
         except BaseException:
@@ -405,12 +459,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.abort()
             self._release(conn)
             raise
-        return httpx.Response(
-            conn.status,
-            headers=conn.headers,
-            stream=_Body(conn, timeouts.get("read")),
-            extensions={"http_version": b"HTTP/1.1"},
-        )
+        return conn
 
     async def _exchange(
         self, conn: _Conn, head: bytes, body: bytes, timeouts: dict[str, float | None]
