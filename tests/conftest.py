@@ -4,8 +4,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import Cluster
+from tests.fake_kube import FakeKube
+from tests.harness import Cluster, free_port
 from tests.hostile_backend import HostileBackend
+from tests.otlp_receiver import Receiver
 
 
 @pytest.fixture
@@ -35,3 +37,23 @@ def hostile() -> Iterator[HostileBackend]:
         yield h
     finally:
         h.stop()
+
+
+@pytest.fixture(scope="module")
+def kube() -> Iterator[FakeKube]:
+    """A fake Kubernetes API server (EndpointSlices, watches, bookmarks) for a module's tests."""
+    fk = FakeKube(free_port(), bookmark_every=0.3)
+    try:
+        yield fk
+    finally:
+        fk.close()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    """A fake OTLP/HTTP collector the router's exporter sends its spans to."""
+    r = Receiver().start()
+    try:
+        yield r
+    finally:
+        r.close()

@@ -31,6 +31,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
+from tests.harness import Proc
+
 _PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
 
 
@@ -44,6 +46,32 @@ def endpoint(
             "serving": ready if serving is None else serving,
             "terminating": terminating,
         },
+    }
+
+
+def mock_host(mock: Proc) -> str:
+    return mock.url.split("//")[1].split(":")[0]
+
+
+def put_mock(kube: FakeKube, mock: Proc, name: str, silent: bool = False, **cond: Any) -> None:
+    """One slice per mock (a Service's endpoints may spread over several slices), at the mock's
+    own address and port."""
+    ports = [{"name": "http", "port": mock.port}]
+    kube.put_slice(name, [endpoint(mock_host(mock), **cond)], ports, silent=silent)
+
+
+def kube_source(kube: FakeKube, kubeconfig: Path, **extra: Any) -> dict[str, Any]:
+    """A `kind: kubernetes` discovery source for the fake's Service `models/vllm` (port `http`,
+    `models: auto`), its kubeconfig written to `kubeconfig`."""
+    return {
+        "kind": "kubernetes",
+        "namespace": "models",
+        "service": "vllm",
+        "port": "http",
+        "models": "auto",
+        "backoff_max": 0.5,
+        "kubeconfig": str(kube.kubeconfig(kubeconfig)),
+        **extra,
     }
 
 

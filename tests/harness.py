@@ -331,6 +331,15 @@ def control(mock: Proc, **changes: Any) -> dict[str, Any]:
     return dict(r.json())
 
 
+def admin_backends(
+    router: Proc, headers: dict[str, str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The router's backends as its admin API lists them, by URL."""
+    r = httpx.get(router.url + "/admin/backends", timeout=5, headers=headers)
+    r.raise_for_status()
+    return {row["url"]: row for row in r.json()}
+
+
 def in_flight(router: Proc) -> int:
     """The router's in-flight count over all its backends, as its admin API reports it."""
     r = httpx.get(router.url + "/admin/backends", timeout=5)

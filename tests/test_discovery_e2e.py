@@ -23,19 +23,10 @@ import redis
 from dnslib import QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
-from tests.fake_kube import FakeKube, endpoint
-from tests.harness import Cluster, Proc, control, free_port, stats
+from tests.fake_kube import FakeKube, endpoint, kube_source, mock_host, put_mock
+from tests.harness import Cluster, Proc, admin_backends, control, free_port, stats
 
 MODEL = "mock-model"
-
-
-@pytest.fixture(scope="module")
-def kube() -> Iterator[FakeKube]:
-    fk = FakeKube(free_port(), bookmark_every=0.3)
-    try:
-        yield fk
-    finally:
-        fk.close()
 
 
 PORT = free_port()
@@ -45,10 +36,6 @@ PORT = free_port()
 def mocks(module_procs: Cluster) -> dict[str, Proc]:
     hosts = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
     return {n: module_procs.mock(n, port=PORT, host=h, tokens=4) for n, h in hosts.items()}
-
-
-def host(mock: Proc) -> str:
-    return mock.url.split("//")[1].split(":")[0]
 
 
 TOKEN = "admin-token-for-discovery"
@@ -79,12 +66,6 @@ def _clean(kube: FakeKube, mocks: dict[str, Proc]) -> Iterator[None]:
     kube.up()  # a test that took the API server down gets it back
 
 
-def put(kube: FakeKube, mock: Proc, name: str, silent: bool = False, **cond: Any) -> None:
-    """One slice per mock (a Service's endpoints may spread over several slices)."""
-    ports = [{"name": "http", "port": mock.port}]
-    kube.put_slice(name, [endpoint(host(mock), **cond)], ports, silent=silent)
-
-
 def start_router(
     procs: Cluster,
     kube: FakeKube,
@@ -92,18 +73,13 @@ def start_router(
     env: dict[str, str] | None = None,
     **extra: Any,
 ) -> Proc:
-    source = {
-        "kind": "kubernetes",
-        "namespace": "models",
-        "service": "vllm",
-        "port": "http",
-        "models": "auto",
-        "backend": {"max_inflight": 64},
-        "resync": resync,
-        "backoff_max": 0.5,
-        "kubeconfig": str(kube.kubeconfig(procs.tmp / f"kubeconfig-{free_port()}")),
+    source = kube_source(
+        kube,
+        procs.tmp / f"kubeconfig-{free_port()}",
+        backend={"max_inflight": 64},
+        resync=resync,
         **extra,
-    }
+    )
     return procs.router(
         {
             "discovery": [source],
@@ -115,9 +91,7 @@ def start_router(
 
 
 def backends(router: Proc) -> dict[str, dict[str, Any]]:
-    r = httpx.get(router.url + "/admin/backends", timeout=5, headers=AUTH)
-    r.raise_for_status()
-    return {b["url"]: b for b in r.json()}
+    return admin_backends(router, AUTH)
 
 
 def wait_for(check: Callable[[], bool], deadline: float, what: str) -> float:
@@ -181,14 +155,14 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
     router: Proc, kube: FakeKube, mocks: dict[str, Proc]
 ) -> None:
     a, b = mocks["a"], mocks["b"]
-    put(kube, a, "vllm-a")
+    put_mock(kube, a, "vllm-a")
     removed = metric(router, "sluicegate_discovery_events_total", event="removed")
     wait_for(lambda: a.url in backends(router), 10, "the first endpoint is discovered")
     assert backends(router)[a.url]["source"] == "kubernetes"
     assert backends(router)[a.url]["models"] == {MODEL: MODEL}  # models: auto asked it
 
     # Scale up: the new ready endpoint gets traffic within 2 s.
-    put(kube, b, "vllm-b")
+    put_mock(kube, b, "vllm-b")
     t0 = time.monotonic()
     while stats(b)["requests"] == 0:
         chat(router)
@@ -202,7 +176,7 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
     on_b = stats(b)["requests"]
     assert on_b >= 15, (backends(router), stats(a)["requests"])  # about 20 on b
     control(a, itl_ms=0, tokens=4)  # the checks below need quick answers from a
-    put(kube, b, "vllm-b", ready=False, serving=True, terminating=True)
+    put_mock(kube, b, "vllm-b", ready=False, serving=True, terminating=True)
     wait_for(lambda: backends(router)[b.url]["draining"], 2, "b draining")
     for _ in range(10):
         chat(router)
@@ -229,11 +203,11 @@ def test_410_gone_relists_without_duplicates_or_losses(
     # fetch a fresh version before the watch resumes, and then no 410 would ever be asked for.
     router = start_router(procs, kube, resync=300, env={"SLUICEGATE_ADMIN_TOKEN": TOKEN})
     a, b, c = mocks["a"], mocks["b"], mocks["c"]
-    put(kube, a, "vllm-a")
-    put(kube, b, "vllm-b")
+    put_mock(kube, a, "vllm-a")
+    put_mock(kube, b, "vllm-b")
     wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
     lists = kube.requests.count("list")
-    put(kube, c, "vllm-c", silent=True)  # only a re-list can show it
+    put_mock(kube, c, "vllm-c", silent=True)  # only a re-list can show it
     kube.expire()  # the history is compacted: resuming the watch gets 410 Gone
     kube.drop_watches()
     wait_for(lambda: set(backends(router)) == {a.url, b.url, c.url}, 5, "c after the re-list")
@@ -247,8 +221,8 @@ def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
     router: Proc, kube: FakeKube, mocks: dict[str, Proc]
 ) -> None:
     a, b = mocks["a"], mocks["b"]
-    put(kube, a, "vllm-a")
-    put(kube, b, "vllm-b")
+    put_mock(kube, a, "vllm-a")
+    put_mock(kube, b, "vllm-b")
     errors_before = metric(router, "sluicegate_discovery_events_total", event="error")
     wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
     stop = threading.Event()
@@ -299,8 +273,8 @@ def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_
     router: Proc, kube: FakeKube, mocks: dict[str, Proc], redis_url: str
 ) -> None:
     a, b = mocks["a"], mocks["b"]
-    put(kube, a, "vllm-a")
-    put(kube, b, "vllm-b")
+    put_mock(kube, a, "vllm-a")
+    put_mock(kube, b, "vllm-b")
     wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
     name_b = backends(router)[b.url]["name"]
     patch = {"draining": True, "weight": 3}
@@ -327,7 +301,7 @@ def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_
 
     # A DELETE lost while the watch was down: gone at the next full re-list.
     c = mocks["c"]
-    put(kube, c, "vllm-c")
+    put_mock(kube, c, "vllm-c")
     wait_for(lambda: c.url in backends(router), 3, "c discovered")
     lists = kube.requests.count("list")
     kube.drop_watches()
@@ -341,10 +315,10 @@ def test_a_slice_without_the_named_port_keeps_its_last_endpoints(
     router: Proc, kube: FakeKube, mocks: dict[str, Proc]
 ) -> None:
     a = mocks["a"]
-    put(kube, a, "vllm-a")
+    put_mock(kube, a, "vllm-a")
     wait_for(lambda: set(backends(router)) == {a.url}, 5, "a discovered")
     before = metric(router, "sluicegate_discovery_events_total", event="bad_port")
-    kube.put_slice("vllm-a", [endpoint(host(a))], [{"name": "grpc", "port": 9}])
+    kube.put_slice("vllm-a", [endpoint(mock_host(a))], [{"name": "grpc", "port": 9}])
     wait_for(
         lambda: metric(router, "sluicegate_discovery_events_total", event="bad_port") > before,
         3,

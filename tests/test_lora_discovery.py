@@ -20,8 +20,8 @@ import httpx
 import pytest
 from openai import NotFoundError, OpenAI
 
-from tests.fake_kube import FakeKube, endpoint
-from tests.harness import Cluster, Proc, free_port, stats, wait_for
+from tests.fake_kube import FakeKube, endpoint, kube_source
+from tests.harness import Cluster, admin_backends, free_port, stats, wait_for
 
 MODEL = "mock-model"
 ADAPTER = "sql"
@@ -47,17 +47,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         b = c.mock("b", engine_args=ENGINE)
         for name, mock in (("vllm-a", a), ("vllm-b", b)):
             kube.put_slice(name, [endpoint("127.0.0.1")], [{"name": "http", "port": mock.port}])
-        source = {
-            "kind": "kubernetes",
-            "namespace": "models",
-            "service": "vllm",
-            "port": "http",
-            "models": "auto",
-            "backend": {"kind": "vllm", "max_inflight": 64},
-            "resync": 300,
-            "backoff_max": 0.5,
-            "kubeconfig": str(kube.kubeconfig(c.tmp / "kubeconfig")),
-        }
+        source = kube_source(
+            kube, c.tmp / "kubeconfig", backend={"kind": "vllm", "max_inflight": 64}, resync=300
+        )
         router = c.router(
             {
                 "discovery": [source],
@@ -73,12 +65,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         kube.close()
 
 
-def backends(router: Proc) -> dict[str, dict[str, Any]]:
-    r = httpx.get(router.url + "/admin/backends", timeout=5)
-    r.raise_for_status()
-    return {row["url"]: row for row in r.json()}
-
-
 def loaded(row: dict[str, Any]) -> list[str]:
     return list(((row.get("engine") or {}).get("lora") or {}).get("loaded") or [])
 
@@ -88,20 +74,20 @@ def test_models_auto_learns_adapters_from_v1_models_and_routes_them(
 ) -> None:
     router, a, b = fleet["router"], fleet["a"], fleet["b"]
     wait_for(
-        lambda: ADAPTER in loaded(backends(router).get(a.url, {})),
+        lambda: ADAPTER in loaded(admin_backends(router).get(a.url, {})),
         "the router learns a's adapter from its /v1/models",
         LEARN_WITHIN,
     )
 
     def both_healthy() -> bool:
-        rows = backends(router)
+        rows = admin_backends(router)
         return len(rows) == 2 and all(row["healthy"] for row in rows.values())
 
     wait_for(both_healthy, "both discovered engines are healthy", LEARN_WITHIN)
 
     # The adapter is learned, not turned into a backend: two backends, each with the base model
     # only (models: auto keeps the base), and only a lists the adapter.
-    rows = backends(router)
+    rows = admin_backends(router)
     assert set(rows) == {a.url, b.url}
     for row in rows.values():
         assert row["source"] == "kubernetes"
@@ -146,15 +132,15 @@ def test_an_adapter_loaded_and_unloaded_at_run_time_is_learned_and_forgotten(
     )
     assert r.status_code == 200, r.text
     wait_for(
-        lambda: "chat" in loaded(backends(router)[b.url]),
+        lambda: "chat" in loaded(admin_backends(router)[b.url]),
         "the router re-reads b's /v1/models",
         LEARN_WITHIN,
     )
-    assert backends(router)[b.url]["models"] == {MODEL: MODEL}
+    assert admin_backends(router)[b.url]["models"] == {MODEL: MODEL}
     raw = client.chat.completions.with_raw_response.create(
         model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
-    assert raw.headers["x-sluicegate-backend"] == backend_name(backends(router)[b.url])
+    assert raw.headers["x-sluicegate-backend"] == backend_name(admin_backends(router)[b.url])
     assert raw.parse().model == "chat"
 
     gone = httpx.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=5)

@@ -15,17 +15,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
-import pytest
 
-from tests.fake_kube import FakeKube, endpoint
+from tests.fake_kube import FakeKube, kube_source, put_mock
 from tests.harness import (
     Cluster,
-    Proc,
+    admin_backends,
     control,
     free_port,
     in_flight,
@@ -41,29 +38,6 @@ TOKENS = 400  # 8 s at ITL_MS: the stream outlives the steps below by seconds
 TICK = 0.25  # discovery's check for vanished backends (router/discovery/runner.py)
 
 
-@pytest.fixture(scope="module")
-def kube() -> Iterator[FakeKube]:
-    fk = FakeKube(free_port(), bookmark_every=0.3)
-    try:
-        yield fk
-    finally:
-        fk.close()
-
-
-def host(mock: Proc) -> str:
-    return mock.url.split("//")[1].split(":")[0]
-
-
-def put(kube: FakeKube, mock: Proc, name: str, **cond: Any) -> None:
-    kube.put_slice(name, [endpoint(host(mock), **cond)], [{"name": "http", "port": mock.port}])
-
-
-def backends(router: Proc) -> dict[str, dict[str, Any]]:
-    r = httpx.get(router.url + "/admin/backends", timeout=5)
-    r.raise_for_status()
-    return {b["url"]: b for b in r.json()}
-
-
 def test_a_stream_on_a_vanished_endpoint_migrates_after_the_drain_grace(
     procs: Cluster, kube: FakeKube
 ) -> None:
@@ -74,26 +48,16 @@ def test_a_stream_on_a_vanished_endpoint_migrates_after_the_drain_grace(
     }
     router = procs.router(
         {
-            "discovery": [
-                {
-                    "kind": "kubernetes",
-                    "namespace": "models",
-                    "service": "vllm",
-                    "port": "http",
-                    "models": "auto",
-                    "backoff_max": 0.5,
-                    "kubeconfig": str(kube.kubeconfig(procs.tmp / "kubeconfig")),
-                }
-            ],
+            "discovery": [kube_source(kube, procs.tmp / "kubeconfig")],
             "drain_grace": GRACE,
             "expose_backend_header": True,
             # Migration is not configured: on by default for these (`kind: vllm`) backends.
         }
     )
     for name, mock in mocks.items():
-        put(kube, mock, f"vllm-{name}")
+        put_mock(kube, mock, f"vllm-{name}")
         control(mock, itl_ms=ITL_MS)
-    wait_for(lambda: len(backends(router)) == 2, "both endpoints discovered")
+    wait_for(lambda: len(admin_backends(router)) == 2, "both endpoints discovered")
 
     got: dict[str, Any] = {}
     started = threading.Event()
@@ -115,14 +79,14 @@ def test_a_stream_on_a_vanished_endpoint_migrates_after_the_drain_grace(
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert started.wait(10)
-    url = next(u for u, b in backends(router).items() if b["name"] == got["backend"])
+    url = next(u for u, b in admin_backends(router).items() if b["name"] == got["backend"])
     name, victim = next((n, m) for n, m in mocks.items() if m.url == url)
     other = mocks["b" if name == "a" else "a"]
     control(other, itl_ms=0)  # the continuation comes at once
 
     # Terminating: the endpoint drains; its stream stays on it past the grace and a tick.
-    put(kube, victim, f"vllm-{name}", ready=False, serving=True, terminating=True)
-    wait_for(lambda: bool(backends(router)[url]["draining"]), "the endpoint draining")
+    put_mock(kube, victim, f"vllm-{name}", ready=False, serving=True, terminating=True)
+    wait_for(lambda: bool(admin_backends(router)[url]["draining"]), "the endpoint draining")
     then = stats(victim)["tokens_generated"]
     past = math.ceil((2 * GRACE + TICK) * 1000 / ITL_MS)  # tokens that take that long
     wait_for(lambda: stats(victim)["tokens_generated"] >= then + past, "the stream going on")
@@ -141,5 +105,5 @@ def test_a_stream_on_a_vanished_endpoint_migrates_after_the_drain_grace(
     assert continued["started_at"] - deleted >= GRACE  # not before the grace ended
     assert stats(victim)["tokens_generated"] < TOKENS  # and not after the stream ended there
     assert metric(router, "sluicegate_migrations_total", model=MODEL, result="ok") == 1
-    wait_for(lambda: list(backends(router)) == [other.url], "the endpoint removed")
+    wait_for(lambda: list(admin_backends(router)) == [other.url], "the endpoint removed")
     assert in_flight(router) == 0

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -58,15 +58,6 @@ NAMED: ChatCompletionNamedToolChoiceParam = {
     "type": "function",
     "function": {"name": "get_weather"},
 }
-
-
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver().start()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import hashlib
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -38,15 +37,6 @@ SECRETS = {
 TTFT_MS, ITL_MS, TOKENS = 120, 20, 6
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 EXPORT_TIMEOUT_S = 30
-
-
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver().start()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture(scope="module")
