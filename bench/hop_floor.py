@@ -48,12 +48,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if url is None:
         url = _URLS[scope["path"]] = httpx.URL(_UP + scope["path"])
     request = Outgoing("POST", url, [(b"content-type", b"application/json")], body, _TIMEOUT)
-    response = await _TRANSPORT.handle_async_request(request)
+    response = await _TRANSPORT.send(request)
     try:
         await send(
             {"type": "http.response.start", "status": response.status_code, "headers": _HEADERS}
         )
-        async for chunk in response.stream:  # type: ignore[union-attr]
+        async for chunk in response.stream:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:

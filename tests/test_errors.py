@@ -109,7 +109,7 @@ def test_real_failures_raised_by_our_transport_and_redis_py_are_mapped() -> None
         try:
             transport, request = pools.request(backend, "/v1/chat/completions", [], b"{}")
             with pytest.raises(UPSTREAM_FAILURES) as upstream:
-                await transport.handle_async_request(request)
+                await transport.send(request)
         finally:
             await pools.aclose()
         client = aioredis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1)

@@ -242,7 +242,7 @@ def pool_sender(pools: Pools) -> Send:
     async def send(backend: Backend, path: str, body: bytes) -> tuple[int, bytes]:
         headers = [(b"content-type", b"application/json"), *backend.auth_headers]
         transport, req = pools.request(backend, path, headers, body, "POST", False)
-        response = await transport.handle_async_request(req)
+        response = await transport.send(req)
         try:
             answer = b""
             async for chunk in response.aiter_raw():

@@ -1070,8 +1070,8 @@ class ProxyCall(Response):
 
     def _prefill_headers(self, backend: Backend) -> list[tuple[bytes, bytes]]:
         """The decode leg's headers for the prefill engine: the same request id, its own key."""
-        own = [*backend.auth_headers, (b"accept-encoding", b"identity")]  # its answer is read
-        # here; the backend's own headers replace the client's of the same name
+        # Its answer is read here, so not compressed (an own header replaces the client's).
+        own = [*backend.auth_headers, (b"accept-encoding", b"identity")]
         if self._hop:
             own.append((HOP_HEADER, self._hop))
         return upstream_request_headers(self._client_headers, self._record.request_id, own)

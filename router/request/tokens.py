@@ -380,7 +380,7 @@ class EngineTokenizer:
             transport, request = self._pools.request(backend, "/tokenize", headers, data)
             answer = bytearray()
             async with asyncio.timeout(self._timeout):
-                r = await transport.handle_async_request(request)
+                r = await transport.send(request)
                 try:
                     if r.status_code != 200:
                         return None
