@@ -285,3 +285,62 @@ def test_a_fleet_that_does_not_come_back_fails_later_tests_at_once(
         assert fleet.engines[0].starts == starts  # no third start, and no wait
     finally:
         fleet.stop()
+
+
+FAKE_NIXL_ENGINE = """
+import os, socket, sys, threading, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+side = socket.socket()
+try:
+    side.bind(("127.0.0.1", int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])))
+except OSError as e:
+    # vLLM's NIXL listener thread dies with this, and the start waits for it for ever.
+    print(f"zmq.error.ZMQError: {e.strerror}", flush=True)
+    time.sleep(3600)
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_start_whose_side_channel_port_is_taken_starts_again_on_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_NIXL_ENGINE)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(0o755)
+    engine = Engine(0, python, tmp_path, tmp_path, EngineOptions(nixl=tmp_path / "nixl"))
+    port, taken = engine.port, engine.side_channel_port
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))  # what a client's connection did to it in one CI run
+        try:
+            engine.start()
+            engine.wait_ready(timeout_s=20.0)
+            assert engine.healthy() and engine.starts == 2
+            assert engine.port == port and engine.side_channel_port != taken
+        finally:
+            engine.stop()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_handed_out_once() -> None:
+    from router.enginefleet.fleet import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(1024 <= p < low for p in ports), (low, ports)

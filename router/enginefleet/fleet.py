@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -44,6 +45,7 @@ KV_TOPIC = "kv"
 START_TIMEOUT_S = 240.0  # 22 s alone, 32 s for two at once, measured; shared machines are slower
 STOP_GRACE_S = 10.0  # SIGTERM to the group is done in ~2 s measured
 PORT_RETRIES = 3
+_PORT_TAKEN = "Address already in use"
 _PR_SET_PDEATHSIG = 1
 ROLES = ("prefill", "decode", "both")
 _KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
@@ -62,8 +64,39 @@ class EngineOptions:
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
+_HANDED_OUT: set[int] = set()
+_PORT_SPAN = 12000  # ports below the ephemeral range that free_port() draws from
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port on 127.0.0.1 that nothing holds now, below the kernel's ephemeral range, and never
+    handed out before by this process. An engine binds its ports seconds after they are chosen,
+    and binds them again on a restart: a port from the ephemeral range can meanwhile become the
+    local end of any outgoing connection on the machine (a router's probe, a client), and a
+    NIXL listener that finds its port taken hangs the engine's start for good (vLLM waits for
+    the listener's thread without a timeout, and the thread died)."""
+    low = _ephemeral_low()
+    if low - _PORT_SPAN >= 1024:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(low - _PORT_SPAN, low)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket() as s:  # an unusual port range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
@@ -112,7 +145,7 @@ class Engine:
 
     def _take_port(self) -> None:
         self.port = free_port()
-        self.side_channel_port = free_port()  # NIXL's handshake listener, when it runs
+        self.side_channel_port = free_port()  # NIXL's handshake listener; fresh on every start
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = self.url + "/metrics"
 
@@ -192,6 +225,10 @@ class Engine:
     def start(self) -> None:
         if self.alive():
             return
+        if self.starts > 0:
+            # Nothing outside the engine names this port (a prefill answer carries it), so a
+            # restart takes a fresh one rather than the one it held before.
+            self.side_channel_port = free_port()
         with open(self.log_path, "ab") as log:
             self._log_from = log.tell()  # log_tail() shows this start's lines only
             self._popen = subprocess.Popen(
@@ -221,9 +258,18 @@ class Engine:
         end = time.monotonic() + timeout_s
         retries = PORT_RETRIES
         while time.monotonic() < end:
-            if not self.alive():
+            alive = self.alive()
+            taken = _PORT_TAKEN in self._log()
+            if alive and taken and retries > 0:
+                # Still running, but a listener (NIXL's) found its port taken: vLLM would wait
+                # for it for ever. Again, with a fresh side-channel port (start() picks one).
+                retries -= 1
+                self.stop()
+                self.start()
+                continue
+            if not alive:
                 tail = self.log_tail()
-                if not self.ever_ready and retries > 0 and "Address already in use" in tail:
+                if not self.ever_ready and retries > 0 and taken:
                     retries -= 1
                     self._take_port()
                     self.start()
@@ -233,7 +279,18 @@ class Engine:
                 self.ever_ready = True
                 return
             time.sleep(0.25)
-        raise TimeoutError(f"engine {self.index} not healthy after {timeout_s:.0f} s")
+        raise TimeoutError(
+            f"engine {self.index} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
+
+    def _log(self) -> str:
+        """The whole log of the latest start."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_from)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the log of the latest start."""
