@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from router.core.endpoints import BY_ROUTE, ENDPOINTS, match_follow
 from router.core.errors import as_anthropic, error_response
+from router.core.fastjson import with_member
 from router.request.estimate import estimate_tokens
 from router.request.multipart import boundary_of, form_fields, replace_span
 from router.request.prefix import prefix_hashes
@@ -101,6 +102,20 @@ def test_multipart_fields_and_alias_splice() -> None:
     assert body[slice(*spans["model"])] == b"m" and body[slice(*spans["stream"])] == b"true"
     spliced = replace_span(body, spans["model"], b"backend-model")
     assert spliced.replace(b"backend-model", b"m", 1) == body  # every other byte kept
+
+
+def test_an_alias_rewrites_the_model_member_and_keeps_every_other_byte() -> None:
+    body = b'{"model": "m", "x": [1, 2.50, 1e400, "\\u00e9"], "s": {"a":  true}}'
+    out = with_member(body, "model", "backend/é")
+    assert out is not None and json.loads(out)["model"] == "backend/é"
+    assert b'[1, 2.50, 1e400, "\\u00e9"]' in out and b'{"a":  true}' in out
+    assert json.loads(with_member(b'{"model":"a","model":"b","k":1}', "model", "t") or b"") == {
+        "model": "t",
+        "k": 1,
+    }
+    assert json.loads(with_member(b'{"k":1}', "model", "t") or b"") == {"k": 1, "model": "t"}
+    for refused in (b"[1]", b'{"a": NaN}', b'{"a": 1} x', b'"s"'):
+        assert with_member(refused, "model", "t") is None, refused
 
 
 def test_response_ids_expire_and_are_bounded() -> None:

@@ -107,6 +107,22 @@ def test_alias_rewrites_model_and_nothing_else(fleet: dict[str, Proc]) -> None:
     assert rec["model"] == "mock-model"
 
 
+def test_an_aliased_stream_with_its_own_stream_options_reaches_the_backend_renamed(
+    fleet: dict[str, Proc],
+) -> None:
+    body = {
+        "model": "alias-m",
+        "stream": True,
+        "max_tokens": 3,
+        "stream_options": {"include_usage": False},
+    }
+    r = httpx.post(fleet["router"].url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert '"usage":{' not in r.text  # asked for none: the router's own request is stripped
+    rec = stats(fleet["a"])["recent"][-1]
+    assert rec["model"] == "mock-model"
+
+
 def test_stream_bytes_are_forwarded_unchanged(fleet: dict[str, Proc]) -> None:
     body = {"model": "m", "stream": True, "max_tokens": 5}
     same = {"x-request-id": "same-id"}

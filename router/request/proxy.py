@@ -44,6 +44,7 @@ from router.core.errors import (
     sse_error_event,
     upstream_failure,
 )
+from router.core.fastjson import with_member
 from router.core.settings import AdmissionConfig, Settings
 from router.engine.lora_loads import LoadFailed, LoraLoads
 from router.ops.metrics import Metrics
@@ -548,6 +549,9 @@ class ProxyCall(Response):
                 self._injected = inject(self._body, self._parsed())
             return self._injected
         payload = {**self._parsed(), "model": target}
+        retargeted = with_member(self._body, "model", target)
+        if retargeted is not None:
+            return inject(retargeted, payload) if self._inject else retargeted
         return json.dumps(with_usage(payload) if self._inject else payload).encode()
 
     async def _run(self, send: Send) -> None:

@@ -153,23 +153,28 @@ def _form(
     return ValidRequest(body, {"model": model, "stream": stream}, model, backends, stream, span)
 
 
-async def _read_body(request: Request, limit: int) -> bytes | Response:
-    too_big = error_response(
+def _too_big(limit: int) -> Response:
+    return error_response(
         413,
         f"The request body exceeds {limit} bytes.",
         "invalid_request_error",
         "request_too_large",
     )
+
+
+async def _read_body(request: Request, limit: int) -> bytes | Response:
+    # The 413 is built only when it is sent: building it (a Response, a json.dumps) cost every
+    # request ~25 us, measured.
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        return too_big
+        return _too_big(limit)
     chunks: list[bytes] = []
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                return too_big
+                return _too_big(limit)
             chunks.append(chunk)
     except ClientDisconnect:
         return error_response(400, "Client disconnected.", "invalid_request_error", None)
