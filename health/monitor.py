@@ -1,13 +1,16 @@
 """Background scheduling for health: active probes, and the tick that applies time's transitions.
 
-One task per backend: probe at once (a new backend is checked before it has to prove itself on
+One scheduler for every backend, not a task each: a heap of when each backend is due. A backend
+is probed at once when it arrives (a new one is checked before it has to prove itself on
 traffic), then every `interval` seconds with +-10 % jitter so replicas drift apart instead of
-probing in lockstep; while the backend is out of rotation (ejected by traffic or failing probes)
-every `unhealthy_interval` seconds instead, so a restarted backend is readmitted within seconds.
-Between probes the task looks at the HealthBook every `unhealthy_interval` (a read), so an
-ejection is followed by a probe within that. A semaphore bounds how many probes run at once,
-and a budget how many start a second (`health.max_probes_per_second`): a large fleet's
-intervals stretch, its cost stays flat.
+probing in lockstep; while it is out of rotation (ejected by traffic or failing probes) every
+`unhealthy_interval` seconds instead, so a restarted backend is readmitted within seconds. An
+ejection by traffic moves the backend's next probe forward to within `unhealthy_interval` (the
+HealthBook tells the scheduler), so nothing polls the book between probes. A semaphore bounds
+how many probes run at once, and a budget how many start a second
+(`health.max_probes_per_second`): a large fleet's intervals stretch, its cost stays flat, and
+a backend costs a heap entry, not a task that wakes (50,000 of those woke ~50,000 times a
+second between them).
 Results go to the HealthBook. One more task calls `HealthBook.advance()` every `tick` seconds
 (ejections and cooldowns ending, panic mode), since reading health never changes it.
 """
@@ -15,6 +18,7 @@ Results go to the HealthBook. One more task calls `HealthBook.advance()` every `
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import random
 from collections.abc import Sequence
@@ -50,8 +54,17 @@ class HealthMonitor:
         # The global section (no backend has the empty name): the budget is the process's.
         self._budget = _Budget(book.health_config("").max_probes_per_second)
         self._backends: dict[str, Backend] = {}
-        self._tasks: dict[str, tuple[Backend, asyncio.Task[None]]] = {}
+        # Scheduled backends: name -> (the backend, its generation). A heap entry whose
+        # generation is not the current one is stale (the backend changed, left, or was moved).
+        self._scheduled: dict[str, tuple[Backend, int]] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._due: dict[str, float] = {}
+        self._gen = 0
+        self._running: dict[str, asyncio.Task[None]] = {}  # probes under way
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task[None] | None = None
         self._started = False
+        book.on_ejected = self._ejected
 
     def sync(self, backends: Sequence[Backend]) -> None:
         """Adopt a backend set; once started, probe new or changed backends at once."""
@@ -60,26 +73,24 @@ class HealthMonitor:
             self._reconcile()
 
     def update(self, upserted: Sequence[Backend], removed: Sequence[str]) -> None:
-        """`sync` for a change alone: only these backends' probe tasks are looked at."""
+        """`sync` for a change alone: only these backends are looked at."""
         for name in removed:
             self._backends.pop(name, None)
-            held = self._tasks.pop(name, None)
-            if held is not None:
-                held[1].cancel()
+            self._unschedule(name)
         for b in upserted:
             self._backends[b.name] = b
-            held = self._tasks.get(b.name)
+            held = self._scheduled.get(b.name)
             if held is not None and held[0] != b:
-                held[1].cancel()
-                del self._tasks[b.name]
+                self._unschedule(b.name)
             if self._started:
-                self._start_one(b)
+                self._schedule_new(b)
 
     async def start(self) -> None:
         if self._started:
             return
         self._started = True
         self._reconcile()
+        self._scheduler = asyncio.get_running_loop().create_task(self._run())
         runner, self._own_runner = shared_or_own(self._runner)
 
         async def advance() -> None:
@@ -88,12 +99,18 @@ class HealthMonitor:
         runner.every("health_tick", advance, self._tick)
 
     def probing(self) -> set[str]:
-        """The backends whose probe task is running."""
-        return {name for name, (_, task) in self._tasks.items() if not task.done()}
+        """The backends that are probed (scheduled, or with a probe under way)."""
+        return set(self._scheduled)
 
     async def aclose(self) -> None:
-        tasks = [t for _, t in self._tasks.values()]
-        self._tasks.clear()
+        tasks = list(self._running.values())
+        if self._scheduler is not None:
+            tasks.append(self._scheduler)
+            self._scheduler = None
+        self._running.clear()
+        self._scheduled.clear()
+        self._heap.clear()
+        self._due.clear()
         for t in tasks:
             t.cancel()
         if tasks:
@@ -103,46 +120,111 @@ class HealthMonitor:
             self._own_runner = None
         self._started = False
 
+    # -- the schedule -------------------------------------------------------------------------
+
     def _reconcile(self) -> None:
-        for name, (backend, task) in list(self._tasks.items()):
+        for name, (backend, _) in list(self._scheduled.items()):
             if self._backends.get(name) != backend:
-                task.cancel()
-                del self._tasks[name]
+                self._unschedule(name)
         for backend in self._backends.values():
-            self._start_one(backend)
+            self._schedule_new(backend)
 
-    def _start_one(self, backend: Backend) -> None:
-        name = backend.name
-        if name in self._tasks or not self._book.health_config(name).enabled:
+    def _schedule_new(self, backend: Backend) -> None:
+        if backend.name in self._scheduled or not self._book.health_config(backend.name).enabled:
             return
-        task = asyncio.get_running_loop().create_task(self._loop(backend))
-        self._tasks[name] = (backend, task)
+        self._gen += 1
+        self._scheduled[backend.name] = (backend, self._gen)
+        self._push(backend.name, asyncio.get_running_loop().time())
 
-    async def _loop(self, backend: Backend) -> None:
-        cfg = self._book.health_config(backend.name)
-        # This backend's own (a changed backend gets a new loop, so a new TLS context is used).
+    def _unschedule(self, name: str) -> None:
+        self._scheduled.pop(name, None)
+        self._due.pop(name, None)
+        task = self._running.pop(name, None)
+        if task is not None:
+            task.cancel()
+
+    def _push(self, name: str, at: float) -> None:
+        held = self._scheduled.get(name)
+        if held is None:
+            return
+        self._due[name] = at
+        heapq.heappush(self._heap, (at, held[1], name))
+        if self._heap[0][2] == name:
+            self._wake.set()  # sooner than what the scheduler sleeps for
+
+    def _ejected(self, name: str) -> None:
+        """Traffic ejected `name`: its next probe comes within `unhealthy_interval`."""
+        if name not in self._scheduled or name in self._running:
+            return  # a probe under way reschedules by the state it leaves
+        soon = asyncio.get_running_loop().time() + self.next_delay(
+            self._book.health_config(name).unhealthy_interval
+        )
+        if soon < self._due.get(name, soon + 1):
+            self._gen += 1
+            self._scheduled[name] = (self._scheduled[name][0], self._gen)
+            self._push(name, soon)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        heap = self._heap
+        while True:
+            try:
+                if not heap:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                at, gen, name = heap[0]
+                held = self._scheduled.get(name)
+                if held is None or held[1] != gen or self._due.get(name) != at:
+                    heapq.heappop(heap)  # stale
+                    continue
+                wait = at - loop.time()
+                if wait > 0:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), wait)
+                    except TimeoutError:
+                        pass
+                    continue
+                heapq.heappop(heap)
+                del self._due[name]
+                await self._budget.take()
+                await self._sem.acquire()
+                held = self._scheduled.get(name)
+                if held is None or held[1] != gen:  # left (or changed) while waiting its turn
+                    self._sem.release()
+                    continue
+                self._running[name] = loop.create_task(self._probe(held[0], gen))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug here must not stop every probe for good.
+                log.exception("probe scheduler error")
+                await asyncio.sleep(1.0)
+
+    async def _probe(self, backend: Backend, gen: int) -> None:
+        name = backend.name
+        cfg = self._book.health_config(name)
+        # Made per probe (it keeps no connection: max_keepalive 0), so a backend costs no
+        # transport between probes; a changed backend is a new entry, with its TLS context.
         transport = probe_transport(backend, self._policy)
         try:
-            while True:
-                try:
-                    await self._budget.take()
-                    async with self._sem:
-                        result = await probe(transport, backend, cfg)
-                    self._book.on_probe(backend.name, result)
-                except Exception:
-                    # A bug here must not stop this backend's probes for good.
-                    log.exception("probe loop error", extra={"fields": {"backend": backend.name}})
-                await self._until_next_probe(backend.name, cfg.interval, cfg.unhealthy_interval)
+            result = await probe(transport, backend, cfg)
+            self._book.on_probe(name, result)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("probe error", extra={"fields": {"backend": name}})
         finally:
             transport.retire()
-
-    async def _until_next_probe(self, name: str, interval: float, unhealthy: float) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.next_delay(interval)
-        while (left := end - loop.time()) > 0:
-            await asyncio.sleep(min(left, self.next_delay(unhealthy)))
-            if self._book.out_of_rotation(name):
-                return
+            self._sem.release()
+            if self._running.get(name) is asyncio.current_task():
+                del self._running[name]
+        held = self._scheduled.get(name)
+        if held is not None and held[1] == gen:
+            out = self._book.out_of_rotation(name)
+            every = cfg.unhealthy_interval if out else cfg.interval
+            self._push(name, asyncio.get_running_loop().time() + self.next_delay(every))
 
     def next_delay(self, interval: float) -> float:
         return interval * self._rng.uniform(1 - JITTER, 1 + JITTER)

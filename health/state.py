@@ -77,6 +77,8 @@ class HealthBook:
         on_change: Callable[[str, bool, str], None] | None = None,
     ) -> None:
         self._on_change = on_change  # (backend, routable, reason): e.g. the metrics
+        # Told when traffic ejects a backend (the probe scheduler moves its next probe forward).
+        self.on_ejected: Callable[[str], None] | None = None
         self._health = health or HealthConfig()
         self._outlier = outlier_cfg or OutlierConfig()
         self._clock = clock
@@ -319,6 +321,8 @@ class HealthBook:
             times_ejected=st.times_ejected,
             seconds=seconds,
         )
+        if self.on_ejected is not None:
+            self.on_ejected(name)
 
     def _end_ejection(self, name: str, st: BackendHealth, now: float, why: str) -> None:
         st.ejected_until = 0.0

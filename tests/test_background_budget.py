@@ -89,3 +89,86 @@ def test_probes_keep_to_the_budget_however_many_backends() -> None:
     probes = asyncio.run(run())
     # A burst of one second's worth, then `rate` a second (and a little slack for the clock).
     assert 0 < probes <= rate + rate * seconds + 5, probes
+
+
+METRICS = (
+    b"vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
+)
+
+
+async def _metrics_server(answers: list[bool]) -> tuple[asyncio.Server, int]:
+    """A /metrics endpoint on loopback: answers while `answers[0]` is True, else holds the
+    request unanswered (an engine that stopped answering without closing)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                if not answers[0]:
+                    await asyncio.sleep(3600)
+                head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(METRICS)
+                writer.write(head + METRICS)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_a_reading_turns_stale_stale_after_its_last_good_scrape() -> None:
+    async def run() -> None:
+        stale_after = 2.0
+        now = [100.0]
+        cfg = EngineMetricsConfig(interval=0.1, timeout=30, stale_after=stale_after)
+        scraper = EngineScraper(cfg, monotonic=lambda: now[0])
+        answering = {"good": [True], "hung": [True]}
+        servers = {}
+        backends = []
+        for name, answers in answering.items():
+            server, port = await _metrics_server(answers)
+            servers[name] = server
+            url = f"http://127.0.0.1:{port}"
+            backends.append(
+                Backend.from_config(BackendConfig(name=name, url=url, models=["m"], kind="vllm"))
+            )
+        scraper.sync(backends)
+
+        async def scraped(count: int) -> None:
+            """Until `count` scrapes ended and their readings are published."""
+            for _ in range(1000):  # each scrape of a loopback server ends within milliseconds
+                if scraper.scrapes >= count:
+                    await asyncio.sleep(scraper._flush_delay() * 3)
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"{scraper.scrapes} scrapes done, not {count}")
+
+        def stale() -> dict[str, bool]:
+            return {n: r.stale for n, r in scraper.readings.items()}
+
+        try:
+            scraper.tick()
+            await scraped(2)
+            assert stale() == {"good": False, "hung": False}
+            answering["hung"][0] = False
+            now[0] += stale_after / 2
+            scraper.tick()  # hung's scrape now waits for an answer that does not come
+            await scraped(3)
+            assert scraper.in_flight() == 1 and stale() == {"good": False, "hung": False}
+            now[0] += stale_after / 2 + 0.1  # hung's last good scrape is stale_after old
+            scraper.tick()
+            await scraped(4)
+            assert stale() == {"good": False, "hung": True}
+            # good's last good scrape is as old now: stale at the tick, fresh once scraped.
+            now[0] += stale_after + 0.1
+            scraper.tick()
+            assert stale() == {"good": True, "hung": True}
+            await scraped(5)
+            assert stale() == {"good": False, "hung": True}
+        finally:
+            await scraper.aclose()
+            for server in servers.values():
+                server.close()
+
+    asyncio.run(run())

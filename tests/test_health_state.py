@@ -271,30 +271,68 @@ def test_good_probes_readmit_an_ejection_but_not_twice_in_a_row_on_probes_alone(
     assert hb.describe("a")["ejected_until"] is None
 
 
-def test_out_of_rotation_backends_are_probed_every_unhealthy_interval() -> None:
+def test_out_of_rotation_backends_are_probed_every_unhealthy_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """New backends are probed at once; one ejected by traffic within `unhealthy_interval`,
+    and again every `unhealthy_interval` while out of rotation; the others wait `interval`."""
     import random
 
+    import health.monitor
     from health.monitor import HealthMonitor
 
+    unhealthy = 0.05
+    cfg = HealthConfig(interval=30.0, unhealthy_interval=unhealthy, unhealthy_threshold=1)
     clock = Clock()
-    hb = book(
-        [make("a"), make("b"), make("c")],
-        clock,
-        HealthConfig(interval=0.4, unhealthy_interval=0.02),
-    )
-    mon = HealthMonitor(hb, rng=random.Random(1))
+    hb = book([make("a"), make("b"), make("c")], clock, cfg)
+    probed: list[tuple[str, float]] = []
+    failing: set[str] = set()
 
-    async def waited(out: bool) -> float:
-        if out:
-            for _ in range(5):
-                hb.on_failure("a", "connect")
+    async def fake_probe(transport: Any, backend: Backend, cfg: HealthConfig) -> ProbeResult:
+        probed.append((backend.name, asyncio.get_running_loop().time()))
+        if backend.name in failing:
+            return ProbeResult(False, None, "connect")
+        return ProbeResult(True, 1.0)
+
+    monkeypatch.setattr(health.monitor, "probe", fake_probe)
+
+    def count(name: str, since: float = 0.0) -> int:
+        return sum(1 for n, t in probed if n == name and t >= since)
+
+    async def until(what: Callable[[], bool], seconds: float) -> None:
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        await mon._until_next_probe("a", 0.4, 0.02)
-        return loop.time() - start
+        end = loop.time() + seconds
+        while not what():
+            assert loop.time() < end, probed
+            await asyncio.sleep(unhealthy / 5)
 
-    assert asyncio.run(waited(False)) >= 0.35
-    assert asyncio.run(waited(True)) < 0.1
+    async def main() -> None:
+        mon = HealthMonitor(hb, rng=random.Random(1))
+        backends = [make("a"), make("b"), make("c")]
+        mon.sync(backends)
+        await mon.start()
+        loop = asyncio.get_running_loop()
+        try:
+            await until(lambda: all(count(n) == 1 for n in "abc"), 40 * unhealthy)
+            assert mon.probing() == {"a", "b", "c"}
+            for _ in range(5):
+                hb.on_failure("a", FailureKind.CONNECT)  # ejected by traffic
+            assert hb.out_of_rotation("a")
+            ejected = loop.time()
+            # Within unhealthy_interval (+10 % jitter), with a loaded machine's margin.
+            await until(lambda: count("a", ejected) >= 1, 40 * unhealthy)
+            failing.add("c")
+            mon.update([dataclasses.replace(backends[2], url="http://127.0.0.1:9/c2")], [])
+            await until(lambda: count("c") >= 4, 80 * unhealthy)  # failing: every interval
+            assert count("b") == 1  # in rotation: its 30 s are not up
+            mon.update([], ["c"])
+            gone = len(probed)
+            await asyncio.sleep(4 * unhealthy)
+            assert all(n != "c" for n, _ in probed[gone:]) and mon.probing() == {"a", "b"}
+        finally:
+            await mon.aclose()
+
+    asyncio.run(main())
 
 
 def test_per_backend_overrides_merge_over_the_global_sections() -> None:

@@ -8,7 +8,14 @@ requests, made by `backend_transport` as traffic's (the same TLS context and net
 A good answer replaces the backend's reading; a failed one (status, timeout, refused,
 malformed, NaN/negative/absurd values, more series than an engine has, a page over
 `max_page_bytes`, whose reading stops there) keeps the last figures, sets `scrape_error` and
-counts an error; a reading with no good scrape for `stale_after` is `stale`.
+counts an error; a reading with no good scrape for `stale_after` is `stale`. Staleness is judged
+from the oldest good scrape forward (the fresh readings kept in the order of their last good
+scrape), and the turn order is a list made once per membership change: a tick costs the
+scrapes it starts and the readings that turn stale, not a walk over every engine (at 50,000
+engines that walk held the loop ~25 ms four times a second). A scrape's new reading is
+published with the others that ended within a short window (`_flush_delay`: 10 ms, longer for a
+large fleet), one copy of the map for all of them: a copy per scrape was quadratic in the
+fleet's size (50,000 first failures took 22 s of copies).
 A vLLM backend's LoRA adapters (router/engine/adapters.py) are asked of its `/v1/models` after a
 good scrape at most every `lora_refresh` seconds, over the same connection and deadline; a failed
 answer keeps the adapters last read. Nothing here ejects
@@ -22,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -83,6 +91,11 @@ class EngineScraper:
         self._mono = monotonic
         self._wall = wall
         self._targets: dict[str, _Target] = {}
+        self._ring: list[_Target] | None = None  # the turn order; None: to be made again
+        # Targets whose reading is not stale, oldest good scrape first.
+        self._fresh: OrderedDict[str, _Target] = OrderedDict()
+        self._pending: set[str] = set()  # new readings not yet in `readings`
+        self._flush: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner = runner  # the app's; None: one of its own at start
         self._own_runner: Runner | None = None
@@ -122,11 +135,12 @@ class EngineScraper:
             if nb is None or _reached(nb) != _reached(t.backend):
                 t.transport.retire()
                 lost_adapters = lost_adapters or bool(t.adapters)
-                del self._targets[name]
+                self._forget(name)
         for name, b in wanted.items():
             old = self._targets.get(name)
             if old is None:
                 self._targets[name] = self._target(b)
+                self._ring = None
             else:
                 old.backend = b  # weight or key changes: same connection
         self._publish()
@@ -138,8 +152,9 @@ class EngineScraper:
         changed: dict[str, EngineReading | None] = {}
         lost_adapters = False
         for name in removed:
-            t = self._targets.pop(name, None)
+            t = self._targets.get(name)
             if t is not None:
+                self._forget(name)
                 t.transport.retire()
                 lost_adapters = lost_adapters or bool(t.adapters)
                 changed[name] = None
@@ -151,10 +166,11 @@ class EngineScraper:
             if t is not None:
                 t.transport.retire()
                 lost_adapters = lost_adapters or bool(t.adapters)
-                del self._targets[b.name]
+                self._forget(b.name)
                 changed[b.name] = None
             if scrapable(b):
                 self._targets[b.name] = self._target(b)
+                self._ring = None
                 changed[b.name] = self._targets[b.name].reading
         if changed:
             new = self._readings_copy()
@@ -168,6 +184,11 @@ class EngineScraper:
                 self.on_change()
         if lost_adapters and self.on_adapters is not None:
             self.on_adapters()
+
+    def _forget(self, name: str) -> None:
+        del self._targets[name]
+        self._fresh.pop(name, None)
+        self._ring = None
 
     def _target(self, b: Backend) -> _Target:
         return _Target(
@@ -195,7 +216,9 @@ class EngineScraper:
         """Start a scrape for each idle target, within the budget (`max_scrapes_per_second`
         times `interval` a tick, taken in turn from where the last tick stopped), then re-judge
         staleness for all."""
-        targets = list(self._targets.values())
+        targets = self._ring
+        if targets is None:
+            targets = self._ring = list(self._targets.values())
         budget = max(1, int(self.cfg.max_scrapes_per_second * self.cfg.interval))
         i = self._cursor
         started = 0
@@ -269,6 +292,8 @@ class EngineScraper:
             t.reading = failed
         else:
             t.last_ok = self._mono()
+            self._fresh[b.name] = t
+            self._fresh.move_to_end(b.name)
             cal = t.calibration
             cal.update(parsed.counters, parsed.running)
             lora = parsed.lora
@@ -288,8 +313,9 @@ class EngineScraper:
                 lora_waiting=lora[2] if lora else frozenset(),
                 adapters=t.adapters,
             )
-        self._publish_one(b.name, t.reading)
+        self._publish_one(b.name)
         if adapters_changed and self.on_adapters is not None:
+            self._publish_now()  # LoRA routes are made from `readings`: they must hold it
             self.on_adapters()
 
     async def _fetch(
@@ -322,14 +348,28 @@ class EngineScraper:
         return self._mono() - t.last_ok > self._stale_after()
 
     def _mark_stale(self) -> None:
-        changed = False
-        for t in self._targets.values():
-            stale = self._is_stale(t)
-            if stale != t.reading.stale:
-                t.reading = replace(t.reading, stale=stale)
-                changed = True
-        if changed:
-            self._publish()
+        """The fresh readings whose last good scrape is `stale_after` old turn stale, oldest
+        first; the walk stops at the first one still fresh. (One judged stale stays so until
+        its next good scrape, even if a larger fleet then lengthens `stale_after`.)"""
+        fresh = self._fresh
+        if not fresh:
+            return
+        oldest = self._mono() - self._stale_after()
+        turned: dict[str, EngineReading] = {}
+        while fresh:
+            name, t = next(iter(fresh.items()))
+            if t.last_ok >= oldest:
+                break
+            del fresh[name]
+            if not t.reading.stale:
+                t.reading = replace(t.reading, stale=True)
+                turned[name] = t.reading
+        if turned:
+            new = self._readings_copy()
+            new.update(turned)
+            self.readings = MappingProxyType(new)
+            if self.on_change is not None:
+                self.on_change()
 
     def _readings_copy(self) -> dict[str, EngineReading]:
         # The proxy's own copy is the dict's (memcpy-like); dict(proxy) walks it key by key.
@@ -341,12 +381,37 @@ class EngineScraper:
         if self.on_change is not None:
             self.on_change()
 
-    def _publish_one(self, name: str, reading: EngineReading) -> None:
+    def _publish_one(self, name: str) -> None:
+        self._pending.add(name)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(
+                self._flush_delay(), self._publish_pending
+            )
+
+    def _flush_delay(self) -> float:
+        # 10 ms, plus 1 us per engine: at most ~100 copies a second of a small map, ~16 of a
+        # 50,000-engine one (0.6 ms each, measured).
+        return 0.01 + len(self._targets) * 1e-6
+
+    def _publish_now(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+        self._publish_pending()
+
+    def _publish_pending(self) -> None:
+        self._flush = None
+        names, self._pending = self._pending, set()
         new = self._readings_copy()
-        new[name] = reading
-        self.readings = MappingProxyType(new)
-        if self.on_change is not None:
-            self.on_change()
+        changed = False
+        for name in names:
+            t = self._targets.get(name)
+            if t is not None:  # not removed meanwhile (removal published itself)
+                new[name] = t.reading
+                changed = True
+        if changed:
+            self.readings = MappingProxyType(new)
+            if self.on_change is not None:
+                self.on_change()
 
     async def aclose(self) -> None:
         if self._own_runner is not None:
@@ -358,6 +423,9 @@ class EngineScraper:
             await asyncio.wait(list(self._tasks))
         for t in self._targets.values():
             t.transport.retire()
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
 
 
 class _BadStatus(Exception):
