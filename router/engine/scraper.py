@@ -54,7 +54,7 @@ log = logging.getLogger("sluicegate.engine")
 @dataclass
 class _Target:
     backend: Backend
-    transport: LeanTransport
+    transport: LeanTransport | None  # made at the first scrape (a large fleet fills faster)
     reading: EngineReading
     last_ok: float = float("-inf")  # monotonic time of the last good scrape
     errors: int = 0
@@ -133,7 +133,7 @@ class EngineScraper:
             t = self._targets[name]
             nb = wanted.get(name)
             if nb is None or _reached(nb) != _reached(t.backend):
-                t.transport.retire()
+                _retire(t)
                 lost_adapters = lost_adapters or bool(t.adapters)
                 self._forget(name)
         for name, b in wanted.items():
@@ -155,7 +155,7 @@ class EngineScraper:
             t = self._targets.get(name)
             if t is not None:
                 self._forget(name)
-                t.transport.retire()
+                _retire(t)
                 lost_adapters = lost_adapters or bool(t.adapters)
                 changed[name] = None
         for b in upserted:
@@ -164,7 +164,7 @@ class EngineScraper:
                 t.backend = b  # weight or key changes: same connection
                 continue
             if t is not None:
-                t.transport.retire()
+                _retire(t)
                 lost_adapters = lost_adapters or bool(t.adapters)
                 self._forget(b.name)
                 changed[b.name] = None
@@ -191,13 +191,12 @@ class EngineScraper:
         self._ring = None
 
     def _target(self, b: Backend) -> _Target:
-        return _Target(
-            b,
-            backend_transport(
-                b, httpx.Limits(max_connections=1, max_keepalive_connections=1), self._policy
-            ),
-            EngineReading(0.0, 0.0, 0.0, None, None, 0.0, 0, stale=True),
-        )
+        return _Target(b, None, EngineReading(0.0, 0.0, 0.0, None, None, 0.0, 0, stale=True))
+
+    def _transport(self, t: _Target) -> LeanTransport:
+        if t.transport is None:
+            t.transport = backend_transport(t.backend, _ONE, self._policy)
+        return t.transport
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -248,7 +247,7 @@ class EngineScraper:
         adapters_changed = False
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                body = await self._fetch(b, t.transport)
+                body = await self._fetch(b, self._transport(t))
             parsed = parse(body, b.kind, self.cfg.max_kv_tokens)
             if b.kind == "vllm" and self._mono() - t.adapters_at >= self._lora_refresh:
                 t.adapters_at = self._mono()
@@ -256,7 +255,7 @@ class EngineScraper:
                     TimeoutError, httpx.HTTPError, MetricsError, AdaptersError, _BadStatus
                 ):
                     async with asyncio.timeout(self.cfg.timeout):
-                        models = await self._fetch(b, t.transport, "/v1/models", MAX_BODY)
+                        models = await self._fetch(b, self._transport(t), "/v1/models", MAX_BODY)
                     found = adapters_of(models, set(b.models.values()))
                     adapters_changed = found != t.adapters
                     t.adapters = found
@@ -422,10 +421,18 @@ class EngineScraper:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
         for t in self._targets.values():
-            t.transport.retire()
+            _retire(t)
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
+
+
+_ONE = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+
+
+def _retire(t: _Target) -> None:
+    if t.transport is not None:
+        t.transport.retire()
 
 
 class _BadStatus(Exception):
