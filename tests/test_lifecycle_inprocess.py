@@ -909,11 +909,6 @@ def test_an_unexpected_exception_still_releases_everything(
     serve(monkeypatch, scenario)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an error answer cut short by the backend is relayed with the backend's "
-    "Content-Length, longer than the body sent (uvicorn raises, the connection is dropped)",
-)
 def test_an_error_answer_cut_short_is_relayed_with_a_length_that_matches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1186,14 +1186,16 @@ class ProxyCall(Response):
         proxy = self._proxy
         limit = proxy.settings.max_error_body_bytes
         body = b""
+        cut = False  # the backend's Content-Length no longer describes `body`
         try:
             async for chunk in response.aiter_raw():
                 body += chunk
                 if len(body) > limit:
                     body = body[:limit]
+                    cut = True
                     break
         except UPSTREAM_FAILURES:
-            pass  # what arrived of the error answer is enough
+            cut = True  # what arrived of the error answer is enough
         status = response.status_code
         retry_after = _retry_after(response.headers.get("retry-after"))
         if retry_after is not None and status in (429, 503):
@@ -1205,7 +1207,7 @@ class ProxyCall(Response):
                 status,
             )
         headers = downstream_response_headers(response.headers.raw, self._record.request_id, False)
-        if len(body) >= limit:
+        if cut or len(body) >= limit:
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         err = ProxyError(f"Backend `{backend.name}` answered {status}.")
         raise _Retry(err, FailureKind.STATUS, (status, headers, body))
