@@ -62,7 +62,10 @@ def test_sigterm_with_200_streams_in_flight(procs: Cluster) -> None:
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(main())
-    assert all(tokens == 80 and last == "data: [DONE]" for tokens, last in results)
+    bad = [
+        (tokens, last[:200]) for tokens, last in results if tokens != 80 or last != "data: [DONE]"
+    ]
+    assert not bad, f"{len(bad)} of {n} streams did not end whole: {bad[:5]}"
     assert router.popen.wait(15) == 0
 
 
