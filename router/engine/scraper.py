@@ -12,10 +12,14 @@ counts an error; a reading with no good scrape for `stale_after` is `stale`. Sta
 from the oldest good scrape forward (the fresh readings kept in the order of their last good
 scrape), and the turn order is a list made once per membership change: a tick costs the
 scrapes it starts and the readings that turn stale, not a walk over every engine (at 50,000
-engines that walk held the loop ~25 ms four times a second). A scrape's new reading is
-published with the others that ended within a short window (`_flush_delay`: 10 ms, longer for a
-large fleet), one copy of the map for all of them: a copy per scrape was quadratic in the
-fleet's size (50,000 first failures took 22 s of copies).
+engines that walk held the loop ~25 ms four times a second). In a fleet of more than
+BATCH_ABOVE engines a scrape's new reading is published with the others that ended within a
+short window (`_flush_delay`: 10 ms, longer for a larger fleet), one copy of the map for all of
+them: a copy per scrape was quadratic in the fleet's size (50,000 first failures took 22 s of
+copies). A smaller fleet's readings are published as each scrape ends: `least_load` pairs a
+reading with the router's own count of requests in flight when it first sees it (to count what
+it sent since), and a reading seen late is paired with a later count (a follow-up request then
+saw its engine one request busier than it was, and moved).
 A vLLM backend's LoRA adapters (router/engine/adapters.py) are asked of its `/v1/models` after a
 good scrape at most every `lora_refresh` seconds, over the same connection and deadline; a failed
 answer keeps the adapters last read. Nothing here ejects
@@ -51,6 +55,7 @@ from router.upstream.transport import LeanTransport
 log = logging.getLogger("sluicegate.engine")
 
 SPREAD = 10  # slices a tick's scrapes start in, across its interval
+BATCH_ABOVE = 1000  # engines: past this many, readings are published in batches (~12 us a copy)
 
 
 @dataclass
@@ -407,6 +412,14 @@ class EngineScraper:
             self.on_change()
 
     def _publish_one(self, name: str) -> None:
+        if len(self._targets) <= BATCH_ABOVE:
+            t = self._targets[name]
+            new = self._readings_copy()
+            new[name] = t.reading
+            self.readings = MappingProxyType(new)
+            if self.on_change is not None:
+                self.on_change()
+            return
         self._pending.add(name)
         if self._flush is None:
             self._flush = asyncio.get_running_loop().call_later(
