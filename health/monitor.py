@@ -54,12 +54,11 @@ class HealthMonitor:
         # The global section (no backend has the empty name): the budget is the process's.
         self._budget = _Budget(book.health_config("").max_probes_per_second)
         self._backends: dict[str, Backend] = {}
-        # Scheduled backends: name -> (the backend, its generation). A heap entry whose
-        # generation is not the current one is stale (the backend changed, left, or was moved).
-        self._scheduled: dict[str, tuple[Backend, int]] = {}
-        self._heap: list[tuple[float, int, str]] = []
+        self._scheduled: dict[str, Backend] = {}  # the backends probed
+        # When each scheduled backend's next probe is due; none while its probe starts or runs.
+        # A heap entry whose time is not its backend's `_due` is stale (moved, or it left).
         self._due: dict[str, float] = {}
-        self._gen = 0
+        self._heap: list[tuple[float, str]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # probes under way
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task[None] | None = None
@@ -80,7 +79,7 @@ class HealthMonitor:
         for b in upserted:
             self._backends[b.name] = b
             held = self._scheduled.get(b.name)
-            if held is not None and held[0] != b:
+            if held is not None and held != b:
                 self._unschedule(b.name)
             if self._started:
                 self._schedule_new(b)
@@ -123,7 +122,7 @@ class HealthMonitor:
     # -- the schedule -------------------------------------------------------------------------
 
     def _reconcile(self) -> None:
-        for name, (backend, _) in list(self._scheduled.items()):
+        for name, backend in list(self._scheduled.items()):
             if self._backends.get(name) != backend:
                 self._unschedule(name)
         for backend in self._backends.values():
@@ -132,8 +131,7 @@ class HealthMonitor:
     def _schedule_new(self, backend: Backend) -> None:
         if backend.name in self._scheduled or not self._book.health_config(backend.name).enabled:
             return
-        self._gen += 1
-        self._scheduled[backend.name] = (backend, self._gen)
+        self._scheduled[backend.name] = backend
         self._push(backend.name, asyncio.get_running_loop().time())
 
     def _unschedule(self, name: str) -> None:
@@ -144,24 +142,20 @@ class HealthMonitor:
             task.cancel()
 
     def _push(self, name: str, at: float) -> None:
-        held = self._scheduled.get(name)
-        if held is None:
-            return
         self._due[name] = at
-        heapq.heappush(self._heap, (at, held[1], name))
-        if self._heap[0][2] == name:
+        heapq.heappush(self._heap, (at, name))
+        if self._heap[0][1] == name:
             self._wake.set()  # sooner than what the scheduler sleeps for
 
     def _ejected(self, name: str) -> None:
         """Traffic ejected `name`: its next probe comes within `unhealthy_interval`."""
-        if name not in self._scheduled or name in self._running:
-            return  # a probe under way reschedules by the state it leaves
+        due = self._due.get(name)
+        if due is None:
+            return  # not probed, or its probe starts or runs: it reschedules by what it finds
         soon = asyncio.get_running_loop().time() + self.next_delay(
             self._book.health_config(name).unhealthy_interval
         )
-        if soon < self._due.get(name, soon + 1):
-            self._gen += 1
-            self._scheduled[name] = (self._scheduled[name][0], self._gen)
+        if soon < due:
             self._push(name, soon)
 
     async def _run(self) -> None:
@@ -173,9 +167,8 @@ class HealthMonitor:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                at, gen, name = heap[0]
-                held = self._scheduled.get(name)
-                if held is None or held[1] != gen or self._due.get(name) != at:
+                at, name = heap[0]
+                if self._due.get(name) != at:
                     heapq.heappop(heap)  # stale
                     continue
                 wait = at - loop.time()
@@ -188,13 +181,13 @@ class HealthMonitor:
                     continue
                 heapq.heappop(heap)
                 del self._due[name]
+                backend = self._scheduled[name]
                 await self._budget.take()
                 await self._sem.acquire()
-                held = self._scheduled.get(name)
-                if held is None or held[1] != gen:  # left (or changed) while waiting its turn
+                if self._scheduled.get(name) is not backend:  # left or changed meanwhile
                     self._sem.release()
                     continue
-                self._running[name] = loop.create_task(self._probe(held[0], gen))
+                self._running[name] = loop.create_task(self._probe(backend))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -202,7 +195,7 @@ class HealthMonitor:
                 log.exception("probe scheduler error")
                 await asyncio.sleep(1.0)
 
-    async def _probe(self, backend: Backend, gen: int) -> None:
+    async def _probe(self, backend: Backend) -> None:
         name = backend.name
         cfg = self._book.health_config(name)
         # Made per probe (it keeps no connection: max_keepalive 0), so a backend costs no
@@ -220,8 +213,7 @@ class HealthMonitor:
             self._sem.release()
             if self._running.get(name) is asyncio.current_task():
                 del self._running[name]
-        held = self._scheduled.get(name)
-        if held is not None and held[1] == gen:
+        if self._scheduled.get(name) is backend and name not in self._due:
             out = self._book.out_of_rotation(name)
             every = cfg.unhealthy_interval if out else cfg.interval
             self._push(name, asyncio.get_running_loop().time() + self.next_delay(every))

@@ -38,6 +38,7 @@ class Events:
 
 @pytest.fixture
 def kube() -> Iterator[FakeKube]:
+    """A fake of its own per test, not conftest's per module: a hostile case leaves it broken."""
     fk = FakeKube(free_port(), bookmark_every=0.2)
     try:
         yield fk

@@ -813,16 +813,21 @@ def _continuation_events(first: int, last: int) -> list[bytes]:
     return [*events, c.tail(prompt=12, completion=last + 1 - first, cached=0)]
 
 
+async def _broken_after_three_tokens(r: Router) -> tuple[Call, Exchange]:
+    """A 10-token chat stream whose engine resets the connection after its first 3 tokens."""
+    call = r.chat(stream=True, max_tokens=10)
+    ex = await r.upstreams.next()
+    ex.answer(200, SSE)
+    events = vllm_stream(10, usage=True)
+    ex.break_off(httpx.ReadError("connection to the backend was reset"), *events[:4])
+    return call, ex
+
+
 def test_a_broken_stream_goes_on_on_the_other_backend_as_one_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    events = vllm_stream(10, usage=True)
-
     async def scenario(r: Router) -> None:
-        call = r.chat(stream=True, max_tokens=10)
-        ex = await r.upstreams.next()
-        ex.answer(200, SSE)
-        ex.break_off(httpx.ReadError("connection to the backend was reset"), *events[:4])
+        call, ex = await _broken_after_three_tokens(r)
         # The other engine counts the text relayed so far, then continues it.
         count = await r.upstreams.next()
         assert count.backend != ex.backend
@@ -859,13 +864,8 @@ def test_a_broken_stream_goes_on_on_the_other_backend_as_one_stream(
 def test_a_client_that_leaves_during_a_migration_leaves_nothing_behind(
     monkeypatch: pytest.MonkeyPatch, step: str
 ) -> None:
-    events = vllm_stream(10, usage=True)
-
     async def scenario(r: Router) -> None:
-        call = r.chat(stream=True, max_tokens=10)
-        ex = await r.upstreams.next()
-        ex.answer(200, SSE)
-        ex.break_off(httpx.ReadError("connection to the backend was reset"), *events[:4])
+        call, ex = await _broken_after_three_tokens(r)
         waiting = await r.upstreams.next()
         if step == "continuation_head":
             waiting.answer(200, [(b"content-type", b"application/json")])

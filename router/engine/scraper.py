@@ -395,11 +395,7 @@ class EngineScraper:
                 t.reading = replace(t.reading, stale=True)
                 turned[name] = t.reading
         if turned:
-            new = self._readings_copy()
-            new.update(turned)
-            self.readings = MappingProxyType(new)
-            if self.on_change is not None:
-                self.on_change()
+            self._swap(turned)
 
     def _readings_copy(self) -> dict[str, EngineReading]:
         # The proxy's own copy is the dict's (memcpy-like); dict(proxy) walks it key by key.
@@ -411,14 +407,17 @@ class EngineScraper:
         if self.on_change is not None:
             self.on_change()
 
+    def _swap(self, changed: Mapping[str, EngineReading]) -> None:
+        """`readings` again, with `changed` in it (one copy of the map, swapped whole)."""
+        new = self._readings_copy()
+        new.update(changed)
+        self.readings = MappingProxyType(new)
+        if self.on_change is not None:
+            self.on_change()
+
     def _publish_one(self, name: str) -> None:
         if len(self._targets) <= BATCH_ABOVE:
-            t = self._targets[name]
-            new = self._readings_copy()
-            new[name] = t.reading
-            self.readings = MappingProxyType(new)
-            if self.on_change is not None:
-                self.on_change()
+            self._swap({name: self._targets[name].reading})
             return
         self._pending.add(name)
         if self._flush is None:
@@ -439,17 +438,10 @@ class EngineScraper:
     def _publish_pending(self) -> None:
         self._flush = None
         names, self._pending = self._pending, set()
-        new = self._readings_copy()
-        changed = False
-        for name in names:
-            t = self._targets.get(name)
-            if t is not None:  # not removed meanwhile (removal published itself)
-                new[name] = t.reading
-                changed = True
+        # Those removed meanwhile are left out: their removal published itself.
+        changed = {n: t.reading for n in names if (t := self._targets.get(n)) is not None}
         if changed:
-            self.readings = MappingProxyType(new)
-            if self.on_change is not None:
-                self.on_change()
+            self._swap(changed)
 
     async def aclose(self) -> None:
         if self._own_runner is not None:

@@ -548,10 +548,12 @@ class ProxyCall(Response):
             if self._injected is None:
                 self._injected = inject(self._body, self._parsed())
             return self._injected
-        payload = {**self._parsed(), "model": target}
         retargeted = with_member(self._body, "model", target)
+        if retargeted is not None and not self._inject:
+            return retargeted
+        payload = {**self._parsed(), "model": target}
         if retargeted is not None:
-            return inject(retargeted, payload) if self._inject else retargeted
+            return inject(retargeted, payload)
         return json.dumps(with_usage(payload) if self._inject else payload).encode()
 
     async def _run(self, send: Send) -> None:
