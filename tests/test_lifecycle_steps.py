@@ -61,7 +61,9 @@ def the_apps_recheck_is_no_leak(r: Router) -> None:
     """The admission queue's re-check ticker is the app's (it ends at its next tick once the
     queue is empty, or at shutdown): not a task a request left behind."""
     r.baseline.update(
-        t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Admission._recheck"
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__qualname__", "") == "Admission._recheck"
     )
 
 

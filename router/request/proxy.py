@@ -36,6 +36,8 @@ CHAT = BY_ROUTE[("POST", "/v1/chat/completions")]
 
 
 class Proxy(Parts):
+    """The parts every request uses; `prepare` gets a request in and hands it its lifecycle."""
+
     async def prepare(
         self,
         request: Request,
