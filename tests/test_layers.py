@@ -1,8 +1,9 @@
 """The import graph: no circle anywhere, and no import from a lower layer up to a higher one.
 
 Layers, bottom first: settings, the backend type and errors; the upstream transport and logging;
-balancers and health; the request path's parts and the registry; metrics; the lifecycle; the
-HTTP face, admin and status; the app; the CLI. A module may import its own layer or below.
+balancers and health; the request path's parts and the registry; metrics; the lifecycle's steps;
+the lifecycle (their order); the HTTP face, admin and status; the app; the CLI. A module may
+import its own layer or below.
 """
 
 from __future__ import annotations
@@ -60,19 +61,31 @@ LAYERS: dict[str, int] = {
     "router.ops.metrics": 4,
     "router.ops.tracing": 4,  # OpenTelemetry spans: core only, used by the lifecycle and the app
     "router.discovery": 4,
-    "router.request.proxy": 5,
-    "router.web": 6,
-    "router.web.console": 6,  # the console page, its assets and its live view's route
-    "router.web.live_state": 6,  # the console's live view: admin rows, routing, queue, quotas
-    "router.registry.admin": 6,
-    "router.ops.status": 6,
-    "router.mock": 6,
+    "router.request.endings": 3,  # how an attempt ends: Retry, Broken, NoneLeft (pure)
+    "router.request.watch": 3,  # the lifecycle task under a watcher of the client
+    # The lifecycle's steps: they use metrics and tracing, and each other only downward
+    # (parts, call < getting_in, pump, prefill_leg, migrate < attempt; account).
+    "router.request.parts": 5,  # what every step uses, built once
+    "router.request.call": 5,  # one request's state through the steps
+    "router.request.getting_in": 5,  # drain, hop, validation, ticket, quota
+    "router.request.attempt": 5,  # pick, lease, upstream, retryable status
+    "router.request.prefill_leg": 5,  # P/D: the prefill engine's leg of an attempt
+    "router.request.pump": 5,  # the stream relayed chunk by chunk
+    "router.request.migrate": 5,  # a broken stream continued elsewhere
+    "router.request.account": 5,  # tokens, usage book, record, metrics at the end
+    "router.request.proxy": 6,  # the order of the steps
+    "router.web": 7,
+    "router.web.console": 7,  # the console page, its assets and its live view's route
+    "router.web.live_state": 7,  # the console's live view: admin rows, routing, queue, quotas
+    "router.registry.admin": 7,
+    "router.ops.status": 7,
+    "router.mock": 7,
     "router.mock.apis": 0,  # the other APIs' shapes: pure formatting
     "router.mock.handoff": 0,  # the mock's NIXL and SGLang handoff (stdlib only)
-    "router.enginefleet": 6,  # real vLLM engines for the engine tier and `sluicegate engines`
-    "router.app": 7,
-    "router.cli": 8,
-    "router.ops.probe": 8,  # the image's HEALTHCHECK entry point (stdlib only)
+    "router.enginefleet": 7,  # real vLLM engines for the engine tier and `sluicegate engines`
+    "router.app": 8,
+    "router.cli": 9,
+    "router.ops.probe": 9,  # the image's HEALTHCHECK entry point (stdlib only)
 }
 
 # Package markers (`__init__.py` holding only a docstring) sit in layer 0. They match their own

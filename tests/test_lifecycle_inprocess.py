@@ -311,10 +311,13 @@ class Call:
 class Router:
     """The app of one scenario, its fake upstreams and what it exposes to check for leaks."""
 
-    def __init__(self, app: FastPath, proxy: Proxy, upstreams: Upstreams) -> None:
+    def __init__(
+        self, app: FastPath, proxy: Proxy, upstreams: Upstreams, names: Iterable[str] = BACKENDS
+    ) -> None:
         self.app = app
         self.proxy = proxy
         self.upstreams = upstreams
+        self.names = tuple(names)  # every backend of the scenario
         self.baseline: set[asyncio.Task[Any]] = set()
 
     def chat(self, stream: bool = True, **extra: Any) -> Call:
@@ -345,7 +348,7 @@ class Router:
     async def assert_idle(self) -> None:
         """Nothing of any request is left: counts, slots, tracked streams, tasks, answers."""
         rows = await self.backends()
-        assert {n: r["in_flight"] for n, r in rows.items()} == dict.fromkeys(BACKENDS, 0)
+        assert {n: r["in_flight"] for n, r in rows.items()} == dict.fromkeys(self.names, 0)
         assert await self.metric("sluicegate_backend_in_flight") == 0
         assert self.app.lifecycle.active == 0, "a request still counted by the drain"
         assert self.proxy.failover.budget.active == 0, "a retry-budget slot never released"
@@ -382,9 +385,14 @@ async def lifespan(app: FastPath) -> AsyncIterator[None]:
         await task
 
 
-def serve(monkeypatch: pytest.MonkeyPatch, scenario: Scenario, **config: Any) -> None:
-    """Run `scenario` against a fresh app (two backends, `a` and `b`, serving model `m`), then
-    check that nothing is left, then shut the app down."""
+def serve(
+    monkeypatch: pytest.MonkeyPatch,
+    scenario: Scenario,
+    backends: Iterable[BackendConfig] | None = None,
+    **config: Any,
+) -> None:
+    """Run `scenario` against a fresh app (by default two backends, `a` and `b`, serving model
+    `m`), then check that nothing is left, then shut the app down."""
     made: list[Proxy] = []
 
     class Recorded(Proxy):
@@ -396,12 +404,11 @@ def serve(monkeypatch: pytest.MonkeyPatch, scenario: Scenario, **config: Any) ->
     monkeypatch.setattr(router.app, "Proxy", Recorded)
     # The startup's collector tuning (gc.freeze) would stay on for every later test here.
     monkeypatch.setattr(router.app, "tune_collector", lambda: 0)
+    if backends is None:
+        backends = [backend(n) for n in BACKENDS]
+    backends = list(backends)
     settings = Settings(
-        backends=[
-            # No metrics_path: no engine scrape goes out; health probes are off below.
-            BackendConfig(name=n, url=f"http://{n}.test:8000", models={"m": "m"}, metrics_path=None)
-            for n in BACKENDS
-        ],
+        backends=backends,
         health=HealthConfig(enabled=False),
         drain_grace=0,
         **config,
@@ -413,7 +420,7 @@ def serve(monkeypatch: pytest.MonkeyPatch, scenario: Scenario, **config: Any) ->
         app = create_app(settings)
         async with lifespan(app):
             (proxy,) = made
-            r = Router(app, proxy, upstreams)
+            r = Router(app, proxy, upstreams, (b.name for b in backends))
             r.baseline = set(asyncio.all_tasks())
             guard = asyncio.timeout(GUARD)
             try:
@@ -427,6 +434,14 @@ def serve(monkeypatch: pytest.MonkeyPatch, scenario: Scenario, **config: Any) ->
                 raise AssertionError(f"hung for {GUARD} s; exchanges: {seen}") from None
 
     asyncio.run(main())
+
+
+def backend(name: str, **extra: Any) -> BackendConfig:
+    """Backend `name` serving model `m`; no metrics_path: no engine scrape goes out (health
+    probes are off in `serve`)."""
+    return BackendConfig(
+        name=name, url=f"http://{name}.test:8000", models={"m": "m"}, metrics_path=None, **extra
+    )
 
 
 def vllm_stream(tokens: int, usage: bool) -> list[bytes]:

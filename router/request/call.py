@@ -1,0 +1,175 @@
+"""One request as it goes through the lifecycle's steps: what the client asked, fixed when it
+got in, and how far it got (answer started, backend working, migrations, text relayed).
+
+Built by router/request/getting_in.py; each later step reads it and records its progress here,
+so no step reaches into another's locals.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+
+from router.core.backend import Backend
+from router.core.endpoints import Endpoint
+from router.core.fastjson import with_member
+from router.ops.tracing import NO_TRACE, RequestTrace
+from router.request.admission import Ticket
+from router.request.migration import SHAPES, Plan
+from router.request.multipart import replace_span
+from router.request.parts import Parts
+from router.request.pd import RolePools
+from router.request.quota import Hold
+from router.request.record import RequestRecord
+from router.request.stitch import Stitch
+from router.request.usage_stream import inject, needs_injection, with_usage
+
+
+class Call:
+    __slots__ = (
+        "_injected",
+        "adapter",
+        "anthropic",
+        "backends",
+        "body",
+        "carried",
+        "client_headers",
+        "continuation",
+        "endpoint",
+        "estimate",
+        "head",
+        "hop",
+        "inject",
+        "load_adapter",
+        "method",
+        "migrations",
+        "model",
+        "model_span",
+        "path",
+        "payload",
+        "plan",
+        "pools",
+        "record",
+        "remembers",
+        "reservation",
+        "segment",
+        "started",
+        "stitch",
+        "stream",
+        "text",
+        "ticket",
+        "trace",
+        "why_not",
+        "working",
+    )
+
+    def __init__(
+        self,
+        parts: Parts,
+        request: Request,
+        path: str,
+        body: bytes,
+        payload: dict[str, Any],
+        model: str,
+        backends: Sequence[Backend],
+        stream: bool,
+        record: RequestRecord,
+        ticket: Ticket | None,
+        estimate: int,
+        hop: bytes,
+        endpoint: Endpoint,
+        model_span: tuple[int, int] | None,
+    ) -> None:
+        self.hop = hop  # x-sluicegate-hop for every attempt's upstream request
+        self.path = path
+        self.body = body
+        self.payload: dict[str, Any] | None = payload  # None while queued: parsed again after
+        self.estimate = estimate
+        self.working = False  # a backend has the request and no answer came back yet
+        self.model = model
+        self.backends = backends
+        self.stream = stream
+        self.record = record
+        self.ticket = ticket
+        self.reservation: Hold | None = None  # the quota's, taken last on the way in
+        self.client_headers = request.headers.raw
+        self.endpoint = endpoint
+        self.model_span = model_span
+        self.method = endpoint.method
+        if endpoint.state == "follows":  # the id is in the path; GET's query goes along
+            query = request.scope.get("query_string", b"")
+            self.path = request.scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        self.inject = (
+            parts.inject_usage and stream and endpoint.inject_usage and needs_injection(payload)
+        )
+        self.anthropic = endpoint.errors == "anthropic"
+        # Remember a new stored response's id with its backend (`store: false`: none is kept).
+        self.remembers = endpoint.state == "creates" and payload.get("store") is not False
+        self._injected: bytes | None = None  # the body with include_usage, made once
+        self.started = False  # the response head reached the client
+        self.trace: RequestTrace = NO_TRACE
+        self.load_adapter = False  # this attempt's engine must load the adapter first
+        self.adapter: str | None = None  # the LoRA adapter the request names, if routed so
+        # Migration: the plan (None: off, or a reason it may not), and the state of a stream
+        # continued elsewhere: text relayed so far, tokens before the current attempt's, the
+        # continuation's body and its stitch.
+        plan = (
+            parts.migration.plan(model, endpoint.usage, payload)
+            if endpoint.usage in SHAPES
+            else None
+        )
+        self.plan: Plan | None = plan if isinstance(plan, Plan) else None
+        self.why_not: str | None = plan if isinstance(plan, str) else None
+        self.migrations = 0
+        self.text = ""
+        self.carried = 0
+        self.head: dict[str, object] | None = None
+        self.continuation: dict[str, Any] | None = None
+        self.stitch: Stitch | None = None
+        # The last broken stream's text and content events, until the continuation's backend
+        # counts its tokens (an event may carry several).
+        self.segment: tuple[str, int] | None = None
+        # Prefill/decode: a split model's requests are served by its decode pool; chat and
+        # completions may also go through a prefill engine first (None: not a split model).
+        pools = parts.pd.pools(model, backends)
+        self.pools: RolePools | None = None
+        if pools is not None:
+            self.backends = pools.decode
+            if endpoint.usage in SHAPES:
+                self.pools = pools
+
+    def parked(self) -> None:
+        """The request waits in the admission queue: its raw body is all it keeps meanwhile."""
+        self.payload = None
+
+    def parsed(self) -> dict[str, Any]:
+        payload = self.payload
+        if payload is None:
+            payload = self.payload = json.loads(self.body)
+        return payload
+
+    def body_for(self, backend: Backend) -> bytes:
+        target = backend.models.get(self.model, self.model)
+        if self.continuation is not None:
+            payload = {**self.continuation, "model": target}
+            return json.dumps(with_usage(payload) if self.inject else payload).encode()
+        if self.model_span is not None or not self.body:  # a multipart form, or no body
+            if target == self.model or self.model_span is None:
+                return self.body
+            return replace_span(self.body, self.model_span, target.encode())
+        if target == self.model:
+            if not self.inject:
+                return self.body
+            if self._injected is None:
+                self._injected = inject(self.body, self.parsed())
+            return self._injected
+        retargeted = with_member(self.body, "model", target)
+        if retargeted is not None and not self.inject:
+            return retargeted
+        payload = {**self.parsed(), "model": target}
+        if retargeted is not None:
+            return inject(retargeted, payload)
+        return json.dumps(with_usage(payload) if self.inject else payload).encode()
