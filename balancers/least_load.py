@@ -1,16 +1,20 @@
 """Least engine load relative to weight, from what each vLLM/SGLang engine reports.
 
-score = (max(0, running + QUEUE_WEIGHT x waiting + ours_since) + KV_WEIGHT x kv_usage) / weight
+score = (running' + QUEUE_WEIGHT x waiting' + KV_WEIGHT x kv_usage) / weight
+
+(running', waiting') = the engine's figures moved by ours_since (`now_on`)
 
 - running, waiting: the engine's own batch and queue (everyone's requests, also those that
   never passed through this router); a waiting request costs QUEUE_WEIGHT running ones, since a
   newcomer waits behind all of them before its first token;
 - ours_since: how far sluicegate's own in-flight count for that backend (`Candidate.inflight`,
-  shared across replicas with the Redis store) has moved since this balancer first saw that
-  reading: requests dispatched since count, requests finished since are taken off, so a burst
-  between two scrapes spreads out instead of landing on the engine that looked idle; at least
-  our in-flight count beyond the engine's running + waiting (sent before the page was rendered,
-  not yet on the engine);
+  shared across replicas with the Redis store) has moved since the reading: since the scrape was
+  sent when the reading says what it was then (`EngineReading.inflight_at`), else since this
+  balancer first saw it: requests dispatched since count as running, requests finished since
+  are taken off, the queue first (`now_on`), so a burst between two scrapes spreads out instead
+  of landing on the engine that looked idle, and a follow-up does not see its own finished
+  first turn still queued there; at least our in-flight count beyond the engine's running +
+  waiting (sent before the page was rendered, not yet on the engine);
 - kv_usage: the share of the KV cache in use (0..1); a full cache admits nothing and preempts;
 - a backend without a reading (not scraped, `kind: openai`) scores its in-flight count, which is
   in the same unit (requests); a stale reading ranks after every fresh one ("most loaded"),
@@ -34,10 +38,25 @@ from typing import ClassVar
 from balancers.base import Candidate
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
 from balancers.lora import REASONS, AdapterWant, ahead, eligible, tier
+from router.core.engine import EngineReading
 
 QUEUE_WEIGHT = 4.0
 KV_WEIGHT = 16.0
 _STALE = float("inf")
+
+
+def now_on(r: EngineReading, since: float) -> tuple[float, float]:
+    """(running, waiting) on the engine now, as far as we know: the reading moved by our own
+    requests since it (`LeastLoad.since`). Ours dispatched since run; ours finished since were
+    in its figures: taken off its queue first (a request the reading caught waiting, ours or
+    another's, has run since), then its batch."""
+    if since >= 0:
+        return r.running + since, r.waiting
+    waiting = r.waiting + since
+    if waiting >= 0:
+        return r.running, waiting
+    running = r.running + waiting
+    return (running if running > 0 else 0.0), 0.0
 
 
 class LeastLoad:
@@ -64,7 +83,8 @@ class LeastLoad:
         if base is None or base[0] != r.seq:
             if len(self._base) > 4096:  # backends come and go; keep what is recent
                 self._base.clear()
-            base = self._base[c.name] = (r.seq, c.inflight)
+            at = r.inflight_at
+            base = self._base[c.name] = (r.seq, c.inflight if at is None else at)
         dispatched = c.inflight - base[1]
         unseen = c.inflight - int(r.running + r.waiting)
         return dispatched if dispatched >= unseen else unseen
@@ -78,10 +98,8 @@ class LeastLoad:
             return c.inflight / c.weight
         if r.stale:
             return _STALE
-        load = r.running + QUEUE_WEIGHT * r.waiting + self.since(c)
-        if load < 0.0:
-            load = 0.0
-        return (load + KV_WEIGHT * r.kv_usage) / c.weight
+        running, waiting = now_on(r, self.since(c))
+        return (running + QUEUE_WEIGHT * waiting + KV_WEIGHT * r.kv_usage) / c.weight
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()

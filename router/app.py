@@ -259,6 +259,10 @@ def create_app(settings: Settings) -> FastPath:
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
     metrics.backends_known([b.name for b in backends])
     store = MeteredInflight(make_store(settings, runner), metrics)
+    if isinstance(store.inner, LocalInflight):
+        # A reading pairs with our count when its scrape was sent only where that count is the
+        # one balancers see (a shared store's is every replica's, read at the pick).
+        engine.inflight = store.inner.count
     lifecycle = Lifecycle()
     tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
     admission = Admission(settings.admission, metrics) if settings.admission else None

@@ -77,6 +77,25 @@ def test_a_burst_between_two_readings_spreads_out() -> None:
     assert Counter(x.backend for x in again if x) == {"a": 1, "b": 1, "c": 1}
 
 
+def test_our_request_that_ended_after_the_scrape_is_not_seen_on_the_engine() -> None:
+    """A reading taken while our one request waited there, first seen after it ended: with the
+    count at the scrape it is an idle engine, not one with a request queued."""
+    bal = LeastLoad(random.Random(1))
+    caught = reading(waiting=1, inflight_at=1)  # the scrape caught our request in the queue
+    assert bal.score(Candidate("a", 1.0, 0, caught)) == bal.score(
+        Candidate("b", 1.0, 0, reading())
+    )
+    # Without the count at the scrape the reading pairs with the count when first seen: the
+    # request looks queued still (the balancer cannot tell it from someone else's).
+    blind = LeastLoad(random.Random(1))
+    assert blind.score(Candidate("a", 1.0, 0, reading(waiting=1))) == 4.0
+    # Ours finished since come off the queue first, then the batch; never below idle.
+    two_ended = reading(running=2, waiting=1, seq=2, inflight_at=3)
+    assert bal.score(Candidate("c", 1.0, 1, two_ended)) == 1.0
+    all_ended = reading(running=1, waiting=1, seq=2, inflight_at=5)
+    assert bal.score(Candidate("d", 1.0, 0, all_ended)) == 0.0
+
+
 def test_weight_scales_the_score() -> None:
     bal = LeastLoad(random.Random(1))
     big = Candidate("big", 4.0, 0, reading(running=8))

@@ -65,6 +65,9 @@ class LocalInflight:
         else:
             self._counts.pop(lease.backend, None)
 
+    def count(self, name: str) -> int:
+        return self._counts.get(name, 0)
+
     async def counts(self, names: Sequence[str]) -> dict[str, int]:
         return {n: self._counts.get(n, 0) for n in names}
 

@@ -33,6 +33,12 @@ class EngineReading:
     # Adapters the engine serves (its `/v1/models` entries whose `parent` is its base model),
     # refreshed every `lora.refresh` seconds; None: not asked yet, or not a vLLM engine.
     adapters: frozenset[str] | None = None
+    # This process's own in-flight count on the backend when the scrape was sent (None: not
+    # known, e.g. with counts shared through Redis). A balancer pairs the reading with it: our
+    # requests that ended between the scrape and the pick are in the figures but no longer on
+    # the engine (pairing when the reading is first seen counted them, and a follow-up turn
+    # saw its own finished first turn queued on its holder).
+    inflight_at: int | None = None
 
     def serves(self, adapter: str) -> bool:
         """The engine can run `adapter` without a load (listed, or seen running or waiting)."""

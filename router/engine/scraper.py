@@ -115,6 +115,9 @@ class EngineScraper:
         self.on_change: Callable[[], None] | None = None
         # Called when an engine's adapters (its /v1/models) changed: LoRA routes follow.
         self.on_adapters: Callable[[], None] | None = None
+        # This process's in-flight count on a backend, read as a scrape is sent
+        # (`EngineReading.inflight_at`); None: not known.
+        self.inflight: Callable[[str], int | None] | None = None
 
     # --- what the rest of the router reads --------------------------------------------------
 
@@ -278,6 +281,7 @@ class EngineScraper:
         error: str | None = None
         parsed = None
         adapters_changed = False
+        inflight_at = self.inflight(b.name) if self.inflight is not None else None
         try:
             async with asyncio.timeout(self.cfg.timeout):
                 body = await self._fetch(b, self._transport(t))
@@ -344,6 +348,7 @@ class EngineScraper:
                 lora_running=lora[1] if lora else frozenset(),
                 lora_waiting=lora[2] if lora else frozenset(),
                 adapters=t.adapters,
+                inflight_at=inflight_at,
             )
         self._publish_one(b.name)
         if adapters_changed and self.on_adapters is not None:
