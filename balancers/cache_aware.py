@@ -21,7 +21,7 @@ evictable), a queued request costs a whole prefill. One fixed rate misprices som
 tokens per unit, 3-5 running requests plus half-full KV (16 x kv_usage) outweighed a
 2-5k-token cached prompt (`docs/benchmarks.md`). Here running requests and KV enter only as
 what they cost in time; least_load's score only breaks ties (with no holder among the
-candidates the pick is `least_load`'s).
+candidates the pick is `least_load`'s; with KV events, among the engines with cache room, below).
 Guardrail (bounded loads, Mirrokni et al.): a holder is passed over when its requests in flight
 through sluicegate (`Candidate.inflight` per weight: exact, and shared across replicas through
 Redis) plus this one exceed ceil(load_factor x (total + 1) / n) over the n candidates, are
@@ -60,6 +60,14 @@ in seconds, from rates each engine's histograms teach (router/engine/calibrate.p
 - ahead(c), sent(c), running(c) and the guardrail as above.
 Reasons then: `prefix_exact` (the pick holds part of the prompt, per its live events),
 `prefix_approx` (per the approximate index: its events are not live), `spill`, `load`.
+A new home (no candidate holds any of the prompt) with every candidate's events live: least_load's
+pick among the engines whose free cache takes the most prompts of this length without evicting
+(KV capacity less the tokens their events say they hold, `KvHints.stored`, less those pending),
+those queuing left out; when every cache would evict (a warm fleet: caches fill and stay full)
+the pick is least_load's among all. Why: a restarted engine's customers are held nowhere once
+its index is dropped, and placed by load alone they landed on engines with full caches, each
+evicting another customer's prompt (a miss more, and another re-home), while the emptied
+engine, which the approximate index keeps sending them to, stayed half empty.
 A request for a LoRA adapter (`Hints.adapter`, or `for_adapter()` without hints; balancers/lora.py)
 is weighed only among engines serving it (or, with load on demand and none serving it, among
 engines running LoRA), and its tier there adds lora.AHEAD[tier] requests to `ahead(c)`: running
@@ -103,6 +111,8 @@ class KvHints:
     cached: Mapping[str, int]  # backend -> leading prompt tokens it holds
     exact: frozenset[str]  # backends whose `cached` comes from live KV events
     pending: Mapping[str, int] = field(default_factory=dict)  # uncached tokens sent since
+    # backend -> tokens its KV cache holds, per its live events (all it holds, any prompt's)
+    stored: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +202,7 @@ class HintedPick:
         kv = hints.kv
         if kv is not None and hints.session is None:
             if not any(kv.cached.get(c.name) for c in pool):
-                return self._least(pool)
+                return self._least(self._with_room(kv, pool))
         elif hints.session is None and not any(c.name in held for c in pool):
             return self._least(pool)
         score = self._load.score
@@ -275,6 +285,31 @@ class HintedPick:
             return chosen
         best = min(options, key=lambda o: o[:2])[:2]
         return self._settle([c for cost, s, c in options if (cost, s) == best], passed_over)
+
+    def _with_room(self, kv: KvHints, pool: Sequence[Candidate]) -> Sequence[Candidate]:
+        """A new home: the engines whose free cache takes the most prompts like this one
+        without evicting, among those not queuing (module docstring)."""
+        stored = kv.stored
+        if not stored:
+            return pool
+        prompt = max(1, kv.tokens)
+        pending = kv.pending
+        since = self._load.since
+        most = 0
+        keep: list[Candidate] = []
+        for c in pool:
+            r = c.engine
+            held = stored.get(c.name)
+            if r is None or held is None or not r.kv_capacity_tokens or r.stale:
+                return pool  # its room is not known: nothing to weigh
+            fits = (r.kv_capacity_tokens - held - pending.get(c.name, 0)) // prompt
+            if fits < most or (fits > 0 and self._queue_ahead(c, r, since(c), prompt)):
+                continue
+            if fits > most:
+                most = fits
+                keep = []
+            keep.append(c)
+        return keep if most > 0 and len(keep) < len(pool) else pool
 
     def _queue_ahead(self, c: Candidate, r: EngineReading, sent: float, prompt: float) -> float:
         """Requests ahead of this one on the engine: its queue, the router's own not yet seen

@@ -25,6 +25,10 @@ Measured per scenario and variant: the hit rate (the share of the trace's prompt
 the engines found cached, from each answer's `usage.prompt_tokens_details.cached_tokens`; the
 hidden clients' requests are not counted), TTFT p50/p90/p99 (client side, request sent to the
 first token), tokens/s, routing reasons.
+`python -m bench.kv_workload restart events approx` plays only the scenarios and variants named;
+KV_BENCH_ROUNDS=6 plays more rounds (one scenario's ratios then vary less), KV_BENCH_DUMP=1 prints
+every request and, after each round, each engine's event state, blocks indexed and events
+received (`BlockRemoved`: its evictions, since the router joined and replayed its buffer).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ ENGINE = [
 ]
 RATE = 14.0  # requests per second through the router(s)
 SECONDS = 5.0  # the trace; each variant plays it once per round
-ROUNDS = 2
+ROUNDS = int(os.environ.get("KV_BENCH_ROUNDS", "2"))
 OUT_TOKENS = 12
 FLOOD_RATE = 1.5  # hidden fresh prompts per second into each of 2 engines (hidden scenario)
 FLOOD_TOKENS = 1500
@@ -318,7 +322,8 @@ def _round(c: Cluster, f: Fleet, t: Trace, scenario: str, name: str) -> Round:
                 st = row.get("kv_events_state") or {}
                 print(
                     f"  {row['name']}: healthy {row.get('healthy')}, events {st.get('state')}, "
-                    f"restarts {st.get('restarts')}, gaps {st.get('gaps')}",
+                    f"restarts {st.get('restarts')}, gaps {st.get('gaps')}, "
+                    f"blocks {st.get('blocks')}, events {st.get('events')}",
                     flush=True,
                 )
         reasons: dict[str, int] = {}

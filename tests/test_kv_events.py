@@ -257,6 +257,40 @@ async def test_subscriber_follows_stores_removals_gaps_and_restarts(
 
 
 @run
+async def test_a_restart_whose_first_batches_were_missed_drops_the_index(
+    ipc: Callable[[str], str],
+) -> None:
+    """The restarted engine published before the router's socket reconnected, so seq 0 never
+    arrived: its next batch is numbered at or below the last one applied but built after it,
+    and the old index goes. A replay overlap (the same batch again, as old) is still ignored."""
+    kv = KvEvents(capacity=lambda _n: 100)
+    pub = Publisher(ipc("e5"))
+    try:
+        kv.sync([_backend("a", {"endpoint": ipc("e5")})])
+        await kv.start()
+        await _subscribe(kv, pub)
+        old = toks(8)
+        pub.publish([stored([1, 2], None, old, BS)], ts=10.0)  # seq 1
+        pub.publish([], ts=11.0)  # seq 2
+        await _until(lambda: kv.batches == 3, "before the restart")
+        assert kv.index.match(chain_keys(old, BS), ["a"]) == {"a": 2}
+
+        pub.publish([removed([2])], ts=10.0, seq=1)  # seq 1 again, as old: an overlap
+        await _until(lambda: kv.batches == 4, "overlap")
+        assert kv.index.blocks("a") == 2 and kv.status("a")["restarts"] == 0  # type: ignore[index]
+
+        new = toks(4, start=100)
+        pub.publish([stored([7], None, new, BS)], ts=20.0, seq=1)  # the new engine's second
+        await _until(lambda: kv.status("a")["restarts"] == 1, "restart")  # type: ignore[index]
+        assert kv.index.match(chain_keys(old, BS), ["a"]) == {}
+        assert kv.index.match(chain_keys(new, BS), ["a"]) == {"a": 1}
+        assert kv.state("a") == "unsure"  # its seq 0 was missed and there is no replay socket
+    finally:
+        await kv.aclose()
+        pub.close()
+
+
+@run
 async def test_late_join_replays_from_the_engines_buffer(ipc: Callable[[str], str]) -> None:
     """The router starts after the engine stored blocks: the replay socket fills the hole."""
     pub = Publisher(ipc("e2"))

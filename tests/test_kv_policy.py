@@ -58,6 +58,33 @@ def test_pending_dispatches_spread_a_burst() -> None:
     assert pick(cands, KvHints(4096, cached, frozenset({"a", "b"}), {"b": 8000}))[0] == "a"
 
 
+def test_a_new_home_goes_where_the_cache_has_room() -> None:
+    """No candidate holds the prompt: the engine whose free KV takes it without evicting wins
+    over a less loaded one whose cache is full (a restarted engine, emptied, against engines
+    that took on its customers); a queue there, or every cache full, leaves it to load."""
+
+    def engine(running: float, waiting: float = 0.0) -> EngineReading:
+        return EngineReading(waiting, running, 0.05 * running, 8000, 0.0, 1.0, 1)
+
+    def cands(b_waiting: float = 0.0) -> list[Candidate]:
+        return [
+            Candidate("a", 1.0, 0, engine(0)),  # least loaded; its cache is full
+            Candidate("b", 1.0, 2, engine(2, b_waiting)),  # restarted: its cache is empty
+            Candidate("c", 1.0, 1, engine(1)),  # room for one prompt more
+        ]
+
+    names = frozenset({"a", "b", "c"})
+    kv = KvHints(1500, {}, names, {}, {"a": 8000, "b": 0, "c": 6000})
+    assert pick(cands(), kv) == ("b", "load")
+    assert pick(cands(b_waiting=1), kv)[0] == "c"  # b queues: the next with room
+    # Tokens sent since their last event count as stored: c's room is taken.
+    assert pick(cands(b_waiting=1), KvHints(1500, {}, names, {"c": 1500}, kv.stored))[0] == "a"
+    full = KvHints(1500, {}, names, {}, {"a": 8000, "b": 7000, "c": 8000})
+    assert pick(cands(), full)[0] == "a"  # every cache would evict: least load
+    unknown = KvHints(1500, {}, frozenset({"a", "c"}), {}, {"a": 8000, "c": 6000})
+    assert pick(cands(), unknown)[0] == "a"  # b's events are not live: no room to weigh
+
+
 def test_rates_are_learned_from_the_histograms() -> None:
     cal = Calibration()
     base = {

@@ -9,7 +9,9 @@ each replica is exact once it has caught up. Connect or bind follows vLLM (route
 `KvEventsConfig`); an `ipc://` path keeps both on one machine.
 Sequence numbers, per publisher:
 - the next one: applied; an older one (a replay overlap): ignored;
-- 0 after others: the engine restarted with an empty cache, so its index is dropped;
+- 0 after others, or one at or below the last but built after it (the restarted engine's first
+  batches went out before the socket reconnected): the engine restarted with an empty cache,
+  so its index is dropped (and the missed batches asked for, as for a gap from 0);
 - a gap (or a first message past 0: the router joined late): with a `replay_endpoint` the
   missed batches are asked for (at once on joining, too: an idle engine sends nothing; ZMQ
   DEALER, vLLM answers `(seq, payload)` pairs, then seq -1) while new ones are held (at most
@@ -92,6 +94,7 @@ class Feed:
     rank: int = 0
     sock: zmq.Socket[bytes] | None = None
     last_seq: int | None = None
+    last_ts: float = 0.0  # the engine's clock on the last batch applied
     state: str = "waiting"
     stored_since_gap: int = 0
     held: deque[Batch] = field(default_factory=deque)
@@ -449,16 +452,18 @@ class KvEvents:
             return
         last = feed.last_seq
         seq = batch.seq
-        if last is not None and seq <= last and seq != 0:
-            return  # already applied (a replay overlap)
-        if seq == 0 and last is not None:
-            # The engine restarted: whatever it held is gone (for every rank: one index).
+        if last is not None and seq <= last:
+            if seq != 0 and batch.ts <= feed.last_ts:
+                return  # already applied (a replay overlap: the same batch again)
+            # The engine restarted: whatever it held is gone (for every rank: one index). A
+            # batch numbered at or below the last one yet built after it is a new publisher
+            # whose first batches (seq 0 among them) went out before this socket reconnected.
             e.restarts += 1
             self.index.cleared(feed.backend)
+            last = feed.last_seq = None
+        if last is None and seq == 0:
             feed.state = "live"
-        elif last is None and seq == 0:
-            feed.state = "live"
-        elif (last is None and seq > 0) or (last is not None and seq > last + 1):
+        elif last is None or seq > last + 1:
             start = 0 if last is None else last + 1
             e.gaps += 1 if last is not None else 0
             if feed.replay is not None:
@@ -475,6 +480,7 @@ class KvEvents:
 
     def _apply(self, feed: Feed, e: Engine, batch: Batch, replayed: bool = False) -> None:
         feed.last_seq = batch.seq
+        feed.last_ts = batch.ts
         name = feed.backend
         index = self.index
         now = self._wall()

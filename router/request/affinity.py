@@ -198,6 +198,7 @@ class Affinity:
         index = kv.index
         cached: dict[str, int] = {}
         pending: dict[str, int] = {}
+        stored: dict[str, int] = {}
         exact: set[str] = set()
         groups: dict[tuple[int, bytes], list[str]] = {}
         per_block = self.config.block_chars // CHARS_PER_TOKEN
@@ -207,7 +208,9 @@ class Affinity:
                 exact.add(name)
                 bs = index.block_size(name)
                 if bs is None:
+                    stored[name] = 0
                     continue  # it never stored a block: holds nothing of it
+                stored[name] = index.blocks(name) * bs
                 target = b.models.get(request.model, request.model)
                 ns = namespace(target) if index.has_lora(name, target) else BASE
                 groups.setdefault((bs, ns), []).append(name)
@@ -222,7 +225,7 @@ class Affinity:
                 keys = request.keys[(bs, ns)] = chain_keys(tokens, bs, ns)
             for name, blocks in index.match(keys, names).items():
                 cached[name] = blocks * bs
-        return KvHints(n, cached, frozenset(exact), pending)
+        return KvHints(n, cached, frozenset(exact), pending, stored)
 
     def kv_dispatched(self, request: RequestAffinity, backend: str, cached: int) -> None:
         """`backend` was sent this prompt: its uncached part is pending there until an event."""
