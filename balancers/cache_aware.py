@@ -5,7 +5,8 @@ cost(c) = (queue(c) + uncached(c) x (1 + batch(c))) / weight      (lowest wins; 
 in prefills of this prompt, i.e. in time, ours and that of the requests we would delay:
 - uncached(c): the share of the prompt c would prefill, 1 minus the leading blocks the prefix
   index says c was last sent (`Hints.held` of `Hints.blocks`);
-- batch(c): the requests running there (engine reading, plus those we sent since it): a prefill
+- batch(c): the requests running there (engine reading, plus those we sent since it, less
+  ours that ended since: those come off its queue first, `least_load.now_on`): a prefill
   delays each of them as much as ours (vLLM computes it inside the batch's steps, chunked or
   not), so a full prefill on a busy engine costs 1 + batch, a cached prompt nearly nothing;
 - queue(c): requests waiting there (each about one prefill ahead of ours: ours is the best
@@ -89,7 +90,7 @@ from typing import ClassVar
 
 from balancers.base import Balancer, Candidate
 from balancers.least_inflight import weighted_choice
-from balancers.least_load import QUEUE_WEIGHT, LeastLoad
+from balancers.least_load import QUEUE_WEIGHT, LeastLoad, now_on
 from balancers.lora import AdapterWant, ahead, eligible
 from balancers.session_ring import Ring
 from router.core.engine import EngineReading
@@ -264,20 +265,17 @@ class HintedPick:
         hints = self._hints
         held = hints.held
         prompt = max(1.0, hints.blocks * hints.block_chars / CHARS_PER_TOKEN)
-        since = self._load.since
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
         for s, c in live:
             r = c.engine
             assert r is not None
-            sent = since(c)
-            ahead = self._queue_ahead(c, r, sent, prompt)
+            ahead, batch = self._ahead_and_batch(c, r, prompt)
             blocks = held.get(c.name, 0)
             if blocks and ahead and over(c):
                 passed_over = True
                 continue
             uncached = 1.0 - min(1.0, blocks / max(1, hints.blocks))
-            batch = max(0.0, r.running + sent)
             options.append(((ahead + uncached * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
             chosen = self._least([c for _, c in live if c.name not in held] or pool)
@@ -294,7 +292,6 @@ class HintedPick:
             return pool
         prompt = max(1, kv.tokens)
         pending = kv.pending
-        since = self._load.since
         most = 0
         keep: list[Candidate] = []
         for c in pool:
@@ -303,7 +300,7 @@ class HintedPick:
             if r is None or held is None or not r.kv_capacity_tokens or r.stale:
                 return pool  # its room is not known: nothing to weigh
             fits = (r.kv_capacity_tokens - held - pending.get(c.name, 0)) // prompt
-            if fits < most or (fits > 0 and self._queue_ahead(c, r, since(c), prompt)):
+            if fits < most or (fits > 0 and self._ahead_and_batch(c, r, prompt)[0]):
                 continue
             if fits > most:
                 most = fits
@@ -311,15 +308,20 @@ class HintedPick:
             keep.append(c)
         return keep if most > 0 and len(keep) < len(pool) else pool
 
-    def _queue_ahead(self, c: Candidate, r: EngineReading, sent: float, prompt: float) -> float:
-        """Requests ahead of this one on the engine: its queue, the router's own not yet seen
-        there, and one more when the prompt would not fit in the KV cache left."""
-        ahead = r.waiting + self._ahead(c)
+    def _ahead_and_batch(
+        self, c: Candidate, r: EngineReading, prompt: float
+    ) -> tuple[float, float]:
+        """Requests ahead of this one on the engine (its queue, an adapter's tier, and one
+        more when the prompt would not fit in the KV cache left) and its running batch: the
+        reading moved by the router's own requests since it (`least_load.now_on`)."""
+        sent = self._load.since(c)
+        running, waiting = now_on(r, sent)
+        ahead = waiting + self._ahead(c)
         cap = r.kv_capacity_tokens
         if cap:
             free = min(cap, (1.0 - r.kv_usage) * cap - sent * prompt)
-            return ahead + (1.0 if free < prompt else 0.0)
-        return ahead + (1.0 if r.kv_usage >= KV_NEAR_FULL else 0.0)
+            return ahead + (1.0 if free < prompt else 0.0), running
+        return ahead + (1.0 if r.kv_usage >= KV_NEAR_FULL else 0.0), running
 
     def _by_cost(
         self,
@@ -330,7 +332,6 @@ class HintedPick:
     ) -> Candidate | None:
         """The expected time to first token on each candidate (module docstring)."""
         prompt = max(1, kv.tokens)
-        since = self._load.since
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
         for s, c in live:
@@ -343,9 +344,7 @@ class HintedPick:
             else:
                 p = r.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN
                 q = r.step_s_per_seq or DEFAULT_STEP_S_PER_SEQ
-                sent = since(c)
-                ahead = self._queue_ahead(c, r, sent, prompt)
-                batch = max(0.0, r.running + sent)
+                ahead, batch = self._ahead_and_batch(c, r, prompt)
             if cached and (ahead or r is None) and over(c):
                 passed_over = True
                 continue

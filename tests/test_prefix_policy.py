@@ -141,6 +141,22 @@ def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     assert bal.with_hints(Hints(32, 256, {}), 1.25).pick([other, busy, cool]) == cool
 
 
+def test_a_follow_up_is_not_turned_away_by_its_own_finished_first_turn() -> None:
+    """The holder's reading was scraped while the first turn waited there and is first seen at
+    the follow-up's pick, that turn long ended: with the count at the scrape it is an idle
+    holder, not a queue worth a prefill elsewhere."""
+    match = Hints(blocks=32, block_chars=256, held={"a": 31})
+    caught = EngineReading(1.0, 0.0, 0.01, 65536, None, 1.0, 2, inflight_at=1)
+    idle = Candidate("c", 1.0, 0, reading(running=0))
+    pick = CacheAware(random.Random(1)).with_hints(match, 1.25)
+    assert pick.pick([Candidate("a", 1.0, 0, caught), idle]).name == "a"
+    assert pick.reason == "prefix"
+    # Not knowing the count at the scrape, the queued request could be anyone's: it moves.
+    blind = EngineReading(1.0, 0.0, 0.01, 65536, None, 1.0, 2)
+    pick = CacheAware(random.Random(1)).with_hints(match, 1.25)
+    assert pick.pick([Candidate("a", 1.0, 0, blind), idle]).name == "c"
+
+
 def test_a_holder_spills_when_its_engine_queues_not_when_its_batch_fluctuates() -> None:
     """The guard: past the count bound is not enough while the engine still absorbs one more
     request; once it queues (or our prompt no longer fits its free KV) the request spills."""
