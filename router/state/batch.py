@@ -24,6 +24,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import (
     AskError,
     ClusterDownError,
@@ -193,18 +194,35 @@ class HeldConnection(KeyConnections):
     """Standalone and Sentinel: the batcher has one pipeline on the wire at a time, so it keeps
     one connection rather than taking one from redis-py's pool per pipeline (that take and give
     back cost about a quarter of a round trip's CPU). A connection the batcher dropped after a
-    failure reconnects on its next use."""
+    failure reconnects on its next use. On Sentinel, one held to a former master is closed as
+    soon as any user of the shared client has learnt the new master (`follow_master`), and
+    reconnects to the new one: a promoted replica does not end connections to the old master,
+    and a demoted one is only noticed at a write it refuses."""
 
     def __init__(self, client: Redis) -> None:
         super().__init__(client, "")
         self._pool = client.connection_pool
+        self._sentinel = isinstance(self._pool, SentinelConnectionPool)
         self._conn: Connection | None = None
 
     async def get(self) -> tuple[Connection, Callable[[], Awaitable[None]]]:
         conn = self._conn
         if conn is None:
-            conn = self._conn = await self._pool.get_connection()
+            return await self._first(), _keep
+        if self._sentinel and conn.is_connected:
+            master = getattr(self._pool, "master_address", None)
+            if master is not None and (conn.host, conn.port) != master:
+                await conn.disconnect(nowait=True)
+        if not conn.is_connected:
+            # Its own connect: a Sentinel connection asks for the master there, while a write
+            # on a closed connection (redis-py) would reconnect to the address it had.
+            await conn.connect()
         return conn, _keep
+
+    async def _first(self) -> Connection:
+        conn: Connection = await self._pool.get_connection()
+        self._conn = conn
+        return conn
 
     def stale(self) -> None:
         pass

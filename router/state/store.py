@@ -232,8 +232,9 @@ class SharedStore(Generic[T]):
         if self._closed:
             return False
         try:
-            if await follow_master(self._redis, self._timeout) and self._held is not None:
-                await self._held.drop()  # it may still point at the former master
+            # Sentinel: learn the master now; a held connection to a former one is closed by
+            # its batcher before the next pipeline (never here: one may be on the wire).
+            await follow_master(self._redis, self._timeout)
             if self.degraded:
                 await self._call(self._store_tag, "SET", self._probe_key, 1, "PX", _PROBE_TTL_MS)
             await self._beat()
