@@ -189,6 +189,16 @@ async def follow_master(client: Client, limit: float) -> bool:
     return before is not None and after != before
 
 
+def off_master(client: Client, conn: Connection | None) -> bool:
+    """Sentinel: `conn` is connected to a server other than the master the client last learnt
+    (from any of its users' `follow_master`): a held connection or a subscription to close."""
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool) or conn is None or not conn.is_connected:
+        return False
+    master = pool.master_address
+    return master is not None and (conn.host, conn.port) != master
+
+
 Release = Callable[[], Awaitable[None]]
 
 

@@ -30,7 +30,14 @@ from router.core.errors import (
     StoreUnavailable,
     store_unavailable,
 )
-from router.core.redis_client import Client, RedisTarget, client_for, follow_master, ready
+from router.core.redis_client import (
+    Client,
+    RedisTarget,
+    client_for,
+    follow_master,
+    off_master,
+    ready,
+)
 from router.registry.fleet import Record
 
 log = logging.getLogger("sluicegate.registry")
@@ -212,7 +219,9 @@ class RedisRecords:
                     seen, records = await self._read()
                     _deliver(on_records, records)
                 elif time.monotonic() >= next_check:
-                    if await follow_master(self._redis, self._timeout):
+                    await follow_master(self._redis, self._timeout)
+                    # The master this process's client knows, whichever part learnt it first.
+                    if off_master(self._redis, pubsub.connection):
                         # Our subscription is on the former master, which hears nothing now.
                         raise RedisConnectionError("the master changed")
                     async with asyncio.timeout(self._timeout):

@@ -34,7 +34,7 @@ from redis.exceptions import (
 )
 
 from router.core.errors import STORE_FAILURES
-from router.core.redis_client import KeyConnections
+from router.core.redis_client import KeyConnections, off_master
 
 MAX_BATCH = 512
 
@@ -209,10 +209,8 @@ class HeldConnection(KeyConnections):
         conn = self._conn
         if conn is None:
             return await self._first(), _keep
-        if self._sentinel and conn.is_connected:
-            master = getattr(self._pool, "master_address", None)
-            if master is not None and (conn.host, conn.port) != master:
-                await conn.disconnect(nowait=True)
+        if self._sentinel and off_master(self._client, conn):
+            await conn.disconnect(nowait=True)
         if not conn.is_connected:
             # Its own connect: a Sentinel connection asks for the master there, while a write
             # on a closed connection (redis-py) would reconnect to the address it had.
