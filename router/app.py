@@ -20,7 +20,7 @@ from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
 from router.core.netpolicy import NetPolicy
-from router.core.redis_client import RedisTarget
+from router.core.redis_client import Client, RedisConfig
 from router.core.runner import Runner
 from router.core.settings import Settings
 from router.discovery.runner import Discovery
@@ -65,34 +65,34 @@ class _Closes(Protocol):
     async def aclose(self) -> None: ...
 
 
-def make_store(settings: Settings, runner: Runner) -> InflightStore:
+def make_store(redis: RedisConfig | None, client: Client | None, runner: Runner) -> InflightStore:
     """Local counts unless Redis is configured; then one count shared by every replica."""
-    target = RedisTarget.from_settings(settings)
-    if target is None:
+    if redis is None or client is None:
         return LocalInflight()
     from balancers.inflight.redis import RedisInflight
 
     return RedisInflight(
-        target,
-        timeout=settings.redis_timeout,
-        lease_ttl=settings.redis_lease_ttl,
-        prefix=settings.redis_prefix,
+        client,
+        timeout=redis.timeout,
+        lease_ttl=redis.lease_ttl,
+        prefix=redis.prefix,
         runner=runner,
     )
 
 
-def make_quotas(settings: Settings, metrics: Metrics, runner: Runner) -> QuotaBook:
+def make_quotas(
+    redis: RedisConfig | None, client: Client | None, metrics: Metrics, runner: Runner
+) -> QuotaBook:
     """Per-key quotas in this process, or shared by every replica when Redis is configured."""
-    target = RedisTarget.from_settings(settings)
-    if target is None:
+    if redis is None or client is None:
         return Quotas(on_refused=metrics.ratelimited)
     from router.request.quota_shared import SharedQuotas
 
     return SharedQuotas(
-        target,
-        timeout=settings.redis_timeout,
-        slot_ttl=settings.redis_lease_ttl,
-        prefix=settings.redis_prefix,
+        client,
+        timeout=redis.timeout,
+        slot_ttl=redis.lease_ttl,
+        prefix=redis.prefix,
         on_refused=metrics.ratelimited,
         on_degraded=metrics.quota_degraded,
         runner=runner,
@@ -101,19 +101,19 @@ def make_quotas(settings: Settings, metrics: Metrics, runner: Runner) -> QuotaBo
 
 def make_affinity(
     settings: Settings,
+    client: Client | None,
     metrics: Metrics,
     runner: Runner,
     kv: KvEvents | None = None,
     pools: Pools | None = None,
 ) -> Affinity:
     """The prefix index: this process's own, plus the one shared in Redis when configured."""
-    target = RedisTarget.from_settings(settings)
     shared = None
-    if target is not None:
+    if client is not None:
         from router.request.affinity_store import SharedPrefixIndex
 
         shared = SharedPrefixIndex(
-            target,
+            client,
             timeout=settings.redis_timeout,
             ttl=settings.affinity.ttl,
             prefix=settings.redis_prefix,
@@ -128,34 +128,39 @@ def make_affinity(
     )
 
 
-def _record_store(settings: Settings) -> RecordStore:
-    target = RedisTarget.from_settings(settings)
-    if target is None:
+def _record_store(settings: Settings, client: Client | None = None) -> RecordStore:
+    """The registry's records: shared through `client` (the app's), or through a client of the
+    store's own when none is given (tools, tests)."""
+    redis = RedisConfig.from_settings(settings)
+    if redis is None:
         return LocalRecords()
     from router.registry.sync import RedisRecords
 
     return RedisRecords(
-        target, prefix=f"{settings.redis_prefix}:registry", resync=settings.registry_resync
+        client or redis.target,
+        prefix=f"{settings.redis_prefix}:registry",
+        resync=settings.registry_resync,
     )
 
 
-def _usage_book(settings: Settings, metrics: Metrics) -> UsageBook:
+def _usage_book(settings: Settings, client: Client | None, metrics: Metrics) -> UsageBook:
     """Hourly usage in this process, or written to Redis in batches when it is configured."""
-    target = RedisTarget.from_settings(settings)
-    client = target.client(timeout=2.0, max_connections=4) if target is not None else None
-    return UsageBook(client, settings.redis_prefix, on_dropped=metrics.usage_dropped.inc)
-
-
-def _response_ids(settings: Settings) -> ResponseIds:
-    """Response id -> backend: shared through Redis when it is configured, else this process's."""
-    target = RedisTarget.from_settings(settings)
-    client = (
-        target.client(timeout=settings.redis_timeout * 4, max_connections=16)
-        if target is not None
-        else None
+    return UsageBook(
+        client, settings.redis_prefix, on_dropped=metrics.usage_dropped.inc, owns_client=False
     )
+
+
+def _response_ids(settings: Settings, client: Client | None) -> ResponseIds:
+    """Response id -> backend: shared through Redis when it is configured, else this process's."""
     cfg = settings.response_ids
-    return ResponseIds(cfg.ttl, cfg.max_local, client, settings.redis_prefix)
+    return ResponseIds(
+        cfg.ttl,
+        cfg.max_local,
+        client,
+        settings.redis_prefix,
+        timeout=settings.redis_timeout * 4,
+        owns_client=False,
+    )
 
 
 def create_app(settings: Settings) -> FastPath:
@@ -164,6 +169,9 @@ def create_app(settings: Settings) -> FastPath:
     policy = NetPolicy.from_config(settings.admin)
     pools = Pools(settings.timeouts, settings.limits, policy)
     metrics = Metrics()
+    # One Redis client (one connection pool) for every part that shares state through Redis.
+    redis = RedisConfig.from_settings(settings)
+    redis_client = redis.client() if redis is not None else None
     # Every background chore of this process runs on it (and is counted per chore).
     runner = Runner(on_run=metrics.background_run)
     count_drops(metrics.log_dropped.inc)
@@ -252,13 +260,13 @@ def create_app(settings: Settings) -> FastPath:
     fleet = Fleet(
         registry,
         settings.backends,
-        _record_store(settings),
+        _record_store(settings, redis_client),
         on_invalid=lambda _name: metrics.invalid_records.inc(),
     )
     admin_auth = AdminAuth(settings.admin_token)
     client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
     metrics.backends_known([b.name for b in backends])
-    store = MeteredInflight(make_store(settings, runner), metrics)
+    store = MeteredInflight(make_store(redis, redis_client, runner), metrics)
     if isinstance(store.inner, LocalInflight):
         # A reading pairs with our count when its scrape was sent only where that count is the
         # one balancers see (a shared store's is every replica's, read at the pick).
@@ -266,10 +274,10 @@ def create_app(settings: Settings) -> FastPath:
     lifecycle = Lifecycle()
     tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
     admission = Admission(settings.admission, metrics) if settings.admission else None
-    affinity = make_affinity(settings, metrics, runner, kv_events, pools)
+    affinity = make_affinity(settings, redis_client, metrics, runner, kv_events, pools)
     if admission is not None:
         engine.on_change = admission.changed
-    quotas = make_quotas(settings, metrics, runner)
+    quotas = make_quotas(redis, redis_client, metrics, runner)
     proxy = Proxy(
         settings,
         registry,
@@ -283,8 +291,8 @@ def create_app(settings: Settings) -> FastPath:
         admission=admission,
         quotas=quotas,
         affinity=affinity,
-        usage=_usage_book(settings, metrics),
-        response_ids=_response_ids(settings),
+        usage=_usage_book(settings, redis_client, metrics),
+        response_ids=_response_ids(settings, redis_client),
         hops=HopMarker(settings.deployment_id),
         lora=lora if settings.lora.load_on_demand else None,
     )
@@ -386,6 +394,7 @@ def create_app(settings: Settings) -> FastPath:
             closers.append(pools)
             closers += [store, quotas, affinity.shared, tracing, proxy.usage, admission]
             closers.append(proxy.response_ids)
+            closers.append(redis_client)  # last: every part above shares it
             for part in closers:
                 if part is None:
                     continue

@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "router.ops.collector": 1,  # the startup heap out of the collector's walk (stdlib only)
     "router.ops.memory": 1,  # freed request bodies handed back to the system (stdlib only)
     "router.ops.live": 1,  # the console's last two minutes of routing, per second (stdlib only)
+    "router.state": 1,  # the shared-store base, its pipeliner: core only (stores build on it)
     "balancers": 2,
     "health": 2,
     "router.engine": 2,  # engine metrics scraping: core and upstream only
@@ -43,7 +44,7 @@ LAYERS: dict[str, int] = {
     "router.request.affinity_store": 3,  # the prefix index shared in Redis
     "router.request.admission": 3,  # the admission queue: core and balancers only
     "router.request.quota": 3,  # per-key rpm / tpm / max_parallel: core only
-    "router.request.quota_shared": 3,  # the same shared through Redis: core, inflight batcher
+    "router.request.quota_shared": 3,  # the same shared through Redis, on router.state
     "router.request.sse": 3,  # server-sent events as bytes: boundaries, parsed events (pure)
     "router.request.hops": 3,  # the hop marker: loops refused (core only)
     "router.request.usage_stream": 3,  # include_usage asked for and its event taken out (pure)

@@ -14,15 +14,14 @@ its count is the number of unexpired ids. Lease ids are `<replica id>:<seq>`.
   lost, e.g. after a restart); a killed replica's leases expire `lease_ttl` after its last beat.
 - Redis slow or down: calls give up after `timeout` and that request is counted locally
   (`fallbacks` += 1); after a few failures in a row the store switches to local counts
-  (`degraded`, one warning) and the heartbeat probes Redis until it answers, re-registers the
-  live leases and switches back to shared counts.
+  (`degraded`, one warning) and the heartbeat probes Redis until it takes a write, re-registers
+  the live leases and switches back to shared counts (router/state/store.py: the skeleton every
+  shared store has in common; this module holds only the in-flight keys, scripts and logic).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import itertools
 import logging
 import random
@@ -30,17 +29,13 @@ import uuid
 from collections.abc import Callable, Sequence, Set
 from typing import Any
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.commands.core import AsyncScript
-
 from balancers.base import Balancer, Candidate, needs_counts, redis_form
 from balancers.inflight.base import Lease, Readings
-from balancers.inflight.batch import Batcher
 from router.core.backend import Backend
-from router.core.errors import STORE_FAILURES, StoreUnavailable, store_unavailable
-from router.core.redis_client import KeyConnections, RedisTarget, follow_master
-from router.core.runner import Runner, shared_or_own
+from router.core.errors import StoreUnavailable
+from router.core.redis_client import Client, RedisTarget
+from router.core.runner import Runner
+from router.state.store import SharedStore
 
 log = logging.getLogger("sluicegate.inflight")
 
@@ -131,17 +126,18 @@ return 1
 """
 )
 
-POOL_SIZE = 8
-DEGRADE_AFTER = 3
-_ORPHANS_MAX = 100_000  # ids whose removal failed; past this they are left to expire
+_Owed = tuple[str, str]  # (backend, lease id): a removal Redis has not taken yet
 
 
-class RedisInflight:
-    kind = "redis"
+class RedisInflight(SharedStore[_Owed]):
+    chore = "inflight_heartbeat"
+    log = log
+    degraded_message = "redis in-flight store unavailable; counting locally until it answers"
+    recovered_message = "redis in-flight store answers again; counts are shared"
 
     def __init__(
         self,
-        url: str | RedisTarget,
+        url: str | RedisTarget | Client,
         *,
         timeout: float = 0.05,
         lease_ttl: float = 10.0,
@@ -150,46 +146,30 @@ class RedisInflight:
         heartbeat: bool = True,
         runner: Runner | None = None,
     ) -> None:
-        # Hot-path commands go pipelined through one connection (see batch.py); the heartbeat
-        # takes others.
-        target = RedisTarget(url=url) if isinstance(url, str) else url
-        self._redis = target.client(
-            timeout=timeout, max_connections=POOL_SIZE, blocking=True, retry=Retry(NoBackoff(), 0)
-        )
-        self._timeout = timeout
-        self._ttl_ms = int(lease_ttl * 1000)
-        self._beat_every = lease_ttl / 3
         # One hash tag for every key: a script's keys share a slot, so scripts run on Cluster (and
         # all counts live on that slot's shard: the price of atomic multi-backend picks).
-        self._prefix = "{" + prefix + "}:inflight:"
+        tag = "{" + prefix + "}"
+        super().__init__(
+            url,
+            timeout=timeout,
+            tag=tag,
+            beat_every=lease_ttl / 3,
+            heartbeat=heartbeat,
+            runner=runner,
+        )
+        self._ttl_ms = int(lease_ttl * 1000)
+        self._prefix = tag + ":inflight:"
         self._clock = clock
-        self._run_heartbeat = heartbeat
         self.replica_id = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
         self._rng = random.Random()
-        self._sources: dict[str, str] = {}  # sha -> source, reloaded on NOSCRIPT; grows per policy
-        self._add_script = self._script(_ADD_IF_ROOM)
-        self._counts_script = self._script(_COUNTS)
-        self._refresh_script = self._script(_REFRESH)
-        self._policies: dict[type, AsyncScript | None] = {}  # balancer class -> its acquire
-        self._batch = Batcher(
-            KeyConnections(self._redis, self._prefix), self._sources, timeout, self._round_trip
-        )
+        self._add_sha = self._script(_ADD_IF_ROOM)
+        self._counts_sha = self._script(_COUNTS)
+        self._refresh_sha = self._script(_REFRESH)
+        self._policies: dict[type, str | None] = {}  # balancer class -> its acquire script
         self._live: dict[str, str] = {}  # lease id -> backend, for this replica
         self._local: dict[str, int] = {}  # this replica's own counts: the fallback view
-        self._orphans: set[tuple[str, str]] = set()  # (backend, lease id) removals still owed
-        self._runner = runner  # the app's; None: one of its own once the heartbeat starts
-        self._own_runner: Runner | None = None
-        self._beating = False
-        self._wake = asyncio.Event()
-        self._failures = 0  # Redis calls failed in a row
-        self.degraded = False
         self.fallbacks = 0  # requests placed on local counts because Redis was unavailable
-
-    def _script(self, source: str) -> AsyncScript:
-        script = self._redis.register_script(source)
-        self._sources[script.sha] = source
-        return script
 
     def key(self, backend: str) -> str:
         return self._prefix + backend
@@ -197,108 +177,47 @@ class RedisInflight:
     def _now_ms(self) -> int:
         return 0 if self._clock is None else int(self._clock() * 1000)
 
-    async def _call(self, fn: Callable[[], Any], batched: bool = False) -> Any:
-        """`fn()` within the timeout. Round trips are judged where they happen: a batched call
-        that outwaits its timeout only sends its own request to local counts."""
-        try:
-            async with asyncio.timeout(self._timeout):
-                result = await fn()
-        except STORE_FAILURES as exc:
-            if not batched:
-                self._failures += 1
-            raise store_unavailable(exc) from exc
-        if not batched:
-            self._failures = 0
-        return result
+    def _log_fields(self) -> dict[str, Any]:
+        return {"replica": self.replica_id, "live": len(self._live)}
 
-    def _round_trip(self, ok: bool) -> None:
-        self._failures = 0 if ok else self._failures + 1
+    # --- the store's part of the heartbeat -------------------------------------------------
 
-    def _degrade(self, reason: str) -> None:
-        # One late answer (a busy event loop, a GC pause) only sends its own request to local
-        # counts; the whole store switches after a few failed round trips in a row.
-        if not self.degraded and self._failures >= DEGRADE_AFTER:
-            self.degraded = True
-            log.warning(
-                "redis in-flight store unavailable; counting locally until it answers",
-                extra={"fields": {"error": reason, "replica": self.replica_id}},
-            )
-            self._wake.set()
-
-    # --- lifecycle -------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        with contextlib.suppress(StoreUnavailable):
-            # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
-            for source in list(self._sources.values()):
-                await self._call(
-                    functools.partial(self._batch.call, "SCRIPT", "LOAD", source), batched=True
-                )
-        await self.heartbeat()
-        if self._run_heartbeat and not self._beating:
-            self._beating = True
-            runner, self._own_runner = shared_or_own(self._runner)
-            # While degraded, probe often so shared counts come back quickly.
-            runner.every(
-                "inflight_heartbeat",
-                self.heartbeat,
-                lambda: 0.5 if self.degraded else self._beat_every,
-                wake=self._wake,
-            )
-
-    async def heartbeat(self) -> bool:
-        """Re-stamp (or re-add) this replica's live leases and settle owed removals; True when
-        Redis answered."""
+    async def _beat(self) -> None:
+        """Re-stamp (or re-add) this replica's live leases."""
+        if not self._live:
+            return
         by_backend: dict[str, list[str]] = {}
-        for token, backend in self._live.items():
-            by_backend.setdefault(backend, []).append(token)
         snapshot = dict(self._live)
-        orphans = set(self._orphans)
-        owed: dict[str, list[str]] = {}
-        for backend, token in orphans:
-            owed.setdefault(backend, []).append(token)
+        for token, backend in snapshot.items():
+            by_backend.setdefault(backend, []).append(token)
         keys = [self.key(b) for b in by_backend]
         args: list[Any] = [self._now_ms(), self._ttl_ms]
         for tokens in by_backend.values():
             args.append(len(tokens))
             args.extend(tokens)
-        try:
-            await follow_master(self._redis, self._timeout)
-            if keys:
-                await self._call(lambda: self._refresh_script(keys=keys, args=args))
-            else:
-                # The slot's own server: a Cluster-wide PING would fail with any one node.
-                await self._call(lambda: self._batch.call("PING"), batched=True)
-            for backend, tokens in owed.items():
-                await self._call(functools.partial(self._redis.zrem, self.key(backend), *tokens))
-        except StoreUnavailable as exc:
-            self._degrade(str(exc))
-            return False
-        self._orphans -= orphans
+        await self._call(self._store_tag, "EVALSHA", self._refresh_sha, len(keys), *keys, *args)
         # A lease released while the beat was on the wire may have been re-added by it.
         for token, backend in snapshot.items():
             if token not in self._live:
                 self._remove_later(token, backend)
-        if self.degraded:
-            self.degraded = False
-            log.info(
-                "redis in-flight store answers again; counts are shared",
-                extra={"fields": {"replica": self.replica_id, "live": len(self._live)}},
-            )
-        return True
 
-    async def flush(self, within: float = 5.0) -> None:
-        """Wait (bounded) for the commands already queued (releases) to be answered."""
-        await self._batch.drain(within)
+    async def _settle(self) -> None:
+        """The removals Redis has not taken yet, one ZREM per backend."""
+        owed = self.owed.take()
+        by_backend: dict[str, list[str]] = {}
+        for backend, token in owed:
+            by_backend.setdefault(backend, []).append(token)
+        done: set[str] = set()
+        try:
+            for backend, tokens in by_backend.items():
+                await self._call(self._store_tag, "ZREM", self.key(backend), *tokens)
+                done.add(backend)
+        finally:
+            self.owed.give_back(entry for entry in owed if entry[0] not in done)
 
-    async def aclose(self) -> None:
-        if self._own_runner is not None:
-            await self._own_runner.stop()
-            self._own_runner = None
+    async def _closing(self) -> None:
         for token, backend in list(self._live.items()):
             self.release(Lease(backend, token))
-        await self.flush(max(1.0, self._timeout * 4))
-        await self._redis.aclose()
 
     # --- the hot path ----------------------------------------------------------------------
 
@@ -322,11 +241,10 @@ class RedisInflight:
                 picked = await self._acquire_atomic(cands, token, script)
             else:
                 picked = await self._acquire_picked(cands, balancer, token, readings)
-        except StoreUnavailable as exc:
+        except StoreUnavailable:
             # The script may have run after we stopped waiting: remove the id wherever it landed.
             for b in cands:
-                self._owe(token, b.name)
-            self._degrade(str(exc))
+                self.owed.add((b.name, token))
             self.fallbacks += 1
             return self._acquire_local(cands, balancer, readings)
         except BaseException:
@@ -337,28 +255,23 @@ class RedisInflight:
             return None
         return self._hold(picked, token)
 
-    def _policy(self, balancer: Balancer) -> AsyncScript | None:
+    def _policy(self, balancer: Balancer) -> str | None:
         """The acquire script around the balancer's own Lua form, if it offers one."""
         cls = type(balancer)
         if cls not in self._policies:
             source = redis_form(balancer)
-            script = None
+            sha = None
             if source is not None:
-                script = self._script(_ACQUIRE_AROUND.replace("POLICY", source))
-            self._policies[cls] = script
+                sha = self._script(_ACQUIRE_AROUND.replace("POLICY", source))
+            self._policies[cls] = sha
         return self._policies[cls]
 
-    async def _acquire_atomic(
-        self, cands: Sequence[Backend], token: str, script: AsyncScript
-    ) -> str | None:
+    async def _acquire_atomic(self, cands: Sequence[Backend], token: str, sha: str) -> str | None:
         args: list[Any] = [self._now_ms(), self._ttl_ms, token, self._rng.getrandbits(31)]
         for b in cands:
             args += (b.weight, b.max_inflight or 0)
         keys = [self.key(b.name) for b in cands]
-        sha = script.sha
-        index = await self._call(
-            lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, *args), batched=True
-        )
+        index = await self._call(self._store_tag, "EVALSHA", sha, len(keys), *keys, *args)
         return cands[int(index) - 1].name if index else None
 
     async def _acquire_picked(
@@ -389,8 +302,9 @@ class RedisInflight:
                 return None
             b = by_name[picked.name]
             args = [self._now_ms(), self._ttl_ms, token, b.max_inflight or 0]
-            cmd = ("EVALSHA", self._add_script.sha, 1, self.key(b.name), *args)
-            if await self._call(functools.partial(self._batch.call, *cmd), batched=True):
+            if await self._call(
+                self._store_tag, "EVALSHA", self._add_sha, 1, self.key(b.name), *args
+            ):
                 return b.name
             tried.add(b.name)  # filled up since we looked
         return None
@@ -428,13 +342,9 @@ class RedisInflight:
         else:
             self._local.pop(lease.backend, None)
         if self.degraded:
-            self._owe(lease.token, lease.backend)
+            self.owed.add((lease.backend, lease.token))
         else:
             self._remove_later(lease.token, lease.backend)
-
-    def _owe(self, token: str, backend: str) -> None:
-        if len(self._orphans) < _ORPHANS_MAX:
-            self._orphans.add((backend, token))
 
     def _remove_later(self, token: str, backend: str) -> None:
         """ZREM on the next pipeline; no task, no wait. If it is lost, the heartbeat retries it
@@ -442,23 +352,20 @@ class RedisInflight:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            self._owe(token, backend)
+            self.owed.add((backend, token))
             return
 
         def lost() -> None:
-            self._owe(token, backend)
-            self._degrade("release lost")
+            self.owed.add((backend, token))
 
-        self._batch.post(("ZREM", self.key(backend), token), lost)
+        self._post(self._store_tag, ("ZREM", self.key(backend), token), lost)
 
     # --- reading ---------------------------------------------------------------------------
 
     async def _shared_counts(self, names: Sequence[str]) -> dict[str, int]:
         keys = [self.key(n) for n in names]
-        now = self._now_ms()
-        sha = self._counts_script.sha
         values = await self._call(
-            lambda: self._batch.call("EVALSHA", sha, len(keys), *keys, now), batched=True
+            self._store_tag, "EVALSHA", self._counts_sha, len(keys), *keys, self._now_ms()
         )
         return {n: int(v) for n, v in zip(names, values, strict=True)}
 
@@ -467,6 +374,6 @@ class RedisInflight:
         if not self.degraded and names:
             try:
                 return await self._shared_counts(names)
-            except StoreUnavailable as exc:
-                self._degrade(str(exc))
+            except StoreUnavailable:
+                pass
         return {n: self._local.get(n, 0) for n in names}

@@ -1,5 +1,11 @@
 """Which Redis, and how to reach it: one place that turns settings into a redis-py asyncio client.
 
+`RedisConfig` is every `redis_*` setting as one value, built once; its `client()` is the one
+client (one connection pool) a process shares between its stores, the registry sync, usage and
+response ids. That client has no socket timeout: each caller bounds its own calls (a hot-path
+store by `redis_timeout`, the registry by seconds), and a per-read timer would cost CPU on
+every request. Its pool blocks up to `redis_timeout` for a free connection.
+
 Three shapes, the same for every Redis user (shared in-flight counts, registry sync):
 - standalone: `redis_url` with `redis://`, `rediss://` (TLS) or `unix://`;
 - Sentinel: `redis_sentinels` + `redis_sentinel_master`; the sentinels name the master, and a
@@ -21,13 +27,20 @@ from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, parse_url
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.exceptions import ClusterDownError
 
 from router.core.errors import STORE_FAILURES
 from router.core.settings import Settings
 
 Client = Redis | RedisCluster
+
+# Connections the shared pool may open: each store's batcher holds one, the registry's
+# subscription one; the rest serve the registry, usage and response-id calls of the moment.
+POOL_SIZE = 32
+CONNECT_TIMEOUT = 2.0  # a TLS handshake on a busy node; hot-path callers bound theirs tighter
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,45 @@ class RedisTarget:
         return client
 
 
+@dataclass(frozen=True)
+class RedisConfig:
+    """The flat `redis_*` settings (the public config keys) as one value."""
+
+    target: RedisTarget
+    timeout: float = 0.05  # a hot-path call's bound (`redis_timeout`)
+    lease_ttl: float = 10.0  # in-flight leases and quota slots outlive a crash by this
+    prefix: str = "sluicegate"  # every key starts with it, the registry's included
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> RedisConfig | None:
+        """None when no Redis is configured (everything stays in-process)."""
+        target = RedisTarget.from_settings(s)
+        if target is None:
+            return None
+        return cls(target, s.redis_timeout, s.redis_lease_ttl, s.redis_prefix)
+
+    def client(self) -> Client:
+        """The process's one client: no retries and no socket timeout (callers bound their
+        calls), a pool that waits up to `timeout` for a free connection."""
+        return self.target.client(
+            timeout=self.timeout,
+            max_connections=POOL_SIZE,
+            blocking=True,
+            retry=Retry(NoBackoff(), 0),
+            socket_timeout=None,
+            socket_connect_timeout=max(self.timeout, CONNECT_TIMEOUT),
+        )
+
+
+def client_for(redis: str | RedisTarget | Client, timeout: float) -> tuple[Client, bool]:
+    """A client from what a part was given, and whether the part owns (closes) it: a URL or a
+    target gets one of its own (tests, tools), a client is the app's, shared."""
+    if isinstance(redis, Redis | RedisCluster):
+        return redis, False
+    target = RedisTarget(url=redis) if isinstance(redis, str) else redis
+    return RedisConfig(target, timeout).client(), True
+
+
 class SlotNotCovered(ClusterDownError):
     """No primary serves the slot (a failover in progress): like Redis's CLUSTERDOWN."""
 
@@ -135,6 +187,16 @@ async def follow_master(client: Client, limit: float) -> bool:
     except STORE_FAILURES:
         return False
     return before is not None and after != before
+
+
+def off_master(client: Client, conn: Connection | None) -> bool:
+    """Sentinel: `conn` is connected to a server other than the master the client last learnt
+    (from any of its users' `follow_master`): a held connection or a subscription to close."""
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool) or conn is None or not conn.is_connected:
+        return False
+    master = pool.master_address
+    return master is not None and (conn.host, conn.port) != master
 
 
 Release = Callable[[], Awaitable[None]]

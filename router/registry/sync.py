@@ -7,7 +7,8 @@ the transaction runs on Redis Cluster too; there the message is an ordinary PUBL
 it to every node; registry changes are rare), received on the node that owns the tag's slot.
 Messages can be lost (a reconnect, a slow subscriber), so each process also reads the version
 every `resync` seconds and reloads when it moved: a missed change heals within that.
-The hash is the truth and outlives router restarts.
+The hash is the truth and outlives router restarts. Each call is bounded by `timeout` here: the
+app's shared client (router/core/redis_client.py) has no socket timeout of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from redis.asyncio import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import WatchError
 
@@ -28,7 +30,14 @@ from router.core.errors import (
     StoreUnavailable,
     store_unavailable,
 )
-from router.core.redis_client import RedisTarget, follow_master, ready
+from router.core.redis_client import (
+    Client,
+    RedisTarget,
+    client_for,
+    follow_master,
+    off_master,
+    ready,
+)
 from router.registry.fleet import Record
 
 log = logging.getLogger("sluicegate.registry")
@@ -48,6 +57,10 @@ for i = 1, #flat, 2 do redis.call('HSET', KEYS[1], flat[i], flat[i + 1]) end
 redis.call('INCR', KEYS[2])
 return #flat / 2
 """
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def _parse(raw: Any) -> Record | None:
@@ -74,14 +87,13 @@ class RedisRecords:
 
     def __init__(
         self,
-        url: str | RedisTarget,
+        url: str | RedisTarget | Client,
         prefix: str = DEFAULT_PREFIX,
         resync: float = 1.0,
         timeout: float = 2.0,
     ) -> None:
-        target = RedisTarget(url=url) if isinstance(url, str) else url
-        self._redis = target.client(timeout=timeout, max_connections=16, decode_responses=True)
-        self._cluster = target.cluster
+        self._redis, self._owns_client = client_for(url, timeout)
+        self._cluster = isinstance(self._redis, RedisCluster)
         tag = "{" + prefix + "}"
         self._hash = f"{tag}:records"
         self._version = f"{tag}:version"
@@ -96,7 +108,7 @@ class RedisRecords:
 
     async def _read(self) -> tuple[str | None, dict[str, Record]]:
         # One transaction: the version and the records it stands for, never two moments.
-        async with self._redis.pipeline(transaction=True) as pipe:
+        async with asyncio.timeout(self._timeout), self._redis.pipeline(transaction=True) as pipe:
             pipe.get(self._version)
             pipe.hgetall(self._hash)
             version, raw = await pipe.execute()
@@ -104,8 +116,8 @@ class RedisRecords:
         for name, value in raw.items():
             # An unreadable record is passed on as one the fleet refuses, logs and counts.
             rec = _parse(value)
-            records[name] = {"unreadable": True} if rec is None else rec
-        return version, records
+            records[_text(name)] = {"unreadable": True} if rec is None else rec
+        return None if version is None else _text(version), records
 
     async def _read_retrying(self) -> dict[str, Record]:
         try:
@@ -119,7 +131,8 @@ class RedisRecords:
         if not self._adopted and not self._cluster:
             for legacy in self._legacy:
                 keys = [self._hash, self._version, legacy]
-                copied = await self._redis.eval(_ADOPT_LEGACY, len(keys), *keys)
+                async with asyncio.timeout(self._timeout):
+                    copied = await self._redis.eval(_ADOPT_LEGACY, len(keys), *keys)
                 if copied:
                     log.info(
                         "registry records copied to the hash-tagged keys",
@@ -149,7 +162,8 @@ class RedisRecords:
             try:
                 # After EXEC (a Cluster transaction cannot carry PUBLISH); if it is lost, the
                 # others' version check picks the change up within `resync`.
-                await self._redis.publish(self._channel, name)
+                async with asyncio.timeout(self._timeout):
+                    await self._redis.publish(self._channel, name)
             except STORE_FAILURES as exc:
                 log.warning(
                     "registry change stored but not announced; replicas resync",
@@ -162,7 +176,7 @@ class RedisRecords:
     async def _transaction(
         self, name: str, edit: Callable[[Record | None], Record | None], sent: list[bool]
     ) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
+        async with asyncio.timeout(self._timeout), self._redis.pipeline(transaction=True) as pipe:
             for _ in range(_MAX_TXN_RETRIES):
                 try:
                     await pipe.watch(self._hash)
@@ -186,9 +200,10 @@ class RedisRecords:
         starts it again after its backoff; a new subscription reads the whole hash first)."""
         pubsub = None
         try:
-            await ready(self._redis)
-            pubsub = self._redis.pubsub()
-            await pubsub.subscribe(self._channel)
+            async with asyncio.timeout(self._timeout):
+                await ready(self._redis)
+                pubsub = self._redis.pubsub()
+                await pubsub.subscribe(self._channel)
             # Anything published while we were not subscribed is in the hash: read it now.
             await self._adopt_legacy()  # if Redis was away when load() ran
             seen, records = await self._read()
@@ -204,10 +219,14 @@ class RedisRecords:
                     seen, records = await self._read()
                     _deliver(on_records, records)
                 elif time.monotonic() >= next_check:
-                    if await follow_master(self._redis, self._timeout):
+                    await follow_master(self._redis, self._timeout)
+                    # The master this process's client knows, whichever part learnt it first.
+                    if off_master(self._redis, pubsub.connection):
                         # Our subscription is on the former master, which hears nothing now.
                         raise RedisConnectionError("the master changed")
-                    version = await self._redis.get(self._version)
+                    async with asyncio.timeout(self._timeout):
+                        raw = await self._redis.get(self._version)
+                    version = None if raw is None else _text(raw)
                     if version != seen:
                         seen, records = await self._read()
                         _deliver(on_records, records)
@@ -220,4 +239,5 @@ class RedisRecords:
                 pass
 
     async def aclose(self) -> None:
-        await self._redis.aclose()
+        if self._owns_client:  # else the app's, closed by the app
+            await self._redis.aclose()

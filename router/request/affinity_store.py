@@ -16,11 +16,12 @@ ttl would only lose affinity for chats that pause; an hour clears what a vanishe
 One round trip per request: `match()` runs one script that first applies the records queued by
 earlier dispatches (write-behind: `record()` only queues) and then answers the lookup. When no
 lookup comes within FLUSH_AFTER (a lull), a timer sends the queued records alone. Concurrent
-requests' scripts share pipelined round trips (balancers/inflight/batch.py).
-Faults: a lookup waits at most `timeout` (`redis_timeout`); on failure or timeout the caller
-uses its local index (`match()` returns None, `fallbacks` += 1). After DEGRADE_AFTER failed
-scripts in a row lookups go local at once (one warning per outage) and a probe write every
-PROBE_EVERY s waits for Redis; queued records (the latest MAX_PENDING) are then replayed.
+requests' scripts share pipelined round trips (router/state/batch.py).
+Faults (router/state/store.py, the skeleton every shared store has in common): a lookup waits at
+most `timeout` (`redis_timeout`); on failure or timeout the caller uses its local index
+(`match()` returns None, `fallbacks` += 1). After a few failed round trips in a row lookups go
+local at once (one warning per outage) and a probe write every half second waits for Redis;
+queued records (the latest MAX_PENDING: the store's owed work) are then replayed.
 `entries`: (block, backend) pairs Redis held for the backends of this process's last scripts.
 """
 
@@ -30,24 +31,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from balancers.inflight.batch import Batcher
 from balancers.prefix_index import MAX_BLOCKS_PER_BACKEND
-from router.core.errors import STORE_FAILURES
-from router.core.redis_client import KeyConnections, RedisTarget, follow_master
-from router.core.runner import Runner, shared_or_own
+from router.core.errors import StoreUnavailable
+from router.core.redis_client import Client, RedisTarget
+from router.core.runner import Runner
+from router.state.store import SharedStore
 
 log = logging.getLogger("sluicegate.affinity")
 
 FLUSH_AFTER = 0.005  # s a record waits for a lookup to ride on before it is sent alone
 MAX_CARRY = 16  # records one script applies (steady load: ~1; a replay spreads over several)
 MAX_PENDING = 1024  # records queued (an outage keeps the latest); older ones are dropped
-DEGRADE_AFTER = 3
-PROBE_EVERY = 0.5
-POOL_SIZE = 4
 _MAX_CARDS = 4096  # backends whose shared entry counts are remembered
 
 # KEYS: the lookup's candidates (ARGV[3] of them), then the other records' backends.
@@ -117,12 +114,16 @@ return out
 _Record = tuple[str, int, float, bytes]
 
 
-class SharedPrefixIndex:
-    kind = "redis"
+class SharedPrefixIndex(SharedStore[_Record]):
+    chore = "prefix_index_probe"
+    log = log
+    degraded_message = "redis prefix index unavailable; routing on this process's own index"
+    recovered_message = "redis prefix index answers again; routing on the shared index"
+    owed_max = MAX_PENDING
 
     def __init__(
         self,
-        target: str | RedisTarget,
+        target: str | RedisTarget | Client,
         *,
         timeout: float = 0.05,
         ttl: float = 3600.0,
@@ -131,73 +132,44 @@ class SharedPrefixIndex:
         flush_after: float = FLUSH_AFTER,
         runner: Runner | None = None,
     ) -> None:
-        target = RedisTarget(url=target) if isinstance(target, str) else target
-        self._redis = target.client(timeout=timeout, max_connections=POOL_SIZE, blocking=True)
-        self._timeout = timeout
+        # No beat of its own: the chore runs only to probe while degraded.
+        tag = "{" + prefix + ":affinity}"
+        super().__init__(target, timeout=timeout, tag=tag, beat_every=None, runner=runner)
         self._ttl_ms = int(ttl * 1000)
-        self._tag = "{" + prefix + ":affinity}"
-        self._prefix = self._tag + ":blocks:"
+        self._prefix = tag + ":blocks:"
         self._clock = clock  # seconds; None: Redis's clock (one clock for every replica)
         self._flush_after = flush_after
-        script = self._redis.register_script(_SCRIPT)
-        self._sha = script.sha
-        self._batch = Batcher(
-            KeyConnections(self._redis, self._prefix),
-            {self._sha: _SCRIPT},
-            timeout,
-            self._round_trip,
-        )
-        self._closed = False
-        self._pending: deque[_Record] = deque()
+        self._sha = self._script(_SCRIPT)
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._cards: dict[str, int] = {}
-        self._failures = 0  # scripts failed in a row
-        self._runner = runner  # the app's; None: one of its own at the first degrade
-        self._own_runner: Runner | None = None
-        self._probing = False  # the probe chore is registered (it idles while not degraded)
-        self.degraded = False
         self.fallbacks = 0  # lookups answered by the local index instead
         self.scripts = 0  # scripts sent (lookups and lone record flushes)
-        self.round_trips = 0  # pipelines sent (concurrent requests' scripts share one)
         self.entries = 0
 
     def key(self, backend: str) -> str:
         return self._prefix + backend
 
+    def _log_fields(self) -> dict[str, Any]:
+        return {"replayed": len(self.owed)}
+
     # --- lifecycle -------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Loads the script in the background (startup never waits on Redis), so the first
-        requests don't pay a NOSCRIPT round trip; if it fails, the first lookup loads it."""
-        self._spawn(self._load())
-
-    async def _load(self) -> None:
-        with contextlib.suppress(*STORE_FAILURES):
-            async with asyncio.timeout(self._timeout * 4):
-                await self._batch.call("SCRIPT", "LOAD", _SCRIPT)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def aclose(self) -> None:
-        self._closed = True  # a request outliving the drain records locally only from now on
+    async def _closing(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._own_runner is not None:
-            await self._own_runner.stop()
-            self._own_runner = None
-        if self._pending and not self.degraded:
-            await self._flush()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:  # a cancelled task still runs to its end: let it, before the client goes
+        if self._tasks:  # a lone flush under way: let it end (bounded by its timeout)
             await asyncio.wait(list(self._tasks))
-        await self._batch.drain(self._timeout * 4)
-        await self._redis.aclose()
+
+    async def _settle(self) -> None:
+        """The queued records, replayed (while degraded they wait here)."""
+        await self._send_records()
 
     # --- the hot path ----------------------------------------------------------------------
 
@@ -205,12 +177,9 @@ class SharedPrefixIndex:
         """`backend` was sent this prompt: queued for the next script (write-behind)."""
         if not hashes or self._closed:
             return
-        pending = self._pending
         # Capped as the local index is: the bound is an engine's report, which may be absurd.
         blocks = max(1, min(max_blocks, MAX_BLOCKS_PER_BACKEND))
-        pending.append((backend, blocks, time.monotonic(), b"".join(hashes)))
-        if len(pending) > MAX_PENDING:
-            pending.popleft()
+        self.owed.add((backend, blocks, time.monotonic(), b"".join(hashes)))
         if self._timer is None and not self.degraded:
             with contextlib.suppress(RuntimeError):  # no loop: the next lookup carries it
                 loop = asyncio.get_running_loop()
@@ -225,16 +194,14 @@ class SharedPrefixIndex:
             self.fallbacks += 1
             return None
         try:
-            async with asyncio.timeout(self._timeout):
-                out = await self._script(hashes, names)
-        except STORE_FAILURES:
+            out = await self._run(hashes, names)
+        except StoreUnavailable:
             self.fallbacks += 1
-            self._failed()
             return None
         return {n: v for n, v in zip(names, out, strict=True) if v}
 
-    async def _script(self, hashes: Sequence[bytes], names: Sequence[str]) -> list[int]:
-        carried = self._take()
+    async def _run(self, hashes: Sequence[bytes], names: Sequence[str]) -> list[int]:
+        carried = self.owed.take(MAX_CARRY)
         keys = [self.key(n) for n in names]
         slot = {n: i for i, n in enumerate(names, 1)}
         args: list[Any] = [self._now_ms(), self._ttl_ms, len(names), b"".join(hashes)]
@@ -249,9 +216,9 @@ class SharedPrefixIndex:
             args += (i, max_blocks, int((now - queued) * 1000), blob)
         self.scripts += 1
         try:
-            out = await self._batch.call("EVALSHA", self._sha, len(keys), *keys, *args)
+            out = await self._call(self._store_tag, "EVALSHA", self._sha, len(keys), *keys, *args)
         except BaseException:
-            self._requeue(carried)
+            self.owed.give_back(carried)
             raise
         cards = self._cards
         if len(cards) > _MAX_CARDS:
@@ -259,20 +226,7 @@ class SharedPrefixIndex:
         for backend, card in zip(order, out[len(names) :], strict=True):
             cards[backend] = int(card)
         self.entries = sum(cards.values())
-        self._failures = 0
         return [int(v) for v in out[: len(names)]]
-
-    def _take(self) -> list[_Record]:
-        pending = self._pending
-        n = min(len(pending), MAX_CARRY)
-        return [pending.popleft() for _ in range(n)]
-
-    def _requeue(self, carried: list[_Record]) -> None:
-        """Records a failed script carried go back (oldest first) unless that overflows."""
-        if carried:
-            self._pending.extendleft(reversed(carried))
-            while len(self._pending) > MAX_PENDING:
-                self._pending.popleft()
 
     def _now_ms(self) -> int:
         return 0 if self._clock is None else int(self._clock() * 1000)
@@ -281,53 +235,14 @@ class SharedPrefixIndex:
 
     def _flush_due(self) -> None:
         self._timer = None
-        if self._pending and not self.degraded:
+        if self.owed and not self.degraded:
             self._spawn(self._flush())
 
     async def _flush(self) -> None:
-        try:
+        with contextlib.suppress(StoreUnavailable, TimeoutError):
             async with asyncio.timeout(self._timeout):
                 await self._send_records()
-        except STORE_FAILURES:
-            self._failed()
 
     async def _send_records(self) -> None:
-        while self._pending:
-            await self._script((), ())
-
-    # --- faults ----------------------------------------------------------------------------
-
-    def _round_trip(self, ok: bool) -> None:
-        self.round_trips += 1
-
-    def _failed(self) -> None:
-        """A script failed (no answer in time, a lost connection, or an error reply such as OOM
-        or READONLY): after a few in a row, stop asking until a probe write succeeds."""
-        self._failures += 1
-        if not self.degraded and self._failures >= DEGRADE_AFTER:
-            self.degraded = True
-            log.warning("redis prefix index unavailable; routing on this process's own index")
-            if not self._probing:
-                self._probing = True
-                runner, self._own_runner = shared_or_own(self._runner)
-                runner.every("prefix_index_probe", self._probe, PROBE_EVERY)
-
-    async def _probe(self) -> None:
-        """While degraded: one write, and back to shared lookups once Redis takes it."""
-        if not self.degraded or self._closed:
-            return
-        try:
-            await follow_master(self._redis, self._timeout)
-            async with asyncio.timeout(self._timeout):
-                # A write: a demoted master or a full Redis answers PING, not this.
-                await self._batch.call("SET", self._tag + ":probe", 1, "PX", 1000)
-        except STORE_FAILURES:
-            return
-        self.degraded = False
-        self._failures = 0
-        log.info(
-            "redis prefix index answers again; routing on the shared index",
-            extra={"fields": {"replayed": len(self._pending)}},
-        )
-        if self._pending:
-            self._flush_due()
+        while self.owed:
+            await self._run((), ())

@@ -23,7 +23,8 @@ bucket its reservation went to, so a refund never outlives the estimate it corre
   share (each limit / the number of processes last seen registered in Redis, 1 before any) on
   its own traffic; after a few failures in a row the store is `degraded` (a warning, the
   `sluicegate_quota_degraded` gauge, `/readyz` details) and the heartbeat probes until Redis
-  answers, then shared enforcement resumes.
+  takes a write, then shared enforcement resumes (router/state/store.py: the skeleton every
+  shared store has in common; this module holds only the quota keys, scripts and logic).
 - Across an outage: the local windows also count what Redis admitted for this process (so the
   share does not start from empty windows), and what the share admitted (with its corrections)
   is written into the shared windows' buckets when Redis answers again (so the shared window
@@ -44,20 +45,14 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.asyncio.connection import Connection
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ResponseError
 from starlette.responses import Response
 
-from balancers.inflight.batch import Batcher
-from router.core.errors import STORE_FAILURES, StoreUnavailable, error_response, store_unavailable
-from router.core.redis_client import Client, KeyConnections, RedisTarget, follow_master
-from router.core.runner import Runner, shared_or_own
+from router.core.errors import StoreUnavailable, error_response
+from router.core.redis_client import Client, RedisTarget
+from router.core.runner import Runner
 from router.request.quota import (
     BUCKETS,
     KeyLimits,
@@ -66,6 +61,7 @@ from router.request.quota import (
     rate_headers,
     refusal,
 )
+from router.state.store import ScriptFailed, SharedStore
 
 log = logging.getLogger("sluicegate.quota")
 
@@ -240,9 +236,8 @@ return 1
 )
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
-DEGRADE_AFTER = 3
 RELEASE_DELAY = 0.01  # seconds releases are gathered before one command per key goes out
-_OWED_MAX = 100_000  # releases still owed; past this they are left to expire
+_LEDGER_MAX = 100_000  # (key, second) entries the local share wrote down; past this, dropped
 _Owed = tuple[str, int, int, str]  # (key tag, bucket, tokens delta, slot id)
 
 
@@ -252,14 +247,7 @@ def key_tag(prefix: str, key_id: str) -> str:
     return "{" + prefix + ":quota:" + kid + "}"
 
 
-class ScriptFailed(Exception):
-    """Redis ran the quota script and it failed on this request's arguments."""
-
-
-def _script_failed(exc: BaseException) -> bool:
-    # A runtime error inside a script names it ("... script: <sha>, on @user_script:107."); a
-    # busy, loading, read-only or out-of-memory server answers with its own code and no name.
-    return type(exc) is ResponseError and "user_script" in str(exc)
+__all__ = ["ScriptFailed", "SharedQuotas", "SharedReservation", "key_tag"]
 
 
 class SharedReservation:
@@ -299,12 +287,15 @@ class SharedReservation:
             book._release((self._tag, self._bucket, delta, self._slot))
 
 
-class SharedQuotas:
-    kind = "redis"
+class SharedQuotas(SharedStore[_Owed]):
+    chore = "quota_heartbeat"
+    log = log
+    degraded_message = "redis unavailable for quotas; each process enforces its share locally"
+    recovered_message = "redis answers again; quotas are shared"
 
     def __init__(
         self,
-        target: str | RedisTarget,
+        target: str | RedisTarget | Client,
         *,
         timeout: float = 0.05,
         slot_ttl: float = 10.0,
@@ -315,41 +306,31 @@ class SharedQuotas:
         on_degraded: Callable[[bool], None] | None = None,
         runner: Runner | None = None,
     ) -> None:
-        target = RedisTarget(url=target) if isinstance(target, str) else target
-        self._cluster = target.cluster
-        # No socket timeout: every call is bounded by `timeout` around it (`_call`, the batcher),
-        # and redis-py bounds a socket write by a task per write (asyncio.wait_for).
-        self._redis: Client = target.client(
+        super().__init__(
+            target,
             timeout=timeout,
-            max_connections=4,
-            blocking=True,
-            retry=Retry(NoBackoff(), 0),
-            socket_timeout=None,
+            tag="{" + prefix + ":quota}",
+            beat_every=slot_ttl / 3,
+            heartbeat=heartbeat,
+            runner=runner,
+            on_degraded=on_degraded,
         )
-        self._timeout = timeout
         self._ttl_ms = int(slot_ttl * 1000)
-        self._beat_every = slot_ttl / 3
         self._prefix = prefix
         self._clock = clock
-        self._run_heartbeat = heartbeat
         self._on_refused = on_refused
-        self._on_degraded = on_degraded
         self.process_id = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
-        self._sources: dict[str, str] = {}
-        self._admit_sha = self._script(_ADMIT)
-        self._release_sha = self._script(_RELEASE)
-        self._refresh_sha = self._script(_REFRESH)
-        self._register_sha = self._script(_REGISTER)
-        self._restore_sha = self._script(_RESTORE)
-        self._members_key = "{" + prefix + ":quota}:processes"
-        self._epoch_key = "{" + prefix + ":quota}:epoch"
+        self._admit_sha = self._script(_ADMIT.replace("BUCKETS", str(BUCKETS)))
+        self._release_sha = self._script(_RELEASE.replace("BUCKETS", str(BUCKETS)))
+        self._refresh_sha = self._script(_REFRESH.replace("BUCKETS", str(BUCKETS)))
+        self._register_sha = self._script(_REGISTER.replace("BUCKETS", str(BUCKETS)))
+        self._restore_sha = self._script(_RESTORE.replace("BUCKETS", str(BUCKETS)))
+        self._members_key = self._store_tag + ":processes"
+        self._epoch_key = self._store_tag + ":epoch"
         self._epoch: str | None = None  # as last read: another one means the windows were lost
-        self._batchers: dict[str, Batcher] = {}
-        self._held = HeldConnection(self._redis) if isinstance(self._redis, Redis) else None
         self._tags: dict[str, str] = {}  # key id -> its hash tag
         self._live: dict[str, str] = {}  # slot id -> key tag, for this process
-        self._owed: list[_Owed] = []
         self._releasing: list[_Owed] = []  # gathered for the next release command
         self._release_timer: asyncio.TimerHandle | None = None
         self._key_names: dict[str, tuple[bytes, bytes, bytes]] = {}
@@ -363,30 +344,7 @@ class SharedQuotas:
         self._script_logged = -math.inf
         self._shares: dict[KeyLimits, KeyLimits] = {}
         self.processes = 1  # processes enforcing quotas, as last seen registered in Redis
-        self._failures = 0
-        self.degraded = False
         self.fallbacks = 0  # requests decided locally because Redis did not answer in time
-        self._runner = runner  # the app's; None: one of its own once the heartbeat starts
-        self._own_runner: Runner | None = None
-        self._beating = False
-        self._wake = asyncio.Event()
-        self._closed = False
-
-    def _script(self, body: str) -> str:
-        source = body.replace("BUCKETS", str(BUCKETS))
-        sha = hashlib.sha1(source.encode()).hexdigest()
-        self._sources[sha] = source
-        return sha
-
-    def _batcher(self, tag: str) -> Batcher:
-        # One server for everything unless on Cluster, where each tag's slot has its own owner.
-        name = tag if self._cluster else ""
-        batcher = self._batchers.get(name)
-        if batcher is None:
-            conns = self._held or KeyConnections(self._redis, tag + ":p")
-            batcher = Batcher(conns, self._sources, self._timeout, self._round_trip)
-            self._batchers[name] = batcher
-        return batcher
 
     def _tag(self, key_id: str) -> str:
         tag = self._tags.get(key_id)
@@ -408,134 +366,65 @@ class SharedQuotas:
     def _now_ms(self) -> int:
         return 0 if self._clock is None else int(self._clock() * 1000)
 
-    def _round_trip(self, ok: bool) -> None:
-        self._failures = 0 if ok else self._failures + 1
+    def _log_fields(self) -> dict[str, Any]:
+        return {"processes": self.processes}
 
-    async def _call(self, tag: str, *command: Any) -> Any:
-        try:
-            async with asyncio.timeout(self._timeout):
-                return await self._batcher(tag).call(*command)
-        except ResponseError as exc:
-            if _script_failed(exc):
-                raise ScriptFailed(type(exc).__name__) from exc
-            raise store_unavailable(exc) from exc
-        except STORE_FAILURES as exc:
-            # Failures are counted per round trip (by the batcher): a call that outwaits its
-            # timeout behind a slow one sends only its own request to the local share.
-            raise store_unavailable(exc) from exc
+    # --- the store's part of the heartbeat -------------------------------------------------
 
-    def _degrade(self, reason: str) -> None:
-        # One late answer only sends its own request to the local share; the whole store
-        # switches after a few failed round trips in a row.
-        if self.degraded or self._failures < DEGRADE_AFTER:
-            return
-        self.degraded = True
-        log.warning(
-            "redis unavailable for quotas; each process enforces its share locally",
-            extra={"fields": {"error": reason, "processes": self.processes}},
-        )
-        if self._on_degraded is not None:
-            self._on_degraded(True)
-        self._wake.set()
-
-    # --- lifecycle -------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        with contextlib.suppress(StoreUnavailable):
-            # Loaded up front so the first requests don't pay a NOSCRIPT round trip.
-            for source in self._sources.values():
-                await self._call(self._members_key, "SCRIPT", "LOAD", source)
-        await self.heartbeat()
-        if self._run_heartbeat and not self._beating:
-            self._beating = True
-            runner, self._own_runner = shared_or_own(self._runner)
-            # While degraded, probe often so shared enforcement comes back quickly.
-            runner.every(
-                "quota_heartbeat",
-                self.heartbeat,
-                lambda: 0.5 if self.degraded else self._beat_every,
-                wake=self._wake,
-            )
-
-    async def heartbeat(self) -> bool:
-        """Register this process, re-stamp its live slots, settle owed releases; True when
-        Redis answered."""
+    async def _beat(self) -> None:
+        """Register this process, re-stamp its live slots, write back what the local share
+        admitted."""
         snapshot = dict(self._live)
         by_tag: dict[str, list[str]] = {}
         for slot, tag in snapshot.items():
             by_tag.setdefault(tag, []).append(slot)
-        owed, self._owed = self._owed, []
         now = self._now_ms()
-        settled: set[int] = set()
-        try:
-            if await follow_master(self._redis, self._timeout) and self._held is not None:
-                await self._held.drop()  # it may still point at the former master
-            key = self._members_key
-            args = (now, self._ttl_ms, self.process_id)
-            epoch_key, fresh = self._epoch_key, uuid.uuid4().hex[:16]
-            reply = await self._call(
-                key, "EVALSHA", self._register_sha, 2, key, epoch_key, *args, fresh
-            )
-            members, epoch = reply.split()
-            lost = self._epoch is not None and epoch != self._epoch
-            self._epoch = epoch
-            for tag, slots in by_tag.items():
-                stamp = (now, self._ttl_ms, *slots)
-                await self._call(tag, "EVALSHA", self._refresh_sha, 1, tag + ":p", *stamp)
-            for tag, mine in _by_tag(owed).items():
-                await self._call(tag, *self._release_command(tag, mine))
-                settled.update(map(id, mine))
-            await self._write_back(everything=lost)
-        except ScriptFailed:
-            log.exception("quota heartbeat script failed")
-            return False
-        except StoreUnavailable as exc:
-            for entry in owed:
-                if id(entry) not in settled:
-                    self._owe(entry)
-            self._degrade(str(exc))
-            return False
+        key = self._members_key
+        args = (now, self._ttl_ms, self.process_id)
+        epoch_key, fresh = self._epoch_key, uuid.uuid4().hex[:16]
+        reply = await self._call(
+            self._store_tag, "EVALSHA", self._register_sha, 2, key, epoch_key, *args, fresh
+        )
+        members, epoch = (v.decode() if isinstance(v, bytes) else v for v in reply.split())
+        lost = self._epoch is not None and epoch != self._epoch
+        self._epoch = epoch
+        for tag, slots in by_tag.items():
+            stamp = (now, self._ttl_ms, *slots)
+            await self._call(tag, "EVALSHA", self._refresh_sha, 1, tag + ":p", *stamp)
+        await self._write_back(everything=lost)
         self.processes = max(1, int(members))
         self._shares.clear()
         # A slot released while the beat was on the wire may have been re-added by it.
         for slot, tag in snapshot.items():
             if slot not in self._live:
                 self._release((tag, 0, 0, slot))
-        if self.degraded:
-            self.degraded = False
-            log.info(
-                "redis answers again; quotas are shared",
-                extra={"fields": {"processes": self.processes}},
-            )
-            if self._on_degraded is not None:
-                self._on_degraded(False)
-        return True
+
+    async def _settle(self) -> None:
+        """Owed releases, one command per key."""
+        owed = self.owed.take()
+        settled: set[int] = set()
+        try:
+            for tag, mine in _by_tag(owed).items():
+                await self._call(tag, *self._release_command(tag, mine))
+                settled.update(map(id, mine))
+        finally:
+            self.owed.give_back(entry for entry in owed if id(entry) not in settled)
+
+    async def _closing(self) -> None:
+        # Requests still running past the drain give their slots back now, not a slot ttl later
+        # (as in-flight leases do); their own late `close` then sends nothing.
+        for slot, tag in list(self._live.items()):
+            self._release((tag, 0, 0, slot))
+        self._live.clear()
+        with contextlib.suppress(StoreUnavailable):  # the others' share grows at once
+            await self._call(self._store_tag, "ZREM", self._members_key, self.process_id)
 
     async def flush(self, within: float = 5.0) -> None:
         """Send the releases gathered so far and wait (bounded) for every queued command."""
         if self._release_timer is not None:
             self._release_timer.cancel()
             self._send_releases()
-        for batcher in list(self._batchers.values()):
-            await batcher.drain(within)
-
-    async def aclose(self) -> None:
-        if self._own_runner is not None:
-            await self._own_runner.stop()
-            self._own_runner = None
-        # Requests still running past the drain give their slots back now, not a slot ttl later
-        # (as in-flight leases do); their own late `close` then sends nothing.
-        for slot, tag in list(self._live.items()):
-            self._release((tag, 0, 0, slot))
-        self._live.clear()
-        self._closed = True
-        await self.flush(max(1.0, self._timeout * 4))
-        with contextlib.suppress(StoreUnavailable):  # the others' share grows at once
-            key = self._members_key
-            await self._call(key, "ZREM", key, self.process_id)
-        if self._held is not None:
-            await self._held.drop()
-        await self._redis.aclose()
+        await super().flush(within)
 
     def in_use(self, key_id: str) -> tuple[float, float, int]:
         """This process's own traffic on the key (its local windows count what Redis admitted
@@ -584,7 +473,7 @@ class SharedQuotas:
     def _note(self, tag: str, sec: int, requests: int, tokens: int) -> None:
         entry = self._ledger.get((tag, sec))
         if entry is None:
-            if len(self._ledger) >= _OWED_MAX:
+            if len(self._ledger) >= _LEDGER_MAX:
                 return
             entry = self._ledger[(tag, sec)] = [0, 0]
         entry[0] += requests
@@ -624,10 +513,9 @@ class SharedQuotas:
                 "rate_limit_exceeded",
                 {"retry-after": "1", "x-request-id": request_id},
             )
-        except StoreUnavailable as exc:
+        except StoreUnavailable:
             if slot:  # the script may have run after we stopped waiting
-                self._owe((tag, 0, 0, slot))
-            self._degrade(str(exc))
+                self.owed.add((tag, 0, 0, slot))
             return self._admit_local(limits, estimate, request_id)
         except BaseException:
             if slot:  # cancelled mid-call: same doubt, Redis is fine
@@ -697,12 +585,12 @@ class SharedQuotas:
         if self._closed:  # its slot went back with `aclose`; the connection is gone
             return
         if self.degraded:
-            self._owe(entry)
+            self.owed.add(entry)
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self._owe(entry)
+            self.owed.add(entry)
             return
         self._releasing.append(entry)
         if self._release_timer is None:
@@ -713,51 +601,15 @@ class SharedQuotas:
         entries, self._releasing = self._releasing, []
         if self.degraded:
             for entry in entries:
-                self._owe(entry)
+                self.owed.add(entry)
             return
         for tag, mine in _by_tag(entries).items():
 
             def lost(mine: list[_Owed] = mine) -> None:
                 for entry in mine:
-                    self._owe(entry)
-                self._degrade("release lost")
+                    self.owed.add(entry)
 
-            self._batcher(tag).post(self._release_command(tag, mine), lost)
-
-    def _owe(self, entry: _Owed) -> None:
-        if len(self._owed) < _OWED_MAX:
-            self._owed.append(entry)
-
-
-class HeldConnection(KeyConnections):
-    """Standalone and Sentinel: the batcher has one pipeline on the wire at a time, so it keeps
-    one connection rather than taking one from redis-py's pool per pipeline (that take and give
-    back cost about a quarter of a round trip's CPU). A connection the batcher dropped after a
-    failure reconnects on its next use."""
-
-    def __init__(self, client: Redis) -> None:
-        super().__init__(client, "")
-        self._pool = client.connection_pool
-        self._conn: Connection | None = None
-
-    async def get(self) -> tuple[Connection, Callable[[], Awaitable[None]]]:
-        conn = self._conn
-        if conn is None:
-            conn = self._conn = await self._pool.get_connection()
-        return conn, _keep
-
-    def stale(self) -> None:
-        pass
-
-    async def drop(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            await conn.disconnect(nowait=True)
-            await self._pool.release(conn)
-
-
-async def _keep() -> None:
-    pass
+            self._post(tag, self._release_command(tag, mine), lost)
 
 
 def _by_tag(entries: list[_Owed]) -> dict[str, list[_Owed]]:

@@ -17,6 +17,7 @@ for any other endpoint.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -45,8 +46,14 @@ class ResponseIds:
         client: Any = None,
         prefix: str = "sluicegate",
         clock: Callable[[], float] = time.monotonic,
+        timeout: float | None = None,
+        owns_client: bool = True,
     ) -> None:
         self._ttl = ttl
+        # A bound on each call; None leaves it to the client's socket timeout. The app's shared
+        # client has none (and is closed by the app: `owns_client` False).
+        self._timeout = timeout
+        self._owns_client = owns_client
         self._max = max_local
         self._client = client  # an asyncio Redis client, or None
         self._prefix = f"{prefix}:resp:"
@@ -73,11 +80,12 @@ class ResponseIds:
         if self._client is None:
             return
         try:
-            await self._client.set(
-                self._prefix + response_id,
-                f"{holder.backend}{_SEP}{holder.model}",
-                ex=max(1, round(self._ttl)),
-            )
+            async with asyncio.timeout(self._timeout):
+                await self._client.set(
+                    self._prefix + response_id,
+                    f"{holder.backend}{_SEP}{holder.model}",
+                    ex=max(1, round(self._ttl)),
+                )
         except STORE_FAILURES as exc:
             self._failed("write", exc)
 
@@ -92,7 +100,10 @@ class ResponseIds:
         if self._client is None:
             return None
         try:
-            raw = await self._client.getex(self._prefix + response_id, ex=max(1, round(self._ttl)))
+            async with asyncio.timeout(self._timeout):
+                raw = await self._client.getex(
+                    self._prefix + response_id, ex=max(1, round(self._ttl))
+                )
         except STORE_FAILURES as exc:
             self._failed("read", exc)
             return None
@@ -114,5 +125,5 @@ class ResponseIds:
         )
 
     async def aclose(self) -> None:
-        if self._client is not None:
+        if self._client is not None and self._owns_client:
             await self._client.aclose()

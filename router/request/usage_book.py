@@ -45,8 +45,10 @@ class UsageBook:
         clock: Callable[[], float] = time.time,
         on_dropped: Callable[[int], None] | None = None,
         timeout: float = 2.0,
+        owns_client: bool = True,  # False: the app's shared client, closed by the app
     ) -> None:
         self._redis = redis
+        self._owns_client = owns_client
         self._tag = "{" + prefix + "}:usage:"
         self._clock = clock
         self._on_dropped = on_dropped
@@ -166,7 +168,8 @@ class UsageBook:
                 "usage not written to Redis at shutdown; lost",
                 extra={"fields": {"error": type(exc).__name__, "buckets": len(self._pending)}},
             )
-        await self._redis.aclose()
+        if self._owns_client:
+            await self._redis.aclose()
 
     async def query(
         self, key: str | None = None, model: str | None = None, since: float | None = None

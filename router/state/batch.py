@@ -4,19 +4,27 @@ A burst of 200 requests would otherwise queue for a handful of pooled connection
 each, and blow a timeout of tens of ms; pipelined, they cost a round trip or two between them.
 Each command is still its own atomic unit (a script runs whole), and each caller waits for one
 round trip at most behind the batch on the wire. Commands are packed here (RESP arrays of bulk
-strings) and written on a pooled connection in one go: redis-py's generic pipeline machinery
-cost several times more CPU per command on the router's hot path. Every key a batch names shares
-one hash tag, so the whole pipeline goes to one server: `KeyConnections` finds it (the Sentinel
-master, the Cluster primary owning the slot); a redirect (MOVED, ASK) or CLUSTERDOWN reply counts
-as a failed round trip and has the slot map read again.
+strings) and written on one connection in one go: redis-py's generic pipeline machinery cost
+several times more CPU per command on the router's hot path. Every key a batch names shares one
+hash tag, so the whole pipeline goes to one server: `KeyConnections` finds it (the Sentinel
+master, the Cluster primary owning the slot; `HeldConnection` keeps one to it).
+
+Each round trip is reported to its store: a failure (no answer in time, a lost connection), a
+redirect (MOVED, ASK) or CLUSTERDOWN (the slot map is then read again), or an error reply that
+speaks for the server rather than the command (OOM, READONLY, LOADING, BUSY, ...: Redis answered
+but is not taking the store's work) is a failed round trip. A script's own runtime error is its
+request's, and NOSCRIPT is answered here by loading the scripts and sending those commands again.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import (
     AskError,
     ClusterDownError,
@@ -26,7 +34,7 @@ from redis.exceptions import (
 )
 
 from router.core.errors import STORE_FAILURES
-from router.core.redis_client import KeyConnections
+from router.core.redis_client import KeyConnections, off_master
 
 MAX_BATCH = 512
 
@@ -35,6 +43,8 @@ _MOVED = (AskError, ClusterDownError, TryAgainError)
 
 # A caller awaiting the reply, or a callback told of failure for a fire-and-forget command.
 Waiter = asyncio.Future[Any] | Callable[[], None]
+# Told of each round trip: None when Redis took it, else what went wrong.
+OnRoundTrip = Callable[[BaseException | None], None]
 
 
 def pack(args: tuple[Any, ...]) -> bytes:
@@ -45,18 +55,33 @@ def pack(args: tuple[Any, ...]) -> bytes:
     return b"".join(parts)
 
 
+def script_failed(exc: BaseException) -> bool:
+    """A runtime error inside a script names it ("... script: <sha>, on @user_script:107."); a
+    busy, loading, read-only or out-of-memory server answers with its own code and no name."""
+    return type(exc) is ResponseError and "user_script" in str(exc)
+
+
+def _refused(reply: Any) -> bool:
+    """An error reply that is the server's state, not the command's fault."""
+    return (
+        isinstance(reply, ResponseError)
+        and not isinstance(reply, NoScriptError)
+        and not script_failed(reply)
+    )
+
+
 class Batcher:
     def __init__(
         self,
         conns: KeyConnections,
         scripts: dict[str, str],
         timeout: float,
-        on_round_trip: Callable[[bool], None],
+        on_round_trip: OnRoundTrip,
     ) -> None:
         self._conns = conns
         self._scripts = scripts  # sha -> source, reloaded when Redis answers NOSCRIPT
         self._timeout = timeout
-        self._on_round_trip = on_round_trip  # told whether each pipeline got its answers
+        self._on_round_trip = on_round_trip
         self._pending: list[tuple[tuple[Any, ...], Waiter]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -106,14 +131,14 @@ class Batcher:
             replies = await self._round_trip([cmd for cmd, _ in live])
         except STORE_FAILURES as exc:
             self._conns.stale()
-            self._on_round_trip(False)
+            self._on_round_trip(exc)
             for _, w in live:
                 _fail(w, exc)
             return []
-        moved = any(isinstance(r, _MOVED) for r in replies)
-        if moved:
+        moved = next((r for r in replies if isinstance(r, _MOVED)), None)
+        if moved is not None:
             self._conns.stale()
-        self._on_round_trip(not moved)
+        self._on_round_trip(moved or next((r for r in replies if _refused(r)), None))
         retry = []
         for (cmd, w), reply in zip(live, replies, strict=True):
             if isinstance(reply, NoScriptError) and not final:
@@ -158,10 +183,58 @@ class Batcher:
                 if isinstance(reply, Exception):
                     raise reply
         except STORE_FAILURES as exc:
+            self._on_round_trip(exc)
             for _, w in failed:
                 _fail(w, exc)
             return False
         return True
+
+
+class HeldConnection(KeyConnections):
+    """Standalone and Sentinel: the batcher has one pipeline on the wire at a time, so it keeps
+    one connection rather than taking one from redis-py's pool per pipeline (that take and give
+    back cost about a quarter of a round trip's CPU). A connection the batcher dropped after a
+    failure reconnects on its next use. On Sentinel, one held to a former master is closed as
+    soon as any user of the shared client has learnt the new master (`follow_master`), and
+    reconnects to the new one: a promoted replica does not end connections to the old master,
+    and a demoted one is only noticed at a write it refuses."""
+
+    def __init__(self, client: Redis) -> None:
+        super().__init__(client, "")
+        self._pool = client.connection_pool
+        self._sentinel = isinstance(self._pool, SentinelConnectionPool)
+        self._conn: Connection | None = None
+
+    async def get(self) -> tuple[Connection, Callable[[], Awaitable[None]]]:
+        conn = self._conn
+        if conn is None:
+            return await self._first(), _keep
+        if self._sentinel and off_master(self._client, conn):
+            await conn.disconnect(nowait=True)
+        if not conn.is_connected:
+            # Its own connect: a Sentinel connection asks for the master there, while a write
+            # on a closed connection (redis-py) would reconnect to the address it had.
+            await conn.connect()
+        return conn, _keep
+
+    async def _first(self) -> Connection:
+        conn: Connection = await self._pool.get_connection()
+        self._conn = conn
+        return conn
+
+    def stale(self) -> None:
+        pass
+
+    async def drop(self) -> None:
+        """Back to the pool, closed (it may point at a former master)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.disconnect(nowait=True)
+            await self._pool.release(conn)
+
+
+async def _keep() -> None:
+    pass
 
 
 def _fail(waiter: Waiter, exc: BaseException) -> None:
