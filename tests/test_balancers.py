@@ -15,10 +15,11 @@ import httpx
 import openai
 import pytest
 
-from balancers import available, balancer_class
-from balancers.base import Candidate
+from balancers import available, balancer_class, balancer_type
+from balancers.base import Candidate, Choice, redis_form
 from balancers.inflight.local import LocalInflight
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
+from balancers.plugin import adapted
 from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
 from tests.harness import Cluster, Proc, backend, control, stats
@@ -145,6 +146,56 @@ def test_builtins_by_name() -> None:
     assert {"round_robin", "least_inflight"} <= set(available())
     with pytest.raises(KeyError, match="unknown balancer 'nope'"):
         balancer_class("nope")
+    assert balancer_type("round_robin") is RoundRobin  # built-ins are built as they are
+
+
+class FirstOffered:
+    """A plugin written to the first contract: a bare Candidate, no declarations."""
+
+    name = "first"
+
+    def pick(
+        self, candidates: Sequence[Candidate], exclude: frozenset[str] = frozenset()
+    ) -> object:
+        return next((c for c in candidates if c.name not in exclude), None)
+
+
+def test_a_plugin_returning_a_bare_candidate_routes_with_reason_load() -> None:
+    cls = adapted(FirstOffered, "first")
+    assert adapted(FirstOffered, "first") is cls  # wrapped once per plugin
+    assert (cls.name, cls.needs_counts, cls.needs_engine) == ("first", True, False)
+    bal = cls()
+    a, b = Candidate("a", 1.0, 5), Candidate("b", 1.0, 0)
+    assert bal.pick([a, b]) == Choice(a, "load")
+    assert bal.pick([a, b], {"a"}) == Choice(b, "load")
+    assert bal.pick([a], {"a"}) is None
+    store = LocalInflight()
+    backends = [mk("a"), mk("b")]
+    lease = store.acquire_now(backends, bal, set())
+    assert (
+        lease is not None
+        and lease.backend == "a"
+        and lease.choice == Choice(Candidate("a", 1.0, 0), "load")
+    )
+
+
+def test_a_plugin_keeps_its_declarations_its_choice_and_its_redis_form() -> None:
+    class Declared(FirstOffered):
+        needs_counts = False
+        needs_engine = True
+        redis_pick = "local function pick(n, load, weight) return 1 end"
+
+        def pick(
+            self, candidates: Sequence[Candidate], exclude: frozenset[str] = frozenset()
+        ) -> object:
+            return Choice(candidates[-1], "mine") if candidates else None
+
+    cls = adapted(Declared, "declared")
+    assert (cls.needs_counts, cls.needs_engine) == (False, True)
+    assert redis_form(cls()) == Declared.redis_pick
+    assert redis_form(adapted(FirstOffered, "first")()) is None
+    a, b = Candidate("a", 1.0, 0), Candidate("b", 1.0, 0)
+    assert cls().pick([a, b]) == Choice(b, "mine")
 
 
 # --- the local store ---------------------------------------------------------------------
