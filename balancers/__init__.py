@@ -1,14 +1,16 @@
 """Balancers by name: the built-ins, plus any registered under the `sluicegate.balancers`
-entry-point group by an installed package."""
+entry-point group by an installed package (built through `balancers.plugin`, so that every
+balancer the router holds returns a `Choice` and declares what it needs)."""
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from balancers.base import Balancer, Candidate
+from balancers.base import Balancer, Candidate, Choice
 from balancers.cache_aware import CacheAware
 from balancers.least_inflight import LeastInflight
 from balancers.least_load import LeastLoad
+from balancers.plugin import adapted
 from balancers.round_robin import RoundRobin
 
 ENTRY_POINT_GROUP = "sluicegate.balancers"
@@ -19,7 +21,15 @@ BUILTIN: dict[str, type[Balancer]] = {
     CacheAware.name: CacheAware,
 }
 
-__all__ = ["BUILTIN", "Balancer", "Candidate", "available", "balancer_class"]
+__all__ = [
+    "BUILTIN",
+    "Balancer",
+    "Candidate",
+    "Choice",
+    "available",
+    "balancer_class",
+    "balancer_type",
+]
 
 
 def _plugins() -> dict[str, object]:
@@ -30,8 +40,9 @@ def available() -> list[str]:
     return sorted(set(BUILTIN) | set(_plugins()))
 
 
-def balancer_class(name: str) -> type[Balancer]:
-    """The class registered under `name`; KeyError names the choices when there is none."""
+def balancer_class(name: str) -> type:
+    """The class registered under `name`, as registered; KeyError names the choices when there
+    is none."""
     if name in BUILTIN:
         return BUILTIN[name]
     ep = _plugins().get(name)
@@ -41,3 +52,9 @@ def balancer_class(name: str) -> type[Balancer]:
     if not callable(getattr(cls, "pick", None)):
         raise KeyError(f"balancer plugin {name!r} ({ep.value}) has no pick() method")  # type: ignore[attr-defined]
     return cls  # type: ignore[no-any-return]
+
+
+def balancer_type(name: str) -> type[Balancer]:
+    """The class the router builds for `name`: a built-in, or the plugin behind its adapter."""
+    cls = balancer_class(name)
+    return BUILTIN[name] if name in BUILTIN else adapted(cls, name)

@@ -1,15 +1,21 @@
-"""The Balancer protocol: given the eligible candidates, their loads and weights, pick one.
+"""The Balancer protocol: given the eligible candidates, their loads and weights, choose one.
 
 A balancer is pure: no I/O, no health, no clock. Health filters candidates before it is asked;
 the in-flight store supplies the loads; the request's retry context supplies `exclude`.
-A balancer whose choice ignores loads sets `needs_counts = False`, which lets a shared store
-skip reading them (one Redis round trip instead of two); absent, it is taken as True.
+`pick()` returns a `Choice`: the candidate and why it was chosen, as one value, so the caller
+never reads a reason back off the balancer (a balancer is shared by concurrent requests).
+Every balancer declares what it needs:
+- `needs_counts`: False when its choice ignores loads, which lets a shared store skip reading
+  them (one Redis round trip instead of two);
+- `needs_engine`: True when it reads engine metrics: the proxy then hands the store the latest
+  `EngineReading`s and each `Candidate` carries its backend's (`engine`, None when the backend
+  is not scraped); when False, `engine` stays None.
 A balancer may also offer its policy in the Redis store's own language (`RedisForm`): the store
 then picks and counts in one atomic script across replicas, instead of reading counts, picking
-here and adding the lease (two round trips, and a race between them).
-A balancer that reads engine metrics sets `needs_engine = True`: the proxy then hands the store
-the latest `EngineReading`s and each `Candidate` carries its backend's (`engine`, None when the
-backend is not scraped); absent, it is taken as False and `engine` stays None.
+here and adding the lease (two round trips, and a race between them); such a choice's reason is
+"load".
+Plugins written to the first contract (`pick` returning a bare `Candidate`, the declarations
+optional) are wrapped once where they are loaded (`balancers.plugin`).
 """
 
 from __future__ import annotations
@@ -29,19 +35,28 @@ class Candidate:
     engine: EngineReading | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What a pick chose and what its reason rests on (the request log line, the
+    `sluicegate_routing_decisions_total{reason}` label, the trace, the prefix index)."""
+
+    candidate: Candidate
+    reason: str = "load"
+    held: int = 0  # leading prefix blocks the chosen backend holds (`cache_aware`)
+    cached: int = 0  # prompt tokens it holds, per its KV events (`cache_aware` with KV hints)
+
+
 @runtime_checkable
 class Balancer(Protocol):
     name: ClassVar[str]
+    needs_counts: ClassVar[bool]
+    needs_engine: ClassVar[bool]
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Candidate | None:
+    ) -> Choice | None:
         """One of `candidates` not in `exclude`, or None when none is left."""
         ...
-
-
-def needs_counts(balancer: Balancer) -> bool:
-    return bool(getattr(balancer, "needs_counts", True))
 
 
 @runtime_checkable
@@ -61,7 +76,3 @@ class RedisForm(Protocol):
 def redis_form(balancer: Balancer) -> str | None:
     """The balancer's Lua form, when it offers one."""
     return balancer.redis_pick if isinstance(balancer, RedisForm) else None
-
-
-def needs_engine(balancer: Balancer) -> bool:
-    return bool(getattr(balancer, "needs_engine", False))

@@ -88,7 +88,7 @@ from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from balancers.base import Balancer, Candidate
+from balancers.base import Balancer, Candidate, Choice
 from balancers.least_inflight import weighted_choice
 from balancers.least_load import QUEUE_WEIGHT, LeastLoad, now_on
 from balancers.lora import AdapterWant, ahead, eligible
@@ -140,7 +140,7 @@ class CacheAware:
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Candidate | None:
+    ) -> Choice | None:
         return self._load.pick(candidates, exclude)
 
     def for_adapter(self, want: AdapterWant) -> Balancer:
@@ -159,7 +159,7 @@ class CacheAware:
 
 
 class HintedPick:
-    """One request's `cache_aware` picker; after `pick()`, `reason` and `held` say why."""
+    """One request's `cache_aware` picker: its choice says why (reason, blocks or tokens held)."""
 
     name: ClassVar[str] = "cache_aware"
     needs_counts: ClassVar[bool] = True
@@ -170,20 +170,22 @@ class HintedPick:
         self._load = owner._load
         self._hints = hints
         self._factor = load_factor
-        self.reason = "load"
-        self.held = 0  # leading blocks the picked backend holds
-        self.cached = 0  # with `Hints.kv`: prompt tokens the picked backend holds
         want = hints.adapter
         self.adapter_aware = want is not None
         self._adapter_load = self._load.for_adapter(want) if want is not None else None
 
-    def _least(self, pool: Sequence[Candidate]) -> Candidate | None:
-        """least_load's pick (its adapter form for an adapter request)."""
-        if self._adapter_load is None:
-            return self._load.pick(pool)
-        chosen = self._adapter_load.pick(pool)
-        self.reason = self._adapter_load.reason
-        return chosen
+    def _least(self, pool: Sequence[Candidate], reason: str = "load") -> Choice | None:
+        """least_load's pick, for `reason` (its adapter form for an adapter request: the
+        adapter tier's reason)."""
+        if self._adapter_load is not None:
+            return self._adapter_load.pick(pool)
+        choice = self._load.pick(pool)
+        return choice if choice is None or reason == "load" else Choice(choice.candidate, reason)
+
+    def _spill(self, pool: Sequence[Candidate]) -> Choice | None:
+        """Every holder is over the bound: the least loaded takes it."""
+        choice = self._least(pool)
+        return None if choice is None else Choice(choice.candidate, "spill")
 
     def _ahead(self, c: Candidate) -> float:
         want = self._hints.adapter
@@ -191,11 +193,10 @@ class HintedPick:
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Candidate | None:
+    ) -> Choice | None:
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
         hints = self._hints
         held = hints.held
-        self.reason, self.held, self.cached = "load", 0, 0
         if hints.adapter is not None:
             pool = eligible(pool, hints.adapter)
         if not pool:
@@ -228,11 +229,8 @@ class HintedPick:
             for i, name in enumerate(ring.walk(hints.session)):
                 c = by_name[name]
                 if not over(c):
-                    self.reason = "session" if i == 0 else "spill"
-                    self.held = held.get(name, 0)
-                    return c
-            self.reason = "spill"
-            return self._least(pool)
+                    return Choice(c, "session" if i == 0 else "spill", held.get(name, 0))
+            return self._least(pool, "spill")
 
         if kv is not None:
             return self._by_cost(kv, live, pool, over)
@@ -248,9 +246,7 @@ class HintedPick:
                 continue
             options.append((s - blocks * per_token, c))
         if not options:  # every holder is over the bound: the least loaded takes it
-            chosen = self._least([c for _, c in live if c.name not in held] or pool)
-            self.reason = "spill"
-            return chosen
+            return self._spill([c for _, c in live if c.name not in held] or pool)
         best = min(cost for cost, _ in options)
         tied = [c for cost, c in options if cost == best]
         return self._settle(tied, passed_over)
@@ -260,7 +256,7 @@ class HintedPick:
         live: Sequence[tuple[float, Candidate]],
         pool: Sequence[Candidate],
         over: Callable[[Candidate], bool],
-    ) -> Candidate | None:
+    ) -> Choice | None:
         """Every live candidate has a fresh reading: the cost in prefills of this prompt."""
         hints = self._hints
         held = hints.held
@@ -278,9 +274,7 @@ class HintedPick:
             uncached = 1.0 - min(1.0, blocks / max(1, hints.blocks))
             options.append(((ahead + uncached * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
-            chosen = self._least([c for _, c in live if c.name not in held] or pool)
-            self.reason = "spill"
-            return chosen
+            return self._spill([c for _, c in live if c.name not in held] or pool)
         best = min(options, key=lambda o: o[:2])[:2]
         return self._settle([c for cost, s, c in options if (cost, s) == best], passed_over)
 
@@ -329,7 +323,7 @@ class HintedPick:
         live: Sequence[tuple[float, Candidate]],
         pool: Sequence[Candidate],
         over: Callable[[Candidate], bool],
-    ) -> Candidate | None:
+    ) -> Choice | None:
         """The expected time to first token on each candidate (module docstring)."""
         prompt = max(1, kv.tokens)
         options: list[tuple[float, float, Candidate]] = []
@@ -351,22 +345,18 @@ class HintedPick:
             cost = (ahead * prompt * p + uncached * p + batch * q) / c.weight
             options.append((cost, s, c))
         if not options:
-            chosen = self._least([c for _, c in live if not kv.cached.get(c.name)] or pool)
-            self.reason = "spill"
-            return chosen
+            return self._spill([c for _, c in live if not kv.cached.get(c.name)] or pool)
         best = min(options, key=lambda o: o[:2])[:2]
         tied = [c for cost, s, c in options if (cost, s) == best]
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._owner._rng.random())
-        self.cached = min(prompt, kv.cached.get(chosen.name, 0))
-        self.held = self._hints.held.get(chosen.name, 0)
-        if self.cached:
-            self.reason = "prefix_exact" if chosen.name in kv.exact else "prefix_approx"
+        cached = min(prompt, kv.cached.get(chosen.name, 0))
+        if cached:
+            reason = "prefix_exact" if chosen.name in kv.exact else "prefix_approx"
         else:
-            self.reason = "spill" if passed_over else "load"
-        return chosen
+            reason = "spill" if passed_over else "load"
+        return Choice(chosen, reason, self._hints.held.get(chosen.name, 0), cached)
 
-    def _settle(self, tied: Sequence[Candidate], passed_over: bool) -> Candidate:
+    def _settle(self, tied: Sequence[Candidate], passed_over: bool) -> Choice:
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._owner._rng.random())
-        self.held = self._hints.held.get(chosen.name, 0)
-        self.reason = "prefix" if self.held else ("spill" if passed_over else "load")
-        return chosen
+        held = self._hints.held.get(chosen.name, 0)
+        return Choice(chosen, "prefix" if held else ("spill" if passed_over else "load"), held)

@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence, Set
 from typing import ClassVar
 
-from balancers.base import Candidate
+from balancers.base import Candidate, Choice
 
 EXACT_SCAN_MAX = 16
 
@@ -62,6 +62,7 @@ end
 class LeastInflight:
     name: ClassVar[str] = "least_inflight"
     needs_counts: ClassVar[bool] = True
+    needs_engine: ClassVar[bool] = False
     redis_pick: ClassVar[str] = _REDIS_PICK
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -69,19 +70,19 @@ class LeastInflight:
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Candidate | None:
+    ) -> Choice | None:
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
         if not pool:
             return None
         if len(pool) == 1:
-            return pool[0]
+            return Choice(pool[0])
         if len(pool) > EXACT_SCAN_MAX:
             pool = self._rng.sample(pool, 2)
         best_score = min(c.inflight / c.weight for c in pool)
         tied = [c for c in pool if c.inflight / c.weight == best_score]
         if len(tied) == 1:
-            return tied[0]
-        return weighted_choice(tied, self._rng.random())
+            return Choice(tied[0])
+        return Choice(weighted_choice(tied, self._rng.random()))
 
 
 def weighted_choice(tied: Sequence[Candidate], u: float) -> Candidate:

@@ -35,7 +35,7 @@ import random
 from collections.abc import Sequence, Set
 from typing import ClassVar
 
-from balancers.base import Candidate
+from balancers.base import Candidate, Choice
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
 from balancers.lora import REASONS, AdapterWant, ahead, eligible, tier
 from router.core.engine import EngineReading
@@ -103,7 +103,7 @@ class LeastLoad:
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Candidate | None:
+    ) -> Choice | None:
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
         if not pool:
             return None
@@ -112,7 +112,7 @@ class LeastLoad:
                 break
         else:
             return self._fallback.pick(pool)
-        return pool[0] if len(pool) == 1 else self._choose(pool)
+        return Choice(pool[0] if len(pool) == 1 else self._choose(pool))
 
     def _choose(self, pool: Sequence[Candidate]) -> Candidate:
         if len(pool) > EXACT_SCAN_MAX:
@@ -132,7 +132,7 @@ class LeastLoad:
 
 
 class AdapterPick:
-    """One adapter request's `least_load` picker; after `pick()`, `reason` is the tier's."""
+    """One adapter request's `least_load` picker: its choice's reason is the tier's."""
 
     name: ClassVar[str] = "least_load"
     needs_counts: ClassVar[bool] = True
@@ -142,14 +142,13 @@ class AdapterPick:
     def __init__(self, load: LeastLoad, want: AdapterWant) -> None:
         self._load = load
         self.want = want
-        self.reason = "load"
 
     def cost(self, c: Candidate) -> float:
         return self._load.score(c) + QUEUE_WEIGHT * ahead(c, self.want) / c.weight
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Candidate | None:
+    ) -> Choice | None:
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
         pool = eligible(pool, self.want)
         if not pool:
@@ -161,5 +160,4 @@ class AdapterPick:
             best = min(s for s, _ in scored)
         tied = [c for s, c in scored if s == best]
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._load._rng.random())
-        self.reason = REASONS[tier(chosen.engine, self.want, chosen.name)]
-        return chosen
+        return Choice(chosen, REASONS[tier(chosen.engine, self.want, chosen.name)])

@@ -47,7 +47,7 @@ from functools import lru_cache
 from hashlib import blake2b
 from typing import ClassVar, cast
 
-from balancers.base import Balancer, Candidate
+from balancers.base import Balancer, Candidate, Choice
 from router.core.engine import EngineReading
 
 
@@ -155,15 +155,15 @@ class Filtered:
         self.name = inner.name
         self._inner = inner
         self.want = want
-        self.reason = "load"
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Candidate | None:
-        chosen = self._inner.pick(eligible(candidates, self.want), exclude)
-        if chosen is not None:
-            self.reason = REASONS[tier(chosen.engine, self.want, chosen.name)]
-        return chosen
+    ) -> Choice | None:
+        choice = self._inner.pick(eligible(candidates, self.want), exclude)
+        if choice is None:
+            return None
+        c = choice.candidate
+        return Choice(c, REASONS[tier(c.engine, self.want, c.name)], choice.held, choice.cached)
 
 
 def bind(picker: Balancer, want: AdapterWant) -> Balancer:

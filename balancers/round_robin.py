@@ -5,19 +5,20 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from typing import ClassVar
 
-from balancers.base import Candidate
+from balancers.base import Candidate, Choice
 
 
 class RoundRobin:
     name: ClassVar[str] = "round_robin"
     needs_counts: ClassVar[bool] = False
+    needs_engine: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._current: dict[str, float] = {}
 
     def pick(
         self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Candidate | None:
+    ) -> Choice | None:
         best: Candidate | None = None
         best_weight = 0.0
         total = 0.0
@@ -36,4 +37,5 @@ class RoundRobin:
                 # Backends come and go; forget the ones no longer offered.
                 keep = {c.name for c in candidates}
                 self._current = {k: v for k, v in current.items() if k in keep}
-        return best
+            return Choice(best)
+        return None

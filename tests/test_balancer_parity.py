@@ -11,7 +11,7 @@ from types import MappingProxyType
 import pytest
 import redis
 
-from balancers.base import Balancer, Candidate, redis_form
+from balancers.base import Balancer, Candidate, Choice, redis_form
 from balancers.inflight.redis import RedisInflight
 from balancers.least_inflight import LeastInflight
 from balancers.round_robin import RoundRobin
@@ -57,7 +57,7 @@ def python_choices(
     for _ in range(SAMPLES):
         picked = bal.pick(offered, exclude)
         if picked is not None:
-            seen.add(picked.name)
+            seen.add(picked.candidate.name)
     return seen
 
 
@@ -130,7 +130,8 @@ def test_a_subclass_that_changes_the_policy_can_drop_the_redis_form(rds: Proc) -
 
         def pick(self, candidates, exclude=frozenset()):  # type: ignore[no-untyped-def]
             pool = [c for c in candidates if c.name not in exclude]
-            return max(pool, key=lambda c: c.inflight, default=None)
+            most = max(pool, key=lambda c: c.inflight, default=None)
+            return Choice(most) if most else None
 
     assert redis_form(MostInflight()) is None
     bs = backends([1, 1, 1], [None] * 3)

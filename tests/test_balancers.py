@@ -15,10 +15,11 @@ import httpx
 import openai
 import pytest
 
-from balancers import available, balancer_class
-from balancers.base import Candidate
+from balancers import available, balancer_class, balancer_type
+from balancers.base import Candidate, Choice, redis_form
 from balancers.inflight.local import LocalInflight
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
+from balancers.plugin import adapted
 from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
 from tests.harness import Cluster, Proc, backend, control, stats
@@ -40,7 +41,7 @@ def shares(counter: Counter[str], total: int) -> dict[str, float]:
 def test_round_robin_equal_weights_is_plain_rotation() -> None:
     rr = RoundRobin()
     pool = cands(("a", 1, 0), ("b", 1, 0), ("c", 1, 0))
-    picks = [rr.pick(pool).name for _ in range(N - 1)]  # type: ignore[union-attr]
+    picks = [rr.pick(pool).candidate.name for _ in range(N - 1)]  # type: ignore[union-attr]
     assert Counter(picks) == {"a": 3333, "b": 3333, "c": 3333}
     assert all(x != y for x, y in itertools.pairwise(picks))
 
@@ -48,7 +49,7 @@ def test_round_robin_equal_weights_is_plain_rotation() -> None:
 def test_round_robin_weights_exact_and_smooth() -> None:
     rr = RoundRobin()
     pool = cands(("a", 5, 0), ("b", 1, 0), ("c", 1, 0))
-    picks = [rr.pick(pool).name for _ in range(7 * 1000)]  # type: ignore[union-attr]
+    picks = [rr.pick(pool).candidate.name for _ in range(7 * 1000)]  # type: ignore[union-attr]
     assert Counter(picks) == {"a": 5000, "b": 1000, "c": 1000}
     # Smooth: the heavy backend's picks are interleaved with the others, not bunched.
     assert picks[:7] == ["a", "a", "b", "a", "c", "a", "a"]
@@ -58,7 +59,7 @@ def test_round_robin_fractional_weights_within_a_percent() -> None:
     rr = RoundRobin()
     weights = {"a": 0.5, "b": 1.5, "c": 3.0}
     pool = cands(*((n, w, 0) for n, w in weights.items()))
-    got = shares(Counter(rr.pick(pool).name for _ in range(N)), N)  # type: ignore[union-attr]
+    got = shares(Counter(rr.pick(pool).candidate.name for _ in range(N)), N)  # type: ignore[union-attr]
     for name, w in weights.items():
         assert got[name] == pytest.approx(w / 5.0, abs=0.01)
 
@@ -66,7 +67,7 @@ def test_round_robin_fractional_weights_within_a_percent() -> None:
 def test_round_robin_exclude_and_empty() -> None:
     rr = RoundRobin()
     pool = cands(("a", 1, 0), ("b", 1, 0))
-    assert {rr.pick(pool, {"a"}).name for _ in range(5)} == {"b"}  # type: ignore[union-attr]
+    assert {rr.pick(pool, {"a"}).candidate.name for _ in range(5)} == {"b"}  # type: ignore[union-attr]
     assert rr.pick(pool, {"a", "b"}) is None
     assert rr.pick([]) is None
 
@@ -77,15 +78,15 @@ def test_round_robin_exclude_and_empty() -> None:
 def test_least_inflight_picks_the_least_loaded_relative_to_weight() -> None:
     li = LeastInflight(random.Random(1))
     pool = cands(("a", 1, 3), ("b", 1, 1), ("c", 4, 5))  # scores 3, 1, 1.25
-    assert {li.pick(pool).name for _ in range(200)} == {"b"}  # type: ignore[union-attr]
-    assert li.pick(pool, {"b"}).name == "c"  # type: ignore[union-attr]
+    assert {li.pick(pool).candidate.name for _ in range(200)} == {"b"}  # type: ignore[union-attr]
+    assert li.pick(pool, {"b"}).candidate.name == "c"  # type: ignore[union-attr]
     assert li.pick(pool, {"a", "b", "c"}) is None
 
 
 def test_least_inflight_ties_spread_evenly_never_first_wins() -> None:
     li = LeastInflight(random.Random(7))
     pool = cands(*((n, 1, 2) for n in "abcd"))
-    got = shares(Counter(li.pick(pool).name for _ in range(N)), N)  # type: ignore[union-attr]
+    got = shares(Counter(li.pick(pool).candidate.name for _ in range(N)), N)  # type: ignore[union-attr]
     for name in "abcd":
         assert got[name] == pytest.approx(0.25, abs=0.02)
 
@@ -93,7 +94,7 @@ def test_least_inflight_ties_spread_evenly_never_first_wins() -> None:
 def test_least_inflight_idle_ties_follow_weights() -> None:
     li = LeastInflight(random.Random(3))
     pool = cands(("a", 1, 0), ("b", 3, 0))
-    got = shares(Counter(li.pick(pool).name for _ in range(N)), N)  # type: ignore[union-attr]
+    got = shares(Counter(li.pick(pool).candidate.name for _ in range(N)), N)  # type: ignore[union-attr]
     assert got["b"] == pytest.approx(0.75, abs=0.02)
 
 
@@ -107,7 +108,7 @@ def test_least_inflight_weights_honoured_under_load() -> None:
     picked: Counter[str] = Counter()
     for _ in range(N):
         pool = [Candidate(n, w, inflight[n]) for n, w in weights.items()]
-        name = li.pick(pool).name  # type: ignore[union-attr]
+        name = li.pick(pool).candidate.name  # type: ignore[union-attr]
         picked[name] += 1
         inflight[name] += 1
         open_.append(name)
@@ -124,7 +125,7 @@ def test_least_inflight_large_sets_use_two_choices() -> None:
     n = EXACT_SCAN_MAX * 2
     pool = [Candidate(f"b{i}", 1, 0) for i in range(n)]
     pool[0] = Candidate("b0", 1, 100)  # never wins a pair
-    got = Counter(li.pick(pool).name for _ in range(N))  # type: ignore[union-attr]
+    got = Counter(li.pick(pool).candidate.name for _ in range(N))  # type: ignore[union-attr]
     assert "b0" not in got
     expected = N / (n - 1)
     assert all(abs(v - expected) < expected * 0.3 for v in got.values())
@@ -145,6 +146,56 @@ def test_builtins_by_name() -> None:
     assert {"round_robin", "least_inflight"} <= set(available())
     with pytest.raises(KeyError, match="unknown balancer 'nope'"):
         balancer_class("nope")
+    assert balancer_type("round_robin") is RoundRobin  # built-ins are built as they are
+
+
+class FirstOffered:
+    """A plugin written to the first contract: a bare Candidate, no declarations."""
+
+    name = "first"
+
+    def pick(
+        self, candidates: Sequence[Candidate], exclude: frozenset[str] = frozenset()
+    ) -> object:
+        return next((c for c in candidates if c.name not in exclude), None)
+
+
+def test_a_plugin_returning_a_bare_candidate_routes_with_reason_load() -> None:
+    cls = adapted(FirstOffered, "first")
+    assert adapted(FirstOffered, "first") is cls  # wrapped once per plugin
+    assert (cls.name, cls.needs_counts, cls.needs_engine) == ("first", True, False)
+    bal = cls()
+    a, b = Candidate("a", 1.0, 5), Candidate("b", 1.0, 0)
+    assert bal.pick([a, b]) == Choice(a, "load")
+    assert bal.pick([a, b], {"a"}) == Choice(b, "load")
+    assert bal.pick([a], {"a"}) is None
+    store = LocalInflight()
+    backends = [mk("a"), mk("b")]
+    lease = store.acquire_now(backends, bal, set())
+    assert (
+        lease is not None
+        and lease.backend == "a"
+        and lease.choice == Choice(Candidate("a", 1.0, 0), "load")
+    )
+
+
+def test_a_plugin_keeps_its_declarations_its_choice_and_its_redis_form() -> None:
+    class Declared(FirstOffered):
+        needs_counts = False
+        needs_engine = True
+        redis_pick = "local function pick(n, load, weight) return 1 end"
+
+        def pick(
+            self, candidates: Sequence[Candidate], exclude: frozenset[str] = frozenset()
+        ) -> object:
+            return Choice(candidates[-1], "mine") if candidates else None
+
+    cls = adapted(Declared, "declared")
+    assert (cls.needs_counts, cls.needs_engine) == (False, True)
+    assert redis_form(cls()) == Declared.redis_pick
+    assert redis_form(adapted(FirstOffered, "first")()) is None
+    a, b = Candidate("a", 1.0, 0), Candidate("b", 1.0, 0)
+    assert cls().pick([a, b]) == Choice(b, "mine")
 
 
 # --- the local store ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ import redis
 from balancers.base import Candidate
 from balancers.inflight.redis import RedisInflight
 from balancers.least_inflight import LeastInflight
+from balancers.plugin import adapted
 from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
 from tests.harness import Cluster, Proc, free_port
@@ -217,10 +218,10 @@ def test_plugin_balancers_see_shared_counts(rds: Proc) -> None:
         await b.start()
         for _ in range(3):
             await a.acquire([bs[1]], LeastInflight(), set())
-        rec = Recorder()
+        rec = adapted(Recorder, "recorder")()  # as the router builds a plugin
         lease = await b.acquire(bs, rec, set())
         # b is full (3 held by the other replica) so it is not even offered.
-        assert rec.seen == [{"a": 0}]
+        assert rec.inner.seen == [{"a": 0}]  # type: ignore[attr-defined]
         assert lease is not None and lease.backend == "a"
         await a.aclose()
         await b.aclose()

@@ -26,7 +26,7 @@ def pick(cands: list[Candidate], kv: KvHints) -> tuple[str, str]:
     bal = CacheAware(random.Random(1)).with_hints(Hints(8, 256, {}, None, kv), 1.25)
     chosen = bal.pick(cands)
     assert chosen is not None
-    return chosen.name, bal.reason  # type: ignore[attr-defined]
+    return chosen.candidate.name, chosen.reason
 
 
 def test_the_engines_rates_set_the_exchange_rate() -> None:

@@ -36,26 +36,27 @@ def test_engine_load_wins_over_our_own_counts() -> None:
     bal = LeastLoad(random.Random(1))
     busy = Candidate("busy", 1.0, 0, reading(running=20))  # hidden load: not ours
     idle = Candidate("idle", 1.0, 3, reading(running=3))
-    assert bal.pick([busy, idle]) == idle
+    assert bal.pick([busy, idle]).candidate == idle
 
 
 def test_queue_and_full_kv_weigh_more_than_running() -> None:
     bal = LeastLoad(random.Random(1))
     queued = Candidate("queued", 1.0, 0, reading(running=4, waiting=2))
     running = Candidate("running", 1.0, 0, reading(running=10))
-    assert bal.pick([queued, running]) == running
+    assert bal.pick([queued, running]).candidate == running
     full = Candidate("full", 1.0, 0, reading(running=2, kv=1.0))
-    assert bal.pick([full, Candidate("roomy", 1.0, 0, reading(running=6, kv=0.5))]).name == "roomy"
+    roomy = Candidate("roomy", 1.0, 0, reading(running=6, kv=0.5))
+    assert bal.pick([full, roomy]).candidate == roomy
 
 
 def test_stale_reading_ranks_last_never_idle() -> None:
     bal = LeastLoad(random.Random(1))
     stale = Candidate("stale", 1.0, 0, reading(stale=True))
     busy = Candidate("busy", 1.0, 9, reading(running=30, waiting=5))
-    assert all(bal.pick([stale, busy]) == busy for _ in range(50))
+    assert all(bal.pick([stale, busy]).candidate == busy for _ in range(50))
     # Only stale ones left: the fewest in flight among them.
     other = Candidate("other", 1.0, 4, reading(stale=True))
-    assert bal.pick([other, stale]) == stale
+    assert bal.pick([other, stale]).candidate == stale
 
 
 def test_a_burst_between_two_readings_spreads_out() -> None:
@@ -100,7 +101,7 @@ def test_weight_scales_the_score() -> None:
     bal = LeastLoad(random.Random(1))
     big = Candidate("big", 4.0, 0, reading(running=8))
     small = Candidate("small", 1.0, 0, reading(running=3))
-    assert bal.pick([big, small]) == big
+    assert bal.pick([big, small]).candidate == big
 
 
 def _backends(*names: str) -> list[Backend]:

@@ -120,13 +120,16 @@ def test_tiers_running_then_free_slot_then_waiting() -> None:
         Candidate("wait", 1.0, 0, reading(1, {"sql"}, {"a", "b"})),
     ]
     picker = LeastLoad().for_adapter(want)
-    assert picker.pick(cands).name == "run"  # type: ignore[union-attr]
-    assert picker.reason == "adapter_running"
-    assert picker.pick(cands, {"run"}).name == "slot"  # type: ignore[union-attr]
-    assert picker.pick(cands, {"run", "slot"}).name == "wait"  # type: ignore[union-attr]
+    choice = picker.pick(cands)
+    assert choice is not None and (choice.candidate.name, choice.reason) == (
+        "run",
+        "adapter_running",
+    )
+    assert picker.pick(cands, {"run"}).candidate.name == "slot"  # type: ignore[union-attr]
+    assert picker.pick(cands, {"run", "slot"}).candidate.name == "wait"  # type: ignore[union-attr]
     # Much busier: a free slot elsewhere wins over running it.
     busy = [Candidate("run", 1.0, 0, reading(8, {"sql"}, {"sql"})), cands[0]]
-    assert picker.pick(busy).name == "slot"  # type: ignore[union-attr]
+    assert picker.pick(busy).candidate.name == "slot"  # type: ignore[union-attr]
 
 
 def test_an_engine_without_the_adapter_is_never_chosen_unless_loading_on_demand() -> None:
@@ -138,19 +141,19 @@ def test_an_engine_without_the_adapter_is_never_chosen_unless_loading_on_demand(
             LeastLoad().for_adapter(want),
             CacheAware().with_hints(Hints(1, 64, {"idle": 1}, adapter=want), 1.25),
         ):
-            assert picker.pick([idle, holder]).name == "holder"  # type: ignore[union-attr]
+            assert picker.pick([idle, holder]).candidate.name == "holder"  # type: ignore[union-attr]
             # The holder left (a failed attempt): only loading it elsewhere can serve it.
             other = picker.pick([idle, holder], {"holder"})
-            assert (other.name if other else None) == ("idle" if on_demand else None)
+            assert (other.candidate.name if other else None) == ("idle" if on_demand else None)
     # Nobody serves it: without load on demand nobody takes it; with it, the most room does.
     fuller = Candidate("fuller", 1.0, 0, reading(0, {"a", "b"}, {"a", "b"}))
     assert LeastLoad().for_adapter(AdapterWant("sql")).pick([idle, fuller]) is None
     picker = LeastLoad().for_adapter(AdapterWant("sql", on_demand=True))
-    assert picker.pick([idle, fuller]).name == "idle"  # type: ignore[union-attr]
-    assert picker.reason == "adapter_load"
+    choice = picker.pick([idle, fuller])
+    assert choice is not None and (choice.candidate.name, choice.reason) == ("idle", "adapter_load")
     # A failed load there counts for that engine and adapter only.
     failed = AdapterWant("sql", on_demand=True, failed=frozenset({"idle"}))
-    assert LeastLoad().for_adapter(failed).pick([idle, fuller]).name == "fuller"  # type: ignore[union-attr]
+    assert LeastLoad().for_adapter(failed).pick([idle, fuller]).candidate.name == "fuller"  # type: ignore[union-attr]
     norole = Candidate("no-lora", 1.0, 0, reading(0, set(), max_lora=None))
     assert LeastLoad().for_adapter(failed).pick([norole]) is None
 

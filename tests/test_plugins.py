@@ -129,6 +129,14 @@ def test_router_routes_through_the_plugin(
         held.close()
     rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
     assert {r["inflight_store"] for r in rows} == {store}
+    # Its bare Candidate reaches the request path as a Choice made by load.
+    routed = [
+        line
+        for line in httpx.get(router.url + "/metrics", timeout=5).text.splitlines()
+        if line.startswith("sluicegate_routing_decisions_total{")
+    ]
+    assert routed and all('balancer="priority"' in r and 'reason="load"' in r for r in routed)
+    assert sum(float(r.rsplit(" ", 1)[1]) for r in routed) == 9
     client.close()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from types import MappingProxyType
 
-from balancers.base import Candidate
+from balancers.base import Candidate, Choice
 from balancers.cache_aware import CacheAware, HintedPick, Hints
 from balancers.inflight.local import LocalInflight
 from balancers.prefix_index import PrefixIndex
@@ -18,6 +18,11 @@ from router.request.affinity import MAX_SESSION_KEY_CHARS, Affinity
 from router.request.prefix import block_hashes, prefix_hashes, prompt_text
 
 SYSTEM = "You are a careful assistant. " * 40  # 1160 characters
+
+
+def chose(choice: Choice | None) -> tuple[Candidate | None, str, int]:
+    """A pick as (candidate, reason, prefix blocks held); (None, "", 0) when none was left."""
+    return (choice.candidate, choice.reason, choice.held) if choice else (None, "", 0)
 
 
 def chat(*turns: str, **extra: object) -> dict[str, object]:
@@ -113,32 +118,32 @@ def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     match = Hints(blocks=32, block_chars=256, held={"a": 32})
     a, b, c = Candidate("a", 1.0, 3), Candidate("b", 1.0, 2), Candidate("c", 1.0, 2)
     pick = bal.with_hints(match, 1.25)
-    assert pick.pick([a, b, c]) == a and (pick.reason, pick.held) == ("prefix", 32)
+    assert chose(pick.pick([a, b, c])) == (a, "prefix", 32)
     # Far above the mean (cap = ceil(1.25 x (10 + 1) / 3) = 5): it spills to the least loaded.
     a, b, c = Candidate("a", 1.0, 8), Candidate("b", 1.0, 2), Candidate("c", 1.0, 0)
     pick = bal.with_hints(match, 1.25)
-    assert pick.pick([a, b, c]) == c and (pick.reason, pick.held) == ("spill", 0)
+    assert chose(pick.pick([a, b, c])) == (c, "spill", 0)
     # A looser bound keeps it on the holder only while the cache is worth the queue.
     pick = bal.with_hints(match, 4.0)
-    assert pick.pick([a, b, c]) == a and pick.reason == "prefix"
+    assert chose(pick.pick([a, b, c]))[:2] == (a, "prefix")
     a = Candidate("a", 1.0, 12)
-    assert pick.pick([a, b, c]) == c and pick.reason == "load"
+    assert chose(pick.pick([a, b, c]))[:2] == (c, "load")
     # The holder excluded (its attempt failed) or absent: plain least_load, reason load.
     pick = bal.with_hints(match, 1.25)
-    assert pick.pick([a, b, c], exclude={"a"}) == c and pick.reason == "load"
-    assert bal.with_hints(Hints(0, 256, {}), 1.25).pick([b, c]) == c
+    assert chose(pick.pick([a, b, c], exclude={"a"}))[:2] == (c, "load")
+    assert bal.with_hints(Hints(0, 256, {}), 1.25).pick([b, c]).candidate == c
     # With engine readings the cost is time: a busy batch and a half-full KV cache do not cost
     # our first token a prefill, a queue does. A holder whose engine queues hidden load loses,
     # one that only runs a big batch keeps the prompt.
     busy = Candidate("a", 1.0, 0, reading(running=12, kv=0.6))
     cool = Candidate("b", 1.0, 0, reading(running=1, kv=0.1))
     pick = bal.with_hints(match, 1.25)
-    assert pick.pick([busy, cool]) == busy and pick.reason == "prefix"
+    assert chose(pick.pick([busy, cool]))[:2] == (busy, "prefix")
     queuing = Candidate("a", 1.0, 0, reading(running=16, kv=0.6, waiting=3))
-    assert pick.pick([queuing, cool]) == cool and pick.reason == "load"  # 3 ahead > 1 + 1
+    assert chose(pick.pick([queuing, cool]))[:2] == (cool, "load")  # 3 ahead > 1 + 1
     # Among equal costs (no holder, no queue) the least loaded wins, as with least_load.
     other = Candidate("c", 1.0, 0, reading(running=3, kv=0.1))
-    assert bal.with_hints(Hints(32, 256, {}), 1.25).pick([other, busy, cool]) == cool
+    assert bal.with_hints(Hints(32, 256, {}), 1.25).pick([other, busy, cool]).candidate == cool
 
 
 def test_a_follow_up_is_not_turned_away_by_its_own_finished_first_turn() -> None:
@@ -149,12 +154,12 @@ def test_a_follow_up_is_not_turned_away_by_its_own_finished_first_turn() -> None
     caught = EngineReading(1.0, 0.0, 0.01, 65536, None, 1.0, 2, inflight_at=1)
     idle = Candidate("c", 1.0, 0, reading(running=0))
     pick = CacheAware(random.Random(1)).with_hints(match, 1.25)
-    assert pick.pick([Candidate("a", 1.0, 0, caught), idle]).name == "a"
-    assert pick.reason == "prefix"
+    choice = pick.pick([Candidate("a", 1.0, 0, caught), idle])
+    assert choice is not None and (choice.candidate.name, choice.reason) == ("a", "prefix")
     # Not knowing the count at the scrape, the queued request could be anyone's: it moves.
     blind = EngineReading(1.0, 0.0, 0.01, 65536, None, 1.0, 2)
     pick = CacheAware(random.Random(1)).with_hints(match, 1.25)
-    assert pick.pick([Candidate("a", 1.0, 0, blind), idle]).name == "c"
+    assert pick.pick([Candidate("a", 1.0, 0, blind), idle]).candidate.name == "c"
 
 
 def test_a_holder_spills_when_its_engine_queues_not_when_its_batch_fluctuates() -> None:
@@ -167,7 +172,7 @@ def test_a_holder_spills_when_its_engine_queues_not_when_its_batch_fluctuates() 
         p = (bal or CacheAware(random.Random(1))).with_hints(match, 1.25)
         chosen = p.pick([a, *others])
         assert chosen is not None
-        return chosen.name, p.reason
+        return chosen.candidate.name, chosen.reason
 
     # 6 in flight against 3 and 2: past ceil(1.25 x 12 / 3) = 5 and 2 above the least loaded.
     # Ordinary fluctuation: the engine runs them all with room to spare, so the prompt stays.
@@ -210,11 +215,11 @@ def test_a_hot_prefix_spreads_over_holders_and_never_melts_one() -> None:
     for _ in range(16):
         picker = affinity.bind(bal, request, backends)
         lease = store.acquire_now(backends, picker, set())
-        assert lease is not None
+        assert lease is not None and lease.choice is not None
         affinity.dispatched(request.hashes, lease.backend, None)
         picked.append(lease.backend)
         assert isinstance(picker, HintedPick)
-        reasons.append(picker.reason)
+        reasons.append(lease.choice.reason)
     counts = {n: picked.count(n) for n in "abcd"}
     assert max(counts.values()) <= 5, counts  # 16 over 4 with bounded loads
     assert "spill" in reasons and reasons[0] == "prefix"
@@ -253,14 +258,16 @@ def test_a_session_sticks_under_the_bound_and_walks_the_ring_past_it() -> None:
     session = point("user-42")
     home = next(Ring(["a", "b", "c"]).walk(session))
     idle = [Candidate(n, 1.0, 0, reading(0)) for n in ("a", "b", "c")]
+    by_name = {c.name: c for c in idle}
     pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
-    assert all(pick.pick(idle).name == home for _ in range(20)) and pick.reason == "session"
+    assert all(chose(pick.pick(idle))[:2] == (by_name[home], "session") for _ in range(20))
     busy = [Candidate(n, 1.0, 9 if n == home else 1, reading(1)) for n in ("a", "b", "c")]
     second = list(Ring(["a", "b", "c"]).walk(session))[1]
     pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
-    assert pick.pick(busy).name == second and pick.reason == "spill"
+    choice = pick.pick(busy)
+    assert choice is not None and (choice.candidate.name, choice.reason) == (second, "spill")
     # Its home excluded (a failed attempt): the next one on the ring, never the excluded.
-    assert pick.pick(idle, exclude={home}).name == second
+    assert pick.pick(idle, exclude={home}).candidate.name == second
 
 
 def test_the_redis_store_runs_the_hinted_picker() -> None:
@@ -282,8 +289,8 @@ def test_the_redis_store_runs_the_hinted_picker() -> None:
                 hints = Hints(blocks=32, block_chars=256, held={"b": 32})
                 picker = CacheAware(random.Random(2)).with_hints(hints, 1.25)
                 lease = await store.acquire(_backends("a", "b", "c"), picker, set(), readings)
-                assert lease is not None and isinstance(picker, HintedPick)
-                return lease.backend, picker.reason, await store.counts(["a", "b", "c"])
+                assert lease is not None and lease.choice is not None
+                return lease.backend, lease.choice.reason, await store.counts(["a", "b", "c"])
             finally:
                 await store.aclose()
 

@@ -1,9 +1,11 @@
 """The InflightStore protocol: pick-and-count in one step, release that can't be lost.
 
 `acquire` asks the balancer for one of the backends that still have capacity and counts the new
-request against it (atomically for shared stores). `release` is synchronous and never raises, so
-the proxy can call it from a `finally` that is being cancelled; a shared store hands the network
-call to a task it owns. `degraded` is True while a shared store has fallen back to local counts.
+request against it (atomically for shared stores); the lease carries the balancer's `Choice`,
+so the request path reads the reason where it reads the backend. `release` is synchronous and
+never raises, so the proxy can call it from a `finally` that is being cancelled; a shared store
+hands the network call to a task it owns. `degraded` is True while a shared store has fallen
+back to local counts.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from balancers.base import Balancer
+from balancers.base import Balancer, Choice
 from router.core.backend import Backend
 from router.core.engine import EngineReading
 
@@ -24,6 +26,7 @@ class Lease:
     backend: str
     token: str = ""
     released: bool = field(default=False)
+    choice: Choice | None = None  # the pick behind it (None: a lease rebuilt only to release)
 
 
 class InflightStore(Protocol):

@@ -49,11 +49,12 @@ class LocalInflight:
         exclude: Set[str],
         readings: Readings | None = None,
     ) -> Lease | None:
-        picked = balancer.pick(self.candidates(backends, exclude, readings), exclude)
-        if picked is None:
+        choice = balancer.pick(self.candidates(backends, exclude, readings), exclude)
+        if choice is None:
             return None
-        self._counts[picked.name] = self._counts.get(picked.name, 0) + 1
-        return Lease(picked.name)
+        name = choice.candidate.name
+        self._counts[name] = self._counts.get(name, 0) + 1
+        return Lease(name, choice=choice)
 
     def release(self, lease: Lease) -> None:
         if lease.released:

@@ -5,7 +5,8 @@ its count is the number of unexpired ids. Lease ids are `<replica id>:<seq>`.
 
 - acquire, one round trip: for a balancer that offers its policy in Lua (`RedisForm`, e.g.
   least in flight), one script purges expired ids on the candidates it looks at, runs that policy
-  over the backends below `max_inflight` and adds the lease, atomically. Balancers that ignore
+  over the backends below `max_inflight` and adds the lease, atomically (the lease's `Choice`
+  then has reason "load" and the count the script read). Balancers that ignore
   loads (round robin) pick locally and a script only checks capacity and adds; other (plugin)
   balancers read counts first: two round trips.
 - release, one round trip: decrements the local view at once and hands ZREM to a task this store
@@ -29,7 +30,7 @@ import uuid
 from collections.abc import Callable, Sequence, Set
 from typing import Any
 
-from balancers.base import Balancer, Candidate, needs_counts, redis_form
+from balancers.base import Balancer, Candidate, Choice, redis_form
 from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
 from router.core.errors import StoreUnavailable
@@ -51,6 +52,7 @@ end
 
 # The acquire script around a balancer's Lua policy (`RedisForm`), which defines `pick`.
 # ARGV: now_ms, ttl_ms, lease id, seed, then (weight, max_inflight or 0) per key.
+# Returns 0 when none has room, else {index, its count before this lease}.
 _ACQUIRE_AROUND = (
     _NOW
     + """
@@ -76,7 +78,7 @@ local i = pick(#KEYS, load, weight)
 if not i then return 0 end
 redis.call('ZADD', KEYS[i], now + ttl, ARGV[3])
 redis.call('PEXPIRE', KEYS[i], ttl * 3)
-return i
+return {i, seen[i]}
 """
 )
 
@@ -238,9 +240,9 @@ class RedisInflight(SharedStore[_Owed]):
         script = self._policy(balancer)
         try:
             if script is not None:
-                picked = await self._acquire_atomic(cands, token, script)
+                choice = await self._acquire_atomic(cands, token, script, readings)
             else:
-                picked = await self._acquire_picked(cands, balancer, token, readings)
+                choice = await self._acquire_picked(cands, balancer, token, readings)
         except StoreUnavailable:
             # The script may have run after we stopped waiting: remove the id wherever it landed.
             for b in cands:
@@ -251,9 +253,9 @@ class RedisInflight(SharedStore[_Owed]):
             for b in cands:  # cancelled mid-call (the client left): same doubt, Redis is fine
                 self._remove_later(token, b.name)
             raise
-        if picked is None:
+        if choice is None:
             return None
-        return self._hold(picked, token)
+        return self._hold(choice, token)
 
     def _policy(self, balancer: Balancer) -> str | None:
         """The acquire script around the balancer's own Lua form, if it offers one."""
@@ -266,13 +268,21 @@ class RedisInflight(SharedStore[_Owed]):
             self._policies[cls] = sha
         return self._policies[cls]
 
-    async def _acquire_atomic(self, cands: Sequence[Backend], token: str, sha: str) -> str | None:
+    async def _acquire_atomic(
+        self, cands: Sequence[Backend], token: str, sha: str, readings: Readings | None
+    ) -> Choice | None:
+        """Picked inside the script: by load alone, hence the reason."""
         args: list[Any] = [self._now_ms(), self._ttl_ms, token, self._rng.getrandbits(31)]
         for b in cands:
             args += (b.weight, b.max_inflight or 0)
         keys = [self.key(b.name) for b in cands]
-        index = await self._call(self._store_tag, "EVALSHA", sha, len(keys), *keys, *args)
-        return cands[int(index) - 1].name if index else None
+        reply = await self._call(self._store_tag, "EVALSHA", sha, len(keys), *keys, *args)
+        if not reply:
+            return None
+        b = cands[int(reply[0]) - 1]
+        return Choice(
+            Candidate(b.name, b.weight, int(reply[1]), readings.get(b.name) if readings else None)
+        )
 
     async def _acquire_picked(
         self,
@@ -280,9 +290,9 @@ class RedisInflight(SharedStore[_Owed]):
         balancer: Balancer,
         token: str,
         readings: Readings | None = None,
-    ) -> str | None:
+    ) -> Choice | None:
         """Let the balancer pick, then add the lease only if that backend still has room."""
-        if needs_counts(balancer):
+        if balancer.needs_counts:
             names = [b.name for b in cands]
             counts = await self._shared_counts(names)
         else:
@@ -297,22 +307,23 @@ class RedisInflight(SharedStore[_Owed]):
         by_name = {b.name: b for b in cands}
         tried: set[str] = set()
         for _ in range(len(offered)):
-            picked = balancer.pick(offered, tried)
-            if picked is None:
+            choice = balancer.pick(offered, tried)
+            if choice is None:
                 return None
-            b = by_name[picked.name]
+            b = by_name[choice.candidate.name]
             args = [self._now_ms(), self._ttl_ms, token, b.max_inflight or 0]
             if await self._call(
                 self._store_tag, "EVALSHA", self._add_sha, 1, self.key(b.name), *args
             ):
-                return b.name
+                return choice
             tried.add(b.name)  # filled up since we looked
         return None
 
-    def _hold(self, backend: str, token: str) -> Lease:
+    def _hold(self, choice: Choice, token: str) -> Lease:
+        backend = choice.candidate.name
         self._live[token] = backend
         self._local[backend] = self._local.get(backend, 0) + 1
-        return Lease(backend, token)
+        return Lease(backend, token, choice=choice)
 
     def _acquire_local(
         self, cands: Sequence[Backend], balancer: Balancer, readings: Readings | None = None
@@ -325,10 +336,10 @@ class RedisInflight(SharedStore[_Owed]):
             for b in cands
             if b.max_inflight is None or local.get(b.name, 0) < b.max_inflight
         ]
-        picked = balancer.pick(offered)
-        if picked is None:
+        choice = balancer.pick(offered)
+        if choice is None:
             return None
-        return self._hold(picked.name, f"{self.replica_id}:{next(self._seq)}")
+        return self._hold(choice, f"{self.replica_id}:{next(self._seq)}")
 
     def release(self, lease: Lease) -> None:
         if lease.released:

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from balancers import Balancer, balancer_class
+from balancers import Balancer, balancer_class, balancer_type
 from router.core.backend import Backend
 from router.core.errors import Conflict, Invalid, NotFound
 from router.core.settings import BackendConfig, ConfigError, Settings, describe_validation
@@ -204,7 +204,7 @@ class Registry:
     def balancer_for(self, model: str) -> Balancer:
         bal = self._balancers.get(model)
         if bal is None:
-            bal = self._balancers[model] = balancer_class(
+            bal = self._balancers[model] = balancer_type(
                 self._per_model.get(model, self._default)
             )()
         return bal

@@ -20,7 +20,7 @@ import httpx
 from starlette.types import Send
 
 from balancers import lora as adapters
-from balancers.base import Balancer, needs_engine
+from balancers.base import Balancer, Candidate, Choice
 from balancers.disaggregation import decide
 from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
@@ -48,6 +48,8 @@ from router.upstream.transport import Answer
 # Failures after the request went out: the backend was working on it when it broke.
 _SENT = (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError)
 _NO_PHASE = Phase(None, None, None)
+# A lease whose store passed no choice on (a stand-in store): chosen by load, nothing held.
+_NO_CHOICE = Choice(Candidate("", 1.0, 0))
 
 
 async def attempts_for(parts: Parts, call: Call, send: Send) -> Attempts:
@@ -90,8 +92,7 @@ class Attempts:
         self.exclude: set[str] = set()  # backends that failed this request
         self.p_exclude: set[str] = set()  # prefill engines that failed this request
         self.last: Retry | None = None
-        self.engine_aware = needs_engine(balancer) or call.adapter is not None
-        self.picker: Balancer = balancer  # this attempt's: `balancer` bound to the affinity
+        self.engine_aware = balancer.needs_engine or call.adapter is not None
         self.want: adapters.AdapterWant | None = None
         self.readings: Readings | None = None
 
@@ -107,7 +108,7 @@ class Attempts:
             prefill: Lease | None = None
             if call.pools is not None and not call.started and call.continuation is None:
                 rec.prefill_backend = None  # this attempt's own, set when it has one
-                prefill = await self._prefill_lease(number)
+                prefill = await self._prefill_lease(number, lease)
             await exchange(parts, call, self.send, lease, answered, prefill)
         except Broken:
             call.working = False
@@ -197,7 +198,6 @@ class Attempts:
         if want is not None:
             picker = adapters.bind(picker, want)
         self.want = want
-        self.picker = picker
         return picker
 
     async def _lease(self, number: int) -> Lease:
@@ -242,10 +242,10 @@ class Attempts:
         parts = self.parts
         call = self.call
         rec = call.record
-        picker = self.picker
+        choice = lease.choice or _NO_CHOICE
         want = self.want
         readings = self.readings
-        rec.reason = getattr(picker, "reason", "load")
+        rec.reason = choice.reason
         # Chosen where it is not served (load on demand): it is loaded there first.
         call.load_adapter = (
             want is not None
@@ -257,34 +257,33 @@ class Attempts:
         parts.metrics.routed(call.model, self.balancer.name, lease.backend, rec.reason)
         affinity = self.affinity
         if affinity:
-            held = getattr(picker, "held", 0)
+            held = choice.held
             rec.prefix_chars = held * parts.settings.affinity.block_chars
             parts.affinity.dispatched(affinity.hashes, lease.backend, readings)
             if affinity.tokens is not None:
-                cached = getattr(picker, "cached", 0)
-                parts.affinity.kv_dispatched(affinity, lease.backend, cached)
+                parts.affinity.kv_dispatched(affinity, lease.backend, choice.cached)
             entries = parts.affinity.index.entries
             parts.metrics.affinity(len(affinity.hashes), held, entries)
         call.trace.picked(lease.backend, rec.reason)
         call.trace.attempt(lease.backend, number)
         rec.attempts += 1  # a migration's attempts count on from the first stream's
 
-    async def _prefill_lease(self, number: int) -> Lease | None:
+    async def _prefill_lease(self, number: int, decode: Lease) -> Lease | None:
         """The prefill engine for this attempt when the prompt should be split (after the
-        decode engine was chosen), else None: served whole on the decode engine. The last
+        `decode` engine was chosen), else None: served whole on the decode engine. The last
         attempt after prefill failures goes whole: the decode engine can still answer."""
         parts = self.parts
         call = self.call
         pools = call.pools
         assert pools is not None
         affinity = self.affinity
-        picker = self.picker
+        choice = decode.choice or _NO_CHOICE
         tokens = affinity.tokens if affinity else None
         prompt = len(tokens) if tokens is not None else len(call.body) // 4
         if tokens is not None:
-            cached = getattr(picker, "cached", 0)
+            cached = choice.cached
         else:
-            cached = getattr(picker, "held", 0) * parts.settings.affinity.block_chars // 4
+            cached = choice.held * parts.settings.affinity.block_chars // 4
         # No panic mode here: with no healthy prefill engine the decode engine serves it.
         p_exclude = self.p_exclude
         candidates = [b for b in parts.health.healthy(pools.prefill) if b.name not in p_exclude]
