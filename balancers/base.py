@@ -27,7 +27,10 @@ from typing import ClassVar, Protocol, runtime_checkable
 from router.core.engine import EngineReading
 
 
-@dataclass(frozen=True, slots=True)
+# Candidates and choices are values: nothing changes them once built. They are not `frozen`
+# only because a frozen dataclass is built through object.__setattr__, field by field: 0.52
+# against 0.15 us for a Candidate, and a request builds one per eligible backend.
+@dataclass(slots=True, unsafe_hash=True)
 class Candidate:
     name: str
     weight: float
@@ -35,7 +38,7 @@ class Candidate:
     engine: EngineReading | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Choice:
     """What a pick chose and what its reason rests on (the request log line, the
     `sluicegate_routing_decisions_total{reason}` label, the trace, the prefix index)."""
