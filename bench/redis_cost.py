@@ -1,6 +1,7 @@
 """Router CPU per request with Redis shared state on: this checkout against another (an A/B).
 
     python -m bench.redis_cost <baseline checkout>     # about three minutes
+    python -m bench.redis_cost <baseline checkout> --plain   # the same on the defaults: no Redis
 
 Routers with `redis_url` set (in-flight counts shared, quotas shared for the client key every
 request carries: rpm, tpm and max_parallel, so each request runs an admit and its release, an
@@ -27,11 +28,11 @@ CONCURRENCY = 32
 KEY = "sk-bench-redis-cost"
 
 
-def main(baseline: str) -> int:
+def main(baseline: str, plain: bool = False) -> int:
     bench = Bench(quick=True)
     try:
         up = bench.mock("fast", tokens=64)
-        redis = bench.cluster.redis()
+        redis = None if plain else bench.cluster.redis()
         cfg: dict[str, Any] = {
             "backends": [{"name": "b0", "url": up.url, "models": {"m": "mock-model"}}],
             "api_keys": [
@@ -47,9 +48,12 @@ def main(baseline: str) -> int:
         env = {
             "SLUICEGATE_LOG_LEVEL": "warning",
             "PYTHONHASHSEED": "0",  # see Bench.router: one dict layout for every router
-            "SLUICEGATE_REDIS_URL": redis.url,
-            "SLUICEGATE_REDIS_TIMEOUT": "0.5",  # a busy 2-core machine: no fallbacks
         }
+        if redis is not None:
+            env["SLUICEGATE_REDIS_URL"] = redis.url
+            env["SLUICEGATE_REDIS_TIMEOUT"] = "0.5"  # a busy 2-core machine: no fallbacks
+        else:
+            del cfg["api_keys"]  # the defaults a user gets: no keys, no Redis
         sides = {"this": None, "baseline": baseline}
         targets = {
             (side, i): bench.cluster.router(cfg, workers=1, env=env, src=src)
@@ -57,7 +61,7 @@ def main(baseline: str) -> int:
             for side, src in sides.items()
         }
         body = {"model": "m", "stream": True, "max_tokens": 64}
-        auth = f"authorization: Bearer {KEY}\r\n"
+        auth = "" if plain else f"authorization: Bearer {KEY}\r\n"
         cpu = dict.fromkeys(sides, 0.0)
         ok = dict.fromkeys(sides, 0)
         errors = dict.fromkeys(sides, 0)
@@ -82,6 +86,7 @@ def main(baseline: str) -> int:
                     "errors": errors,
                     "this_vs_baseline_cpu": per["this"] / per["baseline"],
                     "rounds": ROUNDS,
+                    "redis": not plain,
                 }
             )
         )
@@ -91,7 +96,8 @@ def main(baseline: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    args = [a for a in sys.argv[1:] if a != "--plain"]
+    if len(args) != 1:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(args[0], plain="--plain" in sys.argv[1:]))
