@@ -15,13 +15,15 @@ import openai
 import pytest
 import redis
 
-from tests.harness import Cluster, Proc, backend, stats
+from tests.harness import Cluster, Proc, backend, stats, wait_for
 
 pytestmark = pytest.mark.redis
 
 TOKEN = "admin-token-for-redis-tests"
 RIGHT = {"authorization": f"Bearer {TOKEN}"}
-PROPAGATION_S = 2.0
+# Pub/sub is immediate; a lost message is caught by the periodic resync (`registry_resync`,
+# 1 s by default): twice that.
+PROPAGATION_S = 2 * 1.0
 
 
 def admin(router: Proc, method: str, path: str = "", **kw: Any) -> httpx.Response:
@@ -152,6 +154,17 @@ def test_a_change_never_published_is_picked_up_by_the_resync(
 def test_every_worker_sees_a_change(procs: Cluster, shared: dict[str, Any]) -> None:
     r1 = start_router(procs, shared)
     many = start_router(procs, shared, workers=2)
+
+    def started() -> set[int]:
+        return {
+            json.loads(line)["pid"]
+            for line in many.log().splitlines()
+            if line.startswith("{") and '"started"' in line
+        }
+
+    # /healthz answered from one worker; the other may still be starting on a busy machine (it
+    # loads the registry at its start, and logs no change then): the change comes after both.
+    wait_for(lambda: len(started()) == 2, "both workers started", within=60)
     assert admin(r1, "POST", json=backend("b", shared["b"])).status_code == 201
 
     def workers_with_b() -> set[int]:
