@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
 from fastapi import FastAPI, Request
@@ -164,169 +164,183 @@ def _response_ids(settings: Settings, client: Client | None) -> ResponseIds:
 
 
 def create_app(settings: Settings) -> FastPath:
-    backends = [Backend.from_config(b) for b in settings.backends]
-    # Backends added at run time (admin API, discovery) reach only the networks allowed.
-    policy = NetPolicy.from_config(settings.admin)
-    pools = Pools(settings.timeouts, settings.limits, policy)
-    metrics = Metrics()
-    # One Redis client (one connection pool) for every part that shares state through Redis.
-    redis = RedisConfig.from_settings(settings)
-    redis_client = redis.client() if redis is not None else None
-    # Every background chore of this process runs on it (and is counted per chore).
-    runner = Runner(on_run=metrics.background_run)
-    count_drops(metrics.log_dropped.inc)
-    kv_reset: list[Callable[[str], None]] = []
-    # Streams on a backend gone from the registry (its drain grace over) migrate, when on: after
-    # a whole swap (admin, config) and after a discovery patch (only the names it removed).
-    backends_now: list[Callable[[frozenset[str]], None]] = []
-    backends_gone: list[Callable[[tuple[str, ...]], None]] = []
-
-    def health_changed(backend: str, healthy: bool, reason: str) -> None:
-        metrics.health_changed(backend, healthy, reason)
-        if not healthy:
-            for reset in kv_reset:  # an engine that stopped answering may come back empty
-                reset(backend)
-
-    health = HealthBook(settings.health, settings.outlier, on_change=health_changed)
-    monitor = HealthMonitor(health, policy=policy, runner=runner)
-    engine = EngineScraper(
-        settings.engine_metrics,
-        on_error=metrics.engine_scrape_failed,
-        policy=policy,
-        lora_refresh=settings.lora.refresh,
-        runner=runner,
+    """The router: its parts built once (`Parts`), started and closed by the lifespan in that
+    order and its reverse (`_lifespan`), reached through the routes (`_routes`)."""
+    parts = Parts(settings)
+    app = FastAPI(
+        title="sluicegate",
+        lifespan=_lifespan(parts),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
+    _routes(app, parts)
+    # Proxied POSTs skip FastAPI's layers; everything else (and the lifespan) goes through it.
+    return FastPath(app, proxy_endpoints(parts.proxy, parts.client_keys), parts.lifecycle)
 
-    def kv_capacity(name: str) -> int | None:
+
+class Parts:
+    """Every object of one router process, built once, each from those built before it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # Backends added at run time (admin API, discovery) reach only the networks allowed.
+        policy = NetPolicy.from_config(settings.admin)
+        self.pools = pools = Pools(settings.timeouts, settings.limits, policy)
+        self.metrics = metrics = Metrics()
+        count_drops(metrics.log_dropped.inc)
+        # One Redis client (one connection pool) for every part that shares state through Redis.
+        redis = RedisConfig.from_settings(settings)
+        self.redis_client = redis_client = redis.client() if redis is not None else None
+        # Every background chore of this process runs on it (and is counted per chore).
+        self.runner = runner = Runner(on_run=metrics.background_run)
+        self.health = HealthBook(settings.health, settings.outlier, on_change=self._health_changed)
+        self.monitor = HealthMonitor(self.health, policy=policy, runner=runner)
+        self.engine = engine = EngineScraper(
+            settings.engine_metrics,
+            on_error=metrics.engine_scrape_failed,
+            policy=policy,
+            lora_refresh=settings.lora.refresh,
+            runner=runner,
+        )
+        self.kv_events = KvEvents(
+            capacity=self._kv_capacity,
+            on_events=metrics.kv_events,
+            pending_ttl=settings.affinity.pending_ttl,
+            policy=policy,
+        )
+        backends = [Backend.from_config(b) for b in settings.backends]
+        self.registry = registry = Registry(
+            backends,
+            settings.balancer,
+            settings.model_balancers,
+            on_swap=self._on_swap,
+            on_patch=self._on_patch,
+        )
+        self.lora = LoraLoads(settings.lora, pool_sender(pools), metrics.lora_load)
+        self.lora.on_loaded = engine.refresh_adapters
+        engine.on_adapters = self._adapters_changed
+        self._adapters_changed()  # lora.sources route from the start
+        self.fleet = Fleet(
+            registry,
+            settings.backends,
+            _record_store(settings, redis_client),
+            on_invalid=lambda _name: metrics.invalid_records.inc(),
+        )
+        self.admin_auth = AdminAuth(settings.admin_token)
+        self.client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
+        metrics.backends_known([b.name for b in backends])
+        self.store = store = MeteredInflight(make_store(redis, redis_client, runner), metrics)
+        if isinstance(store.inner, LocalInflight):
+            # A reading pairs with our count when its scrape was sent only where that count is
+            # the one balancers see (a shared store's is every replica's, read at the pick).
+            engine.inflight = store.inner.count
+        self.lifecycle = Lifecycle()
+        self.tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
+        self.admission = Admission(settings.admission, metrics) if settings.admission else None
+        if self.admission is not None:
+            engine.on_change = self.admission.changed
+        self.affinity = make_affinity(
+            settings, redis_client, metrics, runner, self.kv_events, pools
+        )
+        self.quotas = make_quotas(redis, redis_client, metrics, runner)
+        self.proxy = Proxy(
+            settings,
+            registry,
+            pools,
+            store,
+            self.health,
+            self.lifecycle,
+            metrics,
+            self.tracing,
+            readings=lambda: engine.readings,
+            admission=self.admission,
+            quotas=self.quotas,
+            affinity=self.affinity,
+            usage=_usage_book(settings, redis_client, metrics),
+            response_ids=_response_ids(settings, redis_client),
+            hops=HopMarker(settings.deployment_id),
+            lora=self.lora if settings.lora.load_on_demand else None,
+        )
+        self.discovery = Discovery(
+            settings.discovery,
+            self.fleet,
+            self._counts,
+            metrics,
+            settings.drain_grace,
+            policy=policy,
+            runner=runner,
+        )
+        self.rows = BackendRows(
+            self.fleet, store, self.health, lambda: engine.readings, self.kv_events.status
+        )
+
+    # --- what one part tells the others -----------------------------------------------------
+
+    def _health_changed(self, backend: str, healthy: bool, reason: str) -> None:
+        self.metrics.health_changed(backend, healthy, reason)
+        if not healthy:  # an engine that stopped answering may come back empty
+            self.kv_events.reset(backend)
+
+    def _kv_capacity(self, name: str) -> int | None:
         """The engine's KV capacity in blocks, as its metrics say."""
-        r = engine.readings.get(name)
+        r = self.engine.readings.get(name)
         if r is None or not r.kv_capacity_tokens or not r.block_size:
             return None
         return r.kv_capacity_tokens // r.block_size
 
-    kv_events = KvEvents(
-        capacity=kv_capacity,
-        on_events=metrics.kv_events,
-        pending_ttl=settings.affinity.pending_ttl,
-        policy=policy,
-    )
-    kv_reset.append(kv_events.reset)
+    def _on_swap(self, snapshot: Snapshot) -> None:
+        _learn_secrets(snapshot.backends)
+        self.health.sync(snapshot.backends)
+        self.monitor.sync(snapshot.backends)  # new or changed backends are probed at once
+        self.engine.sync(snapshot.backends)
+        self.kv_events.sync(snapshot.backends)
+        # Streams on a backend gone from the registry (its drain grace over) migrate, when on.
+        # The first swap comes from the registry's own constructor, before the proxy exists.
+        if hasattr(self, "proxy"):
+            self.proxy.migration.backends_changed(frozenset(snapshot.by_name))
 
-    def learn_secrets(backends: Sequence[Backend]) -> None:
-        # Keys of backends added through the admin API are secrets from now on, in logs too.
-        register_secret(
-            *(
-                v.decode("latin-1").split(" ")[-1]
-                for b in backends
-                for k, v in b.auth_headers
-                if (name := k.decode("latin-1")) == b.key_header
-                or secret_header(name, v.decode("latin-1"))
-            )
-        )
-
-    def on_swap(snapshot: Snapshot) -> None:
-        learn_secrets(snapshot.backends)
-        health.sync(snapshot.backends)
-        monitor.sync(snapshot.backends)  # new or changed backends are probed at once
-        engine.sync(snapshot.backends)
-        kv_events.sync(snapshot.backends)
-        for moved in backends_now:
-            moved(frozenset(snapshot.by_name))
-
-    def on_patch(snapshot: Snapshot, change: Change) -> None:
+    def _on_patch(self, snapshot: Snapshot, change: Change) -> None:
         # A discovery change: only what changed (a 50,000 endpoint fleet, one slice moved).
-        learn_secrets(change.upserted)
-        health.update(change.upserted, change.removed)
-        monitor.update(change.upserted, change.removed)
-        engine.update(change.upserted, change.removed)
-        kv_events.update(change.upserted, change.removed)
-        if change.removed:
-            for gone in backends_gone:
-                gone(change.removed)
+        _learn_secrets(change.upserted)
+        self.health.update(change.upserted, change.removed)
+        self.monitor.update(change.upserted, change.removed)
+        self.engine.update(change.upserted, change.removed)
+        self.kv_events.update(change.upserted, change.removed)
+        if change.removed and hasattr(self, "proxy"):
+            self.proxy.migration.backends_removed(change.removed)
 
-    registry = Registry(
-        backends, settings.balancer, settings.model_balancers, on_swap=on_swap, on_patch=on_patch
-    )
-    lora = LoraLoads(settings.lora, pool_sender(pools), metrics.lora_load)
-    lora.on_loaded = engine.refresh_adapters
-
-    def adapters_changed() -> None:
-        registry.set_adapters(
-            adapter_routes(registry.snapshot.backends, engine.readings, settings.lora)
+    def _adapters_changed(self) -> None:
+        routes = adapter_routes(
+            self.registry.snapshot.backends, self.engine.readings, self.settings.lora
         )
+        self.registry.set_adapters(routes)
 
-    engine.on_adapters = adapters_changed
-    adapters_changed()  # lora.sources route from the start
-    fleet = Fleet(
-        registry,
-        settings.backends,
-        _record_store(settings, redis_client),
-        on_invalid=lambda _name: metrics.invalid_records.inc(),
-    )
-    admin_auth = AdminAuth(settings.admin_token)
-    client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
-    metrics.backends_known([b.name for b in backends])
-    store = MeteredInflight(make_store(redis, redis_client, runner), metrics)
-    if isinstance(store.inner, LocalInflight):
-        # A reading pairs with our count when its scrape was sent only where that count is the
-        # one balancers see (a shared store's is every replica's, read at the pick).
-        engine.inflight = store.inner.count
-    lifecycle = Lifecycle()
-    tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
-    admission = Admission(settings.admission, metrics) if settings.admission else None
-    affinity = make_affinity(settings, redis_client, metrics, runner, kv_events, pools)
-    if admission is not None:
-        engine.on_change = admission.changed
-    quotas = make_quotas(redis, redis_client, metrics, runner)
-    proxy = Proxy(
-        settings,
-        registry,
-        pools,
-        store,
-        health,
-        lifecycle,
-        metrics,
-        tracing,
-        readings=lambda: engine.readings,
-        admission=admission,
-        quotas=quotas,
-        affinity=affinity,
-        usage=_usage_book(settings, redis_client, metrics),
-        response_ids=_response_ids(settings, redis_client),
-        hops=HopMarker(settings.deployment_id),
-        lora=lora if settings.lora.load_on_demand else None,
-    )
+    async def _counts(self, names: Sequence[str]) -> dict[str, int]:
+        return await self.store.counts(list(names))
 
-    backends_now.append(proxy.migration.backends_changed)
-    backends_gone.append(proxy.migration.backends_removed)
+    # --- chores ------------------------------------------------------------------------------
 
-    async def counts(names: Sequence[str]) -> dict[str, int]:
-        return await store.counts(list(names))
-
-    discovery = Discovery(
-        settings.discovery,
-        fleet,
-        counts,
-        metrics,
-        settings.drain_grace,
-        policy=policy,
-        runner=runner,
-    )
-
-    async def close_removed_pools() -> None:
+    async def close_removed_pools(self) -> None:
         # A removed backend's pool stays open while its streams run, then closes.
-        gone = pools.names() - set(registry.snapshot.by_name)
+        pools, snapshot = self.pools, self.registry.snapshot
+        gone = pools.names() - set(snapshot.by_name)
         if gone:
-            counts = await store.counts(sorted(gone))
+            counts = await self.store.counts(sorted(gone))
             for name in gone:
-                if not counts.get(name) and name not in registry.snapshot.by_name:
+                if not counts.get(name) and name not in self.registry.snapshot.by_name:
                     await pools.discard(name)
 
-    async def reload_keys() -> None:
-        client_keys.reload_if_changed()
+    async def reload_keys(self) -> None:
+        self.client_keys.reload_if_changed()
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lora_sweep(self) -> None:
+        self.lora.sweep(self.registry.snapshot.by_name, self.engine.readings)
+
+    # --- start and stop ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        settings, fleet, runner = self.settings, self.fleet, self.runner
         # Before the pools, stores and discovery start: what is frozen here lives as long as
         # the process (a pool frozen with its backend could not be collected once closed).
         tune_collector()
@@ -335,12 +349,12 @@ def create_app(settings: Settings) -> FastPath:
         except (RegistryError, StoreUnavailable):
             # Serve the file's entries meanwhile; the watch below keeps trying and catches up.
             log.warning("shared registry unavailable at start; serving the file's backends")
-        for b in registry.snapshot.backends:
-            pools.transport(b)
-        await store.start()
-        await quotas.start()
-        if affinity.shared is not None:
-            await affinity.shared.start()
+        for b in self.registry.snapshot.backends:
+            self.pools.transport(b)
+        await self.store.start()
+        await self.quotas.start()
+        if self.affinity.shared is not None:
+            await self.affinity.shared.start()
         pin_mmap_threshold()  # big bodies mapped and unmapped: a flood's memory leaves
         if fleet.store.kind != "local":
             runner.forever(
@@ -348,24 +362,20 @@ def create_app(settings: Settings) -> FastPath:
                 lambda: fleet.store.watch(fleet.apply),
                 backoff_max=settings.registry_resync,
             )
-        runner.every("close_removed_pools", close_removed_pools, 1.0)
+        runner.every("close_removed_pools", self.close_removed_pools, 1.0)
         runner.every("memory_trim", Trimmer().step, 5.0)
         if settings.lora.load_on_demand:
-
-            async def lora_sweep() -> None:
-                lora.sweep(registry.snapshot.by_name, engine.readings)
-
-            runner.every("lora_sweep", lora_sweep, 1.0)
-        if proxy.usage.shared:
-            runner.every("usage_flush", proxy.usage.flush_round, settings.usage_flush)
+            runner.every("lora_sweep", self.lora_sweep, 1.0)
+        if self.proxy.usage.shared:
+            runner.every("usage_flush", self.proxy.usage.flush_round, settings.usage_flush)
         if settings.api_keys_file:
-            runner.every("client_keys_reload", reload_keys, settings.api_keys_reload)
+            runner.every("client_keys_reload", self.reload_keys, settings.api_keys_reload)
         runner.start()
-        if settings.workers > 1 and fleet.store.kind == "local" and admin_auth.configured:
+        if settings.workers > 1 and fleet.store.kind == "local" and self.admin_auth.configured:
             log.warning(
                 "admin changes reach only the worker that takes them: set SLUICEGATE_REDIS_URL"
             )
-        snap = registry.snapshot
+        snap = self.registry.snapshot
         log.info(
             "started",
             extra={
@@ -373,59 +383,93 @@ def create_app(settings: Settings) -> FastPath:
                     "backends": len(snap.backends),
                     "models": len(snap.models),
                     "registry_store": fleet.store.kind,
-                    "admin_api": "on" if admin_auth.configured else "read-only",
-                    "client_keys": client_keys.enabled,
-                    "tracing": tracing.enabled,
+                    "admin_api": "on" if self.admin_auth.configured else "read-only",
+                    "client_keys": self.client_keys.enabled,
+                    "tracing": self.tracing.enabled,
                 }
             },
         )
-        await monitor.start()
-        await engine.start()
-        await kv_events.start()
-        await discovery.start()
+        await self.monitor.start()
+        await self.engine.start()
+        await self.kv_events.start()
+        await self.discovery.start()
+
+    async def stop(self) -> None:
+        self.lifecycle.draining = True
+        await self.lifecycle.wait_idle(self.settings.drain_grace)
+        await self.runner.stop()
+        closers: list[_Closes | None] = [
+            self.discovery,
+            self.fleet.store,
+            self.monitor,
+            self.engine,
+            self.kv_events,
+            self.lora,
+            self.pools,
+            self.store,
+            self.quotas,
+            self.affinity.shared,
+            self.tracing,
+            self.proxy.usage,
+            self.admission,
+            self.proxy.response_ids,
+            self.redis_client,  # last: every part above shares it
+        ]
+        for part in closers:
+            if part is None:
+                continue
+            # One part failing to close (Redis gone) must not leave the others open.
+            try:
+                await part.aclose()
+            except Exception:
+                log.exception("shutdown: closing %s failed", type(part).__name__)
+        # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the queued
+        # log lines now (bounded wait).
+        stop_logging()
+
+
+def _learn_secrets(backends: Sequence[Backend]) -> None:
+    # Keys of backends added through the admin API are secrets from now on, in logs too.
+    register_secret(
+        *(
+            v.decode("latin-1").split(" ")[-1]
+            for b in backends
+            for k, v in b.auth_headers
+            if (name := k.decode("latin-1")) == b.key_header
+            or secret_header(name, v.decode("latin-1"))
+        )
+    )
+
+
+def _lifespan(parts: Parts) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await parts.start()
         try:
             yield
         finally:
-            lifecycle.draining = True
-            await lifecycle.wait_idle(settings.drain_grace)
-            await runner.stop()
-            closers: list[_Closes | None] = [discovery, fleet.store, monitor, engine, kv_events]
-            closers.append(lora)
-            closers.append(pools)
-            closers += [store, quotas, affinity.shared, tracing, proxy.usage, admission]
-            closers.append(proxy.response_ids)
-            closers.append(redis_client)  # last: every part above shares it
-            for part in closers:
-                if part is None:
-                    continue
-                # One part failing to close (Redis gone) must not leave the others open.
-                try:
-                    await part.aclose()
-                except Exception:
-                    log.exception("shutdown: closing %s failed", type(part).__name__)
-            # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the
-            # queued log lines now (bounded wait).
-            stop_logging()
+            await parts.stop()
 
-    app = FastAPI(
-        title="sluicegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
-    app.include_router(openai_routes(proxy, registry, client_keys))
-    rows = BackendRows(fleet, store, health, lambda: engine.readings, kv_events.status)
-    app.include_router(admin_routes(rows, admin_auth, settings.drain_grace, settings.admin))
+    return lifespan
 
-    app.include_router(usage_routes(proxy.usage, admin_auth))
+
+def _routes(app: FastAPI, p: Parts) -> None:
+    """The HTTP face: the API, admin, usage and console routes, health, metrics, errors."""
+    settings = p.settings
+    app.include_router(openai_routes(p.proxy, p.registry, p.client_keys))
+    app.include_router(admin_routes(p.rows, p.admin_auth, settings.drain_grace, settings.admin))
+    app.include_router(usage_routes(p.proxy.usage, p.admin_auth))
     if settings.console.enabled:
         live = LiveState(
-            rows,
-            metrics.live,
-            admission,
-            quotas,
-            client_keys,
-            admin_auth.configured,
+            p.rows,
+            p.metrics.live,
+            p.admission,
+            p.quotas,
+            p.client_keys,
+            p.admin_auth.configured,
             settings.console.refresh,
         )
-        app.include_router(console_routes(settings.console, admin_auth, live))
+        app.include_router(console_routes(settings.console, p.admin_auth, live))
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -433,25 +477,28 @@ def create_app(settings: Settings) -> FastPath:
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        store.check_fallback()
-        if affinity.shared is not None:
-            metrics.affinity_shared_entries.set(affinity.shared.entries)
-        metrics.engine_readings(engine.readings, time.time())
-        metrics.kv_state(kv_events.blocks(), kv_events.lags())
-        discovery.refresh_metrics()
+        metrics = p.metrics
+        p.store.check_fallback()
+        if p.affinity.shared is not None:
+            metrics.affinity_shared_entries.set(p.affinity.shared.entries)
+        metrics.engine_readings(p.engine.readings, time.time())
+        metrics.kv_state(p.kv_events.blocks(), p.kv_events.lags())
+        p.discovery.refresh_metrics()
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         # Stale discovery keeps serving its last known set: a detail, not a reason to be unready.
-        details: dict[str, object] = {"discovery": discovery.status()} if discovery.sources else {}
-        quota_status = quotas.status()
+        details: dict[str, object] = (
+            {"discovery": p.discovery.status()} if p.discovery.sources else {}
+        )
+        quota_status = p.quotas.status()
         if quota_status is not None:
             # Redis down: still ready (each process enforces its share), and says so.
             details["quotas"] = quota_status
-        if lifecycle.draining:
+        if p.lifecycle.draining:
             return JSONResponse({"status": "draining", **details}, status_code=503)
-        if not registry.snapshot.backends:
+        if not p.registry.snapshot.backends:
             return JSONResponse({"status": "no backends", **details}, status_code=503)
         return JSONResponse({"status": "ready", **details})
 
@@ -477,6 +524,3 @@ def create_app(settings: Settings) -> FastPath:
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.error("unhandled error", exc_info=exc)
         return error_response(500, "Internal router error.", "api_error", "internal_error")
-
-    # Proxied POSTs skip FastAPI's layers; everything else (and the lifespan) goes through it.
-    return FastPath(app, proxy_endpoints(proxy, client_keys), lifecycle)
