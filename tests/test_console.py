@@ -139,8 +139,7 @@ def test_page_loads_under_its_csp_and_lists_both_backends(site: Site, browser: B
     assert "2 backends" in browser.evaluate("document.getElementById('fleet-count').textContent")
     # The last minute's decisions reach the page once their second is whole.
     browser.wait_for(
-        "[...document.querySelectorAll('#reasons tbody td')].some(td => td.textContent === 'load')",
-        within=4,
+        "[...document.querySelectorAll('#reasons tbody td')].some(td => td.textContent === 'load')"
     )
     assert text(browser, "a", "ttft") != EMPTY or text(browser, "b", "ttft") != EMPTY
     assert browser.evaluate("sessionStorage.getItem('sluicegate.console.token')") == TOKEN
@@ -202,7 +201,7 @@ def test_register_and_remove_from_the_page_go_through_the_admin_api(
     browser.evaluate(f"{remove}.click(); true")  # the first click only asks to confirm
     assert browser.evaluate(f"{remove}.textContent") == "confirm remove"
     browser.evaluate(f"{remove}.click(); true")
-    browser.wait_for(f"!{row('c', 'weight')}", within=10)
+    browser.wait_for(f"!{row('c', 'weight')}")
     assert httpx.get(f"{site.router.url}/admin/backends/c", headers=RIGHT).status_code == 404
 
 
