@@ -164,9 +164,9 @@ def _response_ids(settings: Settings, client: Client | None) -> ResponseIds:
 
 
 def create_app(settings: Settings) -> FastPath:
-    """The router: its parts built once (`Parts`), started and closed by the lifespan in that
+    """The router: its parts built once (`AppParts`), started and closed by the lifespan in that
     order and its reverse (`_lifespan`), reached through the routes (`_routes`)."""
-    parts = Parts(settings)
+    parts = AppParts(settings)
     app = FastAPI(
         title="sluicegate",
         lifespan=_lifespan(parts),
@@ -179,7 +179,7 @@ def create_app(settings: Settings) -> FastPath:
     return FastPath(app, proxy_endpoints(parts.proxy, parts.client_keys), parts.lifecycle)
 
 
-class Parts:
+class AppParts:
     """Every object of one router process, built once, each from those built before it."""
 
     def __init__(self, settings: Settings) -> None:
@@ -441,7 +441,7 @@ def _learn_secrets(backends: Sequence[Backend]) -> None:
     )
 
 
-def _lifespan(parts: Parts) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(parts: AppParts) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await parts.start()
@@ -453,7 +453,7 @@ def _lifespan(parts: Parts) -> Callable[[FastAPI], AbstractAsyncContextManager[N
     return lifespan
 
 
-def _routes(app: FastAPI, p: Parts) -> None:
+def _routes(app: FastAPI, p: AppParts) -> None:
     """The HTTP face: the API, admin, usage and console routes, health, metrics, errors."""
     settings = p.settings
     app.include_router(openai_routes(p.proxy, p.registry, p.client_keys))
