@@ -181,20 +181,27 @@ def _one_slot_each() -> list[Any]:
     return [backend(n, max_inflight=1) for n in BACKENDS]
 
 
+async def _two_running_one_queued(r: Router, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """Both one-slot backends busy with a request each, a third waiting in admission's queue:
+    (admission, the two calls, their upstream exchanges, the third call)."""
+    admission = r.proxy.admission
+    assert admission is not None
+    parked = parking(monkeypatch)
+    first, second = r.chat(stream=True), r.chat(stream=True)
+    held = (await r.upstreams.next(), await r.upstreams.next())
+    third = r.chat(stream=True)
+    await parked.wait()
+    assert admission.depth == 1
+    the_apps_recheck_is_no_leak(r)
+    return admission, (first, second), held, third
+
+
 @pytest.mark.parametrize("how", ["client_left", "server_cancel"])
 def test_a_request_that_leaves_the_admission_queue_leaves_nothing_behind(
     monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     async def scenario(r: Router) -> None:
-        admission = r.proxy.admission
-        assert admission is not None
-        parked = parking(monkeypatch)
-        first, second = r.chat(stream=True), r.chat(stream=True)
-        held = [await r.upstreams.next(), await r.upstreams.next()]
-        third = r.chat(stream=True)
-        await parked.wait()
-        assert admission.depth == 1
-        the_apps_recheck_is_no_leak(r)
+        admission, (first, second), held, third = await _two_running_one_queued(r, monkeypatch)
         if how == "client_left":
             await third.leave()
             assert third.task.exception() is None
@@ -218,15 +225,9 @@ def test_an_attempt_that_raises_frees_its_slot_for_the_queued_request(
     monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
     async def scenario(r: Router) -> None:
-        admission = r.proxy.admission
-        assert admission is not None
-        parked = parking(monkeypatch)
-        first, second = r.chat(stream=True), r.chat(stream=True)
-        ex1, ex2 = await r.upstreams.next(), await r.upstreams.next()
-        third = r.chat(stream=True)
-        await parked.wait()
-        assert admission.depth == 1
-        the_apps_recheck_is_no_leak(r)
+        admission, (first, second), (ex1, ex2), third = await _two_running_one_queued(
+            r, monkeypatch
+        )
         if failure == "bug":
             ex1.fail(Bug())
             with pytest.raises(Bug):
