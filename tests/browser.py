@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -59,6 +60,9 @@ class Browser:
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
+            # A group of its own: close() stops its renderers and helpers too (killing the main
+            # process alone left them behind when it had to be killed).
+            process_group=0,
         )
         self.events: list[dict[str, Any]] = []
         self._ids = itertools.count(1)
@@ -175,10 +179,15 @@ class Browser:
                 pass
         self._stack.close()
         if self._proc.poll() is None:
-            self._proc.terminate()
+            self._signal_group(signal.SIGTERM)
             try:
                 self._proc.wait(5)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
+                self._signal_group(signal.SIGKILL)
                 self._proc.wait(5)
+        self._signal_group(signal.SIGKILL)  # whatever of its group outlived it
         self._log.close()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, sig)
