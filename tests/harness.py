@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,11 +23,10 @@ import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.enginefleet.fleet import below_ephemeral
+from router.enginefleet.fleet import free_port as fleet_free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-_HANDED_OUT: set[int] = set()
-_PORT_SPAN = 12000  # below the kernel's ephemeral range (32768 by default)
 
 
 def _port_slice() -> range:
@@ -37,38 +34,19 @@ def _port_slice() -> range:
     xdist worker. Ports from bind(0) came from one pool for every worker: a server that lost its
     port to another worker's server between the choice and its bind left its test talking to
     that other server (a console test read another router's live view)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    start = max(1024, low - _PORT_SPAN)
+    span = below_ephemeral()
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
-    size = (low - start) // max(1, count)
-    first = start + (index % max(1, count)) * size
-    return range(first, first + size)
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    index = int(worker[2:]) % count if worker.startswith("gw") and worker[2:].isdigit() else 0
+    size = len(span) // count
+    return span[index * size : (index + 1) * size]
 
 
 def free_port() -> int:
     """A port on 127.0.0.1 nothing holds now, from this process's slice (`_port_slice`), never
-    handed out before by this process (a test may point a router at a port it keeps dead)."""
-    ports = _port_slice()
-    if len(ports) >= 100:
-        for _ in range(400):
-            port = random.randrange(ports.start, ports.stop)
-            if port in _HANDED_OUT:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _HANDED_OUT.add(port)
-            return port
-    with socket.socket() as s:  # an unusual port range: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    handed out before by this process (a test may point a router at a port it keeps dead); one
+    record with the engine fleet's own ports (`router.enginefleet.fleet.free_port`)."""
+    return fleet_free_port(_port_slice())
 
 
 def wait_http(

@@ -68,25 +68,29 @@ _HANDED_OUT: set[int] = set()
 _PORT_SPAN = 12000  # ports below the ephemeral range that free_port() draws from
 
 
-def _ephemeral_low() -> int:
+def below_ephemeral() -> range:
+    """The ports `free_port()` draws from: the _PORT_SPAN just below the kernel's ephemeral
+    range (empty when that range starts too low to leave room)."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
+        low = 32768  # Linux's default
+    return range(max(1024, low - _PORT_SPAN), low) if low - _PORT_SPAN >= 1024 else range(0)
 
 
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing holds now, below the kernel's ephemeral range, and never
-    handed out before by this process. An engine binds its ports seconds after they are chosen,
-    and binds them again on a restart: a port from the ephemeral range can meanwhile become the
-    local end of any outgoing connection on the machine (a router's probe, a client), and a
-    NIXL listener that finds its port taken hangs the engine's start for good (vLLM waits for
-    the listener's thread without a timeout, and the thread died)."""
-    low = _ephemeral_low()
-    if low - _PORT_SPAN >= 1024:
+def free_port(ports: range | None = None) -> int:
+    """A port on 127.0.0.1 that nothing holds now, from `ports` (default: `below_ephemeral()`),
+    and never handed out before by this process. An engine binds its ports seconds after they
+    are chosen, and binds them again on a restart: a port from the ephemeral range can meanwhile
+    become the local end of any outgoing connection on the machine (a router's probe, a client),
+    and a NIXL listener that finds its port taken hangs the engine's start for good (vLLM waits
+    for the listener's thread without a timeout, and the thread died)."""
+    if ports is None:
+        ports = below_ephemeral()
+    if len(ports) >= 100:
         rng = random.Random()
-        for _ in range(200):
-            port = rng.randrange(low - _PORT_SPAN, low)
+        for _ in range(400):
+            port = rng.randrange(ports.start, ports.stop)
             if port in _HANDED_OUT:
                 continue
             with socket.socket() as s:
