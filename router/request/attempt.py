@@ -450,11 +450,7 @@ async def _retryable_status(
     if retry_after is not None and status in (429, 503):
         parts.health.cool_down(backend.name, retry_after)
     if status >= 500:
-        parts.health.on_failure(
-            blame if blame is not None and status >= 500 else backend.name,
-            FailureKind.STATUS,
-            status,
-        )
+        parts.health.on_failure(blame or backend.name, FailureKind.STATUS, status)
     headers = downstream_response_headers(response.headers.raw, call.record.request_id, False)
     if cut or len(body) >= limit:
         headers = [(k, v) for k, v in headers if k != b"content-length"]

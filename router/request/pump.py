@@ -122,7 +122,7 @@ async def pump(
         kind = mid_stream_kind(exc)
         rec.error = kind
         parts.health.on_failure(backend.name, kind)
-        if not streaming or response.headers.get("content-encoding", "identity") != "identity":
+        if not streaming or not readable:
             # A plain body can't carry an error event: abort so the client sees it incomplete.
             raise
         message = (
