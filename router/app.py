@@ -47,6 +47,7 @@ from router.request.admission import Admission
 from router.request.affinity import Affinity
 from router.request.drain import Lifecycle
 from router.request.hops import HopMarker
+from router.request.migration import Migration
 from router.request.proxy import Proxy
 from router.request.quota import QuotaBook, Quotas
 from router.request.response_ids import ResponseIds
@@ -210,6 +211,9 @@ class AppParts:
             policy=policy,
         )
         backends = [Backend.from_config(b) for b in settings.backends]
+        # The registry's constructor swaps in its first snapshot before the proxy (and its
+        # migration) exists: streams to move are told of only once there is one.
+        self._migration: Migration | None = None
         self.registry = registry = Registry(
             backends,
             settings.balancer,
@@ -262,6 +266,7 @@ class AppParts:
             hops=HopMarker(settings.deployment_id),
             lora=self.lora if settings.lora.load_on_demand else None,
         )
+        self._migration = self.proxy.migration
         self.discovery = Discovery(
             settings.discovery,
             self.fleet,
@@ -296,9 +301,8 @@ class AppParts:
         self.engine.sync(snapshot.backends)
         self.kv_events.sync(snapshot.backends)
         # Streams on a backend gone from the registry (its drain grace over) migrate, when on.
-        # The first swap comes from the registry's own constructor, before the proxy exists.
-        if hasattr(self, "proxy"):
-            self.proxy.migration.backends_changed(frozenset(snapshot.by_name))
+        if self._migration is not None:
+            self._migration.backends_changed(frozenset(snapshot.by_name))
 
     def _on_patch(self, snapshot: Snapshot, change: Change) -> None:
         # A discovery change: only what changed (a 50,000 endpoint fleet, one slice moved).
@@ -307,8 +311,8 @@ class AppParts:
         self.monitor.update(change.upserted, change.removed)
         self.engine.update(change.upserted, change.removed)
         self.kv_events.update(change.upserted, change.removed)
-        if change.removed and hasattr(self, "proxy"):
-            self.proxy.migration.backends_removed(change.removed)
+        if change.removed and self._migration is not None:
+            self._migration.backends_removed(change.removed)
 
     def _adapters_changed(self) -> None:
         routes = adapter_routes(

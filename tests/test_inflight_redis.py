@@ -342,21 +342,37 @@ def test_redis_slow_falls_back_without_error_and_settles_owed_removals(procs: Cl
     bs = [mk("a")]
 
     async def body() -> None:
-        s = store(rd.url, prefix, timeout=0.05)
+        timeout = 0.05
+        s = store(rd.url, prefix, timeout=timeout)
         await s.start()
         rd.signal(signal.SIGSTOP)  # accepts nothing, answers nothing: "slow"
         try:
             loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            first = await s.acquire(bs, LeastInflight(), set())
-            assert first is not None and not s.degraded  # one late answer is no verdict
-            leases = [first] + [await s.acquire(bs, LeastInflight(), set()) for _ in range(3)]
-            waited = loop.time() - t0
-            assert all(lease is not None for lease in leases) and s.degraded
-            assert s.fallbacks == 4
-            assert waited < 1.0  # 3 timeouts of 50 ms, then no more waiting
+
+            async def acquires(n: int) -> tuple[list[Any], float]:
+                got = [await s.acquire(bs, LeastInflight(), set()) for _ in range(n)]
+                return got, loop.time()
+
+            async def timer(timeouts: int) -> float:
+                await asyncio.sleep(timeouts * timeout)
+                return loop.time()
+
+            # Each timer starts with what it bounds, so its own lateness is the machine's.
+            (first, done), due = await asyncio.gather(acquires(1), timer(1))
+            assert done - due < timeout
+            assert first[0] is not None and not s.degraded  # one late answer is no verdict
+            # At most a timeout each until three round trips in a row failed (the first call's
+            # round trip may be judged only after it stopped waiting: four calls)...
+            (rest, done), due = await asyncio.gather(acquires(3), timer(3))
+            assert done - due < timeout
+            assert s.degraded and s.fallbacks == 4
+            # ...then no more waiting: done before a timer of one timeout started with it.
+            (last, done), due = await asyncio.gather(acquires(1), timer(1))
+            assert done < due
+            leases = first + rest + last
+            assert all(lease is not None for lease in leases) and s.fallbacks == 5
             for lease in leases:
-                s.release(lease)  # type: ignore[arg-type]
+                s.release(lease)
         finally:
             rd.signal(signal.SIGCONT)
         # The script may have run once Redis woke up: the owed removal settles it.
