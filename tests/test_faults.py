@@ -69,9 +69,13 @@ def test_sigterm_with_200_streams_in_flight(procs: Cluster) -> None:
     assert router.popen.wait(15) == 0
 
 
-def test_slow_client_memory_stays_bounded(procs: Cluster) -> None:
+@pytest.mark.parametrize("itl_ms", [0, 1], ids=["at_once", "paced"])
+def test_slow_client_memory_stays_bounded(procs: Cluster, itl_ms: int) -> None:
+    # Paced, each token is its own upstream read, which the read callback writes to the client
+    # itself while the client keeps up (router/core/body_write.py): it must stop when the
+    # client's connection pushes back, as `send` does.
     up = procs.mock("fat")
-    control(up, tokens=4000, pad_bytes=16 * 1024)  # about 64 MB if nobody pushed back
+    control(up, tokens=4000, pad_bytes=16 * 1024, itl_ms=itl_ms)  # 64 MB if nobody pushed back
     router = procs.router({"backends": [backend("fat", up)]})
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -83,9 +83,7 @@ def test_our_request_that_ended_after_the_scrape_is_not_seen_on_the_engine() -> 
     count at the scrape it is an idle engine, not one with a request queued."""
     bal = LeastLoad(random.Random(1))
     caught = reading(waiting=1, inflight_at=1)  # the scrape caught our request in the queue
-    assert bal.score(Candidate("a", 1.0, 0, caught)) == bal.score(
-        Candidate("b", 1.0, 0, reading())
-    )
+    assert bal.score(Candidate("a", 1.0, 0, caught)) == bal.score(Candidate("b", 1.0, 0, reading()))
     # Without the count at the scrape the reading pairs with the count when first seen: the
     # request looks queued still (the balancer cannot tell it from someone else's).
     blind = LeastLoad(random.Random(1))

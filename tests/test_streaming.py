@@ -123,7 +123,12 @@ def test_an_aliased_stream_with_its_own_stream_options_reaches_the_backend_renam
     assert rec["model"] == "mock-model"
 
 
-def test_stream_bytes_are_forwarded_unchanged(fleet: dict[str, Proc]) -> None:
+@pytest.mark.parametrize("itl_ms", [0, 5], ids=["at_once", "paced"])
+def test_stream_bytes_are_forwarded_unchanged(fleet: dict[str, Proc], itl_ms: int) -> None:
+    # Paced, each token is its own upstream read, passed on by the upstream connection's read
+    # callback itself (router/core/body_write.py); at once, the reads coalesce.
+    for name in ("a", "b"):
+        control(fleet[name], itl_ms=itl_ms)
     body = {"model": "m", "stream": True, "max_tokens": 5}
     same = {"x-request-id": "same-id"}
     via = httpx.post(fleet["router"].url + "/v1/chat/completions", json=body, headers=same)

@@ -14,6 +14,7 @@ from typing import Any
 from starlette.requests import Request
 
 from router.core.backend import Backend
+from router.core.body_write import body_write
 from router.core.endpoints import Endpoint
 from router.core.fastjson import with_member
 from router.ops.tracing import NO_TRACE, RequestTrace
@@ -35,6 +36,7 @@ class Call:
         "anthropic",
         "backends",
         "body",
+        "body_write",
         "carried",
         "client_headers",
         "continuation",
@@ -96,6 +98,8 @@ class Call:
         self.ticket = ticket
         self.reservation: Hold | None = None  # the quota's, taken last on the way in
         self.client_headers = request.headers.raw
+        # The server's direct write to the client (router/core/body_write.py), when it has one.
+        self.body_write = body_write(request.scope) if stream else None
         self.endpoint = endpoint
         self.model_span = model_span
         self.method = endpoint.method

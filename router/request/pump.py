@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 
 from starlette.types import Send
 
@@ -60,11 +61,38 @@ async def pump(
         usage.sink = relay.take  # the usage reader's batches are what the relay keeps
     stitch = call.stitch
     searched = relay is not None or strip is not None  # they read a chunk's finish reason
+    # A plain chunk (whole choices events, no finish reason, no usage object, nothing held)
+    # needs nothing of the loop below but the usage reader and the write: the upstream
+    # connection's read callback passes it on itself, through the server's direct write, while
+    # this task waits (no wake-up, future or `send` per token). Whatever else comes, and every
+    # chunk the direct write refuses, wakes this task as before, in order.
+    write = call.body_write if seen is None and stitch is None and readable else None
+    sink: Callable[[bytes], bool] | None = None
+    if write is not None:
+        put = write
+
+        def direct(chunk: bytes) -> bool:
+            if chunk[-4:] != CHOICES_END or (searched and chunk.rfind(FINISHED) >= 0):
+                return False
+            if relay is not None and relay.slow:
+                return False
+            if strip is not None and (strip.slow or chunk.rfind(USAGE_OBJECT) >= 0):
+                return False
+            if not put(chunk):
+                return False
+            watch(chunk)
+            rec.bytes_out += len(chunk)
+            return True
+
+        sink = direct
+
     # `bytes` counts what the client was sent, also when it left mid-stream.
     try:
         async for chunk in response.stream:
             if rec.ttfb_ms is None:
                 rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
+                if sink is not None:  # after the first chunk: it times the first byte
+                    response.stream.divert(sink)
             # Four bytes: the end of a choices event (CHOICES_END), of [DONE], or of neither,
             # told apart by comparing them, not by a method call per chunk.
             tail = chunk[-4:]

@@ -78,6 +78,9 @@ class _Conn(asyncio.Protocol):
         self.in_body = False  # between the final head and the end of the message
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
+        # Offered each read of the body while its consumer waits (`_Body.divert`): True when it
+        # passed the bytes on itself, so the consumer is not woken for them.
+        self.sink: Callable[[bytes], bool] | None = None
         self.paused = False
         self.write_waiter: asyncio.Future[None] | None = None
         self.write_paused = False
@@ -98,6 +101,16 @@ class _Conn(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._parse_failed(exc)
             return
+        sink = self.sink
+        waiter = self.waiter
+        if sink is not None and waiter is not None and not self.complete and not waiter.done():
+            # The consumer waits and was not woken, so everything before these bytes has been
+            # passed on: the sink may pass them on too, in order, without waking its task.
+            chunks = self.chunks
+            if chunks and sink(chunks[0] if len(chunks) == 1 else b"".join(chunks)):
+                chunks.clear()
+                self.buffered = 0
+                return
         self._wake()
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
@@ -301,9 +314,16 @@ class _Body(httpx.AsyncByteStream):
         else:
             self._arm(self._timeout)
 
+    def divert(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Offer each later read to `sink` first, while this body's consumer waits for one: the
+        bytes it takes (returns True for) are not returned by `__anext__`."""
+        if not self._done:
+            self._conn.sink = sink
+
     def _finish(self) -> None:
         if not self._done:
             self._done = True
+            self._conn.sink = None  # the connection goes back to the pool: nothing of ours
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None

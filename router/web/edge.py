@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from functools import partial
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from router.core.body_write import BODY_WRITE
 from router.core.errors import error_payload
 
 log = logging.getLogger("sluicegate.app")
@@ -115,6 +117,11 @@ class EdgeProtocol(HttpToolsProtocol):
         # Measured from the head: a body trickled byte by byte gets no more time than a silent one.
         self._body_timer = self.loop.call_later(self._body_timeout, self._body_too_slow)
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade: a request cycle
+            # Its ASGI task has not run yet: the extension is in the scope it will read.
+            scope: dict[str, Any] = self.scope  # type: ignore[assignment]
+            scope.setdefault("extensions", {})[BODY_WRITE] = BodyWriter(cycle).write
 
     def on_message_complete(self) -> None:
         timer = self._body_timer
@@ -129,6 +136,33 @@ class EdgeProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
         super().connection_lost(exc)
+
+
+class BodyWriter:
+    """`BODY_WRITE` for one request of a uvicorn httptools connection: its cycle's own framing
+    and state, written to the transport without the `send` coroutine. The cycle is held weakly:
+    its scope holds this writer, and a reference cycle per request would outlive the request
+    until the collector's next walk."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = weakref.ref(cycle)
+
+    def write(self, chunk: bytes) -> bool:
+        cycle = self.cycle()
+        if (
+            cycle is None
+            or cycle.flow.write_paused
+            or cycle.disconnected
+            or cycle.response_complete
+            or not cycle.response_started
+            or not cycle.chunked_encoding
+            or not chunk
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return True
 
 
 def protocol(header_timeout: float, max_connections: int, body_timeout: float = 30.0) -> Any:
