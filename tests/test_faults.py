@@ -72,7 +72,7 @@ def test_sigterm_with_200_streams_in_flight(procs: Cluster) -> None:
 @pytest.mark.parametrize("itl_ms", [0, 1], ids=["at_once", "paced"])
 def test_slow_client_memory_stays_bounded(procs: Cluster, itl_ms: int) -> None:
     # Paced, each token is its own upstream read, which the read callback writes to the client
-    # itself while the client keeps up (router/core/body_write.py): it must stop when the
+    # itself while the client keeps up (router/core/client_link.py): it must stop when the
     # client's connection pushes back, as `send` does.
     up = procs.mock("fat")
     control(up, tokens=4000, pad_bytes=16 * 1024, itl_ms=itl_ms)  # 64 MB if nobody pushed back

@@ -126,7 +126,7 @@ def test_an_aliased_stream_with_its_own_stream_options_reaches_the_backend_renam
 @pytest.mark.parametrize("itl_ms", [0, 5], ids=["at_once", "paced"])
 def test_stream_bytes_are_forwarded_unchanged(fleet: dict[str, Proc], itl_ms: int) -> None:
     # Paced, each token is its own upstream read, passed on by the upstream connection's read
-    # callback itself (router/core/body_write.py); at once, the reads coalesce.
+    # callback itself (router/core/client_link.py); at once, the reads coalesce.
     for name in ("a", "b"):
         control(fleet[name], itl_ms=itl_ms)
     body = {"model": "m", "stream": True, "max_tokens": 5}

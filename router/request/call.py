@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 
 from router.core.backend import Backend
-from router.core.body_write import body_write
+from router.core.client_link import body_write
 from router.core.endpoints import Endpoint
 from router.core.fastjson import with_member
 from router.ops.tracing import NO_TRACE, RequestTrace
@@ -98,7 +98,7 @@ class Call:
         self.ticket = ticket
         self.reservation: Hold | None = None  # the quota's, taken last on the way in
         self.client_headers = request.headers.raw
-        # The server's direct write to the client (router/core/body_write.py), when it has one.
+        # The server's direct write to the client (router/core/client_link.py), when it has one.
         self.body_write = body_write(request.scope) if stream else None
         self.endpoint = endpoint
         self.model_span = model_span

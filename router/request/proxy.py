@@ -84,7 +84,7 @@ class ProxyCall(Response):
         try:
             parts.lifecycle.enter()
             try:
-                await run_watched(self._run(send), receive, call.record)
+                await run_watched(self._run(send), scope, receive, call.record)
             finally:
                 parts.lifecycle.leave()
         finally:

@@ -24,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from router.core.body_write import BODY_WRITE
+from router.core.client_link import BODY_WRITE, ON_CLIENT_LOST
 from router.core.errors import error_payload
 
 log = logging.getLogger("sluicegate.app")
@@ -75,6 +76,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._max_connections = max_connections
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._on_lost: Callable[[], None] | None = None  # ON_CLIENT_LOST's registration
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -121,7 +123,9 @@ class EdgeProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.scope is self.scope:  # not an upgrade: a request cycle
             # Its ASGI task has not run yet: the extension is in the scope it will read.
             scope: dict[str, Any] = self.scope  # type: ignore[assignment]
-            scope.setdefault("extensions", {})[BODY_WRITE] = BodyWriter(cycle).write
+            extensions = scope.setdefault("extensions", {})
+            extensions[BODY_WRITE] = BodyWriter(cycle).write
+            extensions[ON_CLIENT_LOST] = self._when_lost
 
     def on_message_complete(self) -> None:
         timer = self._body_timer
@@ -136,6 +140,15 @@ class EdgeProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
         super().connection_lost(exc)
+        lost = self._on_lost
+        if lost is not None:
+            self._on_lost = None
+            lost()
+
+    def _when_lost(self, callback: Callable[[], None] | None) -> None:
+        """ON_CLIENT_LOST: the request being served registers (and clears) what to call when
+        the client's connection is lost; requests on one connection are served one at a time."""
+        self._on_lost = callback
 
 
 class BodyWriter:
