@@ -8,9 +8,10 @@ the lifecycle uses plain ASGI).
   client is gone, its writes are paused, the response is complete or not chunked). The pump
   uses it from the upstream connection's read callback (router/request/pump.py): a streamed
   token then costs no task wake-up, no future and no `send` coroutine.
-- `scope["extensions"][ON_CLIENT_LOST]`: a callable registering one callback (None clears it),
-  called once when the client's connection is lost. The lifecycle registers one that cancels
-  it (router/request/watch.py): no watcher task waiting on `receive` per request.
+- `scope["extensions"][ON_CLIENT_LOST]`: `(callback, watching)` registers `callback`, called
+  once when the client's connection is lost (`watching` True), or unregisters it (False). The
+  lifecycle registers one that cancels it (router/request/watch.py): no watcher task waiting on
+  `receive` per request.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ BODY_WRITE = "sluicegate.body_write"
 ON_CLIENT_LOST = "sluicegate.on_client_lost"
 
 BodyWrite = Callable[[bytes], bool]
-OnClientLost = Callable[[Callable[[], None] | None], None]
+OnClientLost = Callable[[Callable[[], None], bool], None]
 
 _NONE: Mapping[str, Any] = {}
 

@@ -65,7 +65,7 @@ async def _watch_disconnect(
 
 async def _run_here(
     lifecycle: Coroutine[Any, Any, None],
-    register: Callable[[Callable[[], None] | None], None],
+    register: Callable[[Callable[[], None], bool], None],
     task: asyncio.Task[Any],
     rec: RequestRecord,
 ) -> None:
@@ -75,7 +75,7 @@ async def _run_here(
         rec.disconnected = True
         task.cancel()
 
-    register(lost)
+    register(lost, True)
     try:
         await lifecycle
     except asyncio.CancelledError:
@@ -88,4 +88,4 @@ async def _run_here(
         if rec.disconnected and task.cancelling():  # a step swallowed it: not left to others
             task.uncancel()
     finally:
-        register(None)  # with no await since: a loss from now on cancels nothing of ours
+        register(lost, False)  # with no await since: a loss from now on cancels nothing of ours

@@ -145,10 +145,14 @@ class EdgeProtocol(HttpToolsProtocol):
             self._on_lost = None
             lost()
 
-    def _when_lost(self, callback: Callable[[], None] | None) -> None:
-        """ON_CLIENT_LOST: the request being served registers (and clears) what to call when
-        the client's connection is lost; requests on one connection are served one at a time."""
-        self._on_lost = callback
+    def _when_lost(self, callback: Callable[[], None], watching: bool) -> None:
+        """ON_CLIENT_LOST: the request being served registers what to call when the client's
+        connection is lost, and unregisters it (only if still its own: a pipelined request's
+        may have replaced it)."""
+        if watching:
+            self._on_lost = callback
+        elif self._on_lost is callback:
+            self._on_lost = None
 
 
 class BodyWriter:
