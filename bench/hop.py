@@ -55,10 +55,11 @@ def _body(model: str, tokens: int) -> bytes:
     return json.dumps(payload).encode()
 
 
-def _floor(c: Cluster, up: Proc) -> Proc:
+def _floor(c: Cluster, up: Proc, workers: int = 1) -> Proc:
     port = free_port()
     args = [sys.executable, "-m", "uvicorn", "bench.hop_floor:app", "--loop", "uvloop"]
     args += ["--http", "httptools", "--no-access-log", "--log-level", "warning"]
+    args += ["--workers", str(workers)]
     args += ["--host", "127.0.0.1", "--port", str(port)]
     proc = c._spawn(args, port, "floor", {"HOP_FLOOR_UPSTREAM": up.url})
     wait_http(f"http://127.0.0.1:{port}/health", proc=proc.popen)
@@ -211,6 +212,11 @@ def run(c: Cluster, quick: bool = False, baseline_src: str | None = None) -> dic
     }
     if ngx_burst is not None:
         burst["nginx"] = (ngx_burst, body)
+    # The floor in the same burst: what uvicorn, uvloop and httptools add with nothing of
+    # sluicegate on top, at 1 and 2 workers (issue #28: show the floor where a bound is not met).
+    floor_burst = {w: _floor(c, bursty, workers=w) for w in (1, 2)}
+    for w, proc in floor_burst.items():
+        burst[f"floor_{w}w"] = (proc, body)
     _rounds(burst, 1, concurrency=200, requests=200, request_timeout=30)  # 2 workers' warm-up
     agg = _rounds(burst, 3 if quick else 5, concurrency=200, requests=200, request_timeout=30)
     res["burst_ttft_p50_ms"] = {k: _pct(a["ttfb"], 0.5) * 1000 for k, a in agg.items()}
@@ -219,6 +225,7 @@ def run(c: Cluster, quick: bool = False, baseline_src: str | None = None) -> dic
     res["burst_added_ttft_p99_ms"] = {k: v - p99["direct"] for k, v in p99.items() if k != "direct"}
     res["burst_errors"] = {k: a["errors"] for k, a in agg.items()}
     stopped = (router, base, two, ngx_fast, ngx_slow, ngx_burst, floor_fast, floor_slow)
+    stopped += tuple(floor_burst.values())
     for p in (*stopped, fast, slow, bursty):
         if p is not None:
             p.stop()
