@@ -91,6 +91,19 @@ def test_idle_and_slowloris_heads_are_closed_after_header_timeout(
     assert httpx.get(router.url + "/healthz", timeout=5).status_code == 200
 
 
+def test_a_kept_alive_connections_next_head_has_the_same_limit(
+    router: Proc, sockets: list[socket.socket]
+) -> None:
+    s = connect(router, sockets)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    # The next request's head begins (the keep-alive timer stops) and never completes.
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+    start = time.monotonic()
+    assert closed_after(s, HEADER_TIMEOUT + 3.0) < HEADER_TIMEOUT + 3.0
+    assert time.monotonic() - start >= HEADER_TIMEOUT * 0.8
+
+
 def test_a_body_that_stops_short_or_trickles_gets_408_after_body_timeout(
     router: Proc, sockets: list[socket.socket]
 ) -> None:

@@ -15,8 +15,8 @@ cap, and the process's file-descriptor limit.
 - `raise_fd_limit()`: soft RLIMIT_NOFILE up to the hard limit, and a warning when it cannot hold
   the client connections plus the backend pools.
 
-Cost on the request path: two timers armed and cancelled per request (`call_later`: the head's
-and the body's), and a set-size check per new connection.
+Cost on the request path: a set-size check per new connection, and a timer armed and cancelled
+per request only when its head or its body takes more than one read.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._on_lost: Callable[[], None] | None = None  # ON_CLIENT_LOST's registration
+        # A head begun and not ended, a body begun and not ended, as of the parser's last call:
+        # their timers are armed after the read that left them open, so a request that comes
+        # whole in one read (most do) arms and cancels none.
+        self._head_open = False
+        self._body_open = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -102,7 +107,16 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._arm()  # the next request on a kept-alive connection: its head has the same limit
+        self._head_open = True  # the next request on a kept-alive connection: the same limit
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_open:
+            self._arm()
+        elif self._body_open and self._body_timer is None:
+            # Measured from the head: a body trickled byte by byte gets no more time than a
+            # silent one.
+            self._body_timer = self.loop.call_later(self._body_timeout, self._body_too_slow)
 
     def _body_too_slow(self) -> None:
         self._body_timer = None
@@ -115,9 +129,9 @@ class EdgeProtocol(HttpToolsProtocol):
         transport.close()
 
     def on_headers_complete(self) -> None:
+        self._head_open = False
         self._disarm()
-        # Measured from the head: a body trickled byte by byte gets no more time than a silent one.
-        self._body_timer = self.loop.call_later(self._body_timeout, self._body_too_slow)
+        self._body_open = True
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # not an upgrade: a request cycle
@@ -128,6 +142,7 @@ class EdgeProtocol(HttpToolsProtocol):
             extensions[ON_CLIENT_LOST] = self._when_lost
 
     def on_message_complete(self) -> None:
+        self._body_open = False
         timer = self._body_timer
         if timer is not None:
             timer.cancel()
