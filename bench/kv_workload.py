@@ -15,7 +15,9 @@ Scenarios:
   customer's prompt straight into one engine each before the trace, and keep flooding two of
   the engines with fresh long prompts during it, which evict;
 - `restart`: warmed through the router; one third into the trace, the engine holding the
-  most prompts restarts (stopped, started again on the same port: an empty cache);
+  most prompts restarts (stopped, started again on the same port DOWN_S later: an empty cache;
+  a real engine is gone for tens of seconds, this one long enough for the router to see it
+  gone and serve its customers elsewhere meanwhile);
 - `replicas`: two router replicas without Redis, each request through one drawn at random
   (each replica's guess knows only what it routed itself; the events are the same for both).
 Variants, each on freshly reset engine caches: `events` (`cache_aware` with `kv_events`, the
@@ -74,6 +76,10 @@ ROUNDS = int(os.environ.get("KV_BENCH_ROUNDS", "2"))
 OUT_TOKENS = 12
 FLOOD_RATE = 1.5  # hidden fresh prompts per second into each of 2 engines (hidden scenario)
 FLOOD_TOKENS = 1500
+# The restarted engine's time away (restart scenario). vLLM takes tens of seconds to come back
+# (the engine tier restarts its two in about 35 s: docs/engines.md); scaled to the 5 s trace,
+# 1.5 s: its customers' next requests fail over and are served elsewhere, as for real.
+DOWN_S = 1.5
 SCENARIOS = ("steady", "hidden", "restart", "replicas")
 VARIANTS = ("events", "approx", "least_load")
 REQUEST_TIMEOUT = 30.0
@@ -137,9 +143,10 @@ class Fleet:
     def _start(self, i: int, port: int | None = None) -> Proc:
         return self.c.mock(f"e{i}", port=port, engine_args=self._args(i))
 
-    def restart(self, i: int) -> None:
+    def restart(self, i: int, down: float = 0.0) -> None:
         old = self.mocks[i]
         old.stop()
+        time.sleep(down)
         self.mocks[i] = self._start(i, old.port)
         self.restarts += 1
 
@@ -229,7 +236,7 @@ async def _play(
     async def restart() -> None:
         assert restart_at is not None
         await asyncio.sleep(SECONDS / 3)
-        await asyncio.to_thread(f.restart, restart_at)
+        await asyncio.to_thread(f.restart, restart_at, DOWN_S)
 
     t0 = time.monotonic()
     side = []
