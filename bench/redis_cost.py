@@ -2,6 +2,9 @@
 
     python -m bench.redis_cost <baseline checkout>     # about three minutes
     python -m bench.redis_cost <baseline checkout> --plain   # the same on the defaults: no Redis
+    python -m bench.redis_cost <baseline checkout> --long    # the defaults, CPU per chunk: long
+                                                             # streams (128 tokens at 10 ms/token,
+                                                             # 100 users), each token one read
 
 Routers with `redis_url` set (in-flight counts shared, quotas shared for the client key every
 request carries: rpm, tpm and max_parallel, so each request runs an admit and its release, an
@@ -28,10 +31,15 @@ CONCURRENCY = 32
 KEY = "sk-bench-redis-cost"
 
 
-def main(baseline: str, plain: bool = False) -> int:
+LONG, LONG_ITL_MS, LONG_USERS = 128, 10.0, 100
+
+
+def main(baseline: str, plain: bool = False, long: bool = False) -> int:
+    plain = plain or long
     bench = Bench(quick=True)
     try:
-        up = bench.mock("fast", tokens=64)
+        tokens = LONG if long else 64
+        up = bench.mock("fast", tokens=tokens, itl_ms=LONG_ITL_MS if long else 0.0)
         redis = None if plain else bench.cluster.redis()
         cfg: dict[str, Any] = {
             "backends": [{"name": "b0", "url": up.url, "models": {"m": "mock-model"}}],
@@ -60,33 +68,37 @@ def main(baseline: str, plain: bool = False) -> int:
             for i in range(PER_SIDE)
             for side, src in sides.items()
         }
-        body = {"model": "m", "stream": True, "max_tokens": 64}
+        body = {"model": "m", "stream": True, "max_tokens": tokens}
+        users = LONG_USERS if long else CONCURRENCY
         auth = "" if plain else f"authorization: Bearer {KEY}\r\n"
         cpu = dict.fromkeys(sides, 0.0)
         ok = dict.fromkeys(sides, 0)
         errors = dict.fromkeys(sides, 0)
         for router in targets.values():  # warm-up
-            bench.measured(router, router, body, CONCURRENCY, duration=1.0, extra_headers=auth)
+            bench.measured(router, router, body, users, duration=1.0, extra_headers=auth)
         keys = list(targets)
         for rnd in range(ROUNDS):
             for side, i in keys[rnd % len(keys) :] + keys[: rnd % len(keys)]:
                 router = targets[(side, i)]
                 m = bench.measured(
-                    router, router, body, CONCURRENCY, duration=SECONDS, extra_headers=auth
+                    router, router, body, users, duration=SECONDS, extra_headers=auth
                 )
                 cpu[side] += m["hop_cpu_s"]
                 ok[side] += m["ok"]
                 errors[side] += m["errors"]
         per = {k: cpu[k] / ok[k] * 1000 for k in sides}
+        if long:  # per streamed event: the role event, each token, the finish event, [DONE]
+            per = {k: v * 1000 / (tokens + 3) for k, v in per.items()}
         print(
             json.dumps(
                 {
-                    "cpu_ms_per_req": per,
+                    ("cpu_us_per_chunk" if long else "cpu_ms_per_req"): per,
                     "requests": ok,
                     "errors": errors,
                     "this_vs_baseline_cpu": per["this"] / per["baseline"],
                     "rounds": ROUNDS,
                     "redis": not plain,
+                    "long": long,
                 }
             )
         )
@@ -96,8 +108,8 @@ def main(baseline: str, plain: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--plain"]
+    args = [a for a in sys.argv[1:] if a not in ("--plain", "--long")]
     if len(args) != 1:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(args[0], plain="--plain" in sys.argv[1:]))
+    sys.exit(main(args[0], plain="--plain" in sys.argv[1:], long="--long" in sys.argv[1:]))
