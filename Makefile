@@ -4,8 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install redis-server chromium system-deps bench bench-quick engines test-engine engine-venv \
-	lock image-test docs
+.PHONY: demo test lint install redis-server chromium system-deps bench bench-quick bench-hop nginx \
+	engines test-engine engine-venv lock image-test docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,19 @@ bench: $(VENV)/.bench redis-server
 
 bench-quick: $(VENV)/.bench redis-server
 	$(PY) -m bench.run --quick
+
+# nginx, the hop's reference (bench/hop.py starts its own on loopback ports; none is served here).
+nginx:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
+	  echo "installing nginx (the hop benchmark's reference)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light \
+	    >/dev/null; }
+
+# The hop's gate (issue #28): fails when router CPU per request, as a ratio to nginx's in the same
+# run, grew more than 5 % over bench/hop_baseline.json. On a shared machine re-run a failure
+# before believing it (docs/benchmarks.md).
+bench-hop: $(VENV)/.bench nginx
+	$(PY) -m bench.hop --check
 
 # docs/configuration.md from the settings model (tests/test_settings_doc.py fails while it is stale).
 docs: $(STAMP)
