@@ -3,6 +3,7 @@ non-streaming request. Nothing stays counted afterwards."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Cluster, Proc, backend, control, in_flight, stats
+from tests.harness import Cluster, Proc, backend, control, in_flight, sha, stats
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +112,50 @@ def test_many_disconnects_leave_nothing_counted(fleet: dict[str, Proc]) -> None:
     st = stats(fleet["up"])
     assert st["running"] == 0 and st["aborted"] == 30
     assert in_flight(fleet["router"]) == 0
+
+
+def test_leaving_before_the_lifecycle_starts_sends_nothing_upstream(procs: Cluster) -> None:
+    """The client leaves while its quota is still being checked (a stopped Redis answers nothing
+    for `redis_timeout`): the lifecycle that starts after it must end at once, not send the
+    request upstream and stream the whole answer to nobody."""
+    rds = procs.redis()
+    up = procs.mock("up", itl_ms=20, tokens=100)  # 2 s of answer
+    timeout = 1.0
+    key = "sk-leaves-early-0123456789"
+    router = procs.router(
+        {
+            "backends": [backend("up", up)],
+            "redis_url": rds.url,
+            "redis_timeout": timeout,
+            "api_keys": [{"sha256": sha(key), "name": "k", "rpm": 1000}],
+        }
+    )
+    auth = {"authorization": f"Bearer {key}"}
+    warm = httpx.post(
+        router.url + "/v1/chat/completions", json={"model": "m", "max_tokens": 1}, headers=auth
+    )
+    assert warm.status_code == 200
+    rid = "leaves-before-lifecycle"
+    body = b'{"model": "m", "stream": true}'
+    rds.signal(signal.SIGSTOP)
+    try:
+        sock = socket.create_connection(("127.0.0.1", router.port))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {key}\r\nx-request-id: {rid}\r\n".encode()
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(timeout / 4)  # within the quota's wait on Redis
+        sock.close()
+        # Unwatched, the lifecycle would start once the quota gave up (one timeout), take its
+        # lease (another) and stream to nobody: watch longer than that and the answer.
+        time.sleep(3 * timeout + 2.5)
+        sent = [r for r in stats(up)["recent"] if r["request_id"] == rid]
+        assert all(r["tokens"] <= 1 for r in sent), sent
+    finally:
+        rds.signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while in_flight(router) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert in_flight(router) == 0

@@ -9,9 +9,9 @@ the lifecycle uses plain ASGI).
   uses it from the upstream connection's read callback (router/request/pump.py): a streamed
   token then costs no task wake-up, no future and no `send` coroutine.
 - `scope["extensions"][ON_CLIENT_LOST]`: `(callback, watching)` registers `callback`, called
-  once when the client's connection is lost (`watching` True), or unregisters it (False). The
-  lifecycle registers one that cancels it (router/request/watch.py): no watcher task waiting on
-  `receive` per request.
+  once when the client's connection is lost, or on the loop's next turn if it is already
+  (`watching` True), or unregisters it (False). The lifecycle registers one that cancels it
+  (router/request/watch.py): no watcher task waiting on `receive` per request.
 """
 
 from __future__ import annotations

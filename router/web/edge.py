@@ -77,6 +77,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._on_lost: Callable[[], None] | None = None  # ON_CLIENT_LOST's registration
+        self._lost = False  # the connection is gone (a registration after it is called at once)
         # A head begun and not ended, a body begun and not ended, as of the parser's last call:
         # their timers are armed after the read that left them open, so a request that comes
         # whole in one read (most do) arms and cancels none.
@@ -155,6 +156,7 @@ class EdgeProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
         super().connection_lost(exc)
+        self._lost = True
         lost = self._on_lost
         if lost is not None:
             self._on_lost = None
@@ -163,11 +165,20 @@ class EdgeProtocol(HttpToolsProtocol):
     def _when_lost(self, callback: Callable[[], None], watching: bool) -> None:
         """ON_CLIENT_LOST: the request being served registers what to call when the client's
         connection is lost, and unregisters it (only if still its own: a pipelined request's
-        may have replaced it)."""
+        may have replaced it). A request whose client left before it registered (while its quota
+        was checked) is told on the loop's next turn, once its task waits: a cancel then lands
+        on what it waits for."""
         if watching:
             self._on_lost = callback
+            if self._lost:
+                self.loop.call_soon(self._tell, callback)
         elif self._on_lost is callback:
             self._on_lost = None
+
+    def _tell(self, callback: Callable[[], None]) -> None:
+        if self._on_lost is callback:  # not unregistered meanwhile
+            self._on_lost = None
+            callback()
 
 
 class BodyWriter:
