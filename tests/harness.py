@@ -6,6 +6,7 @@ a bounded deadline.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -29,6 +30,7 @@ from router.enginefleet.fleet import free_port as fleet_free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def _port_slice() -> range:
     """This test process's ports: its own slice of the span below the ephemeral range, one per
     xdist worker. Ports from bind(0) came from one pool for every worker: a server that lost its

@@ -75,7 +75,7 @@ def below_ephemeral() -> range:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default
-    return range(max(1024, low - _PORT_SPAN), low) if low - _PORT_SPAN >= 1024 else range(0)
+    return range(low - _PORT_SPAN, low) if low - _PORT_SPAN >= 1024 else range(0)
 
 
 def free_port(ports: range | None = None) -> int:
