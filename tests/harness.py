@@ -6,6 +6,7 @@ a bounded deadline.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import os
@@ -15,9 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -28,6 +29,7 @@ from router.enginefleet.fleet import below_ephemeral
 from router.enginefleet.fleet import free_port as fleet_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 @functools.cache
@@ -374,6 +376,24 @@ def metric(router: Proc, name: str, **labels: str) -> float:
         for s in family.samples
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+async def late_by(work: Awaitable[T], seconds: float) -> tuple[T, float]:
+    """`work`'s result, and how long after a timer of `seconds` started with it it ended
+    (negative: before the timer). The timer's own lateness is the machine's, so a bound on this
+    holds the work to its timeouts, not to how busy the machine is."""
+    loop = asyncio.get_running_loop()
+
+    async def timed() -> tuple[T, float]:
+        result = await work
+        return result, loop.time()
+
+    async def timer() -> float:
+        await asyncio.sleep(seconds)
+        return loop.time()
+
+    (result, done), due = await asyncio.gather(timed(), timer())
+    return result, done - due
 
 
 def wait_for(check: Callable[[], bool], what: str, within: float = 10.0) -> None:

@@ -21,7 +21,7 @@ from balancers.least_inflight import LeastInflight
 from balancers.plugin import adapted
 from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
-from tests.harness import Cluster, Proc, free_port
+from tests.harness import Cluster, Proc, free_port, late_by
 
 pytestmark = pytest.mark.redis
 
@@ -347,28 +347,22 @@ def test_redis_slow_falls_back_without_error_and_settles_owed_removals(procs: Cl
         await s.start()
         rd.signal(signal.SIGSTOP)  # accepts nothing, answers nothing: "slow"
         try:
-            loop = asyncio.get_running_loop()
 
-            async def acquires(n: int) -> tuple[list[Any], float]:
-                got = [await s.acquire(bs, LeastInflight(), set()) for _ in range(n)]
-                return got, loop.time()
-
-            async def timer(timeouts: int) -> float:
-                await asyncio.sleep(timeouts * timeout)
-                return loop.time()
+            async def acquires(n: int) -> list[Any]:
+                return [await s.acquire(bs, LeastInflight(), set()) for _ in range(n)]
 
             # Each timer starts with what it bounds, so its own lateness is the machine's.
-            (first, done), due = await asyncio.gather(acquires(1), timer(1))
-            assert done - due < timeout
+            first, late = await late_by(acquires(1), timeout)
+            assert late < timeout
             assert first[0] is not None and not s.degraded  # one late answer is no verdict
             # At most a timeout each until three round trips in a row failed (the first call's
             # round trip may be judged only after it stopped waiting: four calls)...
-            (rest, done), due = await asyncio.gather(acquires(3), timer(3))
-            assert done - due < timeout
+            rest, late = await late_by(acquires(3), 3 * timeout)
+            assert late < timeout
             assert s.degraded and s.fallbacks == 4
             # ...then no more waiting: done before a timer of one timeout started with it.
-            (last, done), due = await asyncio.gather(acquires(1), timer(1))
-            assert done < due
+            last, late = await late_by(acquires(1), timeout)
+            assert late < 0
             leases = first + rest + last
             assert all(lease is not None for lease in leases) and s.fallbacks == 5
             for lease in leases:

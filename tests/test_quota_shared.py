@@ -23,7 +23,7 @@ from redis.cluster import RedisCluster
 from router.core.redis_client import RedisTarget
 from router.request.quota import KeyLimits, Reservation
 from router.request.quota_shared import SharedQuotas, SharedReservation, key_tag
-from tests.harness import Cluster, Proc, backend, sha, wait_http
+from tests.harness import Cluster, Proc, backend, late_by, sha, wait_http
 
 pytestmark = pytest.mark.redis
 
@@ -166,20 +166,12 @@ def test_redis_slower_than_the_timeout_costs_at_most_the_timeout_then_shares_loc
         try:
             late: list[float] = []
             answers: list[Any] = []
-
-            async def admit() -> float:
-                answers.append(await q.admit(limits, 1, "x"))
-                return time.perf_counter()
-
-            async def timer() -> float:
-                await asyncio.sleep(0.1)
-                return time.perf_counter()
-
             while not q.degraded and len(answers) < 30:
                 # Never a hang: each admission is done within a timeout of a timer of one timeout
                 # started with it, whose own lateness is the machine's.
-                done, due = await asyncio.gather(admit(), timer())
-                late.append(done - due)
+                answer, lateness = await late_by(q.admit(limits, 1, "x"), 0.1)
+                answers.append(answer)
+                late.append(lateness)
             assert max(late) < 0.1
             answers += [await q.admit(limits, 1, "x") for _ in range(6)]
             assert q.degraded and changes == [True]
