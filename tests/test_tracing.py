@@ -251,14 +251,14 @@ def test_ttft_and_tpot_histograms_match_the_engine(fleet: dict[str, Proc]) -> No
     below = max(b for b in TTFT_BUCKETS if b < TTFT_MS / 1000)
     assert delta("sluicegate_ttft_seconds_bucket", below) == 0
     assert delta("sluicegate_ttft_seconds_bucket", covering(TTFT_BUCKETS, max(ttfts))) == n
+
     # The first byte (the role-only event) comes before the prefill: on average by more than
     # half of it, however late both were read.
-    gap = value(after, "sluicegate_ttft_seconds_sum", model="m", backend="a") - value(
-        before, "sluicegate_ttft_seconds_sum", model="m", backend="a"
-    )
-    gap -= value(
-        after, "sluicegate_time_to_first_token_seconds_sum", model="m", backend="a"
-    ) - value(before, "sluicegate_time_to_first_token_seconds_sum", model="m", backend="a")
+    def total(name: str) -> float:
+        labels = {"model": "m", "backend": "a"}
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    gap = total("sluicegate_ttft_seconds_sum") - total("sluicegate_time_to_first_token_seconds_sum")
     assert gap / n > TTFT_MS / 1000 / 2
     # Time per output token: ITL_MS between tokens (a stall can only shorten the router's
     # interval by the first token's lateness, far less than a bucket), and never more than
