@@ -77,7 +77,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._on_lost: Callable[[], None] | None = None  # ON_CLIENT_LOST's registration
-        self._lost = False  # the connection is gone (a registration after it is called at once)
+        self._lost = False  # the connection is gone (a registration after it is told at once)
+        self._watch = self._when_lost  # ON_CLIENT_LOST, bound once per connection
         # A head begun and not ended, a body begun and not ended, as of the parser's last call:
         # their timers are armed after the read that left them open, so a request that comes
         # whole in one read (most do) arms and cancels none.
@@ -140,7 +141,7 @@ class EdgeProtocol(HttpToolsProtocol):
             scope: dict[str, Any] = self.scope  # type: ignore[assignment]
             extensions = scope.setdefault("extensions", {})
             extensions[BODY_WRITE] = BodyWriter(cycle).write
-            extensions[ON_CLIENT_LOST] = self._when_lost
+            extensions[ON_CLIENT_LOST] = self._watch
 
     def on_message_complete(self) -> None:
         self._body_open = False
