@@ -50,6 +50,9 @@ def _publish(run: str, seconds: float, start: float) -> None:
 
     pubs = [KvPublisher(f"ipc://{run}/e{i}.sock") for i in range(ENGINES)]
     rng = random.Random(0)
+    # Token ids are slices of one pool: a few hundred randrange calls per batch made this
+    # process use most of a core, which on 2 shared cores slowed the router it loads.
+    pool = [rng.randrange(50_000) for _ in range(1 << 16)]
     while time.time() < start:
         time.sleep(0.01)
     chains: list[list[int]] = [[] for _ in range(ENGINES)]
@@ -65,7 +68,8 @@ def _publish(run: str, seconds: float, start: float) -> None:
                 hashes = list(range(next_hash, next_hash + n))
                 next_hash += n
                 parent = chain[-1] if chain and rng.random() < 0.7 else None
-                tokens = [rng.randrange(50_000) for _ in range(n * BS)]
+                at = rng.randrange(len(pool) - n * BS)
+                tokens = pool[at : at + n * BS]
                 events.append(stored(hashes, parent, tokens, BS, False))
                 chain.extend(hashes)
             for _ in range(2):
@@ -85,6 +89,7 @@ async def _ingest(recv_only: bool = False) -> dict[str, float]:
     from router.core.backend import Backend
     from router.core.settings import BackendConfig
     from router.engine.kv_events import KvEvents
+    from router.ops.collector import tune_collector
     from router.ops.metrics import Metrics
 
     if recv_only:  # the floor: the same sockets read, every message dropped undecoded
@@ -114,6 +119,7 @@ async def _ingest(recv_only: bool = False) -> dict[str, float]:
             for i in range(ENGINES)
         )
         await kv.start()
+        tune_collector()  # as the router does once it is built (router/ops/collector.py)
         await asyncio.sleep(max(0.0, start + 0.5 - time.time()))
         c0, w0, b0 = _cpu(), time.monotonic(), kv.batches
         await asyncio.sleep(SECONDS - 0.7)
