@@ -486,6 +486,7 @@ def _routes(app: FastAPI, p: AppParts) -> None:
         if p.affinity.shared is not None:
             metrics.affinity_shared_entries.set(p.affinity.shared.entries)
         metrics.engine_readings(p.engine.readings, time.time())
+        p.kv_events.flush()
         metrics.kv_state(p.kv_events.blocks(), p.kv_events.lags())
         p.discovery.refresh_metrics()
         return Response(metrics.render(), media_type=CONTENT_TYPE)

@@ -11,21 +11,26 @@ default; a signed one is taken modulo 2^64, so either spelling names the same bl
 msgspec, not msgpack-python: it is what vLLM encodes with, and it decodes straight into typed
 structs in C. Token ids stay encoded (`msgspec.Raw`, a view of the payload): building a Python
 int per token was most of the decoding's cost, and the index keys a block on the encoded bytes.
-A map-encoded batch of known types (what vLLM 0.32 sends) is one decoder call into the very
-`Stored`/`Removed`/`Cleared` structs the index reads, with no per-event Python objects besides
-those; an array-encoded batch, or one holding a type we do not know, falls back to one decode
-per event (bench/kv.py measures the ingestion budget).
+A map-encoded batch of known types and unsigned int hashes (what vLLM 0.32 sends) is one
+decoder call into the very `Stored`/`Removed`/`Cleared` structs the index reads, already in the
+one spelling per block, with no per-event Python objects besides those and no pass over them
+after; an array-encoded batch, one holding a type we do not know or a signed hash, falls back
+to one decode per event (bench/kv.py measures the ingestion budget). The structs are not
+tracked by the garbage collector (they hold no cycle), so a busy feed triggers fewer
+collections.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 MASK64 = (1 << 64) - 1
 BlockHash = int | bytes
+# What the fast decoder accepts: vLLM's own spelling. A signed hash fails it (and takes the
+# per-event path, which spells it unsigned), so a decoded batch needs no second pass.
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack has no int above 2^64 - 1
 
 
 class WireError(ValueError):
@@ -35,13 +40,13 @@ class WireError(ValueError):
 _NO_TOKENS = msgspec.Raw(b"\x90")  # an empty msgpack array
 
 
-class Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+class Stored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     """`BlockStored`: `hashes` are consecutive blocks, `token_ids` all their tokens, left
     encoded (the msgpack array as it came): the index keys a block on these bytes, so most
     events never become Python ints (`token_list` decodes them when needed)."""
 
-    hashes: list[BlockHash] = msgspec.field(name="block_hashes")
-    parent: BlockHash | None = msgspec.field(default=None, name="parent_block_hash")
+    hashes: list[_U64 | bytes] = msgspec.field(name="block_hashes")
+    parent: _U64 | bytes | None = msgspec.field(default=None, name="parent_block_hash")
     token_ids: msgspec.Raw = _NO_TOKENS
     block_size: int = 0
     lora_name: str | None = None
@@ -50,17 +55,35 @@ class Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     group: int | None = msgspec.field(default=0, name="group_idx")
 
 
-class Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
-    hashes: list[BlockHash] = msgspec.field(name="block_hashes")
+class Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
+    hashes: list[_U64 | bytes] = msgspec.field(name="block_hashes")
     medium: str | None = None
     group: int | None = msgspec.field(default=0, name="group_idx")
 
 
-class Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+class Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
     pass
 
 
 Event = Stored | Removed | Cleared
+
+
+# The map encoding as the per-event path reads it: any int hash (normalized after).
+class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: msgspec.Raw = _NO_TOKENS
+    block_size: int = 0
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    medium: str | None = None
+    group_idx: int | None = 0
+
+
+class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = 0
 
 
 # The array encoding: vLLM's declaration order (lora_id sits between block_size and medium).
@@ -100,7 +123,7 @@ class _RawBatch(msgspec.Struct, array_like=True):
 
 _FAST = msgspec.msgpack.Decoder(_MapBatch)
 _RAW = msgspec.msgpack.Decoder(_RawBatch)
-_MAP = msgspec.msgpack.Decoder(Event)
+_MAP = msgspec.msgpack.Decoder(_StoredMap | _RemovedMap | Cleared)
 _ARR = msgspec.msgpack.Decoder(_StoredArr | _RemovedArr | _ClearedArr)
 _TOKENS = msgspec.msgpack.Decoder(list[int])
 
@@ -113,8 +136,9 @@ def token_list(ev: Stored) -> list[int] | None:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
+class Batch(msgspec.Struct, frozen=True, gc=False):
+    """One message. A struct, not a frozen dataclass: its __init__ is C, not a setattr each."""
+
     seq: int
     ts: float  # the engine's wall clock when it built the batch
     events: list[Event]
@@ -139,12 +163,14 @@ def _group(value: Any) -> int:
     return value if isinstance(value, int) else 0
 
 
-def _from_array(ev: Any) -> Event:
-    if isinstance(ev, _StoredArr):
+def _normalized(ev: Any) -> Event:
+    """A per-event decode (either encoding) as the index reads it, hashes spelled unsigned."""
+    if isinstance(ev, _StoredArr | _StoredMap):
         lora, extra = ev.lora_name, ev.extra_keys
+        parent = ev.parent_block_hash
         return Stored(
-            ev.block_hashes,
-            ev.parent_block_hash,
+            _norm_all(ev.block_hashes),
+            None if parent is None else norm(parent),
             ev.token_ids,
             ev.block_size,
             lora if isinstance(lora, str) else None,
@@ -152,8 +178,8 @@ def _from_array(ev: Any) -> Event:
             ev.medium,
             _group(ev.group_idx),
         )
-    if isinstance(ev, _RemovedArr):
-        return Removed(ev.block_hashes, ev.medium, _group(ev.group_idx))
+    if isinstance(ev, _RemovedArr | _RemovedMap):
+        return Removed(_norm_all(ev.block_hashes), ev.medium, _group(ev.group_idx))
     return Cleared()
 
 
@@ -162,10 +188,9 @@ def _event(raw: msgspec.Raw) -> Event | None:
     first = data[0] if data else 0
     # msgpack: fixmap 0x80-0x8f, map16/32 0xde/0xdf; fixarray 0x90-0x9f, array16/32 0xdc/0xdd
     if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
-        ev: Event = _MAP.decode(data)
-        return ev
+        return _normalized(_MAP.decode(data))
     if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
-        return _from_array(_ARR.decode(data))
+        return _normalized(_ARR.decode(data))
     return None
 
 
@@ -181,7 +206,7 @@ def decode(frames: list[bytes]) -> Batch:
         events: list[Event] = fast.events
         ts, rank = fast.ts, fast.data_parallel_rank
     except (msgspec.DecodeError, msgspec.ValidationError):
-        # An array-encoded batch, a type we do not know, or not a batch at all.
+        # An array-encoded batch, a type we do not know, a signed hash, or not a batch at all.
         try:
             raw = _RAW.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -197,13 +222,4 @@ def decode(frames: list[bytes]) -> Batch:
             else:
                 events.append(ev)
         ts, rank = raw.ts, raw.data_parallel_rank
-    for ev in events:
-        if isinstance(ev, Cleared):
-            continue
-        hashes = ev.hashes
-        # vLLM's one-hash BlockRemoved, an unsigned int: nothing to spell again.
-        if len(hashes) != 1 or type(hashes[0]) is not int or hashes[0] < 0:
-            ev.hashes = _norm_all(hashes)
-        if isinstance(ev, Stored) and ev.parent is not None:
-            ev.parent = norm(ev.parent)
     return Batch(seq, ts, events, rank, unknown)
