@@ -47,7 +47,7 @@ from router.core.backend import Backend
 from router.core.netpolicy import NetPolicy
 from router.core.settings import KvEventsConfig
 from router.engine.kv_index import TokenIndex
-from router.engine.kv_wire import Batch, BlockHash, Removed, Stored, WireError, decode
+from router.engine.kv_wire import Batch, WireError, decode
 from router.upstream.pools import ask
 
 log = logging.getLogger("sluicegate.kv_events")
@@ -490,35 +490,15 @@ class KvEvents:
         feed.last_seq = batch.seq
         feed.last_ts = batch.ts
         name = feed.backend
-        index = self.index
         now = self._wall()
         if not replayed:  # a replayed batch's age is history, not lag
             e.lag = max(0.0, now - batch.ts)
             e.last_event = now
         e.pending.clear()
-        stored = removed = cleared = 0
-        blocks = 0
         cap = self._capacity(name) or DEFAULT_BLOCKS
-        gone: list[BlockHash] = []  # vLLM sends one BlockRemoved per block: removed together
-        for ev in batch.events:
-            if type(ev) is Stored:
-                if gone:
-                    index.removed(name, gone)
-                    gone = []
-                stored += 1
-                blocks += index.stored(name, ev, cap)
-            elif type(ev) is Removed:
-                removed += 1
-                gone += ev.hashes
-            else:
-                if gone:
-                    gone = []  # cleared anyway
-                cleared += 1
-                index.cleared(name)
-                if feed.state == "unsure":
-                    feed.state = "live"  # nothing held: the index is exact again
-        if gone:
-            index.removed(name, gone)
+        stored, removed, cleared, blocks = self.index.apply(name, batch.events, cap)
+        if cleared and feed.state == "unsure":
+            feed.state = "live"  # nothing held: the index is exact again
         if feed.state == "unsure":
             feed.stored_since_gap += blocks
             if feed.stored_since_gap >= cap:

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from balancers.prefix_index import held_prefix
-from router.engine.kv_wire import BlockHash, Stored, token_list
+from router.engine.kv_wire import BlockHash, Event, Removed, Stored, token_list
 
 MAX_BLOCKS_PER_ENGINE = 1 << 20
 BASE = b""
@@ -97,6 +97,11 @@ def _raw_keys(raw: msgspec.Raw, bs: int, n: int, ns: bytes, parent: bytes) -> li
         at = end
     keys.append(hash(key + ns + hdr + view[at:]).to_bytes(8, "little", signed=True))
     return keys
+
+
+def _limit(max_blocks: int) -> int:
+    """An engine's share of the index, in blocks."""
+    return max(1, min(max_blocks, MAX_BLOCKS_PER_ENGINE))
 
 
 def chain_keys(
@@ -185,9 +190,41 @@ class TokenIndex:
 
     # --- what the events say ----------------------------------------------------------------
 
+    def apply(
+        self, backend: str, events: Sequence[Event], max_blocks: int
+    ) -> tuple[int, int, int, int]:
+        """One batch's events on `backend`, in order: (BlockStored, BlockRemoved and
+        AllBlocksCleared events, blocks added). One call per batch, the engine's state looked
+        up once: per event, a call and its lookups were a fifth of the ingestion's cost."""
+        e = self._engines.get(backend) or self._engine(backend)
+        limit = _limit(max_blocks)
+        stored = removed = cleared = blocks = 0
+        gone: list[BlockHash] = []  # vLLM sends one BlockRemoved per block: removed together
+        for ev in events:
+            kind = type(ev)
+            if kind is Stored:
+                if gone:
+                    self._removed(e, backend, gone)
+                    gone = []
+                stored += 1
+                blocks += self._stored(e, backend, ev, limit)  # type: ignore[arg-type]
+            elif kind is Removed:
+                removed += 1
+                gone += ev.hashes  # type: ignore[union-attr]
+            else:
+                gone = []  # cleared anyway
+                cleared += 1
+                self.cleared(backend)
+        if gone:
+            self._removed(e, backend, gone)
+        return stored, removed, cleared, blocks
+
     def stored(self, backend: str, ev: Stored, max_blocks: int) -> int:
         """Index `ev`'s blocks on `backend`; returns how many were added."""
         e = self._engines.get(backend) or self._engine(backend)
+        return self._stored(e, backend, ev, _limit(max_blocks))
+
+    def _stored(self, e: _Engine, backend: str, ev: Stored, limit: int) -> int:
         hashes = ev.hashes
         bs = ev.block_size
         if ev.medium not in (None, "GPU") or ev.group not in (0, None) or bs <= 0:
@@ -246,11 +283,6 @@ class TokenIndex:
                 held.add(backend)
             else:  # this engine holds the key already: under another hash, or this one again
                 e.dups[key] = e.dups.get(key, 0) + 1
-        limit = (
-            max_blocks
-            if 0 < max_blocks <= MAX_BLOCKS_PER_ENGINE
-            else max(1, min(max_blocks, MAX_BLOCKS_PER_ENGINE))
-        )
         if len(by_hash) > limit:
             # Oldest first; one iterator for the whole trim (a fresh `next(iter(d))` per block
             # rescans the slots already emptied at the dict's front).
@@ -261,8 +293,9 @@ class TokenIndex:
 
     def removed(self, backend: str, hashes: Sequence[BlockHash]) -> int:
         e = self._engines.get(backend)
-        if e is None:
-            return 0
+        return 0 if e is None else self._removed(e, backend, hashes)
+
+    def _removed(self, e: _Engine, backend: str, hashes: Sequence[BlockHash]) -> int:
         gone = 0
         pop = e.by_hash.pop
         holders = self._holders
