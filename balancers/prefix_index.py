@@ -16,13 +16,13 @@ this one is kept warm beside it as the fallback while Redis is down or slow.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 MAX_BLOCKS_PER_BACKEND = 1 << 20
 
 
 def held_prefix(
-    holders: dict[bytes, set[str]], keys: Sequence[bytes], alive: list[str]
+    holders: Mapping[bytes, set[str] | frozenset[str]], keys: Sequence[bytes], alive: list[str]
 ) -> dict[str, int]:
     """For each of `alive`: how many leading `keys` it holds (absent where it holds none).
     Shared by this index and the KV-event index (router/engine/kv_index.py)."""

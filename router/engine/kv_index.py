@@ -147,9 +147,12 @@ def _as_msgspec_writes(raw: msgspec.Raw) -> bool | None:
 
 
 class _Engine:
-    __slots__ = ("block_size", "by_hash", "dups", "loras", "raw_ok")
+    __slots__ = ("alone", "block_size", "by_hash", "dups", "loras", "raw_ok")
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        # The holders of a block only this engine holds (most blocks): one object shared by
+        # all of them, not a set each (a set is ~200 bytes and an allocation per stored block).
+        self.alone = frozenset((name,))
         self.by_hash: dict[BlockHash, bytes] = {}  # engine hash -> key, oldest first
         # key -> engine blocks naming it beyond the first (rare: the same tokens under two
         # engine hashes); a key in by_hash's values and not here is named once.
@@ -163,7 +166,8 @@ class TokenIndex:
     """Router key -> the engines holding that block, fed by their KV events."""
 
     def __init__(self) -> None:
-        self._holders: dict[bytes, set[str]] = {}
+        # A block one engine holds maps to that engine's `alone`; one held by several, to a set.
+        self._holders: dict[bytes, set[str] | frozenset[str]] = {}
         self._engines: dict[str, _Engine] = {}
         self.skipped = 0  # stored blocks not indexed: unknown parent, other medium or group
 
@@ -271,6 +275,7 @@ class TokenIndex:
                     key = chain_keys(tokens[i * bs : (i + 1) * bs], bs, block_ns, key)[0]
                     keys.append(key)
         holders = self._holders
+        alone = e.alone
         for h, key in zip(hashes, keys, strict=False):
             old = by_hash.pop(h, None)
             if old is not None:
@@ -278,9 +283,12 @@ class TokenIndex:
             by_hash[h] = key
             held = holders.get(key)
             if held is None:
-                holders[key] = {backend}
+                holders[key] = alone
             elif backend not in held:
-                held.add(backend)
+                if type(held) is frozenset:  # another engine's alone: now a set of two
+                    holders[key] = {*held, backend}
+                else:
+                    held.add(backend)  # type: ignore[union-attr]
             else:  # this engine holds the key already: under another hash, or this one again
                 e.dups[key] = e.dups.get(key, 0) + 1
         if len(by_hash) > limit:
@@ -299,6 +307,7 @@ class TokenIndex:
         gone = 0
         pop = e.by_hash.pop
         holders = self._holders
+        alone = e.alone
         for h in hashes:
             key = pop(h, None)
             if key is None:
@@ -306,12 +315,10 @@ class TokenIndex:
             gone += 1
             if e.dups:
                 self._unref(e, key, backend)
-                continue
-            held = holders.get(key)  # `_drop_holder`, inlined: one call per evicted block
-            if held is not None:
-                held.discard(backend)
-                if not held:
-                    del holders[key]
+            elif holders.get(key) is alone:  # the usual case: the block was only here
+                del holders[key]
+            else:
+                self._drop_holder(key, backend)
         return gone
 
     def cleared(self, backend: str) -> None:
@@ -333,7 +340,7 @@ class TokenIndex:
     def _engine(self, backend: str) -> _Engine:
         e = self._engines.get(backend)
         if e is None:
-            e = self._engines[backend] = _Engine()
+            e = self._engines[backend] = _Engine(backend)
         return e
 
     def _unref(self, e: _Engine, key: bytes, backend: str) -> None:
@@ -350,7 +357,12 @@ class TokenIndex:
 
     def _drop_holder(self, key: bytes, backend: str) -> None:
         held = self._holders.get(key)
-        if held is not None:
-            held.discard(backend)
-            if not held:
+        if held is None:
+            return
+        if type(held) is frozenset:  # some engine's alone
+            if backend in held:
                 del self._holders[key]
+            return
+        held.discard(backend)  # type: ignore[union-attr]
+        if not held:
+            del self._holders[key]
