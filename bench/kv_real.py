@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from bench.prefix_workload import _reasons
 from tests.harness import Cluster, wait_http
 
 PREFIXES = 8
@@ -145,6 +146,14 @@ def run(cluster: Cluster, quick: bool = False) -> dict[str, Any]:
                 python, shim, router.url, model, model_dir, tmp / f"{target}.json", seed
             )
             after = [_counts(e.url) for e in fleet.engines]
+            reasons = {k: int(v) for k, v in _reasons(router.url).items() if v}
+            rates = {
+                r["name"]: {
+                    k: (r.get("engine") or {}).get(k)
+                    for k in ("prefill_s_per_token", "step_s_per_seq")
+                }
+                for r in httpx.get(router.url + "/admin/backends", timeout=5).json()
+            }
             router.stop()
             hits = sum(a[HITS] - b[HITS] for a, b in zip(after, before, strict=True))
             queries = sum(a[QUERIES] - b[QUERIES] for a, b in zip(after, before, strict=True))
@@ -157,6 +166,8 @@ def run(cluster: Cluster, quick: bool = False) -> dict[str, Any]:
                 "ttft_p99_ms": round(res["p99_ttft_ms"], 1),
                 "itl_p50_ms": round(res["p50_itl_ms"], 1),
                 "output_tokens_s": round(res["output_throughput"], 1),
+                "reasons": reasons,  # the router's picks, by reason
+                "rates": rates,  # what each engine taught cache_aware (None: the default)
             }
             out["targets"][target] = row
             print(f"kv_real {target}: {json.dumps(row)}", flush=True)
