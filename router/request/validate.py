@@ -8,7 +8,7 @@ OpenAI-format error carrying the request id. Nothing here does I/O upstream.
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +39,9 @@ def request_id_of(header: str | None) -> str:
     """The client's `x-request-id` when it is sane, else a fresh one."""
     if header and 0 < len(header) <= 128 and header.isascii() and header.isprintable():
         return header
-    return uuid.uuid4().hex
+    # 128 random bits as 32 hex digits, the shape `uuid4().hex` had: 1.1 us against 5.2 us
+    # (timeit), the UUID object and its version bits being of no use to a request id.
+    return os.urandom(16).hex()
 
 
 async def validate(
