@@ -11,7 +11,7 @@ from pathlib import Path
 from balancers.base import Candidate
 from balancers.cache_aware import CacheAware, Hints, KvHints
 from router.core.engine import EngineReading
-from router.engine.calibrate import Calibration
+from router.engine.calibrate import ALPHA, Calibration
 from router.request.tokens import GIL_FREE_CHARS, RouterTokenizer
 from tests.tiny_tokenizer import write_tokenizer
 
@@ -110,6 +110,33 @@ def test_rates_are_learned_from_the_histograms() -> None:
     assert cal.step_s_per_seq is not None and abs(cal.step_s_per_seq - 0.02 / 4) < 1e-9
     cal.update({k: v / 10 for k, v in later.items()}, running=1)  # the engine restarted
     assert abs(cal.prefill_s_per_token - 0.5 / 10_000) < 1e-9  # a window over, nothing learned
+
+
+def test_a_prefill_rate_is_learned_from_scrapes_too_small_alone() -> None:
+    """An engine whose prompts mostly hit computes few tokens between two scrapes, and its
+    histogram may count a request's prefill time a scrape after its tokens: the window stays
+    open until MIN_TOKENS were computed, then the rate is the whole window's."""
+    cal = Calibration()
+    c = {"prefill_s": 0.0, "prompt_tokens": 0.0, "cached_tokens": 0.0, "itl_s": 0.0, "itl_n": 0.0}
+    cal.update(dict(c), running=1)
+    for tokens, cached, secs in ((1100, 1000, 0.0), (1100, 1000, 0.0), (1100, 800, 0.0)):
+        c = {**c, "prompt_tokens": c["prompt_tokens"] + tokens}
+        c = {**c, "cached_tokens": c["cached_tokens"] + cached, "prefill_s": c["prefill_s"] + secs}
+        cal.update(dict(c), running=1)
+        assert cal.prefill_s_per_token is None  # 100, 200, then 500 computed: below MIN_TOKENS
+    c = {
+        **c,
+        "prompt_tokens": c["prompt_tokens"] + 1100,
+        "cached_tokens": c["cached_tokens"] + 1000,
+    }
+    c = {**c, "prefill_s": c["prefill_s"] + 0.06}  # the window's prefill time, counted late
+    cal.update(dict(c), running=1)
+    assert cal.prefill_s_per_token is not None
+    assert abs(cal.prefill_s_per_token - 0.06 / 600) < 1e-12
+    # The next window starts there: its own 600 tokens at twice the time each.
+    c = {**c, "prompt_tokens": c["prompt_tokens"] + 600, "prefill_s": c["prefill_s"] + 0.12}
+    cal.update(dict(c), running=1)
+    assert abs(cal.prefill_s_per_token - (0.06 / 600 + ALPHA * (0.12 / 600 - 0.06 / 600))) < 1e-12
 
 
 def test_piece_cache_gives_the_same_ids(tmp_path: Path) -> None:
