@@ -138,6 +138,7 @@ async def _ingest(recv_only: bool = False) -> dict[str, float]:
 
 
 def _tokenizer() -> dict[str, float]:
+    from router.core.settings import AffinityConfig
     from router.request.tokens import RouterTokenizer, request_tokens
     from tests.tiny_tokenizer import write_tokenizer
 
@@ -173,11 +174,13 @@ def _tokenizer() -> dict[str, float]:
 
     # What the event loop's own thread spends on a cold 8k-token prompt (the rest runs in a
     # worker thread, `tokenize_inline_chars`): the request still waits for it.
+    inline = AffinityConfig().tokenize_inline_chars
+
     async def on_loop() -> float:
         t0 = time.thread_time()
         for _ in range(reps):
             tk._cache.clear()
-            await request_tokens(tk, chat, 8192, 1 << 24)
+            await request_tokens(tk, chat, inline, 1 << 24)
         return (time.thread_time() - t0) / reps
 
     out["loop_thread_ms"] = asyncio.run(on_loop()) * 1e3
@@ -210,7 +213,7 @@ def _tokenizer() -> dict[str, float]:
         for i in range(reps):
             tk._cache.clear()
             if busy:
-                await request_tokens(tk, chat if i % 2 else {"prompt": doc}, 8192, 1 << 24)
+                await request_tokens(tk, chat if i % 2 else {"prompt": doc}, inline, 1 << 24)
             else:
                 await asyncio.sleep(0.01)
         done.set()
