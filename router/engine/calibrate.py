@@ -42,7 +42,7 @@ class Calibration:
         if last is None or any(counters.get(k, 0.0) < v for k, v in last.items()):
             self._since = dict(counters)  # a first scrape, or a restart: a window begins
             return
-        since = self._since if self._since is not None else last
+        since = self._since or last  # set with the first scrape
 
         def delta(key: str, base: dict[str, float] = last) -> float:
             return counters.get(key, 0.0) - base.get(key, 0.0)

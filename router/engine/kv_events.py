@@ -22,8 +22,9 @@ A backend is `live` (its index is the truth; `cache_aware` routes on it) when ea
 publishers is; else `waiting` (nothing heard yet), `unsure`, `replaying` or `error` (a socket
 that could not be set up; retried every RETRY seconds). Every dispatch made since a backend's
 last event counts as pending on it until the next one (or `pending_ttl`).
-Cost: per message one decode (msgspec) and one blake2b per stored block; the event counts
-reach the metrics once per FLUSH_INTERVAL, not per message (bench/kv.py).
+Cost: per message one decode (msgspec), and per stored block a scan for its end and one hash
+(router/engine/kv_index.py); the event counts reach the metrics once per FLUSH_INTERVAL, not per
+message (bench/kv.py).
 """
 
 from __future__ import annotations

@@ -56,6 +56,11 @@ def _header(n: int) -> bytes:
     return _encode([0] * n)[:-n] if n else _encode([])
 
 
+def _key(data: bytes) -> bytes:
+    """A block's key: the 64-bit hash of its parent's key, namespace and encoded ids."""
+    return hash(data).to_bytes(8, "little", signed=True)
+
+
 @lru_cache(maxsize=64)
 def _block_of(n: int) -> re.Pattern[bytes]:
     """`n` msgpack unsigned ints, each in any of its forms (the scan only finds where a block
@@ -82,7 +87,7 @@ def _raw_keys(raw: msgspec.Raw, bs: int, n: int, ns: bytes, parent: bytes) -> li
     if count != n * bs:
         return None
     if n == 1:  # its bytes are the block's array as `chain_keys` encodes it, header included
-        return [hash(parent + ns + raw).to_bytes(8, "little", signed=True)]
+        return [_key(parent + ns + raw)]
     hdr = _header(bs)
     block = _block_of(bs)
     keys: list[bytes] = []
@@ -92,10 +97,10 @@ def _raw_keys(raw: msgspec.Raw, bs: int, n: int, ns: bytes, parent: bytes) -> li
         if m is None:
             return None
         end = m.end()
-        key = hash(key + ns + hdr + view[at:end]).to_bytes(8, "little", signed=True)
+        key = _key(key + ns + hdr + view[at:end])
         keys.append(key)
         at = end
-    keys.append(hash(key + ns + hdr + view[at:]).to_bytes(8, "little", signed=True))
+    keys.append(_key(key + ns + hdr + view[at:]))
     return keys
 
 
@@ -112,9 +117,7 @@ def chain_keys(
     out: list[bytes] = []
     key = parent
     for i in range(0, n * block_size, block_size):
-        key = hash(key + ns + _encode(tokens[i : i + block_size])).to_bytes(
-            8, "little", signed=True
-        )
+        key = _key(key + ns + _encode(tokens[i : i + block_size]))
         out.append(key)
     return out
 
@@ -200,7 +203,7 @@ class TokenIndex:
         """One batch's events on `backend`, in order: (BlockStored, BlockRemoved and
         AllBlocksCleared events, blocks added). One call per batch, the engine's state looked
         up once: per event, a call and its lookups were a fifth of the ingestion's cost."""
-        e = self._engines.get(backend) or self._engine(backend)
+        e = self._engine(backend)
         limit = _limit(max_blocks)
         stored = removed = cleared = blocks = 0
         gone: list[BlockHash] = []  # vLLM sends one BlockRemoved per block: removed together
@@ -225,8 +228,7 @@ class TokenIndex:
 
     def stored(self, backend: str, ev: Stored, max_blocks: int) -> int:
         """Index `ev`'s blocks on `backend`; returns how many were added."""
-        e = self._engines.get(backend) or self._engine(backend)
-        return self._stored(e, backend, ev, _limit(max_blocks))
+        return self._stored(self._engine(backend), backend, ev, _limit(max_blocks))
 
     def _stored(self, e: _Engine, backend: str, ev: Stored, limit: int) -> int:
         hashes = ev.hashes
