@@ -46,7 +46,7 @@ prompt, or the holder's queue outweighed the prefill saved).
 With KV events (`Hints.kv`: the prompt's token ids matched against what each engine's own events
 say it holds, router/engine/kv_index.py) the cost is the request's expected time to first token,
 in seconds, from rates each engine's histograms teach (router/engine/calibrate.py):
-  cost(c) = (ahead(c) x prompt x p(c) + (uncached(c) + pending(c)) x p(c)
+  cost(c) = (ahead(c) x prompt x p(c) + uncached(c) x p(c) + before(c)
              + (running(c) + sent(c)) x q(c)) / weight
 - p(c): prefill seconds per uncached token (vLLM's request_prefill_time_seconds over the prompt
   tokens it computed), DEFAULT_PREFILL_S_PER_TOKEN until learned; q(c): decode-step seconds per
@@ -54,10 +54,14 @@ in seconds, from rates each engine's histograms teach (router/engine/calibrate.p
   until learned. Their ratio is the exchange rate between a cached token and a running request:
   on a CPU engine, where prefill is cheap and decode contention dominates, a holder with a few
   more running requests loses to an idle engine; on a GPU serving a 70B model it is the reverse;
-- uncached(c): prompt tokens c would compute: all but what its events say it holds (exact) when
-  its events are live, else what the approximate index guesses (`Hints.held` blocks);
-- pending(c): uncached tokens of requests sent to c since its last event (not yet prefilled
-  there as far as we know), so a burst does not pile onto one holder;
+- uncached(c): prompt tokens c would compute: all but what its events say it holds, or what
+  requests in flight there carry (exact), when its events are live, else what the approximate
+  index guesses (`Hints.held` blocks);
+- before(c): the prefills of requests sent to c and not yet answered (`pending(c)` uncached
+  tokens, router/engine/kv_events.py `Flight`) x p(c), less the seconds since the oldest of
+  them was sent (the engine has been at them since), so a burst does not pile onto one holder,
+  and a second request of a prompt still prefilling joins it (the prompt counts as held there:
+  it waits for the rest of that prefill only, not a prefill of its own elsewhere);
 - ahead(c), sent(c), running(c) and the guardrail as above.
 Reasons then: `prefix_exact` (the pick holds part of the prompt, per its live events),
 `prefix_approx` (per the approximate index: its events are not live), `spill`, `load`.
@@ -111,9 +115,11 @@ class KvHints:
     tokens: int  # the prompt's token count
     cached: Mapping[str, int]  # backend -> leading prompt tokens it holds
     exact: frozenset[str]  # backends whose `cached` comes from live KV events
-    pending: Mapping[str, int] = field(default_factory=dict)  # uncached tokens sent since
+    pending: Mapping[str, int] = field(default_factory=dict)  # uncached, sent, not answered
     # backend -> tokens its KV cache holds, per its live events (all it holds, any prompt's)
     stored: Mapping[str, int] = field(default_factory=dict)
+    # backend -> seconds since the oldest of its pending requests was sent
+    pending_age: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +336,6 @@ class HintedPick:
         passed_over = False
         for s, c in live:
             cached = min(prompt, kv.cached.get(c.name, 0))
-            uncached = prompt - cached + kv.pending.get(c.name, 0)
             r = c.engine
             if r is None:  # not scraped: in-flight requests stand for the batch
                 p, q = DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S_PER_SEQ
@@ -342,7 +347,9 @@ class HintedPick:
             if cached and (ahead or r is None) and over(c):
                 passed_over = True
                 continue
-            cost = (ahead * prompt * p + uncached * p + batch * q) / c.weight
+            # The prefills sent ahead of ours, less what the engine has had time to do of them.
+            before = max(0.0, kv.pending.get(c.name, 0) * p - kv.pending_age.get(c.name, 0.0))
+            cost = (ahead * prompt * p + (prompt - cached) * p + before + batch * q) / c.weight
             options.append((cost, s, c))
         if not options:
             return self._spill([c for _, c in live if not kv.cached.get(c.name)] or pool)

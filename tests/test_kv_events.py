@@ -16,7 +16,7 @@ import zmq
 
 from router.core.backend import Backend
 from router.core.settings import BackendConfig
-from router.engine.kv_events import KvEvents, _feeds_from, resolve
+from router.engine.kv_events import Feed, KvEvents, _feeds_from, resolve
 from router.engine.kv_index import TokenIndex, chain_keys, namespace
 from router.engine.kv_wire import (
     MASK64,
@@ -444,3 +444,66 @@ async def test_the_mocks_replay_socket_answers_a_late_router(ipc: Callable[[str]
     finally:
         await kv.aclose()
         pub.close()
+
+
+def test_a_flight_is_pending_until_answered_and_held_until_it_ends() -> None:
+    """What the router sent an engine: its uncached tokens pending until the answer begins (or
+    `pending_ttl`), its prompt's blocks held there until the attempt ends; nothing left after."""
+    now = [100.0]
+    kv = KvEvents(monotonic=lambda: now[0], pending_ttl=2.0)
+    kv.sync([_backend("a", {"endpoint": "ipc:///nonexistent/a.sock"})])
+    prompt = chain_keys(toks(16), BS)  # 4 blocks
+    other = chain_keys(toks(16, start=1000), BS)
+    sibling = chain_keys(toks(4) + toks(12, start=500), BS)  # the same first block only
+    first = kv.dispatched("a", 16, prompt)
+    now[0] += 0.5
+    second = kv.dispatched("a", 4, prompt[:1])
+    assert first is not None and second is not None
+    assert kv.pending("a") == (20, 0.5)
+    assert kv.flying_blocks("a", prompt) == 4
+    assert kv.flying_blocks("a", sibling) == 1
+    assert kv.flying_blocks("a", other) == 0
+    assert kv.flying_blocks("b", prompt) == 0 and kv.dispatched("b", 16, prompt) is None
+    first.prefilled()
+    assert kv.pending("a") == (4, 0.0)
+    now[0] += 2.5  # past pending_ttl: no longer pending, still running, so still held
+    assert kv.pending("a") == (0, 0.0)
+    assert kv.flying_blocks("a", prompt) == 4
+    kv.ended(first)
+    kv.ended(first)  # once only
+    assert kv.flying_blocks("a", prompt) == 1
+    kv.ended(second)
+    assert kv.flying_blocks("a", prompt) == 0
+    assert not kv._engines["a"].flying and not kv._engines["a"].pending
+
+
+def test_a_prompt_in_flight_counts_as_held_where_it_was_sent() -> None:
+    """Before the engine's events say so, a second request of a prompt sees it held where the
+    first went (it is prefilling or running there), and the hint is gone once the first ends."""
+    from balancers.cache_aware import CacheAware
+    from router.core.settings import AffinityConfig
+    from router.request.affinity import Affinity, RequestAffinity
+
+    kv = KvEvents()
+    backends = [_backend(n, {"endpoint": f"ipc:///nonexistent/{n}.sock"}) for n in "ab"]
+    kv.sync(backends)
+    for n in "ab":  # live (as a socket would make them), with the block size a store taught
+        kv._engines[n].feeds = [Feed(n, f"ipc:///nonexistent/{n}.sock", False, b"", None, 0)]
+        kv._engines[n].feeds[0].state = "live"
+        kv.index.stored(n, _ev([1], None, toks(BS, start=7000)), 100)
+    affinity = Affinity(AffinityConfig(), kv=kv)
+    balancer = CacheAware()
+    prompt = toks(40)
+
+    def hints() -> dict[str, int]:
+        request = RequestAffinity([], None, tokens=prompt, model="m")
+        affinity.bind(balancer, request, backends)
+        return dict(affinity._kv_hints(request, backends, {}).cached)
+
+    assert hints() == {}
+    request = RequestAffinity([], None, tokens=prompt, model="m")
+    affinity.bind(balancer, request, backends)
+    flight = affinity.kv_dispatched(request, "b", 0)
+    assert flight is not None and hints() == {"b": 40}
+    kv.ended(flight)
+    assert hints() == {}

@@ -58,6 +58,27 @@ def test_pending_dispatches_spread_a_burst() -> None:
     assert pick(cands, KvHints(4096, cached, frozenset({"a", "b"}), {"b": 8000}))[0] == "a"
 
 
+def test_pending_prefills_count_what_is_left_of_them() -> None:
+    """A prompt whose first request still prefills on `a` (it counts as held there): the second
+    waits for the rest of that prefill rather than computing it all again on an idle `b`, once
+    `a` has had time to do part of it; sent just now, the two cost the same and b's empty
+    batch decides."""
+    p, q = 130e-6, 4e-3  # the real CPU engines' rates
+    cands = [
+        Candidate("a", 1.0, 1, reading(0, p=p, q=q)),
+        Candidate("b", 1.0, 0, reading(0, p=p, q=q)),
+    ]
+    names = frozenset({"a", "b"})
+
+    def second(age: float) -> tuple[str, str]:
+        return pick(cands, KvHints(1088, {"a": 1024}, names, {"a": 1088}, {}, {"a": age}))
+
+    assert second(0.0) == ("b", "load")
+    assert second(0.05) == ("a", "prefix_exact")
+    # Hits answered on the holder are no longer pending: an idle holder with the prompt wins.
+    assert pick(cands, KvHints(1088, {"a": 1024}, names)) == ("a", "prefix_exact")
+
+
 def test_a_new_home_goes_where_the_cache_has_room() -> None:
     """No candidate holds the prompt: the engine whose free KV takes it without evicting wins
     over a less loaded one whose cache is full (a restarted engine, emptied, against engines

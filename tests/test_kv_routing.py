@@ -105,3 +105,31 @@ def test_hidden_traffic_and_a_reset_move_the_routers_choice(fleet: dict[str, Pro
     assert name == "a" and cached > 0
     status = kv_rows(router)["a"]
     assert status["events"]["BlockStored"] >= 1 and status["lag_seconds"] is not None
+
+
+def test_a_request_counts_on_its_engine_until_it_ends(fleet: dict[str, Proc]) -> None:
+    """While a request runs, its prompt's blocks count as held on its engine (so a second one
+    joins it); when it ends, also by the client leaving mid-stream, nothing of it stays."""
+    router = fleet["router"]
+    until(
+        "a's and b's event feeds found",
+        lambda: all(r is not None and r["publishers"] for r in kv_rows(router).values()),
+    )
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Spell out the policy, slowly. " * 60}],
+        "max_tokens": 400,
+        "stream": True,
+    }
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=20) as r:
+        name = r.headers["x-sluicegate-backend"]
+        lines = r.iter_lines()
+        next(lines)  # its first event: answered, so nothing of it is pending
+        row = kv_rows(router)[name]
+        assert row["in_flight_blocks"] > 0 and row["pending_tokens"] == 0
+    until(
+        "its flight ended",
+        lambda: all(
+            (s["in_flight_blocks"], s["pending_tokens"]) == (0, 0) for s in kv_rows(router).values()
+        ),
+    )

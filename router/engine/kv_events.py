@@ -20,8 +20,13 @@ Sequence numbers, per publisher:
   or restarts.
 A backend is `live` (its index is the truth; `cache_aware` routes on it) when each of its
 publishers is; else `waiting` (nothing heard yet), `unsure`, `replaying` or `error` (a socket
-that could not be set up; retried every RETRY seconds). Every dispatch made since a backend's
-last event counts as pending on it until the next one (or `pending_ttl`).
+that could not be set up; retried every RETRY seconds). Each request this router sends an
+engine is a `Flight` there until its attempt ends: its uncached tokens are pending until the
+answer's first chunk (the prefill is done; `pending_ttl` bounds the rest), and its prompt's
+block keys count as held (a running request's blocks cannot be evicted, and a second request of
+a prompt still prefilling then joins it instead of building a second copy elsewhere). Not "until
+the engine's next event", as first built: a prompt that hits stores no full block and sends no
+event, so a holder's pending grew with every hit (docs/kv-events.md).
 Cost: per message one decode (msgspec), and per stored block a scan for its end and one hash
 (router/engine/kv_index.py); the event counts reach the metrics once per FLUSH_INTERVAL, not per
 message (bench/kv.py).
@@ -34,8 +39,9 @@ import contextlib
 import json
 import logging
 import time
+from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -104,6 +110,38 @@ class Feed:
     error: str | None = None
 
 
+@dataclass(slots=True, eq=False)
+class Flight:
+    """A request this router sent an engine with events, until it ends (module docstring)."""
+
+    backend: str
+    when: float  # monotonic clock at the dispatch
+    tokens: int  # its uncached prompt tokens while its prefill is pending, then 0
+    keys: Sequence[bytes]  # its prompt's block keys at the engine's block size
+    ended: bool = False
+
+    def prefilled(self) -> None:
+        """Its answer began: the engine computed its prompt, which is no longer pending."""
+        self.tokens = 0
+
+
+class _Keys:
+    """`keys[i] in flying` for bisect: the set of in-flight keys is prefix-closed (each flight
+    adds its whole chain), so the answer is True up to some i and False after."""
+
+    __slots__ = ("flying", "keys")
+
+    def __init__(self, keys: Sequence[bytes], flying: dict[bytes, int]) -> None:
+        self.keys = keys
+        self.flying = flying
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> bool:
+        return self.keys[i] not in self.flying
+
+
 @dataclass
 class Engine:
     """A backend's event state, as `/admin/backends` and `sluicegate status` show it."""
@@ -114,7 +152,8 @@ class Engine:
     last_event: float = 0.0  # wall clock of the last batch received
     counts: dict[str, int] = field(default_factory=dict)  # event type -> received
     reported: dict[str, int] = field(default_factory=dict)  # counts as of the last flush
-    pending: deque[tuple[float, int]] = field(default_factory=deque)  # (when, uncached tokens)
+    pending: deque[Flight] = field(default_factory=deque)  # flights by age, for their tokens
+    flying: dict[bytes, int] = field(default_factory=dict)  # block key -> flights holding it
     gaps: int = 0
     restarts: int = 0
 
@@ -188,23 +227,60 @@ class KvEvents:
     def configured(self, backend: str) -> bool:
         return backend in self._engines
 
-    def pending(self, backend: str) -> tuple[int, int]:
-        """(dispatches, their uncached tokens) sent to `backend` since its last event."""
+    def pending(self, backend: str) -> tuple[int, float]:
+        """(uncached tokens of the flights still to prefill on `backend`, seconds since the
+        oldest of them was sent)."""
         e = self._engines.get(backend)
         if e is None or not e.pending:
-            return 0, 0
-        horizon = self._mono() - self._pending_ttl
+            return 0, 0.0
+        now = self._mono()
+        horizon = now - self._pending_ttl
         q = e.pending
-        while q and q[0][0] < horizon:
+        while q and (q[0].when < horizon or not q[0].tokens):
             q.popleft()
-        return len(q), sum(t for _, t in q)
+        if not q:
+            return 0, 0.0
+        return sum(f.tokens for f in q), now - q[0].when
 
-    def dispatched(self, backend: str, uncached_tokens: int) -> None:
+    def flying_blocks(self, backend: str, keys: Sequence[bytes]) -> int:
+        """How many of `keys`' leading blocks requests in flight on `backend` carry."""
         e = self._engines.get(backend)
-        if e is not None:
-            if len(e.pending) >= PENDING_MAX:
-                e.pending.popleft()
-            e.pending.append((self._mono(), max(0, uncached_tokens)))
+        if e is None or not e.flying or not keys:
+            return 0
+        return bisect_left(_Keys(keys, e.flying), True)
+
+    def dispatched(
+        self, backend: str, uncached_tokens: int, keys: Sequence[bytes] = ()
+    ) -> Flight | None:
+        """`backend` was sent a prompt: its Flight, to be `prefilled()` and `ended()`."""
+        e = self._engines.get(backend)
+        if e is None:
+            return None
+        if len(e.pending) >= PENDING_MAX:
+            e.pending.popleft()
+        flight = Flight(backend, self._mono(), max(0, uncached_tokens), keys)
+        e.pending.append(flight)
+        flying = e.flying
+        for k in keys:
+            flying[k] = flying.get(k, 0) + 1
+        return flight
+
+    def ended(self, flight: Flight) -> None:
+        """It ended, whichever way: its keys no longer count as held (release, always)."""
+        if flight.ended:
+            return
+        flight.ended = True
+        flight.tokens = 0
+        e = self._engines.get(flight.backend)
+        if e is None:  # the backend was removed
+            return
+        flying = e.flying
+        for k in flight.keys:
+            n = flying.get(k, 0)
+            if n > 1:
+                flying[k] = n - 1
+            else:
+                flying.pop(k, None)
 
     def status(self, backend: str) -> dict[str, Any] | None:
         e = self._engines.get(backend)
@@ -219,6 +295,9 @@ class KvEvents:
             "events": dict(e.counts),
             "gaps": e.gaps,
             "restarts": e.restarts,
+            # This router's requests there not yet answered, and the blocks of those running.
+            "pending_tokens": self.pending(backend)[0],
+            "in_flight_blocks": len(e.flying),
             "publishers": [
                 {
                     "endpoint": f.endpoint,
@@ -495,7 +574,6 @@ class KvEvents:
         if not replayed:  # a replayed batch's age is history, not lag
             e.lag = max(0.0, now - batch.ts)
             e.last_event = now
-        e.pending.clear()
         cap = self._capacity(name) or DEFAULT_BLOCKS
         stored, removed, cleared, blocks = self.index.apply(name, batch.events, cap)
         if cleared and feed.state == "unsure":

@@ -35,7 +35,7 @@ from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
 from router.core.settings import AffinityConfig, ConfigError
-from router.engine.kv_events import KvEvents
+from router.engine.kv_events import Flight, KvEvents
 from router.engine.kv_index import BASE, chain_keys, namespace
 from router.request.prefix import prefix_hashes
 from router.request.tokens import (
@@ -67,6 +67,8 @@ class RequestAffinity:
     model: str = ""
     # (block size, namespace) -> the tokens' block keys, computed once per request
     keys: dict[tuple[int, bytes], list[bytes]] = field(default_factory=dict)
+    # backend -> its (block size, namespace), for the backends with live events
+    groups: dict[str, tuple[int, bytes]] = field(default_factory=dict)
 
 
 class Affinity:
@@ -198,6 +200,7 @@ class Affinity:
         index = kv.index
         cached: dict[str, int] = {}
         pending: dict[str, int] = {}
+        pending_age: dict[str, float] = {}
         stored: dict[str, int] = {}
         exact: set[str] = set()
         groups: dict[tuple[int, bytes], list[str]] = {}
@@ -214,23 +217,33 @@ class Affinity:
                 target = b.models.get(request.model, request.model)
                 ns = namespace(target) if index.has_lora(name, target) else BASE
                 groups.setdefault((bs, ns), []).append(name)
+                request.groups[name] = (bs, ns)
             elif held.get(name):
                 cached[name] = min(n, held[name] * per_block)
-            _, waiting = kv.pending(name)
+            waiting, age = kv.pending(name)
             if waiting:
                 pending[name] = waiting
+                pending_age[name] = age
         for (bs, ns), names in groups.items():
             keys = request.keys.get((bs, ns))
             if keys is None:
                 keys = request.keys[(bs, ns)] = chain_keys(tokens, bs, ns)
-            for name, blocks in index.match(keys, names).items():
-                cached[name] = blocks * bs
-        return KvHints(n, cached, frozenset(exact), pending, stored)
+            matched = index.match(keys, names)
+            for name in names:
+                # What requests in flight there carry counts as held (router/engine/kv_events).
+                blocks = max(matched.get(name, 0), kv.flying_blocks(name, keys))
+                if blocks:
+                    cached[name] = blocks * bs
+        return KvHints(n, cached, frozenset(exact), pending, stored, pending_age)
 
-    def kv_dispatched(self, request: RequestAffinity, backend: str, cached: int) -> None:
-        """`backend` was sent this prompt: its uncached part is pending there until an event."""
-        if self.kv is not None and request.tokens is not None:
-            self.kv.dispatched(backend, len(request.tokens) - cached)
+    def kv_dispatched(self, request: RequestAffinity, backend: str, cached: int) -> Flight | None:
+        """`backend` was sent this prompt: its Flight there (router/engine/kv_events.py), to end
+        when the attempt does."""
+        if self.kv is None or request.tokens is None:
+            return None
+        group = request.groups.get(backend)
+        keys = request.keys.get(group, ()) if group is not None else ()
+        return self.kv.dispatched(backend, len(request.tokens) - cached, keys)
 
     def bind(
         self,

@@ -129,6 +129,12 @@ class Attempts:
             parts.store.release(lease)
             if parts.admission is not None:
                 parts.admission.released()
+            flight = call.kv_flight
+            if flight is not None:
+                call.kv_flight = None
+                kv = parts.affinity.kv
+                assert kv is not None  # a flight comes from it
+                kv.ended(flight)
             call.trace.attempt_end(rec.error)
 
     async def again(self, release: Callable[[], None]) -> None:
@@ -261,7 +267,9 @@ class Attempts:
             rec.prefix_chars = held * parts.settings.affinity.block_chars
             parts.affinity.dispatched(affinity.hashes, lease.backend, readings)
             if affinity.tokens is not None:
-                parts.affinity.kv_dispatched(affinity, lease.backend, choice.cached)
+                call.kv_flight = parts.affinity.kv_dispatched(
+                    affinity, lease.backend, choice.cached
+                )
             entries = parts.affinity.index.entries
             parts.metrics.affinity(len(affinity.hashes), held, entries)
         call.trace.picked(lease.backend, rec.reason)

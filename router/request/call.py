@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -28,6 +28,9 @@ from router.request.record import RequestRecord
 from router.request.stitch import Stitch
 from router.request.usage_stream import inject, needs_injection, with_usage
 
+if TYPE_CHECKING:
+    from router.engine.kv_events import Flight
+
 
 class Call:
     __slots__ = (
@@ -45,6 +48,7 @@ class Call:
         "head",
         "hop",
         "inject",
+        "kv_flight",
         "load_adapter",
         "method",
         "migrations",
@@ -116,6 +120,8 @@ class Call:
         self.started = False  # the response head reached the client
         self.trace: RequestTrace = NO_TRACE
         self.load_adapter = False  # this attempt's engine must load the adapter first
+        # This attempt's prompt on an engine with KV events, until the attempt ends.
+        self.kv_flight: Flight | None = None
         self.adapter: str | None = None  # the LoRA adapter the request names, if routed so
         # Migration: the plan (None: off, or a reason it may not), and the state of a stream
         # continued elsewhere: text relayed so far, tokens before the current attempt's, the

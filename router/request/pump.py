@@ -91,6 +91,8 @@ async def pump(
         async for chunk in response.stream:
             if rec.ttfb_ms is None:
                 rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
+                if call.kv_flight is not None:
+                    call.kv_flight.prefilled()
                 if sink is not None:  # after the first chunk: it times the first byte
                     response.stream.divert(sink)
             # Four bytes: the end of a choices event (CHOICES_END), of [DONE], or of neither,
