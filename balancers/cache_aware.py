@@ -57,11 +57,12 @@ in seconds, from rates each engine's histograms teach (router/engine/calibrate.p
 - uncached(c): prompt tokens c would compute: all but what its events say it holds, or what
   requests in flight there carry (exact), when its events are live, else what the approximate
   index guesses (`Hints.held` blocks);
-- before(c): the prefills of requests sent to c and not yet answered (`pending(c)` uncached
-  tokens, router/engine/kv_events.py `Flight`) x p(c), less the seconds since the oldest of
-  them was sent (the engine has been at them since), so a burst does not pile onto one holder,
-  and a second request of a prompt still prefilling joins it (the prompt counts as held there:
-  it waits for the rest of that prefill only, not a prefill of its own elsewhere);
+- before(c): the prefills of requests sent to c since its last event and not yet answered
+  (`pending(c)` uncached tokens, router/engine/kv_events.py `Flight`) x p(c), less the
+  seconds since the oldest of them was sent (the engine has been at them since), so a burst
+  does not pile onto one holder, and a second request of a prompt still prefilling joins it
+  (the prompt counts as held there: it waits for the rest of that prefill only, not a prefill
+  of its own elsewhere);
 - ahead(c), sent(c), running(c) and the guardrail as above.
 Reasons then: `prefix_exact` (the pick holds part of the prompt, per its live events),
 `prefix_approx` (per the approximate index: its events are not live), `spill`, `load`.

@@ -133,3 +133,37 @@ def test_a_request_counts_on_its_engine_until_it_ends(fleet: dict[str, Proc]) ->
             (s["in_flight_blocks"], s["pending_tokens"]) == (0, 0) for s in kv_rows(router).values()
         ),
     )
+
+
+def test_the_engines_tokenize_on_one_that_is_up(fleet: dict[str, Proc]) -> None:
+    """`via: engine`: a backend that is down (first in the list, its events not live) does not
+    take precise routing with it: the prompt is tokenized on one whose events are live."""
+    import asyncio
+
+    from router.core.backend import Backend
+    from router.core.settings import AffinityConfig, BackendConfig, TokenizerConfig
+    from router.engine.kv_events import Feed, KvEvents
+    from router.request.affinity import Affinity, RequestAffinity
+
+    def made(name: str, url: str) -> Backend:
+        cfg = BackendConfig(name=name, url=url, models={"m": "mock-model"}, kv_events={})  # type: ignore[arg-type]
+        return Backend.from_config(cfg)
+
+    down, up = made("down", "http://127.0.0.1:9"), made("up", fleet["b"].url)
+    kv = KvEvents()
+    kv.sync([down, up])
+    kv._engines["up"].feeds = [Feed("up", "ipc:///nonexistent/up.sock", False, b"", None)]
+    kv._engines["up"].feeds[0].state = "live"
+    affinity = Affinity(AffinityConfig(tokenizers={"m": TokenizerConfig(via="engine")}), kv=kv)
+    payload = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+
+    async def tokens() -> list[int] | None:
+        request = RequestAffinity([], None)
+        for _ in range(3):  # every turn, not one lucky one
+            got = await affinity.with_tokens(request, "m", payload, [down, up])
+            if got.tokens is None:
+                return None
+        return got.tokens
+
+    ids = asyncio.run(tokens())
+    assert ids and all(type(t) is int for t in ids)

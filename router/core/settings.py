@@ -408,7 +408,8 @@ class AffinityConfig(_Strict):
     tokenizers: dict[str, TokenizerConfig] = Field(default_factory=dict)
     # A prompt longer than this (characters) is tokenized in a worker thread, off the event loop.
     tokenize_inline_chars: int = Field(8192, ge=0, le=1 << 24)
-    # Seconds at most a dispatch counts as pending on its backend when no answer has begun.
+    # Seconds at most a dispatch counts as pending on its backend when no KV event and no answer
+    # followed it.
     pending_ttl: float = Field(2.0, gt=0, le=60)
 
     @field_validator("session_headers")

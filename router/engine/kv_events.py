@@ -22,11 +22,11 @@ A backend is `live` (its index is the truth; `cache_aware` routes on it) when ea
 publishers is; else `waiting` (nothing heard yet), `unsure`, `replaying` or `error` (a socket
 that could not be set up; retried every RETRY seconds). Each request this router sends an
 engine is a `Flight` there until its attempt ends: its uncached tokens are pending until the
-answer's first chunk (the prefill is done; `pending_ttl` bounds the rest), and its prompt's
-block keys count as held (a running request's blocks cannot be evicted, and a second request of
-a prompt still prefilling then joins it instead of building a second copy elsewhere). Not "until
-the engine's next event", as first built: a prompt that hits stores no full block and sends no
-event, so a holder's pending grew with every hit (docs/kv-events.md).
+engine's next event or the answer's first chunk (the prefill is done), whichever comes first
+(`pending_ttl` bounds the rest), and its prompt's block keys count as held (a running request's
+blocks cannot be evicted, and a second request of a prompt still prefilling then joins it
+instead of building a second copy elsewhere). The first chunk matters: a prompt that hits stores
+no full block and sends no event, so a holder's pending grew with every hit (docs/kv-events.md).
 Cost: per message one decode (msgspec), and per stored block a scan for its end and one hash
 (router/engine/kv_index.py); the event counts reach the metrics once per FLUSH_INTERVAL, not per
 message (bench/kv.py).
@@ -574,6 +574,7 @@ class KvEvents:
         if not replayed:  # a replayed batch's age is history, not lag
             e.lag = max(0.0, now - batch.ts)
             e.last_event = now
+        e.pending.clear()  # what was sent before it is in it, or will not store a block
         cap = self._capacity(name) or DEFAULT_BLOCKS
         stored, removed, cleared, blocks = self.index.apply(name, batch.events, cap)
         if cleared and feed.state == "unsure":

@@ -100,6 +100,7 @@ class Affinity:
         # Balancer class -> does it take hints. A runtime Protocol check costs ~7 us, too much
         # to pay on every request for the balancers (most) that don't.
         self._aware: dict[type, bool] = {}
+        self._turn = 0  # which engine tokenizes next (`via: engine`)
 
     def prepare(
         self,
@@ -174,18 +175,30 @@ class Affinity:
         payload: dict[str, Any],
         backends: Sequence[Backend],
     ) -> RequestAffinity:
-        """`request` with the prompt's token ids (unchanged when they cannot be had)."""
+        """`request` with the prompt's token ids (unchanged when they cannot be had);
+        `backends`: the model's eligible ones (healthy, not ejected)."""
         tk = self._tokenizers[model]
         limit = self.config.max_prefix_chars
         if isinstance(tk, RouterTokenizer):
             ids = await request_tokens(tk, payload, self.config.tokenize_inline_chars, limit)
         else:
+            # The engine's own `/tokenize`, on one that is up and whose events are live, in
+            # turn: the first configured one, down, refused every prompt (and precise routing
+            # with it) while it was away.
             kv = self.kv
             assert kv is not None
-            target = next((b for b in backends if kv.configured(b.name)), None)
-            if target is None:
+            able = [b for b in backends if kv.live(b.name)] or [
+                b for b in backends if kv.configured(b.name)
+            ]
+            if not able:
                 return request
-            ids = await tk.tokens(payload, target, target.models.get(model, model), limit)
+            self._turn += 1
+            ids = None
+            for i in range(min(2, len(able))):  # one other when the first does not answer
+                target = able[(self._turn + i) % len(able)]
+                ids = await tk.tokens(payload, target, target.models.get(model, model), limit)
+                if ids is not None:
+                    break
         if not ids:
             return request
         return replace(request, tokens=ids, model=model)

@@ -70,7 +70,7 @@ async def attempts_for(parts: Parts, call: Call, send: Send) -> Attempts:
         affinity = await parts.affinity.look_up(affinity, call.backends)  # one round trip
     if affinity is not None and parts.affinity.wants_tokens(call.model, call.backends):
         affinity = await parts.affinity.with_tokens(
-            affinity, call.model, call.parsed(), call.backends
+            affinity, call.model, call.parsed(), parts.health.eligible(call.backends, call.model)
         )
     return Attempts(parts, call, send, balancer, affinity)
 
