@@ -172,6 +172,20 @@ def _tokenizer() -> dict[str, float]:
         * 1e3,
     }
 
+    # A prompt of about as many tokens whose text shares all but its tail with one seen
+    # before (a document asked about again, a conversation's next turn, a repeated prefix):
+    # the shared chunks come from the cache, only the tail is encoded.
+    prose = " ".join(rng.choice(words) for _ in range(7000))
+    seen = tk.tokens({"prompt": prose + " first question"}) or []
+    asked = iter(range(10**6))
+    out["shared_prefix_tokens"] = len(seen)
+    out["shared_prefix_ms"] = (
+        per_call(lambda: tk.tokens({"prompt": f"{prose} question number {next(asked)}"})) * 1e3
+    )
+    out["shared_prefix_library_ms"] = (
+        per_call(lambda: tk.tokenizer.encode(f"{prose} question number {next(asked)}").ids) * 1e3
+    )
+
     # What the event loop's own thread spends on a cold 8k-token prompt (the rest runs in a
     # worker thread, `tokenize_inline_chars`): the request still waits for it.
     inline = AffinityConfig().tokenize_inline_chars
@@ -254,6 +268,9 @@ def run(quick: bool = False, baseline_src: str | None = None) -> dict[str, Any]:
         keys_bs128_ms=round(tok["keys_bs128_ms"], 3),
         keys_bs16_ms=round(tok["keys_bs16_ms"], 3),
         tokenizer_loop_stall_idle_ms=round(tok["loop_stall_idle_ms"], 2),
+        tokenizer_shared_prefix_tokens=tok["shared_prefix_tokens"],
+        tokenizer_shared_prefix_ms=round(tok["shared_prefix_ms"], 3),
+        tokenizer_shared_prefix_library_ms=round(tok["shared_prefix_library_ms"], 3),
     )
     return out
 
@@ -309,6 +326,11 @@ def main() -> None:
         f"text alone {res['tokenizer_library_ms']:.2f} ms, on the event loop's thread "
         f"{res['tokenizer_loop_thread_ms']:.3f} ms; longest event-loop stall meanwhile "
         f"{res['tokenizer_loop_stall_ms']:.1f} ms (idle: {res['tokenizer_loop_stall_idle_ms']:.1f})"
+    )
+    print(
+        f"tokenizer: {res['tokenizer_shared_prefix_tokens']}-token completion prompt sharing "
+        f"all but its tail with one seen before: {res['tokenizer_shared_prefix_ms']:.3f} ms CPU "
+        f"(the library's encode of it: {res['tokenizer_shared_prefix_library_ms']:.2f} ms)"
     )
     print(
         f"block keys of that prompt: {res['keys_bs128_ms']:.3f} ms at block size 128, "

@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from balancers.base import Candidate
 from balancers.cache_aware import CacheAware, Hints, KvHints
 from router.core.engine import EngineReading
@@ -80,9 +82,10 @@ def test_pending_prefills_count_what_is_left_of_them() -> None:
 
 
 def test_a_new_home_goes_where_the_cache_has_room() -> None:
-    """No candidate holds the prompt: the engine whose free KV takes it without evicting wins
+    """No candidate holds the prompt: the engines whose free KV takes it without evicting win
     over a less loaded one whose cache is full (a restarted engine, emptied, against engines
-    that took on its customers); a queue there, or every cache full, leaves it to load."""
+    that took on its customers), load deciding among them; a queue there, or every cache full,
+    leaves it to load."""
 
     def engine(running: float, waiting: float = 0.0) -> EngineReading:
         return EngineReading(waiting, running, 0.05 * running, 8000, 0.0, 1.0, 1)
@@ -96,10 +99,12 @@ def test_a_new_home_goes_where_the_cache_has_room() -> None:
 
     names = frozenset({"a", "b", "c"})
     kv = KvHints(1500, {}, names, {}, {"a": 8000, "b": 0, "c": 6000})
-    assert pick(cands(), kv) == ("b", "load")
-    assert pick(cands(b_waiting=1), kv)[0] == "c"  # b queues: the next with room
+    assert pick(cands(), kv) == ("c", "load")  # both take it: the less loaded
     # Tokens sent since their last event count as stored: c's room is taken.
-    assert pick(cands(b_waiting=1), KvHints(1500, {}, names, {"c": 1500}, kv.stored))[0] == "a"
+    taken = KvHints(1500, {}, names, {"c": 1500}, kv.stored)
+    assert pick(cands(), taken) == ("b", "load")
+    assert pick(cands(b_waiting=1), kv)[0] == "c"  # b queues: c still has room
+    assert pick(cands(b_waiting=1), taken)[0] == "a"  # nobody with room is free of a queue
     full = KvHints(1500, {}, names, {}, {"a": 8000, "b": 7000, "c": 8000})
     assert pick(cands(), full)[0] == "a"  # every cache would evict: least load
     unknown = KvHints(1500, {}, frozenset({"a", "c"}), {}, {"a": 8000, "c": 6000})
@@ -180,6 +185,47 @@ def test_piece_cache_gives_the_same_ids(tmp_path: Path) -> None:
     assert tk.tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
     cut = tk.tokens(chat, limit=200)
     assert cut is not None and plain[: len(cut)] == cut and len(cut) < len(plain)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3", "metaspace", "none"])
+def test_long_prompts_sharing_a_prefix_encode_as_a_whole(tmp_path: Path, kind: str) -> None:
+    """Prompts that share a long prefix, encoded in chunks (the shared ones from the cache),
+    give exactly the ids of encoding each whole, chat and completion, for every kind of
+    pre-tokenizer; one whose merges cross spaces is not chunked at all, and one that marks
+    the start of every piece (SentencePiece's metaspace) not split at all."""
+    import random
+
+    from router.request import tokens
+    from tests.tiny_tokenizer import write_tokenizer
+
+    rng = random.Random(kind)
+    alphabet = (
+        "abc d\u00e9f  ghi\n\tj,k. 12 345 \u00c9\u00c0 \u65e5\u672c ' s'll x_y \u00b2 \u216b  "
+    )
+    words = ["def", "return", "class", "value", "index", "cache", "it's", "we'll", "2026"]
+
+    def text(n: int) -> str:
+        if rng.random() < 0.5:
+            return "".join(rng.choice(alphabet) for _ in range(n))
+        return " ".join(rng.choice(words) for _ in range(n // 5))
+
+    corpus = [tokens._PROBE * 4, *(text(400) for _ in range(50))] if kind == "none" else None
+    tk = RouterTokenizer(str(write_tokenizer(tmp_path, kind=kind, corpus=corpus)))
+    assert tk._chunked == (kind in ("gpt2", "llama3"))
+    assert (tk._split is None) == (kind == "metaspace")
+    prefix = text(5 * tokens.CHUNK)
+    for _ in range(6):
+        prompt = prefix + text(rng.randrange(10, 3 * tokens.CHUNK))
+        assert tk.tokens({"prompt": prompt}) == list(tk.tokenizer.encode(prompt).ids)
+        chat = {
+            "messages": [{"role": "system", "content": prompt}, {"role": "user", "content": "hi"}]
+        }
+        rendered = tk.render(chat)
+        assert rendered is not None
+        whole = list(tk.tokenizer.encode(rendered, add_special_tokens=False).ids)
+        assert tk.tokens(chat) == whole
+    if tk._chunked:  # the shared prefix's chunks were reused, not encoded again
+        assert any(len(piece) >= tokens.CHUNK and prefix.startswith(piece) for piece in tk._cache)
 
 
 def test_developer_and_several_system_messages_render_as_vllm_does(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SPECIAL = [
     "<|begin_of_text|>",
@@ -25,12 +25,38 @@ TEMPLATE = (
 )
 
 
-def write_tokenizer(where: Path, vocab: int = 600) -> Path:
+# Llama 3's pre-tokenizer regex (its tokenizer.json), ahead of a ByteLevel without its own.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def write_tokenizer(
+    where: Path, vocab: int = 600, kind: str = "gpt2", corpus: list[str] | None = None
+) -> Path:
+    """kind: `gpt2` (ByteLevel's own regex), `llama3` (a Split regex, then ByteLevel),
+    `metaspace` (SentencePiece's space marker) or `none` (no pre-tokenizer: merges may cross
+    spaces)."""
     words = ["def", "return", "class", "import", "self", "value", "index", "block", "cache"]
-    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(300)]
+    if corpus is None:
+        corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(300)]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif kind == "llama3":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif kind == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    if kind == "metaspace":
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    else:
+        tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
         special_tokens=["<unk>", *SPECIAL],

@@ -209,3 +209,26 @@ def test_router_tokens_equal_the_engines(fleet: Fleet, body: dict[str, Any]) -> 
     engine = httpx.post(e.url + "/tokenize", json={"model": e.model, **body}, timeout=30)
     assert engine.status_code == 200, engine.text
     assert tk.tokens(body) == engine.json()["tokens"]
+
+
+def test_router_tokens_of_prompts_sharing_a_long_prefix_equal_the_engines(fleet: Fleet) -> None:
+    """Long prompts are encoded in chunks, the shared prefix's from the router's cache: the ids
+    still equal the engine's own, for completions and chat alike."""
+    e = fleet.engines[0]
+    tk = RouterTokenizer(str(e.model_dir))
+    words = ["route", "the", "prompt's", "prefix", "to", "engine", "2026", "(cached)", "é"]
+    prefix = " ".join(words[(i * 5) % len(words)] for i in range(700)) + "\n\n"
+    for tail in ("first question?", "a second, longer question about it", "x"):
+        for body in (
+            {"prompt": prefix + tail},
+            {
+                "messages": [
+                    {"role": "system", "content": prefix},
+                    {"role": "user", "content": tail},
+                ]
+            },
+        ):
+            engine = httpx.post(e.url + "/tokenize", json={"model": e.model, **body}, timeout=30)
+            assert engine.status_code == 200, engine.text
+            assert tk.tokens(body) == engine.json()["tokens"]
+    assert tk._chunked  # the chunks were in play

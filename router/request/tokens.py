@@ -13,11 +13,16 @@ Two ways, chosen per model (`affinity.tokenizers`):
 - `engine`: the backend's own `POST /tokenize` with the same body (messages, tools) - exact by
   construction, one round trip (~2-5 ms on a local engine) on the request's path.
 Cost (router): the rendered text is split at the special tokens (which the tokenizer never
-merges across) and each piece's ids are kept in an LRU of MAX_CACHED_TOKENS ids, so a repeated
-system prompt or document costs a dictionary lookup; a new piece is encoded in Rust, with the
-GIL released (`encode_batch`; `encode` keeps it). A prompt past `tokenize_inline_chars` is
-tokenized in a worker thread, off the event loop. The floor is the library's: a cold 8k-token
-prompt costs what `tokenizers` takes to encode it (bench/kv.py reports both).
+merges across), a long piece further at the first "letter, space, letter" past every CHUNK
+characters (a regex-split byte-level BPE, GPT-2's, Llama 3's or Qwen's, never merges across
+one: checked on a probe text when the tokenizer loads, else not split), and each piece's ids
+are kept in an LRU of MAX_CACHED_TOKENS ids, so a repeated system prompt, document or shared
+prefix costs dictionary lookups and only the new tail is encoded; a completion prompt too, its
+special tokens (the BOS) put around as the tokenizer's template puts them. New pieces are
+encoded in Rust, with the GIL released (`encode_batch`; `encode` keeps it). A prompt past
+`tokenize_inline_chars` is tokenized in a worker thread, off the event loop. The floor is the
+library's: a cold 8k-token prompt costs what `tokenizers` takes to encode it (bench/kv.py
+reports both).
 Anything a template or tokenizer rejects gives no tokens (the request is routed on the
 approximate index), never an error: the engine answers for the request itself.
 """
@@ -47,6 +52,17 @@ from router.upstream.pools import Pools
 MAX_CACHED_TOKENS = 4_000_000  # ids kept across pieces (~32 MB)
 MIN_CACHED_PIECE = 64  # characters: shorter pieces are cheaper to encode than to key
 GIL_FREE_CHARS = 4096  # longer texts are encoded with the GIL released
+CHUNK = 512  # characters: a long piece is cut at the first safe point past each multiple
+# A space between two letters: byte-level BPE's pre-tokenizer regex (GPT-2's ` ?\p{L}+`, Llama
+# 3's `[^\r\n\p{L}\p{N}]?\p{L}+`) ends a word at the space and starts the next with it.
+_SAFE = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
+# Letters, digits, punctuation, runs of spaces and newlines, contractions, accents and CJK:
+# chunked and whole must encode alike before a tokenizer's pieces are chunked.
+_PROBE = (
+    "It's 2026; they'll route 1234567 prompts.  Twice\n\n\tindented  text, \u00e9t\u00e9 "
+    "na\u00efve caf\u00e9 \u65e5\u672c\u8a9e \u0645\u0631\u062d\u0628\u0627 x_y z-w "
+    "(a) [b] {c} <d> don't I'm we've you'd   end.\n"
+)
 
 
 class TokenizerError(ValueError):
@@ -178,6 +194,44 @@ class RouterTokenizer:
         )
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cached_tokens = 0
+        self._wrap = self._specials_around()
+        self._chunked = False
+        if added and self._split is not None:
+            # A tokenizer that marks a word's start (SentencePiece's metaspace, "first") does
+            # so at the start of each piece too: then pieces do not encode as the whole.
+            first, last = added[0].content, added[-1].content
+            if not self._pieces_match(f"{first}system{last}\n\n{_PROBE}{first} x{last}"):
+                self._split = None
+            elif not any(
+                _SAFE.search(t.content) for t in self.tokenizer.get_added_tokens_decoder().values()
+            ):
+                self._chunked = True
+                self._chunked = self._pieces_match(_PROBE * (3 * CHUNK // len(_PROBE) + 1))
+            self._cache.clear()
+            self._cached_tokens = 0
+
+    def _pieces_match(self, probe: str) -> bool:
+        specials = (False, True) if self._wrap is not None else (False,)
+        return all(self._encode_pieces(probe, s) == self._plain(probe, s) for s in specials)
+
+    def _specials_around(self) -> tuple[list[int], list[int]] | None:
+        """The ids the tokenizer's post-processor puts before and after a text's own (the BOS),
+        when it does so alike for any text; None otherwise."""
+        found: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        for probe in ("a", "Hello world", " 12"):
+            bare = list(self.tokenizer.encode(probe, add_special_tokens=False).ids)
+            full = list(self.tokenizer.encode(probe, add_special_tokens=True).ids)
+            at = next(
+                (i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare),
+                None,
+            )
+            if not bare or at is None:
+                return None
+            found.add((tuple(full[:at]), tuple(full[at + len(bare) :])))
+        if len(found) != 1:
+            return None
+        pre, post = found.pop()
+        return list(pre), list(post)
 
     # --- rendering ------------------------------------------------------------------------------
 
@@ -209,16 +263,28 @@ class RouterTokenizer:
     # --- encoding -------------------------------------------------------------------------------
 
     def encode(self, text: str, special: bool) -> list[int]:
-        if special or self._split is None or len(text) < 2 * MIN_CACHED_PIECE:
-            if len(text) < GIL_FREE_CHARS:
-                return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
-            # `encode` holds the GIL throughout (the event loop stalls for all of it even
-            # with this in a worker thread); `encode_batch` releases it.
-            return list(self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
-        out: list[int] = []
+        if (
+            self._split is None
+            or len(text) < 2 * MIN_CACHED_PIECE
+            or (special and self._wrap is None)
+        ):
+            return self._plain(text, special)
+        return self._encode_pieces(text, special)
+
+    def _plain(self, text: str, special: bool) -> list[int]:
+        if len(text) < GIL_FREE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
+        # `encode` holds the GIL throughout (the event loop stalls for all of it even with
+        # this in a worker thread); `encode_batch` releases it.
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
+
+    def _encode_pieces(self, text: str, special: bool) -> list[int]:
+        assert self._split is not None
         cache = self._cache
         misses: list[tuple[int, str]] = []
         pieces = [p for p in self._split.split(text) if p]
+        if self._chunked:
+            pieces = [c for p in pieces for c in _chunks(p)]
         parts: list[list[int] | None] = []
         for p in pieces:
             hit = cache.get(p) if len(p) >= MIN_CACHED_PIECE else None
@@ -234,8 +300,15 @@ class RouterTokenizer:
                 parts[i] = ids
                 if len(p) >= MIN_CACHED_PIECE:
                     self._remember(p, ids)
+        out: list[int] = []
+        if special:
+            assert self._wrap is not None
+            out += self._wrap[0]
         for part in parts:
             out += part or ()
+        if special:
+            assert self._wrap is not None
+            out += self._wrap[1]
         return out
 
     def _remember(self, piece: str, ids: list[int]) -> None:
@@ -265,6 +338,33 @@ class RouterTokenizer:
         if len(text) <= limit:
             return self.encode(text, special)
         return self.encode(text[:limit], special)[:-16]
+
+
+def _chunks(piece: str) -> list[str]:
+    """`piece` cut at the first safe point (a space between two letters) at or past CHUNK
+    characters from the last cut: each cut depends only on the text before it, so two prompts
+    sharing a prefix share its chunks up to the last cut before they differ."""
+    if len(piece) < 2 * CHUNK:
+        return [piece]
+    out: list[str] = []
+    start = 0
+    search = _SAFE.search
+    while (m := search(piece, start + CHUNK)) is not None:
+        at = m.start()
+        if not (piece[at - 1].isalpha() and piece[at + 1].isalpha()):
+            # `[^\W\d_]` takes in numerals (Roman ones, superscripts) that are not \p{L}.
+            nxt = search(piece, at + 1)
+            while nxt is not None and not (
+                piece[nxt.start() - 1].isalpha() and piece[nxt.start() + 1].isalpha()
+            ):
+                nxt = search(piece, nxt.start() + 1)
+            if nxt is None:
+                break
+            at = nxt.start()
+        out.append(piece[start:at])
+        start = at
+    out.append(piece[start:])
+    return out
 
 
 def _message(m: dict[str, Any], openai_content: bool) -> dict[str, Any]:
