@@ -82,10 +82,10 @@ def test_pending_prefills_count_what_is_left_of_them() -> None:
 
 
 def test_a_new_home_goes_where_the_cache_has_room() -> None:
-    """No candidate holds the prompt: the engines whose free KV takes it without evicting win
-    over a less loaded one whose cache is full (a restarted engine, emptied, against engines
-    that took on its customers), load deciding among them; a queue there, or every cache full,
-    leaves it to load."""
+    """No candidate holds the prompt: the engines whose free KV takes it without evicting, at
+    least half as often as the roomiest, win over a less loaded one whose cache is full (a
+    restarted engine, emptied, against engines that took on its customers), load deciding
+    among them; a queue there, or every cache full, leaves it to load."""
 
     def engine(running: float, waiting: float = 0.0) -> EngineReading:
         return EngineReading(waiting, running, 0.05 * running, 8000, 0.0, 1.0, 1)
@@ -99,11 +99,13 @@ def test_a_new_home_goes_where_the_cache_has_room() -> None:
 
     names = frozenset({"a", "b", "c"})
     kv = KvHints(1500, {}, names, {}, {"a": 8000, "b": 0, "c": 6000})
-    assert pick(cands(), kv) == ("c", "load")  # both take it: the less loaded
+    assert pick(cands(), kv) == ("b", "load")  # room for 5 prompts against c's 1
+    # Room for 3 and 2: both ample, and the less loaded takes it.
+    both = KvHints(1500, {}, names, {}, {"a": 8000, "b": 3500, "c": 5000})
+    assert pick(cands(), both) == ("c", "load")
+    assert pick(cands(b_waiting=1), kv)[0] == "c"  # b queues: the next with room
     # Tokens sent since their last event count as stored: c's room is taken.
     taken = KvHints(1500, {}, names, {"c": 1500}, kv.stored)
-    assert pick(cands(), taken) == ("b", "load")
-    assert pick(cands(b_waiting=1), kv)[0] == "c"  # b queues: c still has room
     assert pick(cands(b_waiting=1), taken)[0] == "a"  # nobody with room is free of a queue
     full = KvHints(1500, {}, names, {}, {"a": 8000, "b": 7000, "c": 8000})
     assert pick(cands(), full)[0] == "a"  # every cache would evict: least load

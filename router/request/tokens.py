@@ -13,16 +13,16 @@ Two ways, chosen per model (`affinity.tokenizers`):
 - `engine`: the backend's own `POST /tokenize` with the same body (messages, tools) - exact by
   construction, one round trip (~2-5 ms on a local engine) on the request's path.
 Cost (router): the rendered text is split at the special tokens (which the tokenizer never
-merges across), a long piece further at the first "letter, space, letter" past every CHUNK
-characters (a regex-split byte-level BPE, GPT-2's, Llama 3's or Qwen's, never merges across
-one: checked on a probe text when the tokenizer loads, else not split), and each piece's ids
-are kept in an LRU of MAX_CACHED_TOKENS ids, so a repeated system prompt, document or shared
-prefix costs dictionary lookups and only the new tail is encoded; a completion prompt too, its
-special tokens (the BOS) put around as the tokenizer's template puts them. New pieces are
-encoded in Rust, with the GIL released (`encode_batch`; `encode` keeps it). A prompt past
-`tokenize_inline_chars` is tokenized in a worker thread, off the event loop. The floor is the
-library's: a cold 8k-token prompt costs what `tokenizers` takes to encode it (bench/kv.py
-reports both).
+merges across), a long piece further at the first "letter, space, letter" CHUNK to 2 x CHUNK
+characters past the last cut (a regex-split byte-level BPE, GPT-2's, Llama 3's or Qwen's,
+never merges across one: checked on a probe text when the tokenizer loads, else not split),
+and each piece's ids are kept in an LRU of MAX_CACHED_TOKENS ids, so a repeated system prompt,
+document or shared prefix costs dictionary lookups and only the new tail is encoded; a
+completion prompt too, its special tokens (the BOS) put around as the tokenizer's template puts
+them. New pieces are encoded in Rust, with the GIL released (`encode_batch`; `encode` keeps
+it). A prompt past `tokenize_inline_chars` is tokenized in a worker thread, off the event loop.
+The floor is the library's: a cold 8k-token prompt costs what `tokenizers` takes to encode it
+(bench/kv.py reports both).
 Anything a template or tokenizer rejects gives no tokens (the request is routed on the
 approximate index), never an error: the engine answers for the request itself.
 """
@@ -341,28 +341,28 @@ class RouterTokenizer:
 
 
 def _chunks(piece: str) -> list[str]:
-    """`piece` cut at the first safe point (a space between two letters) at or past CHUNK
-    characters from the last cut: each cut depends only on the text before it, so two prompts
-    sharing a prefix share its chunks up to the last cut before they differ."""
+    """`piece` cut at the first safe point (a space between two letters) from CHUNK to
+    2 x CHUNK characters past the last cut; with none there, the rest is one piece (a text
+    without such points, digits or CJK, costs a scan of 2 x CHUNK, not of all of it). Each cut
+    depends only on the text before it and shortly after, so two prompts sharing a prefix share
+    its chunks up to the last cut before they differ."""
     if len(piece) < 2 * CHUNK:
         return [piece]
     out: list[str] = []
     start = 0
     search = _SAFE.search
-    while (m := search(piece, start + CHUNK)) is not None:
-        at = m.start()
-        if not (piece[at - 1].isalpha() and piece[at + 1].isalpha()):
-            # `[^\W\d_]` takes in numerals (Roman ones, superscripts) that are not \p{L}.
-            nxt = search(piece, at + 1)
-            while nxt is not None and not (
-                piece[nxt.start() - 1].isalpha() and piece[nxt.start() + 1].isalpha()
-            ):
-                nxt = search(piece, nxt.start() + 1)
-            if nxt is None:
-                break
-            at = nxt.start()
-        out.append(piece[start:at])
-        start = at
+    while True:
+        end = start + 2 * CHUNK
+        m = search(piece, start + CHUNK, end)
+        # `[^\W\d_]` takes in numerals (Roman ones, superscripts) that are not \p{L}.
+        while m is not None and not (
+            piece[m.start() - 1].isalpha() and piece[m.start() + 1].isalpha()
+        ):
+            m = search(piece, m.start() + 1, end)
+        if m is None:
+            break
+        out.append(piece[start : m.start()])
+        start = m.start()
     out.append(piece[start:])
     return out
 
