@@ -70,7 +70,10 @@ A new home (no candidate holds any of the prompt) with every candidate's events 
 pick among the engines whose free cache takes at least half as many prompts of this length,
 without evicting, as the roomiest one's (KV capacity less the tokens their events say they
 hold, `KvHints.stored`, less those pending), those queuing left out; when every cache would
-evict (a warm fleet: caches fill and stay full) the pick is least_load's among all. Why: a
+evict (a warm fleet: caches fill and stay full), least_load's pick among the engines evicting
+least (`KvHints.churn`, blocks per second lately: at most twice the lowest, plus CHURN_NOISE),
+where a prompt stays longest and what it evicts is the stalest (with no eviction rate known,
+among all). Why: a
 restarted engine's customers are held nowhere once its index is dropped, and placed by load
 alone they landed on engines with full caches, each evicting another customer's prompt (a miss
 more, and another re-home), while the emptied engine, which the approximate index keeps sending
@@ -109,6 +112,7 @@ CHARS_PER_TOKEN = 4
 TOKENS_PER_LOAD = 250.0  # only when a candidate has no engine reading
 SPILL_MIN_GAP = 2.0
 KV_NEAR_FULL = 0.9  # only when the engine does not report its KV capacity
+CHURN_NOISE = 1.0  # blocks evicted per second: engines within this of twice the least tie
 # Until an engine's histograms have taught its own: a small model on one GPU, or the mock.
 DEFAULT_PREFILL_S_PER_TOKEN = 20e-6  # 20 ms per 1k tokens
 DEFAULT_STEP_S_PER_SEQ = 0.5e-3  # each running sequence adds 0.5 ms to a decode step
@@ -126,6 +130,8 @@ class KvHints:
     stored: Mapping[str, int] = field(default_factory=dict)
     # backend -> seconds since the oldest of its pending requests was sent
     pending_age: Mapping[str, float] = field(default_factory=dict)
+    # backend -> blocks its cache evicted per second lately, per its live events
+    churn: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,18 +306,28 @@ class HintedPick:
         prompt = max(1, kv.tokens)
         pending = kv.pending
         room: list[tuple[int, Candidate]] = []
+        full: list[Candidate] = []
         for c in pool:
             r = c.engine
             held = stored.get(c.name)
             if r is None or held is None or not r.kv_capacity_tokens or r.stale:
                 return pool  # its room is not known: nothing to weigh
+            if self._ahead_and_batch(c, r, prompt)[0]:
+                continue
             fits = (r.kv_capacity_tokens - held - pending.get(c.name, 0)) // prompt
-            if fits > 0 and not self._ahead_and_batch(c, r, prompt)[0]:
+            if fits > 0:
                 room.append((fits, c))
-        if not room:
+            else:
+                full.append(c)
+        if room:
+            ample = (max(f for f, _ in room) + 1) // 2
+            return [c for f, c in room if f >= ample]
+        if not full or not kv.churn:
             return pool
-        ample = (max(f for f, _ in room) + 1) // 2
-        return [c for f, c in room if f >= ample]
+        # Every cache would evict: where it evicts least, the prompt stays longest.
+        churn = kv.churn
+        slow = min(churn.get(c.name, 0.0) for c in full) * 2 + CHURN_NOISE
+        return [c for c in full if churn.get(c.name, 0.0) <= slow]
 
     def _ahead_and_batch(
         self, c: Candidate, r: EngineReading, prompt: float

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import zmq
 
 from router.core.backend import Backend
 from router.core.settings import BackendConfig
-from router.engine.kv_events import Feed, KvEvents, _feeds_from, resolve
+from router.engine.kv_events import CHURN_TAU, Feed, KvEvents, _feeds_from, resolve
 from router.engine.kv_index import TokenIndex, chain_keys, namespace
 from router.engine.kv_wire import (
     MASK64,
@@ -507,3 +508,22 @@ def test_a_prompt_in_flight_counts_as_held_where_it_was_sent() -> None:
     assert flight is not None and hints() == {"b": 40}
     kv.ended(flight)
     assert hints() == {}
+
+
+def test_churn_is_each_engines_recent_eviction_rate() -> None:
+    """Blocks an engine's events removed, per second over about CHURN_TAU, decaying after: what
+    tells `cache_aware` where a new prompt would stay longest once every cache is full."""
+    now = [100.0]
+    kv = KvEvents(capacity=lambda _n: 100, monotonic=lambda: now[0])
+    kv.sync([_backend("a", {"endpoint": "ipc:///nonexistent/a.sock"})])
+    feed = Feed("a", "ipc:///nonexistent/a.sock", False, b"", None, 0)
+    kv._engines["a"].feeds = [feed]
+    kv._message(feed, frames(0, [stored([1, 2, 3, 4], None, toks(16), BS)]))
+    assert kv.churn("a") == 0.0  # stores are not evictions
+    kv._message(feed, frames(1, [removed([4]), removed([3])]))
+    assert kv.churn("a") == pytest.approx(2 / CHURN_TAU)
+    now[0] += CHURN_TAU
+    assert kv.churn("a") == pytest.approx(2 / CHURN_TAU / math.e)
+    kv._message(feed, frames(2, [removed([2])]))
+    assert kv.churn("a") == pytest.approx((2 / math.e + 1) / CHURN_TAU)
+    assert kv.churn("b") == 0.0

@@ -113,6 +113,30 @@ def test_a_new_home_goes_where_the_cache_has_room() -> None:
     assert pick(cands(), unknown)[0] == "a"  # b's events are not live: no room to weigh
 
 
+def test_with_every_cache_full_a_new_home_goes_where_it_evicts_least() -> None:
+    """Every cache would evict: the prompt goes where blocks stay longest (hidden clients flood
+    `a`, the least loaded: a prompt placed there is soon evicted again), load deciding among
+    those evicting alike; with no eviction rate known, load alone."""
+
+    def engine(running: float) -> EngineReading:
+        return EngineReading(0.0, running, 0.05 * running, 8000, 0.0, 1.0, 1)
+
+    cands = [
+        Candidate("a", 1.0, 0, engine(0)),
+        Candidate("b", 1.0, 2, engine(2)),
+        Candidate("c", 1.0, 1, engine(1)),
+    ]
+    names = frozenset({"a", "b", "c"})
+    full = {"a": 8000, "b": 8000, "c": 8000}
+
+    def churn(rates: dict[str, float]) -> KvHints:
+        return KvHints(1500, {}, names, {}, full, {}, rates)
+
+    assert pick(cands, churn({"a": 40.0, "b": 0.8})) == ("c", "load")  # b and c: alike
+    assert pick(cands, churn({"a": 40.0, "b": 1.5, "c": 9.0}))[0] == "b"
+    assert pick(cands, churn({}))[0] == "a"
+
+
 def test_rates_are_learned_from_the_histograms() -> None:
     cal = Calibration()
     base = {

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from bisect import bisect_left
 from collections import deque
@@ -68,6 +69,7 @@ DISCOVER_TIMEOUT = 2.0  # seconds for the whole /kv_event_sources answer
 MAX_SOURCES_BODY = 256 * 1024  # one publisher per data-parallel rank: a few hundred bytes each
 DEFAULT_BLOCKS = 1024  # an engine's capacity in blocks until its metrics say
 PENDING_MAX = 4096  # dispatches counted as pending per backend
+CHURN_TAU = 5.0  # seconds: the window of an engine's eviction rate (`churn`)
 FLUSH_INTERVAL = 1.0  # seconds between two hand-overs of the event counts to the metrics
 
 STATES = ("waiting", "live", "unsure", "replaying", "error")
@@ -156,6 +158,8 @@ class Engine:
     flying: dict[bytes, int] = field(default_factory=dict)  # block key -> flights holding it
     gaps: int = 0
     restarts: int = 0
+    churn: float = 0.0  # blocks evicted, decayed by CHURN_TAU, as of `churn_at`
+    churn_at: float = 0.0
 
 
 class KvEvents:
@@ -241,6 +245,14 @@ class KvEvents:
         if not q:
             return 0, 0.0
         return sum(f.tokens for f in q), now - q[0].when
+
+    def churn(self, backend: str) -> float:
+        """Blocks `backend` evicted per second lately (an average over about CHURN_TAU): how
+        soon a prompt placed there would be evicted again, once its cache is full."""
+        e = self._engines.get(backend)
+        if e is None or not e.churn:
+            return 0.0
+        return e.churn * math.exp((e.churn_at - self._mono()) / CHURN_TAU) / CHURN_TAU
 
     def flying_blocks(self, backend: str, keys: Sequence[bytes]) -> int:
         """How many of `keys`' leading blocks requests in flight on `backend` carry."""
@@ -588,6 +600,9 @@ class KvEvents:
             counts["BlockStored"] = counts.get("BlockStored", 0) + stored
         if removed:
             counts["BlockRemoved"] = counts.get("BlockRemoved", 0) + removed
+            at = self._mono()
+            e.churn = e.churn * math.exp((e.churn_at - at) / CHURN_TAU) + removed
+            e.churn_at = at
         if cleared:
             counts["AllBlocksCleared"] = counts.get("AllBlocksCleared", 0) + cleared
         if batch.unknown:

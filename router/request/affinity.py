@@ -215,6 +215,7 @@ class Affinity:
         pending: dict[str, int] = {}
         pending_age: dict[str, float] = {}
         stored: dict[str, int] = {}
+        churn: dict[str, float] = {}
         exact: set[str] = set()
         groups: dict[tuple[int, bytes], list[str]] = {}
         per_block = self.config.block_chars // CHARS_PER_TOKEN
@@ -227,6 +228,8 @@ class Affinity:
                     stored[name] = 0
                     continue  # it never stored a block: holds nothing of it
                 stored[name] = index.blocks(name) * bs
+                if evicting := kv.churn(name):
+                    churn[name] = evicting
                 target = b.models.get(request.model, request.model)
                 ns = namespace(target) if index.has_lora(name, target) else BASE
                 groups.setdefault((bs, ns), []).append(name)
@@ -247,7 +250,7 @@ class Affinity:
                 blocks = max(matched.get(name, 0), kv.flying_blocks(name, keys))
                 if blocks:
                     cached[name] = blocks * bs
-        return KvHints(n, cached, frozenset(exact), pending, stored, pending_age)
+        return KvHints(n, cached, frozenset(exact), pending, stored, pending_age, churn)
 
     def kv_dispatched(self, request: RequestAffinity, backend: str, cached: int) -> Flight | None:
         """`backend` was sent this prompt: its Flight there (router/engine/kv_events.py), to end
