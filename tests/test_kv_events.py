@@ -527,3 +527,5 @@ def test_churn_is_each_engines_recent_eviction_rate() -> None:
     kv._message(feed, frames(2, [removed([2])]))
     assert kv.churn("a") == pytest.approx((2 / math.e + 1) / CHURN_TAU)
     assert kv.churn("b") == 0.0
+    st = kv.status("a")
+    assert st is not None and st["evicted_blocks_per_s"] == round(kv.churn("a"), 3)

@@ -310,6 +310,8 @@ class KvEvents:
             # This router's requests there not yet answered, and the blocks of those running.
             "pending_tokens": self.pending(backend)[0],
             "in_flight_blocks": len(e.flying),
+            # Where a new prompt would soon be evicted again (a flooded cache): `churn`.
+            "evicted_blocks_per_s": round(self.churn(backend), 3),
             "publishers": [
                 {
                     "endpoint": f.endpoint,
