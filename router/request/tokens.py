@@ -49,7 +49,9 @@ from router.core.backend import Backend
 from router.core.settings import PoolLimits, Timeouts
 from router.upstream.pools import Pools
 
-MAX_CACHED_TOKENS = 4_000_000  # ids kept across pieces (~32 MB)
+# Ids kept across pieces: 30-45 MB (measured 31 bytes an id with the piece keys, on a
+# 4k vocabulary; a large one's ids are int objects of their own, ~42 bytes each).
+MAX_CACHED_TOKENS = 1_000_000
 MIN_CACHED_PIECE = 64  # characters: shorter pieces are cheaper to encode than to key
 GIL_FREE_CHARS = 4096  # longer texts are encoded with the GIL released
 CHUNK = 512  # characters: a long piece is cut at the first safe point past each multiple
