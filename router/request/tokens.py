@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import datetime
@@ -196,6 +197,7 @@ class RouterTokenizer:
         )
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cached_tokens = 0
+        self._lock = threading.Lock()
         self._wrap = self._specials_around()
         self._chunked = False
         if added and self._split is not None:
@@ -288,20 +290,23 @@ class RouterTokenizer:
         if self._chunked:
             pieces = [c for p in pieces for c in _chunks(p)]
         parts: list[list[int] | None] = []
-        for p in pieces:
-            hit = cache.get(p) if len(p) >= MIN_CACHED_PIECE else None
-            if hit is not None:
-                cache.move_to_end(p)
-            else:
-                misses.append((len(parts), p))
-            parts.append(hit)
+        # Long prompts are encoded in worker threads, short ones on the event loop: one cache.
+        with self._lock:
+            for p in pieces:
+                hit = cache.get(p) if len(p) >= MIN_CACHED_PIECE else None
+                if hit is not None:
+                    cache.move_to_end(p)
+                else:
+                    misses.append((len(parts), p))
+                parts.append(hit)
         if misses:
             encoded = self.tokenizer.encode_batch([p for _, p in misses], add_special_tokens=False)
-            for (i, p), enc in zip(misses, encoded, strict=True):
-                ids = list(enc.ids)
-                parts[i] = ids
-                if len(p) >= MIN_CACHED_PIECE:
-                    self._remember(p, ids)
+            with self._lock:
+                for (i, p), enc in zip(misses, encoded, strict=True):
+                    ids = list(enc.ids)
+                    parts[i] = ids
+                    if len(p) >= MIN_CACHED_PIECE:
+                        self._remember(p, ids)
         out: list[int] = []
         if special:
             assert self._wrap is not None
