@@ -42,7 +42,7 @@ import math
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -125,6 +125,29 @@ class Flight:
     def prefilled(self) -> None:
         """Its answer began: the engine computed its prompt, which is no longer pending."""
         self.tokens = 0
+
+
+class Churn(Mapping[str, float]):
+    """Each live engine's eviction rate (`KvEvents.churn`), worked out when read: only a new
+    prompt on a fleet of full caches reads it, and an `exp` per engine on every request cost
+    more than the rest of the per-engine hints together (0.22 us each, timeit)."""
+
+    __slots__ = ("_kv", "_names")
+
+    def __init__(self, kv: KvEvents, names: Collection[str]) -> None:
+        self._kv = kv
+        self._names = names
+
+    def __getitem__(self, name: str) -> float:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._kv.churn(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in self._names if self._kv.churn(n))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class _Keys:

@@ -35,7 +35,7 @@ from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
 from router.core.settings import AffinityConfig, ConfigError
-from router.engine.kv_events import Flight, KvEvents
+from router.engine.kv_events import Churn, Flight, KvEvents
 from router.engine.kv_index import BASE, chain_keys, namespace
 from router.request.prefix import prefix_hashes
 from router.request.tokens import (
@@ -215,7 +215,6 @@ class Affinity:
         pending: dict[str, int] = {}
         pending_age: dict[str, float] = {}
         stored: dict[str, int] = {}
-        churn: dict[str, float] = {}
         exact: set[str] = set()
         groups: dict[tuple[int, bytes], list[str]] = {}
         per_block = self.config.block_chars // CHARS_PER_TOKEN
@@ -228,8 +227,6 @@ class Affinity:
                     stored[name] = 0
                     continue  # it never stored a block: holds nothing of it
                 stored[name] = index.blocks(name) * bs
-                if evicting := kv.churn(name):
-                    churn[name] = evicting
                 target = b.models.get(request.model, request.model)
                 ns = namespace(target) if index.has_lora(name, target) else BASE
                 groups.setdefault((bs, ns), []).append(name)
@@ -250,7 +247,7 @@ class Affinity:
                 blocks = max(matched.get(name, 0), kv.flying_blocks(name, keys))
                 if blocks:
                     cached[name] = blocks * bs
-        return KvHints(n, cached, frozenset(exact), pending, stored, pending_age, churn)
+        return KvHints(n, cached, frozenset(exact), pending, stored, pending_age, Churn(kv, stored))
 
     def kv_dispatched(self, request: RequestAffinity, backend: str, cached: int) -> Flight | None:
         """`backend` was sent this prompt: its Flight there (router/engine/kv_events.py), to end
