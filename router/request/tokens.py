@@ -209,7 +209,7 @@ class RouterTokenizer:
             elif not any(
                 _SAFE.search(t.content) for t in self.tokenizer.get_added_tokens_decoder().values()
             ):
-                self._chunked = True
+                self._chunked = True  # for the probe: chunked against whole
                 self._chunked = self._pieces_match(_PROBE * (3 * CHUNK // len(_PROBE) + 1))
             self._cache.clear()
             self._cached_tokens = 0
@@ -307,15 +307,11 @@ class RouterTokenizer:
                     parts[i] = ids
                     if len(p) >= MIN_CACHED_PIECE:
                         self._remember(p, ids)
-        out: list[int] = []
-        if special:
-            assert self._wrap is not None
-            out += self._wrap[0]
+        before, after = self._wrap if special and self._wrap is not None else ((), ())
+        out = list(before)
         for part in parts:
             out += part or ()
-        if special:
-            assert self._wrap is not None
-            out += self._wrap[1]
+        out += after
         return out
 
     def _remember(self, piece: str, ids: list[int]) -> None:
