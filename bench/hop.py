@@ -7,6 +7,7 @@
     python -m bench.hop --record              # write this run's ratio as the baseline
     python -m bench.hop --baseline-src DIR    # also a router from another checkout (A/B)
     python -m bench.hop --ab --baseline-src DIR   # only the two routers: a cut's proof
+    python -m bench.hop --burst --rounds 7    # only the bursts
 
 Targets, all on 127.0.0.1, each one process: the mock itself (direct), nginx (when installed),
 sluicegate with every setting at its default (`log_level: info` included, the log going to a
@@ -21,8 +22,9 @@ shared machine spreads evenly, and every figure is a ratio within this one run:
   the like-for-like one; both are shown;
 - per chunk: 128-token streams at 10 ms per token (each token its own read and write), 100 users;
   CPU per streamed event, the per-request part included;
-- burst: 200 streams opened at once on new connections (64 tokens at 20 ms per token), added
-  TTFT p99 over direct, sluicegate at 1 and 2 workers.
+- bursts: 200 and 500 streams opened at once on new connections (64 tokens at 20 ms per
+  token), sluicegate, nginx and the floor at 1 and 2 workers: each round's TTFT p99 less that
+  round's direct burst's, the median of the rounds (the verdict) and the pooled p99.
 """
 
 from __future__ import annotations
