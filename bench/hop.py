@@ -102,10 +102,7 @@ def _rounds(
         k: {"ok": 0, "errors": 0, "cpu": [], "n": [], "elapsed": 0.0, "ttfb": []} for k in targets
     }
     for rnd in range(rounds):
-        order = list(targets)
-        order = order[rnd % len(order) :] + order[: rnd % len(order)]
-        for k in order:
-            proc, body = targets[k]
+        for k, (proc, body) in _rotated(targets, rnd).items():
             cpu0 = cpu_seconds(proc.pid)
             r = asyncio.run(run_load("127.0.0.1", proc.port, CHAT, body, **load))
             a = agg[k]
@@ -257,7 +254,7 @@ def bursts(
             pooled: dict[str, list[float]] = {k: [] for k in targets}
             errors = dict.fromkeys(targets, 0)
             for rnd in range(rounds):
-                agg = _rounds(_rotated(targets, rnd), 1, **load)
+                agg = _rounds(_rotated(targets, rnd), 1, **load)  # one round, its own order
                 for k, a in agg.items():
                     per_round[k].append(_pct(a["ttfb"], 0.99) * 1000)
                     pooled[k] += a["ttfb"]

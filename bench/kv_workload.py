@@ -363,8 +363,6 @@ def _summary(rounds: list[Round]) -> dict[str, Any]:
     restarted = sorted({f"e{r.restarted}" for r in rounds if r.restarted is not None})
     # The share of the trace's prompt tokens the engines found cached (their own
     # usage.prompt_tokens_details.cached_tokens): the hidden clients' requests are not counted.
-    hits = float(sum(x.cached for x in turns))
-    queries = float(sum(x.prompt for x in turns))
     ttfts = [x.ttft for x in turns]
     share: dict[str, int] = {}
     for x in turns:
@@ -372,7 +370,7 @@ def _summary(rounds: list[Round]) -> dict[str, Any]:
     return {
         "requests": len(turns),
         "errors": errors,
-        "hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "hit_rate": _hit_rate(turns),
         "hit_rate_rounds": [_hit_rate(r.turns) for r in rounds],
         "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000, 1),
         "ttft_p90_ms": round(pct(ttfts, 0.9) * 1000, 1),
