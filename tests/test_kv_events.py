@@ -269,6 +269,30 @@ async def test_subscriber_follows_stores_removals_gaps_and_restarts(
 
 
 @run
+async def test_messages_of_other_shapes_are_counted_and_the_next_batch_still_applies(
+    ipc: Callable[[str], str],
+) -> None:
+    """A publisher that is not vLLM (or a later vLLM) sends messages of 1, 2 and 4 frames: each
+    is one malformed message, read whole, and the batch after them is applied."""
+    kv = KvEvents(capacity=lambda _n: 100)
+    pub = Publisher(ipc("odd"))
+    try:
+        kv.sync([_backend("a", {"endpoint": ipc("odd"), "topic": "kv"})])
+        await kv.start()
+        await _subscribe(kv, pub)
+        good = frames(1, [stored([1, 2], None, toks(8), BS)])
+        for odd in (good[:1], good[:2], [*good, b"more"], [good[0], good[1], b"\xc1"]):
+            pub.sock.send_multipart(odd)
+        pub.sock.send_multipart(good)
+        await _until(lambda: kv.index.blocks("a") == 2, "the batch after them")
+        assert kv.malformed == 4 and kv.live("a")
+        assert kv.index.match(chain_keys(toks(8), BS), ["a"]) == {"a": 2}
+    finally:
+        await kv.aclose()
+        pub.close()
+
+
+@run
 async def test_a_restart_whose_first_batches_were_missed_drops_the_index(
     ipc: Callable[[str], str],
 ) -> None:
