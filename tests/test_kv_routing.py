@@ -167,3 +167,65 @@ def test_the_engines_tokenize_on_one_that_is_up(fleet: dict[str, Proc]) -> None:
 
     ids = asyncio.run(tokens())
     assert ids and all(type(t) is int for t in ids)
+
+
+def test_a_seen_system_prompt_costs_no_tokenize_round_trip(fleet: dict[str, Proc]) -> None:
+    """`via: engine`: the first request of a system prompt is tokenized whole and its earlier
+    messages alone, at once; a later one with another last message takes what those render to
+    (the engine's own ids, exactly) without asking, and is routed on them."""
+    import asyncio
+
+    from router.core.backend import Backend
+    from router.core.settings import AffinityConfig, BackendConfig, TokenizerConfig
+    from router.engine.kv_events import Feed, KvEvents
+    from router.request.affinity import Affinity, RequestAffinity
+    from router.request.token_memo import MARGIN
+
+    cfg = BackendConfig(name="b", url=fleet["b"].url, models={"m": "mock-model"}, kv_events={})  # type: ignore[arg-type]
+    b = Backend.from_config(cfg)
+    kv = KvEvents()
+    kv.sync([b])
+    kv._engines["b"].feeds = [Feed("b", "ipc:///nonexistent/b.sock", False, b"", None)]
+    kv._engines["b"].feeds[0].state = "live"
+    affinity = Affinity(AffinityConfig(tokenizers={"m": TokenizerConfig(via="engine")}), kv=kv)
+    tk = affinity._tokenizers["m"]
+    asked: list[dict[str, Any]] = []
+    real = tk.tokens
+
+    async def counted(payload: dict[str, Any], *args: Any) -> list[int] | None:
+        asked.append(payload)
+        return await real(payload, *args)
+
+    tk.tokens = counted  # type: ignore[method-assign]
+    system = "Answer as the ACME support desk; quote the policy. " * 40  # ~2k chars
+
+    def payload(question: str, sys: str = system) -> dict[str, Any]:
+        return {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": sys},
+                {"role": "user", "content": question},
+            ],
+        }
+
+    async def go() -> tuple[RequestAffinity, RequestAffinity, list[int] | None, int]:
+        first = await affinity.with_tokens(RequestAffinity([], None), "m", payload("hi?"), [b])
+        later = await affinity.with_tokens(
+            RequestAffinity([], None), "m", payload("Where is my parcel, please?"), [b]
+        )
+        n = len(asked)
+        whole = await real(payload("Where is my parcel, please?"), b, "mock-model")
+        # Another system prompt is learned again: two questions to the engine.
+        other = payload("x", "Another desk entirely. " * 40)
+        await affinity.with_tokens(RequestAffinity([], None), "m", other, [b])
+        return first, later, whole, n
+
+    first, later, whole, n = asyncio.run(go())
+    assert n == 2 and asked[1]["messages"] == payload("hi?")["messages"][:1]
+    assert len(asked) == 4  # and two more for the other system prompt
+    assert first.tokens and first.length is None  # the whole prompt's own ids
+    assert whole is not None and later.tokens is not None and later.length is not None
+    # The later request's ids are the engine's own for its system prompt, less the margin.
+    assert len(later.tokens) >= len(system) // 4 - MARGIN - 1
+    assert whole[: len(later.tokens)] == later.tokens
+    assert len(whole) <= later.length <= len(whole) + 2 * MARGIN  # its length, estimated

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from router.enginefleet.fleet import Engine, Fleet
+from router.request.token_memo import MIN_IDS, earlier, memo_key, shared_ids
 from router.request.tokens import RouterTokenizer
 from tests.harness import Cluster, Proc
 from tests_engine.support import kv_capacity_blocks, rows, start_router, wait_for
@@ -232,3 +233,32 @@ def test_router_tokens_of_prompts_sharing_a_long_prefix_equal_the_engines(fleet:
             assert engine.status_code == 200, engine.text
             assert tk.tokens(body) == engine.json()["tokens"]
     assert tk._chunked  # the chunks were in play
+
+
+def test_the_memos_ids_begin_every_later_prompt_of_their_conversation(fleet: Fleet) -> None:
+    """`via: engine`'s memo (router/request/token_memo.py) on the real chat template: what one
+    request's whole prompt and its earlier messages alone share (less the margin) begins the
+    engine's own ids of every later prompt with those earlier messages, whatever comes last."""
+    e = fleet.engines[0]
+
+    def ids(body: dict[str, Any]) -> list[int]:
+        r = httpx.post(e.url + "/tokenize", json={"model": e.model, **body}, timeout=30)
+        assert r.status_code == 200, r.text
+        tokens = r.json()["tokens"]
+        assert isinstance(tokens, list)
+        return tokens
+
+    system = {"role": "system", "content": "You route prompts to engines (2026). " * 30}
+    histories = [
+        [system],
+        [system, {"role": "user", "content": "hello?"}, {"role": "assistant", "content": "Hi."}],
+        [{"role": "user", "content": "Only a user turn before, é and all. " * 20}],
+    ]
+    for history in histories:
+        first = {"messages": [*history, {"role": "user", "content": "first question?"}]}
+        learned = shared_ids(ids(first), ids(earlier(first)))
+        assert len(learned) >= MIN_IDS
+        for last in ("a second, longer question about routing", "x", "é?"):
+            later = {"messages": [*history, {"role": "user", "content": last}]}
+            assert memo_key(e.model, later) == memo_key(e.model, first)
+            assert ids(later)[: len(learned)] == learned

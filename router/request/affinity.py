@@ -23,6 +23,7 @@ request is served without session affinity, never refused: the key is a routing 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
@@ -38,6 +39,7 @@ from router.core.settings import AffinityConfig, ConfigError
 from router.engine.kv_events import Churn, Flight, KvEvents
 from router.engine.kv_index import BASE, chain_keys, namespace
 from router.request.prefix import prefix_hashes
+from router.request.token_memo import TokenMemo, earlier, memo_key, rest_estimate, shared_ids
 from router.request.tokens import (
     EngineTokenizer,
     RouterTokenizer,
@@ -65,6 +67,8 @@ class RequestAffinity:
     held: dict[str, int] | None = None
     tokens: list[int] | None = None  # the prompt's token ids, when the KV-event index is used
     model: str = ""
+    # The prompt's length in tokens when `tokens` are only its earlier messages' (token_memo)
+    length: int | None = None
     # (block size, namespace) -> the tokens' block keys, computed once per request
     keys: dict[tuple[int, bytes], list[bytes]] = field(default_factory=dict)
     # backend -> its (block size, namespace), for the backends with live events
@@ -101,6 +105,7 @@ class Affinity:
         # to pay on every request for the balancers (most) that don't.
         self._aware: dict[type, bool] = {}
         self._turn = 0  # which engine tokenizes next (`via: engine`)
+        self.memo = TokenMemo()  # `via: engine`: earlier messages' ids (router/request/token_memo)
 
     def prepare(
         self,
@@ -182,26 +187,55 @@ class Affinity:
         if isinstance(tk, RouterTokenizer):
             ids = await request_tokens(tk, payload, self.config.tokenize_inline_chars, limit)
         else:
-            # The engine's own `/tokenize`, on one that is up and whose events are live, in
-            # turn: the first configured one, down, refused every prompt (and precise routing
-            # with it) while it was away.
-            kv = self.kv
-            assert kv is not None
-            able = [b for b in backends if kv.live(b.name)] or [
-                b for b in backends if kv.configured(b.name)
-            ]
-            if not able:
-                return request
-            self._turn += 1
-            ids = None
-            for i in range(min(2, len(able))):  # one other when the first does not answer
-                target = able[(self._turn + i) % len(able)]
-                ids = await tk.tokens(payload, target, target.models.get(model, model), limit)
-                if ids is not None:
-                    break
+            key = memo_key(model, payload)
+            known = self.memo.known(key) if key is not None else None
+            if known:  # its earlier messages were seen: no round trip
+                return replace(
+                    request, tokens=known, model=model, length=len(known) + rest_estimate(payload)
+                )
+            ids = await self._engine_tokens(tk, model, payload, backends, key, known is None)
         if not ids:
             return request
         return replace(request, tokens=ids, model=model)
+
+    async def _engine_tokens(
+        self,
+        tk: EngineTokenizer,
+        model: str,
+        payload: dict[str, Any],
+        backends: Sequence[Backend],
+        key: bytes | None,
+        learn: bool,
+    ) -> list[int] | None:
+        """The engine's own `/tokenize`, on one that is up and whose events are live, in turn
+        (the first configured one, down, refused every prompt, and precise routing with it,
+        while it was away); with `learn`, the earlier messages alone at the same time, for the
+        memo."""
+        kv = self.kv
+        assert kv is not None
+        able = [b for b in backends if kv.live(b.name)] or [
+            b for b in backends if kv.configured(b.name)
+        ]
+        if not able:
+            return None
+        self._turn += 1
+        limit = self.config.max_prefix_chars
+
+        async def ask(body: dict[str, Any]) -> list[int] | None:
+            ids = None
+            for i in range(min(2, len(able))):  # one other when the first does not answer
+                target = able[(self._turn + i) % len(able)]
+                ids = await tk.tokens(body, target, target.models.get(model, model), limit)
+                if ids is not None:
+                    break
+            return ids
+
+        if key is None or not learn:
+            return await ask(payload)
+        ids, alone = await asyncio.gather(ask(payload), ask(earlier(payload)))
+        if ids is not None:
+            self.memo.learn(key, shared_ids(ids, alone) if alone is not None else None)
+        return ids
 
     def _kv_hints(
         self, request: RequestAffinity, eligible: Sequence[Backend], held: dict[str, int]
@@ -209,7 +243,7 @@ class Affinity:
         kv = self.kv
         tokens = request.tokens
         assert kv is not None and tokens is not None
-        n = len(tokens)
+        n = request.length or len(tokens)
         index = kv.index
         cached: dict[str, int] = {}
         pending: dict[str, int] = {}
@@ -256,7 +290,8 @@ class Affinity:
             return None
         group = request.groups.get(backend)
         keys = request.keys.get(group, ()) if group is not None else ()
-        return self.kv.dispatched(backend, len(request.tokens) - cached, keys)
+        length = request.length or len(request.tokens)
+        return self.kv.dispatched(backend, length - cached, keys)
 
     def bind(
         self,

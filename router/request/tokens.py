@@ -11,7 +11,8 @@ Two ways, chosen per model (`affinity.tokenizers`):
   them (the BOS), a list of ids taken as is. jinja2 because that is the template language: no
   other renderer gives the same text.
 - `engine`: the backend's own `POST /tokenize` with the same body (messages, tools) - exact by
-  construction, one round trip (~2-5 ms on a local engine) on the request's path.
+  construction, one round trip (~2-5 ms on a local engine) on the request's path; none for a
+  chat whose earlier messages were seen before (router/request/token_memo.py).
 Cost (router): the rendered text is split at the special tokens (which the tokenizer never
 merges across), a long piece further at the first "letter, space, letter" CHUNK to 2 x CHUNK
 characters past the last cut (a regex-split byte-level BPE, GPT-2's, Llama 3's or Qwen's,
