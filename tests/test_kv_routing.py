@@ -170,9 +170,9 @@ def test_the_engines_tokenize_on_one_that_is_up(fleet: dict[str, Proc]) -> None:
 
 
 def test_a_seen_system_prompt_costs_no_tokenize_round_trip(fleet: dict[str, Proc]) -> None:
-    """`via: engine`: the first request of a system prompt is tokenized whole and its earlier
-    messages alone, at once; a later one with another last message takes what those render to
-    (the engine's own ids, exactly) without asking, and is routed on them."""
+    """`via: engine`: a system prompt's first request is tokenized whole; its second whole and
+    its earlier messages alone, at once; a later one with another last message takes what
+    those render to (the engine's own ids, exactly) without asking."""
     import asyncio
 
     from router.core.backend import Backend
@@ -208,21 +208,28 @@ def test_a_seen_system_prompt_costs_no_tokenize_round_trip(fleet: dict[str, Proc
             ],
         }
 
-    async def go() -> tuple[RequestAffinity, RequestAffinity, list[int] | None, int]:
+    async def go() -> tuple[RequestAffinity, RequestAffinity, list[int] | None, list[int]]:
+        calls = []
         first = await affinity.with_tokens(RequestAffinity([], None), "m", payload("hi?"), [b])
+        calls.append(len(asked))
+        await affinity.with_tokens(RequestAffinity([], None), "m", payload("And then?"), [b])
+        calls.append(len(asked))
         later = await affinity.with_tokens(
             RequestAffinity([], None), "m", payload("Where is my parcel, please?"), [b]
         )
-        n = len(asked)
+        calls.append(len(asked))
         whole = await real(payload("Where is my parcel, please?"), b, "mock-model")
-        # Another system prompt is learned again: two questions to the engine.
+        # Another system prompt is learned anew.
         other = payload("x", "Another desk entirely. " * 40)
         await affinity.with_tokens(RequestAffinity([], None), "m", other, [b])
-        return first, later, whole, n
+        calls.append(len(asked))
+        return first, later, whole, calls
 
-    first, later, whole, n = asyncio.run(go())
-    assert n == 2 and asked[1]["messages"] == payload("hi?")["messages"][:1]
-    assert len(asked) == 4  # and two more for the other system prompt
+    first, later, whole, calls = asyncio.run(go())
+    # One question for the first request, two at once for the second, none for the third.
+    assert calls == [1, 3, 3, 4]
+    assert asked[2]["messages"] == payload("hi?")["messages"][:1]  # the earlier messages alone
+    assert asked[2]["add_generation_prompt"] is False
     assert first.tokens and first.length is None  # the whole prompt's own ids
     assert whole is not None and later.tokens is not None and later.length is not None
     # The later request's ids are the engine's own for its system prompt, less the margin.

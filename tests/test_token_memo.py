@@ -41,6 +41,9 @@ def test_the_key_is_what_renders_the_earlier_messages() -> None:
     assert memo_key("m", chat("s", "hi", continue_final_message=True)) is None
     assert memo_key("m", chat("s", "hi", add_generation_prompt=False)) is None
     assert memo_key("m", {"prompt": "a completion"}) is None
+    # Earlier messages longer than the router would tokenize: not dumped and hashed either.
+    assert memo_key("m", chat("x" * 100, "hi"), max_chars=99) is None
+    assert memo_key("m", chat("x" * 100, "hi"), max_chars=100) is not None
 
 
 def test_the_earlier_messages_alone_and_the_rest_of_the_length() -> None:
@@ -60,30 +63,44 @@ def test_what_is_kept_stops_margin_ids_before_the_answers_part() -> None:
     assert shared_ids(list(range(10)), list(range(10))) == []  # within the margin
 
 
-def test_memo_keeps_learns_again_and_is_bounded() -> None:
+def test_a_key_is_learned_on_its_second_sight_and_kept() -> None:
+    memo = TokenMemo()
+    ids = list(range(MIN_IDS))
+    # First sight: nothing to learn yet (a new turn's earlier messages may never come again).
+    assert memo.look(b"a") == (None, False)
+    assert memo.look(b"a") == (None, True)  # second: learn
+    memo.learn(b"a", ids)
+    assert memo.look(b"a") == (ids, False)
+    assert memo.look(b"a") == (ids, False)
+
+
+def test_nothing_worth_keeping_is_learned_again_later() -> None:
+    memo = TokenMemo()
+    for key, got in ((b"short", list(range(MIN_IDS - 1))), (b"none", None)):
+        memo.look(key)
+        memo.look(key)
+        memo.learn(key, got)
+        for _ in range(RELEARN):
+            assert memo.look(key) == (None, False)  # the round trip, nothing learned
+        assert memo.look(key) == (None, False)  # forgotten: a first sight again
+        assert memo.look(key) == (None, True)
+
+
+def test_memo_is_bounded_in_ids_least_recently_used_out() -> None:
     memo = TokenMemo(max_ids=3 * MIN_IDS)
     ids = list(range(MIN_IDS))
-    assert memo.known(b"a") is None  # never seen: learn it
-    memo.learn(b"a", ids)
-    assert memo.known(b"a") == ids
-    # Too few ids, or no answer: the key takes the round trip, and is learned again later.
-    memo.learn(b"short", ids[:-1])
-    memo.learn(b"none", None)
-    for _ in range(RELEARN - 1):
-        assert memo.known(b"short") == [] and memo.known(b"none") == []
-    assert memo.known(b"short") is None and memo.known(b"none") is None
-    # Bounded by ids, least recently used out first.
-    memo.learn(b"b", ids)
-    memo.learn(b"c", ids)
-    assert memo.known(b"a") == ids  # used: now the newest
+    for key in (b"a", b"b", b"c"):
+        memo.learn(key, ids)
+    assert memo.look(b"a") == (ids, False)  # used: now the newest
     memo.learn(b"d", ids)
-    assert memo.known(b"b") is None and memo.known(b"a") == ids
-    assert memo.known(b"c") == ids and memo.known(b"d") == ids
+    assert memo.look(b"b") == (None, False)  # the least recently used went out
+    assert all(memo.look(k) == (ids, False) for k in (b"a", b"c", b"d"))
 
 
 def test_memo_is_bounded_in_keys(monkeypatch: Any) -> None:
     monkeypatch.setattr(token_memo, "MAX_KEYS", 4)
     memo = TokenMemo()
     for i in range(10):
-        memo.learn(bytes([i]), None)
-    assert len(memo) == 4 and memo.known(bytes([9])) == []
+        memo.look(bytes([i]))
+    assert len(memo) == 4 and memo.look(bytes([9])) == (None, True)
+    assert memo.look(bytes([0])) == (None, False)  # gone: a first sight again

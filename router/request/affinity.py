@@ -187,13 +187,13 @@ class Affinity:
         if isinstance(tk, RouterTokenizer):
             ids = await request_tokens(tk, payload, self.config.tokenize_inline_chars, limit)
         else:
-            key = memo_key(model, payload)
-            known = self.memo.known(key) if key is not None else None
+            key = memo_key(model, payload, limit)
+            known, learn = self.memo.look(key) if key is not None else (None, False)
             if known:  # its earlier messages were seen: no round trip
                 return replace(
                     request, tokens=known, model=model, length=len(known) + rest_estimate(payload)
                 )
-            ids = await self._engine_tokens(tk, model, payload, backends, key, known is None)
+            ids = await self._engine_tokens(tk, model, payload, backends, key if learn else None)
         if not ids:
             return request
         return replace(request, tokens=ids, model=model)
@@ -204,13 +204,12 @@ class Affinity:
         model: str,
         payload: dict[str, Any],
         backends: Sequence[Backend],
-        key: bytes | None,
-        learn: bool,
+        learn: bytes | None,
     ) -> list[int] | None:
         """The engine's own `/tokenize`, on one that is up and whose events are live, in turn
         (the first configured one, down, refused every prompt, and precise routing with it,
-        while it was away); with `learn`, the earlier messages alone at the same time, for the
-        memo."""
+        while it was away); with `learn` (a memo key), the earlier messages alone at the same
+        time, for the memo."""
         kv = self.kv
         assert kv is not None
         able = [b for b in backends if kv.live(b.name)] or [
@@ -230,11 +229,11 @@ class Affinity:
                     break
             return ids
 
-        if key is None or not learn:
+        if learn is None:
             return await ask(payload)
         ids, alone = await asyncio.gather(ask(payload), ask(earlier(payload)))
         if ids is not None:
-            self.memo.learn(key, shared_ids(ids, alone) if alone is not None else None)
+            self.memo.learn(learn, shared_ids(ids, alone) if alone is not None else None)
         return ids
 
     def _kv_hints(
