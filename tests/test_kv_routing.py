@@ -170,9 +170,9 @@ def test_the_engines_tokenize_on_one_that_is_up(fleet: dict[str, Proc]) -> None:
 
 
 def test_a_seen_system_prompt_costs_no_tokenize_round_trip(fleet: dict[str, Proc]) -> None:
-    """`via: engine`: a system prompt's first request is tokenized whole; its second whole and
-    its earlier messages alone, at once; a later one with another last message takes what
-    those render to (the engine's own ids, exactly) without asking."""
+    """`via: engine`: a system prompt's first request is tokenized whole and its earlier
+    messages alone, at once (a conversation's only on its second request); a later one with
+    another last message takes what those render to (the engine's own ids) without asking."""
     import asyncio
 
     from router.core.backend import Backend
@@ -198,41 +198,49 @@ def test_a_seen_system_prompt_costs_no_tokenize_round_trip(fleet: dict[str, Proc
 
     tk.tokens = counted  # type: ignore[method-assign]
     system = "Answer as the ACME support desk; quote the policy. " * 40  # ~2k chars
+    history = [
+        {"role": "user", "content": "My parcel is late."},
+        {"role": "assistant", "content": "Sorry to hear it; which order?"},
+    ]
 
-    def payload(question: str, sys: str = system) -> dict[str, Any]:
+    def payload(question: str, turns: list[dict[str, str]] | None = None) -> dict[str, Any]:
         return {
             "model": "m",
             "messages": [
-                {"role": "system", "content": sys},
+                {"role": "system", "content": system},
+                *(turns or []),
                 {"role": "user", "content": question},
             ],
         }
 
-    async def go() -> tuple[RequestAffinity, RequestAffinity, list[int] | None, list[int]]:
-        calls = []
-        first = await affinity.with_tokens(RequestAffinity([], None), "m", payload("hi?"), [b])
-        calls.append(len(asked))
-        await affinity.with_tokens(RequestAffinity([], None), "m", payload("And then?"), [b])
-        calls.append(len(asked))
-        later = await affinity.with_tokens(
-            RequestAffinity([], None), "m", payload("Where is my parcel, please?"), [b]
-        )
-        calls.append(len(asked))
-        whole = await real(payload("Where is my parcel, please?"), b, "mock-model")
-        # Another system prompt is learned anew.
-        other = payload("x", "Another desk entirely. " * 40)
-        await affinity.with_tokens(RequestAffinity([], None), "m", other, [b])
-        calls.append(len(asked))
-        return first, later, whole, calls
+    async def ask(body: dict[str, Any]) -> tuple[RequestAffinity, int]:
+        before = len(asked)
+        got = await affinity.with_tokens(RequestAffinity([], None), "m", body, [b])
+        return got, len(asked) - before
 
-    first, later, whole, calls = asyncio.run(go())
-    # One question for the first request, two at once for the second, none for the third.
-    assert calls == [1, 3, 3, 4]
-    assert asked[2]["messages"] == payload("hi?")["messages"][:1]  # the earlier messages alone
-    assert asked[2]["add_generation_prompt"] is False
-    assert first.tokens and first.length is None  # the whole prompt's own ids
-    assert whole is not None and later.tokens is not None and later.length is not None
-    # The later request's ids are the engine's own for its system prompt, less the margin.
-    assert len(later.tokens) >= len(system) // 4 - MARGIN - 1
-    assert whole[: len(later.tokens)] == later.tokens
-    assert len(whole) <= later.length <= len(whole) + 2 * MARGIN  # its length, estimated
+    async def go() -> list[tuple[RequestAffinity, int, list[int] | None]]:
+        out = []
+        for body in (
+            payload("hi?"),  # a system prompt: learned by its first request
+            payload("Where is my parcel, please?"),
+            payload("And then?", history),  # a conversation so far: by its second
+            payload("Order 17.", history),
+            payload("Order 18, sorry.", history),
+        ):
+            got, calls = await ask(body)
+            out.append((got, calls, await real(body, b, "mock-model")))
+        return out
+
+    runs = asyncio.run(go())
+    assert [calls for _, calls, _ in runs] == [2, 0, 1, 2, 0]
+    assert asked[1]["messages"] == payload("hi?")["messages"][:1]  # the earlier messages alone
+    assert asked[1]["add_generation_prompt"] is False
+    for i, (got, _, whole) in enumerate(runs):
+        assert whole is not None and got.tokens is not None
+        if i in (1, 4):  # from the memo: the engine's own ids of the earlier messages
+            assert got.length is not None
+            assert len(whole) - 8 * MARGIN <= len(got.tokens) < len(whole)
+            assert whole[: len(got.tokens)] == got.tokens
+            assert len(whole) <= got.length <= len(whole) + 2 * MARGIN  # estimated
+        else:  # asked: the whole prompt's own ids
+            assert got.tokens == whole and got.length is None

@@ -16,6 +16,7 @@ from router.request.token_memo import (
     memo_key,
     rest_estimate,
     shared_ids,
+    shared_prefix,
 )
 
 
@@ -46,6 +47,11 @@ def test_the_key_is_what_renders_the_earlier_messages() -> None:
     assert memo_key("m", chat("x" * 100, "hi"), max_chars=100) is not None
 
 
+def test_one_earlier_message_is_a_shared_prefix_more_are_a_conversation() -> None:
+    assert shared_prefix(chat("You are terse.", "hi"))
+    assert not shared_prefix(chat("You are terse.", "hi", "Hello.", "and now?"))
+
+
 def test_the_earlier_messages_alone_and_the_rest_of_the_length() -> None:
     payload = chat("s", "x" * 400, continue_final_message=False)
     alone = earlier(payload)
@@ -72,6 +78,8 @@ def test_a_key_is_learned_on_its_second_sight_and_kept() -> None:
     memo.learn(b"a", ids)
     assert memo.look(b"a") == (ids, False)
     assert memo.look(b"a") == (ids, False)
+    # A system prompt alone before the last message (many users share it): its first sight.
+    assert memo.look(b"system", eager=True) == (None, True)
 
 
 def test_nothing_worth_keeping_is_learned_again_later() -> None:

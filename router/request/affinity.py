@@ -39,7 +39,14 @@ from router.core.settings import AffinityConfig, ConfigError
 from router.engine.kv_events import Churn, Flight, KvEvents
 from router.engine.kv_index import BASE, chain_keys, namespace
 from router.request.prefix import prefix_hashes
-from router.request.token_memo import TokenMemo, earlier, memo_key, rest_estimate, shared_ids
+from router.request.token_memo import (
+    TokenMemo,
+    earlier,
+    memo_key,
+    rest_estimate,
+    shared_ids,
+    shared_prefix,
+)
 from router.request.tokens import (
     EngineTokenizer,
     RouterTokenizer,
@@ -188,7 +195,9 @@ class Affinity:
             ids = await request_tokens(tk, payload, self.config.tokenize_inline_chars, limit)
         else:
             key = memo_key(model, payload, limit)
-            known, learn = self.memo.look(key) if key is not None else (None, False)
+            known, learn = (
+                self.memo.look(key, shared_prefix(payload)) if key is not None else (None, False)
+            )
             if known:  # its earlier messages were seen: no round trip
                 return replace(
                     request, tokens=known, model=model, length=len(known) + rest_estimate(payload)

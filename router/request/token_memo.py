@@ -4,15 +4,16 @@ request whose earlier messages were seen before costs no `/tokenize` round trip.
 A chat prompt's blocks that an engine can hold are those of the messages before the last (the
 system prompt, the conversation so far): the last message is new. So the memo is keyed by
 everything that renders those (the model, the messages before the last, the tools and the
-template's arguments) and holds the ids they render to within the whole prompt. A key's first
-request only marks it seen (its prompt is tokenized whole, as without the memo: a new turn of a
-conversation, whose earlier messages never come again, costs no more). Its second asks the
-engine for the whole prompt and, at the same time, for the earlier messages alone
-(`add_generation_prompt: false`); where the two answers part, less MARGIN ids (a tokenizer may
-merge across that boundary as it does not alone), is what every later prompt of the key begins
-with. A later request takes those ids and an estimate of the rest of its length (its last
-message's characters / CHARS_PER_TOKEN, plus MARGIN and TURN_IDS), and is routed on the blocks
-of the earlier messages only, which is all an engine can hold of it.
+template's arguments) and holds the ids they render to within the whole prompt. A request
+that learns a key asks the engine for the whole prompt and, at the same time, for the earlier
+messages alone (`add_generation_prompt: false`); where the two answers part, less MARGIN ids (a
+tokenizer may merge across that boundary as it does not alone), is what every later prompt of
+the key begins with. One earlier message (a system prompt, which many users share) is learned
+by its first request; more (a conversation so far) by its second: a conversation's next turn
+never sends the same earlier messages again, and a first sight then costs one round trip, as
+without the memo. A later request takes those ids and an estimate of the rest of its length
+(its last message's characters / CHARS_PER_TOKEN, plus MARGIN and TURN_IDS), and is routed on
+the blocks of the earlier messages only, which is all an engine can hold of it.
 Fewer than MIN_IDS learned (a template that renders the earlier messages otherwise when alone,
 or an engine that refused them) leaves the key to the round trip for RELEARN requests. Bounded
 by MAX_IDS ids and MAX_KEYS keys, the least recently used out first. A key costs one JSON dump
@@ -36,6 +37,11 @@ CHARS_PER_TOKEN = 4  # the rest of a prompt's length, estimated from its charact
 TURN_IDS = 8  # and a turn's role header and the generation prompt, in ids
 # What a chat template reads beside the messages (vLLM's chat request fields).
 _RENDER_KEYS = ("tools", "chat_template", "chat_template_kwargs", "documents")
+
+
+def shared_prefix(payload: dict[str, Any]) -> bool:
+    """One message before the last: a system prompt (or a first instruction) many share."""
+    return len(payload["messages"]) == 2
 
 
 def memo_key(model: str, payload: dict[str, Any], max_chars: int = 1 << 24) -> bytes | None:
@@ -102,13 +108,14 @@ class TokenMemo:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def look(self, key: bytes) -> tuple[list[int] | None, bool]:
-        """(the ids learned for `key`, or None; whether this request should learn them)."""
+    def look(self, key: bytes, eager: bool = False) -> tuple[list[int] | None, bool]:
+        """(the ids learned for `key`, or None; whether this request should learn them).
+        `eager`: learn on the key's first sight."""
         ids = self._entries.get(key)
         if ids is None:  # first sight
             self._entries[key] = []
             self._bound()
-            return None, False
+            return None, eager
         self._entries.move_to_end(key)
         if ids:
             return ids, False
