@@ -365,7 +365,8 @@ class LoraConfig(_Strict):
 class TokenizerConfig(_Strict):
     """How the router gets a request's token ids for the KV-event index (router/request/tokens.py):
     `router`: `tokenizer.json` + the chat template of `tokenizer_config.json` in `path` (a local
-    directory, or a hub id already in the local cache); `engine`: the backend's own `/tokenize`."""
+    directory, or a hub id already in the local cache); `engine`: the backend's own `/tokenize`,
+    once per chat until its earlier messages are known (router/request/token_memo.py)."""
 
     via: Literal["router", "engine"] = "router"
     path: str | None = None
