@@ -38,15 +38,8 @@ from router.core.backend import Backend
 from router.core.settings import AffinityConfig, ConfigError
 from router.engine.kv_events import Churn, Flight, KvEvents
 from router.engine.kv_index import BASE, chain_keys, namespace
+from router.request import token_memo
 from router.request.prefix import prefix_hashes
-from router.request.token_memo import (
-    TokenMemo,
-    earlier,
-    memo_key,
-    rest_estimate,
-    shared_ids,
-    shared_prefix,
-)
 from router.request.tokens import (
     EngineTokenizer,
     RouterTokenizer,
@@ -112,7 +105,7 @@ class Affinity:
         # to pay on every request for the balancers (most) that don't.
         self._aware: dict[type, bool] = {}
         self._turn = 0  # which engine tokenizes next (`via: engine`)
-        self.memo = TokenMemo()  # `via: engine`: earlier messages' ids (router/request/token_memo)
+        self.memo = token_memo.TokenMemo()  # `via: engine`: earlier messages' ids
 
     def prepare(
         self,
@@ -194,14 +187,13 @@ class Affinity:
         if isinstance(tk, RouterTokenizer):
             ids = await request_tokens(tk, payload, self.config.tokenize_inline_chars, limit)
         else:
-            key = memo_key(model, payload, limit)
-            known, learn = (
-                self.memo.look(key, shared_prefix(payload)) if key is not None else (None, False)
-            )
+            key = token_memo.memo_key(model, payload, limit)
+            known, learn = None, False
+            if key is not None:
+                known, learn = self.memo.look(key, token_memo.shared_prefix(payload))
             if known:  # its earlier messages were seen: no round trip
-                return replace(
-                    request, tokens=known, model=model, length=len(known) + rest_estimate(payload)
-                )
+                rest = token_memo.rest_estimate(payload)
+                return replace(request, tokens=known, model=model, length=len(known) + rest)
             ids = await self._engine_tokens(tk, model, payload, backends, key if learn else None)
         if not ids:
             return request
@@ -240,9 +232,9 @@ class Affinity:
 
         if learn is None:
             return await ask(payload)
-        ids, alone = await asyncio.gather(ask(payload), ask(earlier(payload)))
+        ids, alone = await asyncio.gather(ask(payload), ask(token_memo.earlier(payload)))
         if ids is not None:
-            self.memo.learn(learn, shared_ids(ids, alone) if alone is not None else None)
+            self.memo.learn(learn, token_memo.shared_ids(ids, alone) if alone is not None else None)
         return ids
 
     def _kv_hints(
