@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "router.engine.kv_events": 2,  # ZMQ subscription per engine feeding the index
     "router.engine.calibrate": 2,  # prefill and decode rates from the engine's histograms
     "router.request.tokens": 3,  # the request's token ids: router tokenizer or engine /tokenize
+    "router.request.token_memo": 3,  # `via: engine`: earlier messages' ids, remembered
     "router.registry.fleet": 3,
     "router.registry.sync": 3,
     "router.request.record": 3,
