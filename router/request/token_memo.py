@@ -28,6 +28,8 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+from router.request.tokens import prompt_chars
+
 MAX_IDS = 1_000_000  # ids over all keys: ~8-40 MB
 MARGIN = 16  # ids before where the two answers part that are not trusted
 MIN_IDS = 64  # fewer learned: not worth keeping (routing works in blocks of 16-128)
@@ -50,11 +52,7 @@ def memo_key(model: str, payload: dict[str, Any], max_chars: int = 1 << 24) -> b
     messages = payload.get("messages")
     if not isinstance(messages, list) or len(messages) < 2:
         return None
-    chars = 0
-    for m in messages[:-1]:
-        content = m.get("content") if isinstance(m, dict) else None
-        chars += len(content) if isinstance(content, str) else 256
-    if chars > max_chars:
+    if prompt_chars({"messages": messages[:-1]}) > max_chars:
         return None  # not tokenized either (router/request/tokens.py EngineTokenizer)
     if payload.get("continue_final_message") or payload.get("add_generation_prompt") is False:
         return None  # the last message is continued, not new: its blocks may be held
@@ -76,9 +74,7 @@ def earlier(payload: dict[str, Any]) -> dict[str, Any]:
 
 def rest_estimate(payload: dict[str, Any]) -> int:
     """Ids a prompt has beyond its earlier messages' (an estimate: its last message's)."""
-    last = payload["messages"][-1]
-    content = last.get("content") if isinstance(last, dict) else None
-    chars = len(content) if isinstance(content, str) else 1024
+    chars = prompt_chars({"messages": payload["messages"][-1:]})
     return chars // CHARS_PER_TOKEN + MARGIN + TURN_IDS
 
 

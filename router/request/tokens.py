@@ -465,7 +465,7 @@ class EngineTokenizer:
     async def tokens(
         self, payload: dict[str, Any], backend: Backend, model: str, limit: int = 1 << 24
     ) -> list[int] | None:
-        if _size(payload) > limit:
+        if prompt_chars(payload) > limit:
             return None  # not worth a round trip carrying the whole prompt again
         body: dict[str, Any] = {"model": model}
         for key in (
@@ -508,12 +508,13 @@ async def request_tokens(
     tokenizer: RouterTokenizer, payload: dict[str, Any], inline_chars: int, limit: int
 ) -> list[int] | None:
     """The router tokenizer's answer, in a worker thread when the prompt is long."""
-    if _size(payload) <= inline_chars:
+    if prompt_chars(payload) <= inline_chars:
         return tokenizer.tokens(payload, limit)
     return await asyncio.to_thread(tokenizer.tokens, payload, limit)
 
 
-def _size(payload: dict[str, Any]) -> int:
+def prompt_chars(payload: dict[str, Any]) -> int:
+    """A prompt's characters of text (256 for a message whose content is not a string)."""
     messages = payload.get("messages")
     if isinstance(messages, list):
         return sum(
