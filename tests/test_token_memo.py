@@ -112,3 +112,48 @@ def test_memo_is_bounded_in_keys(monkeypatch: Any) -> None:
         memo.look(bytes([i]))
     assert len(memo) == 4 and memo.look(bytes([9])) == (None, True)
     assert memo.look(bytes([0])) == (None, False)  # gone: a first sight again
+
+
+def test_a_failed_request_leaves_no_question_running() -> None:
+    """The earlier messages are asked beside the whole prompt: when the request's own question
+    fails (or the request is cancelled), the other is cancelled, not left to its timeout."""
+    import asyncio
+
+    from router.core.backend import Backend
+    from router.core.settings import AffinityConfig, BackendConfig, TokenizerConfig
+    from router.engine.kv_events import Feed, KvEvents
+    from router.request.affinity import Affinity, RequestAffinity
+
+    cfg = BackendConfig(name="up", url="http://127.0.0.1:9", models=["m"], kv_events={})  # type: ignore[arg-type]
+    up = Backend.from_config(cfg)
+    kv = KvEvents()
+    kv.sync([up])
+    kv._engines["up"].feeds = [Feed("up", "ipc:///nonexistent/up.sock", False, b"", None)]
+    kv._engines["up"].feeds[0].state = "live"
+    affinity = Affinity(AffinityConfig(tokenizers={"m": TokenizerConfig(via="engine")}), kv=kv)
+    ended: list[str] = []
+
+    async def tokens(body: dict[str, Any], *args: Any) -> list[int] | None:
+        if body.get("add_generation_prompt") is False:  # the earlier messages alone: slow
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                ended.append("cancelled")
+                raise
+            return None
+        await asyncio.sleep(0.01)
+        raise RuntimeError("a fault tokens() does not expect")
+
+    affinity._tokenizers["m"].tokens = tokens  # type: ignore[method-assign]
+
+    async def go() -> None:
+        async with asyncio.timeout(5):
+            try:
+                await affinity.with_tokens(RequestAffinity([], None), "m", chat("s", "hi"), [up])
+            except RuntimeError:
+                pass
+            await asyncio.sleep(0)  # the cancel lands
+        assert ended == ["cancelled"]
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # nothing else runs
+
+    asyncio.run(go())

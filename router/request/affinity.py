@@ -74,6 +74,11 @@ class RequestAffinity:
     # backend -> its (block size, namespace), for the backends with live events
     groups: dict[str, tuple[int, bytes]] = field(default_factory=dict)
 
+    @property
+    def token_count(self) -> int:
+        """The prompt's length in tokens: its ids', or the estimate beside the memo's."""
+        return self.length if self.length is not None else len(self.tokens or ())
+
 
 class Affinity:
     def __init__(
@@ -232,7 +237,14 @@ class Affinity:
 
         if learn is None:
             return await ask(payload)
-        ids, alone = await asyncio.gather(ask(payload), ask(token_memo.earlier(payload)))
+        # Both at once; the earlier messages' question cancelled with the request's own (a
+        # cancel, or an error `tokens()` does not expect), not left to run to its timeout.
+        asking = asyncio.ensure_future(ask(token_memo.earlier(payload)))
+        try:
+            ids = await ask(payload)
+            alone = await asking
+        finally:
+            asking.cancel()
         if ids is not None:
             self.memo.learn(learn, token_memo.shared_ids(ids, alone) if alone is not None else None)
         return ids
@@ -243,7 +255,7 @@ class Affinity:
         kv = self.kv
         tokens = request.tokens
         assert kv is not None and tokens is not None
-        n = request.length or len(tokens)
+        n = request.token_count
         index = kv.index
         cached: dict[str, int] = {}
         pending: dict[str, int] = {}
@@ -290,8 +302,7 @@ class Affinity:
             return None
         group = request.groups.get(backend)
         keys = request.keys.get(group, ()) if group is not None else ()
-        length = request.length or len(request.tokens)
-        return self.kv.dispatched(backend, length - cached, keys)
+        return self.kv.dispatched(backend, request.token_count - cached, keys)
 
     def bind(
         self,
