@@ -140,21 +140,11 @@ def test_the_engines_tokenize_on_one_that_is_up(fleet: dict[str, Proc]) -> None:
     take precise routing with it: the prompt is tokenized on one whose events are live."""
     import asyncio
 
-    from router.core.backend import Backend
-    from router.core.settings import AffinityConfig, BackendConfig, TokenizerConfig
-    from router.engine.kv_events import Feed, KvEvents
-    from router.request.affinity import Affinity, RequestAffinity
+    from router.request.affinity import RequestAffinity
+    from tests.kv_affinity import engine_affinity, engine_backend
 
-    def made(name: str, url: str) -> Backend:
-        cfg = BackendConfig(name=name, url=url, models={"m": "mock-model"}, kv_events={})  # type: ignore[arg-type]
-        return Backend.from_config(cfg)
-
-    down, up = made("down", "http://127.0.0.1:9"), made("up", fleet["b"].url)
-    kv = KvEvents()
-    kv.sync([down, up])
-    kv._engines["up"].feeds = [Feed("up", "ipc:///nonexistent/up.sock", False, b"", None)]
-    kv._engines["up"].feeds[0].state = "live"
-    affinity = Affinity(AffinityConfig(tokenizers={"m": TokenizerConfig(via="engine")}), kv=kv)
+    down, up = engine_backend("down", "http://127.0.0.1:9"), engine_backend("up", fleet["b"].url)
+    affinity = engine_affinity([down, up], live=["up"])
     payload = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 
     async def tokens() -> list[int] | None:
@@ -175,19 +165,12 @@ def test_a_seen_system_prompt_costs_no_tokenize_round_trip(fleet: dict[str, Proc
     another last message takes what those render to (the engine's own ids) without asking."""
     import asyncio
 
-    from router.core.backend import Backend
-    from router.core.settings import AffinityConfig, BackendConfig, TokenizerConfig
-    from router.engine.kv_events import Feed, KvEvents
-    from router.request.affinity import Affinity, RequestAffinity
+    from router.request.affinity import RequestAffinity
     from router.request.token_memo import MARGIN
+    from tests.kv_affinity import engine_affinity, engine_backend
 
-    cfg = BackendConfig(name="b", url=fleet["b"].url, models={"m": "mock-model"}, kv_events={})  # type: ignore[arg-type]
-    b = Backend.from_config(cfg)
-    kv = KvEvents()
-    kv.sync([b])
-    kv._engines["b"].feeds = [Feed("b", "ipc:///nonexistent/b.sock", False, b"", None)]
-    kv._engines["b"].feeds[0].state = "live"
-    affinity = Affinity(AffinityConfig(tokenizers={"m": TokenizerConfig(via="engine")}), kv=kv)
+    b = engine_backend("b", fleet["b"].url)
+    affinity = engine_affinity([b], live=["b"])
     tk = affinity._tokenizers["m"]
     asked: list[dict[str, Any]] = []
     real = tk.tokens

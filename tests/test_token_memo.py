@@ -119,18 +119,11 @@ def test_a_failed_request_leaves_no_question_running() -> None:
     fails (or the request is cancelled), the other is cancelled, not left to its timeout."""
     import asyncio
 
-    from router.core.backend import Backend
-    from router.core.settings import AffinityConfig, BackendConfig, TokenizerConfig
-    from router.engine.kv_events import Feed, KvEvents
-    from router.request.affinity import Affinity, RequestAffinity
+    from router.request.affinity import RequestAffinity
+    from tests.kv_affinity import engine_affinity, engine_backend
 
-    cfg = BackendConfig(name="up", url="http://127.0.0.1:9", models=["m"], kv_events={})  # type: ignore[arg-type]
-    up = Backend.from_config(cfg)
-    kv = KvEvents()
-    kv.sync([up])
-    kv._engines["up"].feeds = [Feed("up", "ipc:///nonexistent/up.sock", False, b"", None)]
-    kv._engines["up"].feeds[0].state = "live"
-    affinity = Affinity(AffinityConfig(tokenizers={"m": TokenizerConfig(via="engine")}), kv=kv)
+    up = engine_backend("up", "http://127.0.0.1:9")
+    affinity = engine_affinity([up], live=["up"])
     ended: list[str] = []
 
     async def tokens(body: dict[str, Any], *args: Any) -> list[int] | None:
