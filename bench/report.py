@@ -151,18 +151,31 @@ def splice_page(page: Path, named: list[tuple[str, list[str]]]) -> None:
     page.write_text(text)
 
 
+def targets_section(results: dict[str, Any]) -> list[str]:
+    """The Targets table, made from `results` on every write: a partial run passes the last full
+    run's results merged with its own, so each row shows what its scenario's section shows."""
+    rows = targets(results)
+    if not rows:
+        return []
+    return ["## Targets", "", _table([("target", "goal", "measured", "met"), *rows]), ""]
+
+
 def write_report(
     report: dict[str, Any],
     samples: dict[str, list[float]],
     docs: Path,
     only: list[str] | None = None,
+    merged: dict[str, Any] | None = None,
 ) -> None:
     """The whole page; with `only` (a partial run) and a page already there, just the sections
-    of the scenarios that ran."""
+    of the scenarios that ran, and the Targets table from `merged` (the saved results)."""
     docs.mkdir(parents=True, exist_ok=True)
     page = docs / "benchmarks.md"
     if only and page.exists():
-        splice_page(page, sections(report))
+        splice_page(
+            page,
+            [("targets", targets_section(merged or report["results"])), *sections(report)],
+        )
         return
     r = report["results"]
     m = report["machine"]
@@ -177,9 +190,7 @@ def write_report(
         "All figures come from one run; compare ratios, not absolute numbers.",
         "",
     ]
-    rows = targets(r)
-    if rows:
-        out += ["## Targets", "", _table([("target", "goal", "measured", "met"), *rows]), ""]
+    out += [*_marked("targets", targets_section(r)), ""]
     for name, lines in sections(report):
         out += [*_marked(name, lines), ""]
     for png in plots(samples, docs):

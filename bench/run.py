@@ -643,7 +643,7 @@ def main() -> int:
     (out / "latest.json").write_text(json.dumps(_short(saved), indent=2))
     from bench.report import write_report
 
-    write_report(report, bench.samples, ROOT / "docs", only=args.only)
+    write_report(report, bench.samples, ROOT / "docs", only=args.only, merged=saved["results"])
     print(f"done in {report['seconds']:.0f}s; results in {out / 'latest.json'}", flush=True)
     gate = bench.results.get("hop", {}).get("check")
     return 1 if gate is not None and not gate["ok"] else 0

@@ -39,7 +39,8 @@ def test_a_partial_run_replaces_its_section_and_keeps_the_others(tmp_path: Path)
     full = page.read_text()
     assert "12345" in full and "| cache_aware_redis | 0.800 |" in full
 
-    write_report(_report({"prefix": _prefix(0.9)}), {}, tmp_path, only=["prefix"])
+    merged = {"soak": soak, "prefix": _prefix(0.9)}
+    write_report(_report({"prefix": _prefix(0.9)}), {}, tmp_path, only=["prefix"], merged=merged)
     partial = page.read_text()
     section = partial.split("<!-- prefix:begin -->")[1].split("<!-- prefix:end -->")[0]
     assert (
@@ -47,9 +48,35 @@ def test_a_partial_run_replaces_its_section_and_keeps_the_others(tmp_path: Path)
         and "| cache_aware_redis | 0.800 |" not in section
     )
     assert partial.count("<!-- prefix:begin -->") == 1
-    # Everything outside the prefix section is byte for byte what the full run wrote.
-    assert partial.split("<!-- prefix:begin -->")[0] == full.split("<!-- prefix:begin -->")[0]
-    assert partial.split("<!-- prefix:end -->")[1] == full.split("<!-- prefix:end -->")[1]
+
+    # Everything outside the prefix and Targets sections is byte for byte what the full run wrote.
+    def outside(text: str) -> list[str]:
+        parts = []
+        for name in ("targets", "prefix"):
+            head, rest = text.split(f"<!-- {name}:begin -->", 1)
+            parts.append(head)
+            text = rest.split(f"<!-- {name}:end -->", 1)[1]
+        return [*parts, text]
+
+    assert outside(partial) == outside(full)
+
+
+def test_the_targets_table_shows_the_figure_its_section_shows(tmp_path: Path) -> None:
+    """A partial run rewrites the Targets table from the saved results, so the table never quotes
+    a figure that the scenario's own section no longer shows."""
+    write_report(_report({"prefix": _prefix(0.8)}), {}, tmp_path)
+    page = tmp_path / "benchmarks.md"
+    # least_inflight's hit rate is 0.3 in both runs: the ratio row moves from 0.8/0.3 to 0.9/0.3.
+    assert "| 2.67 | yes |" in page.read_text()
+    write_report(
+        _report({"prefix": _prefix(0.9)}),
+        {},
+        tmp_path,
+        only=["prefix"],
+        merged={"prefix": _prefix(0.9)},
+    )
+    table = page.read_text().split("<!-- targets:begin -->")[1].split("<!-- targets:end -->")[0]
+    assert "| 3 | yes |" in table and "| 2.67 | yes |" not in table
 
 
 def test_a_section_the_page_lacks_is_added_at_the_end() -> None:
