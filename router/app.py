@@ -129,10 +129,11 @@ def make_affinity(
     )
 
 
-def _record_store(settings: Settings, client: Client | None = None) -> RecordStore:
+def _record_store(
+    settings: Settings, redis: RedisConfig | None, client: Client | None = None
+) -> RecordStore:
     """The registry's records: shared through `client` (the app's), or through a client of the
     store's own when none is given (tools, tests)."""
-    redis = RedisConfig.from_settings(settings)
     if redis is None:
         return LocalRecords()
     from router.registry.sync import RedisRecords
@@ -228,7 +229,7 @@ class AppParts:
         self.fleet = Fleet(
             registry,
             settings.backends,
-            _record_store(settings, redis_client),
+            _record_store(settings, redis, redis_client),
             on_invalid=lambda _name: metrics.invalid_records.inc(),
         )
         self.admin_auth = AdminAuth(settings.admin_token)

@@ -429,6 +429,7 @@ def test_redis_prefix_keeps_two_deployments_registries_apart(module_procs: Clust
     admin changes; one upgraded from a version that kept every prefix's records under the default
     keys finds its records there, once."""
     from router.app import _record_store
+    from router.core.redis_client import RedisConfig
     from router.core.settings import Settings
 
     server = module_procs.redis()
@@ -441,7 +442,7 @@ def test_redis_prefix_keeps_two_deployments_registries_apart(module_procs: Clust
     default = Settings(redis_url=server.url)
 
     async def main() -> tuple[dict[str, Any], ...]:
-        stores = [_record_store(s) for s in (blue, green, default)]
+        stores = [_record_store(s, RedisConfig.from_settings(s)) for s in (blue, green, default)]
         try:
             b, g, d = stores
             adopted = await b.load()
