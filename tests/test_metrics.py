@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from balancers.inflight.local import LocalInflight
@@ -371,3 +372,21 @@ def test_ejection_moves_health_metrics(procs: Cluster) -> None:
         if line.startswith("sluicegate_backend_ejections_total{") and '"bad"' in line
     ]
     assert ejections and float(ejections[0].rsplit(" ", 1)[1]) >= 1, ejections
+
+
+def test_every_metric_is_one_row_and_one_typed_attribute() -> None:
+    """`Metrics` is built from its table: each row names an attribute declared with the row's
+    kind, and each declared metric attribute has exactly one row (a misspelt row would leave the
+    attribute unset until first use)."""
+    from typing import get_type_hints
+
+    from router.ops.metrics import ROWS, Metrics
+
+    declared = {
+        k: v for k, v in get_type_hints(Metrics).items() if v in (Counter, Gauge, Histogram)
+    }
+    assert sorted(r.attr for r in ROWS) == sorted(declared)
+    assert len({r.name for r in ROWS}) == len(ROWS)
+    m = Metrics()
+    for row in ROWS:
+        assert type(getattr(m, row.attr)) is declared[row.attr] is row.kind

@@ -19,7 +19,8 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence, Set
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
@@ -90,343 +91,471 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One metric: what `Metrics` calls it, its kind, name, help and labels; a histogram's
+    buckets; a gauge's multiprocess mode (how workers' values merge)."""
+
+    attr: str
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    mode: Literal["livesum", "livemin", "livemax"] | None = None
+
+    def build(self, reg: CollectorRegistry) -> Counter | Gauge | Histogram:
+        if self.kind is Histogram:
+            assert self.buckets is not None, self.name
+            return Histogram(self.name, self.doc, self.labels, buckets=self.buckets, registry=reg)
+        if self.kind is Gauge:
+            assert self.mode is not None, self.name
+            return Gauge(
+                self.name, self.doc, self.labels, multiprocess_mode=self.mode, registry=reg
+            )
+        return Counter(self.name, self.doc, self.labels, registry=reg)
+
+
+# Every metric: one row each (attribute, kind, name, help, labels, buckets or multiprocess
+# mode). `Metrics.__init__` builds them on its own registry; a test checks rows and attributes.
+ROWS: tuple[Row, ...] = (
+    Row(
+        "requests",
+        Counter,
+        "sluicegate_requests_total",
+        "Requests answered, by public model, the backend that answered last, and status.",
+        ("model", "backend", "status"),
+    ),
+    Row(
+        "duration",
+        Histogram,
+        "sluicegate_request_duration_seconds",
+        "Whole request time, arrival to last byte (or disconnect), by status class.",
+        ("model", "backend", "status_class"),
+        buckets=LATENCY_BUCKETS,
+    ),
+    Row(
+        "ttft",
+        Histogram,
+        "sluicegate_time_to_first_token_seconds",
+        "Streams only: arrival to the first body byte from the backend (see "
+        "sluicegate_ttft_seconds for the first content token); `path`: disaggregated "
+        "(after a prefill engine) or direct.",
+        ("model", "backend", "path"),
+        buckets=LATENCY_BUCKETS,
+    ),
+    Row(
+        "ttft_content",
+        Histogram,
+        "sluicegate_ttft_seconds",
+        "Streams only: arrival to the first event carrying content the client receives "
+        "(not the role-only first event); `path`: disaggregated (after a prefill engine) "
+        "or direct.",
+        ("model", "backend", "path"),
+        buckets=TTFT_BUCKETS,
+    ),
+    Row(
+        "tpot",
+        Histogram,
+        "sluicegate_tpot_seconds",
+        "Streams only: time per output token after the first (one observation a request).",
+        ("model", "backend"),
+        buckets=TPOT_BUCKETS,
+    ),
+    Row(
+        "bytes_out",
+        Counter,
+        "sluicegate_response_bytes_total",
+        "Response body bytes relayed from backends to clients.",
+        ("model", "backend"),
+    ),
+    Row(
+        "disconnects",
+        Counter,
+        "sluicegate_client_disconnects_total",
+        "Requests whose client left before the answer ended (upstream cancelled).",
+        ("model", "backend"),
+    ),
+    Row(
+        "retries",
+        Counter,
+        "sluicegate_retries_total",
+        "Extra attempts made on another backend after a failure before the first byte.",
+        ("model",),
+    ),
+    Row(
+        "lora_loads",
+        Counter,
+        "sluicegate_lora_loads_total",
+        "LoRA adapter loads and unloads the router asked engines for, by result: loaded, "
+        "failed, unloaded, unload_failed (adapters come only from lora.sources).",
+        ("backend", "adapter", "result"),
+    ),
+    Row(
+        "attempts",
+        Counter,
+        "sluicegate_upstream_attempts_total",
+        "Attempts sent to each backend (the denominator of its error rate).",
+        ("backend",),
+    ),
+    Row(
+        "upstream_errors",
+        Counter,
+        "sluicegate_upstream_errors_total",
+        "Failed attempts by backend and kind: connect, timeout, status (5xx/429), mid_stream.",
+        ("backend", "kind"),
+    ),
+    Row(
+        "migrations",
+        Counter,
+        "sluicegate_migrations_total",
+        "Generations whose engine died mid-answer, by outcome: ok (went on on another "
+        "backend), failed (none took it), limit (max_migrations reached), budget (the retry "
+        "budget refused it), refused (the request may not migrate).",
+        ("model", "result"),
+    ),
+    Row(
+        "disaggregated",
+        Counter,
+        "sluicegate_disaggregated_requests_total",
+        "Requests of models with prefill and decode backends, by what was done: "
+        "disaggregated (a prefill engine first), short, cached (served whole: too little "
+        "of the prompt to compute), no_prefill (none could take it), prefill_refused (it "
+        "answered 4xx), client_params, failed (split, and no answer).",
+        ("model", "result"),
+    ),
+    Row(
+        "prefill_seconds",
+        Histogram,
+        "sluicegate_prefill_seconds",
+        "Prefill leg of a disaggregated request: sent to the prefill engine until its "
+        "answer (NIXL), or until its answer to the bootstrap copy (SGLang).",
+        ("backend",),
+        buckets=TTFT_BUCKETS,
+    ),
+    Row(
+        "in_flight",
+        Gauge,
+        "sluicegate_backend_in_flight",
+        "Requests in flight to each backend from this router (summed over live workers).",
+        ("backend",),
+        mode="livesum",
+    ),
+    Row(
+        "healthy",
+        Gauge,
+        "sluicegate_backend_healthy",
+        "1 when the backend takes traffic, 0 when ejected or failing probes "
+        "(min over live workers).",
+        ("backend",),
+        mode="livemin",
+    ),
+    Row(
+        "ejections",
+        Counter,
+        "sluicegate_backend_ejections_total",
+        "Times a backend was taken out of rotation, by reason.",
+        ("backend", "reason"),
+    ),
+    Row(
+        "fallback",
+        Gauge,
+        "sluicegate_redis_fallback",
+        "1 while the shared Redis store is unreachable and counts are kept in-process.",
+        mode="livemax",
+    ),
+    Row(
+        "routing_decisions",
+        Counter,
+        "sluicegate_routing_decisions_total",
+        "Backends picked, by public model, balancer and reason (prefix, prefix_exact, "
+        "prefix_approx, session, load, spill; each attempt counts once).",
+        ("model", "balancer", "backend", "reason"),
+    ),
+    Row(
+        "affinity_entries",
+        Gauge,
+        "sluicegate_affinity_index_entries",
+        "(block, backend) pairs in the process's own prefix index (each worker keeps its "
+        "own, also with Redis, where it is the fallback; summed).",
+        mode="livesum",
+    ),
+    Row(
+        "affinity_shared_entries",
+        Gauge,
+        "sluicegate_affinity_shared_entries",
+        "(block, backend) pairs in the prefix index shared in Redis, for the backends this "
+        "process last looked up or recorded.",
+        mode="livemax",
+    ),
+    Row(
+        "affinity_fallbacks",
+        Counter,
+        "sluicegate_affinity_fallbacks_total",
+        "Prefix lookups answered by the process's own index because the shared one (Redis) "
+        "was down or slower than redis_timeout.",
+    ),
+    Row(
+        "affinity_lookup_blocks",
+        Counter,
+        "sluicegate_affinity_lookup_blocks_total",
+        "Prompt blocks looked up in the prefix index (cache_aware).",
+    ),
+    Row(
+        "affinity_hit_blocks",
+        Counter,
+        "sluicegate_affinity_hit_blocks_total",
+        "Looked-up prompt blocks that the picked backend held (hit rate: hit / lookup).",
+    ),
+    # KV-cache events (router/engine/kv_events.py): each worker subscribes on its own.
+    Row(
+        "kv_events_total",
+        Counter,
+        "sluicegate_kv_events_total",
+        "KV-cache events received from each engine, by type (BlockStored, BlockRemoved, "
+        "AllBlocksCleared, unknown).",
+        ("backend", "type"),
+    ),
+    Row(
+        "kv_index_blocks",
+        Gauge,
+        "sluicegate_kv_index_blocks",
+        "Blocks the engine holds per its KV events, in this process's index.",
+        ("backend",),
+        mode="livemax",
+    ),
+    Row(
+        "kv_event_lag",
+        Gauge,
+        "sluicegate_kv_event_lag_seconds",
+        "Seconds between the engine building its last KV-event batch and this process "
+        "receiving it (the engine's clock against ours).",
+        ("backend",),
+        mode="livemax",
+    ),
+    # Engine metrics as this process last read them (each worker scrapes on its own).
+    Row(
+        "engine_waiting",
+        Gauge,
+        "sluicegate_engine_waiting",
+        "Requests waiting in the engine's queue, as last scraped.",
+        ("backend",),
+        mode="livemax",
+    ),
+    Row(
+        "engine_running",
+        Gauge,
+        "sluicegate_engine_running",
+        "Requests in the engine's running batch, as last scraped.",
+        ("backend",),
+        mode="livemax",
+    ),
+    Row(
+        "engine_kv_usage",
+        Gauge,
+        "sluicegate_engine_kv_usage",
+        "Share of the engine's KV cache in use (0..1), as last scraped.",
+        ("backend",),
+        mode="livemax",
+    ),
+    Row(
+        "engine_scrape_age",
+        Gauge,
+        "sluicegate_engine_scrape_age_seconds",
+        "Seconds since the engine's metrics were last read successfully.",
+        ("backend",),
+        mode="livemin",
+    ),
+    Row(
+        "engine_scrape_errors",
+        Counter,
+        "sluicegate_engine_scrape_errors_total",
+        "Failed scrapes of the engine's metrics (status, timeout, malformed or bad values).",
+        ("backend",),
+    ),
+    Row(
+        "discovery_backends",
+        Gauge,
+        "sluicegate_discovery_backends",
+        "Backends discovered by each kind of source (kubernetes, dns), draining ones included.",
+        ("source",),
+        mode="livemax",
+    ),
+    Row(
+        "discovery_events",
+        Counter,
+        "sluicegate_discovery_events_total",
+        "Discovery events: added, removed, draining, ready, relist, expired (410), bookmark, "
+        "watch_*, error, lookup_failed, models_failed, bad_port, bad_answer, bad_endpoint.",
+        ("source", "event"),
+    ),
+    Row(
+        "discovery_last_sync",
+        Gauge,
+        "sluicegate_discovery_last_sync_seconds",
+        "Seconds since each kind of source last synced (list, watch event or answer); "
+        "grows while the API server or DNS is unreachable. -1 before the first sync.",
+        ("source",),
+        mode="livemax",
+    ),
+    Row(
+        "invalid_records",
+        Counter,
+        "sluicegate_registry_invalid_records_total",
+        "Registry records (admin changes read back from the store) skipped as invalid.",
+    ),
+    Row(
+        "log_dropped",
+        Counter,
+        "sluicegate_log_dropped_total",
+        "Log lines dropped because the log writer fell behind (its queue was full).",
+    ),
+    # Admission queue (router/request/admission.py): only moves while requests queue.
+    Row(
+        "queue_depth_gauge",
+        Gauge,
+        "sluicegate_queue_depth",
+        "Requests waiting in the admission queue for a backend slot, by model and priority.",
+        ("model", "priority"),
+        mode="livesum",
+    ),
+    Row(
+        "queue_wait_seconds",
+        Histogram,
+        "sluicegate_queue_wait_seconds",
+        "Time requests waited in the admission queue before a backend took them.",
+        ("model", "priority"),
+        buckets=LATENCY_BUCKETS,
+    ),
+    Row(
+        "ratelimited_total",
+        Counter,
+        "sluicegate_ratelimited_total",
+        "Requests refused with 429 by a client key's quota, by key name and limit "
+        "(rpm, tpm, max_parallel).",
+        ("key", "limit"),
+    ),
+    Row(
+        "quota_degraded_gauge",
+        Gauge,
+        "sluicegate_quota_degraded",
+        "1 while Redis is unreachable for quotas and each process enforces its share of "
+        "every key's limits (limit / processes) on its own traffic.",
+        mode="livemax",
+    ),
+    Row(
+        "shed_total",
+        Counter,
+        "sluicegate_shed_total",
+        "Requests refused by the admission queue: max_wait, deadline (the client's "
+        "x-sluicegate-timeout) or queue_full.",
+        ("reason",),
+    ),
+    Row(
+        "tokens_total",
+        Counter,
+        "sluicegate_tokens_total",
+        "Tokens used by answered requests, by client key name, model and kind (prompt, "
+        "completion, cached prompt tokens); estimated where the backend sent no usage.",
+        ("key", "model", "kind"),
+    ),
+    Row(
+        "usage_dropped",
+        Counter,
+        "sluicegate_usage_dropped_total",
+        "Hourly usage buckets lost: over the in-memory cap, or kept past 8 days while Redis "
+        "was unreachable.",
+    ),
+    Row(
+        "background_runs",
+        Counter,
+        "sluicegate_background_runs_total",
+        "Rounds of the background chores (heartbeats, registry sync, usage writer, probes, "
+        "scrapes, discovery), by chore and result: ok, or error (an exception, logged once a "
+        "streak).",
+        ("task", "result"),
+    ),
+    # Hostile or broken input refused or cut (issue 22's hardening): counted, not logged
+    # per request.
+    Row(
+        "loops_refused",
+        Counter,
+        "sluicegate_loops_refused_total",
+        "Requests refused with 508 because they already carried this router's hop marker "
+        "(a backend points back at the router) or passed too many routers.",
+    ),
+    Row(
+        "tracing_headers_dropped",
+        Counter,
+        "sluicegate_tracing_headers_dropped_total",
+        "Client traceparent / tracestate headers dropped for being over the W3C trace "
+        "context limits (512 / 8192 characters); the request is served, in a new trace when "
+        "its traceparent went.",
+        ("header",),
+    ),
+)
+
+
 class Metrics:
     """Every metric object, created once per app on a registry of its own (no module globals)."""
 
+    requests: Counter
+    duration: Histogram
+    ttft: Histogram
+    ttft_content: Histogram
+    tpot: Histogram
+    bytes_out: Counter
+    disconnects: Counter
+    retries: Counter
+    lora_loads: Counter
+    attempts: Counter
+    upstream_errors: Counter
+    migrations: Counter
+    disaggregated: Counter
+    prefill_seconds: Histogram
+    in_flight: Gauge
+    healthy: Gauge
+    ejections: Counter
+    fallback: Gauge
+    routing_decisions: Counter
+    affinity_entries: Gauge
+    affinity_shared_entries: Gauge
+    affinity_fallbacks: Counter
+    affinity_lookup_blocks: Counter
+    affinity_hit_blocks: Counter
+    kv_events_total: Counter
+    kv_index_blocks: Gauge
+    kv_event_lag: Gauge
+    engine_waiting: Gauge
+    engine_running: Gauge
+    engine_kv_usage: Gauge
+    engine_scrape_age: Gauge
+    engine_scrape_errors: Counter
+    discovery_backends: Gauge
+    discovery_events: Counter
+    discovery_last_sync: Gauge
+    invalid_records: Counter
+    log_dropped: Counter
+    queue_depth_gauge: Gauge
+    queue_wait_seconds: Histogram
+    ratelimited_total: Counter
+    quota_degraded_gauge: Gauge
+    shed_total: Counter
+    tokens_total: Counter
+    usage_dropped: Counter
+    background_runs: Counter
+    loops_refused: Counter
+    tracing_headers_dropped: Counter
+
     def __init__(self) -> None:
         reg = self.registry = CollectorRegistry(auto_describe=True)
+        for row in ROWS:
+            setattr(self, row.attr, row.build(reg))
         # The console's last two minutes (this process only), fed by the same calls as below.
         self.live = Live()
         self._multiproc = multiprocess_dir()
-        self.requests = Counter(
-            "sluicegate_requests_total",
-            "Requests answered, by public model, the backend that answered last, and status.",
-            ("model", "backend", "status"),
-            registry=reg,
-        )
-        self.duration = Histogram(
-            "sluicegate_request_duration_seconds",
-            "Whole request time, arrival to last byte (or disconnect), by status class.",
-            ("model", "backend", "status_class"),
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self.ttft = Histogram(
-            "sluicegate_time_to_first_token_seconds",
-            "Streams only: arrival to the first body byte from the backend (see "
-            "sluicegate_ttft_seconds for the first content token); `path`: disaggregated "
-            "(after a prefill engine) or direct.",
-            ("model", "backend", "path"),
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self.ttft_content = Histogram(
-            "sluicegate_ttft_seconds",
-            "Streams only: arrival to the first event carrying content the client receives "
-            "(not the role-only first event); `path`: disaggregated (after a prefill engine) "
-            "or direct.",
-            ("model", "backend", "path"),
-            buckets=TTFT_BUCKETS,
-            registry=reg,
-        )
-        self.tpot = Histogram(
-            "sluicegate_tpot_seconds",
-            "Streams only: time per output token after the first (one observation a request).",
-            ("model", "backend"),
-            buckets=TPOT_BUCKETS,
-            registry=reg,
-        )
-        self.bytes_out = Counter(
-            "sluicegate_response_bytes_total",
-            "Response body bytes relayed from backends to clients.",
-            ("model", "backend"),
-            registry=reg,
-        )
-        self.disconnects = Counter(
-            "sluicegate_client_disconnects_total",
-            "Requests whose client left before the answer ended (upstream cancelled).",
-            ("model", "backend"),
-            registry=reg,
-        )
-        self.retries = Counter(
-            "sluicegate_retries_total",
-            "Extra attempts made on another backend after a failure before the first byte.",
-            ("model",),
-            registry=reg,
-        )
-        self.lora_loads = Counter(
-            "sluicegate_lora_loads_total",
-            "LoRA adapter loads and unloads the router asked engines for, by result: loaded, "
-            "failed, unloaded, unload_failed (adapters come only from lora.sources).",
-            ("backend", "adapter", "result"),
-            registry=reg,
-        )
-        self.attempts = Counter(
-            "sluicegate_upstream_attempts_total",
-            "Attempts sent to each backend (the denominator of its error rate).",
-            ("backend",),
-            registry=reg,
-        )
-        self.upstream_errors = Counter(
-            "sluicegate_upstream_errors_total",
-            "Failed attempts by backend and kind: connect, timeout, status (5xx/429), mid_stream.",
-            ("backend", "kind"),
-            registry=reg,
-        )
-        self.migrations = Counter(
-            "sluicegate_migrations_total",
-            "Generations whose engine died mid-answer, by outcome: ok (went on on another "
-            "backend), failed (none took it), limit (max_migrations reached), budget (the retry "
-            "budget refused it), refused (the request may not migrate).",
-            ("model", "result"),
-            registry=reg,
-        )
-        self.disaggregated = Counter(
-            "sluicegate_disaggregated_requests_total",
-            "Requests of models with prefill and decode backends, by what was done: "
-            "disaggregated (a prefill engine first), short, cached (served whole: too little "
-            "of the prompt to compute), no_prefill (none could take it), prefill_refused (it "
-            "answered 4xx), client_params, failed (split, and no answer).",
-            ("model", "result"),
-            registry=reg,
-        )
-        self.prefill_seconds = Histogram(
-            "sluicegate_prefill_seconds",
-            "Prefill leg of a disaggregated request: sent to the prefill engine until its "
-            "answer (NIXL), or until its answer to the bootstrap copy (SGLang).",
-            ("backend",),
-            buckets=TTFT_BUCKETS,
-            registry=reg,
-        )
-        self.in_flight = Gauge(
-            "sluicegate_backend_in_flight",
-            "Requests in flight to each backend from this router (summed over live workers).",
-            ("backend",),
-            multiprocess_mode="livesum",
-            registry=reg,
-        )
-        self.healthy = Gauge(
-            "sluicegate_backend_healthy",
-            "1 when the backend takes traffic, 0 when ejected or failing probes "
-            "(min over live workers).",
-            ("backend",),
-            multiprocess_mode="livemin",
-            registry=reg,
-        )
-        self.ejections = Counter(
-            "sluicegate_backend_ejections_total",
-            "Times a backend was taken out of rotation, by reason.",
-            ("backend", "reason"),
-            registry=reg,
-        )
-        self.fallback = Gauge(
-            "sluicegate_redis_fallback",
-            "1 while the shared Redis store is unreachable and counts are kept in-process.",
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.routing_decisions = Counter(
-            "sluicegate_routing_decisions_total",
-            "Backends picked, by public model, balancer and reason (prefix, prefix_exact, "
-            "prefix_approx, session, load, spill; each attempt counts once).",
-            ("model", "balancer", "backend", "reason"),
-            registry=reg,
-        )
-        self.affinity_entries = Gauge(
-            "sluicegate_affinity_index_entries",
-            "(block, backend) pairs in the process's own prefix index (each worker keeps its "
-            "own, also with Redis, where it is the fallback; summed).",
-            multiprocess_mode="livesum",
-            registry=reg,
-        )
-        self.affinity_shared_entries = Gauge(
-            "sluicegate_affinity_shared_entries",
-            "(block, backend) pairs in the prefix index shared in Redis, for the backends this "
-            "process last looked up or recorded.",
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.affinity_fallbacks = Counter(
-            "sluicegate_affinity_fallbacks_total",
-            "Prefix lookups answered by the process's own index because the shared one (Redis) "
-            "was down or slower than redis_timeout.",
-            registry=reg,
-        )
-        self.affinity_lookup_blocks = Counter(
-            "sluicegate_affinity_lookup_blocks_total",
-            "Prompt blocks looked up in the prefix index (cache_aware).",
-            registry=reg,
-        )
-        self.affinity_hit_blocks = Counter(
-            "sluicegate_affinity_hit_blocks_total",
-            "Looked-up prompt blocks that the picked backend held (hit rate: hit / lookup).",
-            registry=reg,
-        )
-        # KV-cache events (router/engine/kv_events.py): each worker subscribes on its own.
-        self.kv_events_total = Counter(
-            "sluicegate_kv_events_total",
-            "KV-cache events received from each engine, by type (BlockStored, BlockRemoved, "
-            "AllBlocksCleared, unknown).",
-            ("backend", "type"),
-            registry=reg,
-        )
-        self.kv_index_blocks = Gauge(
-            "sluicegate_kv_index_blocks",
-            "Blocks the engine holds per its KV events, in this process's index.",
-            ("backend",),
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.kv_event_lag = Gauge(
-            "sluicegate_kv_event_lag_seconds",
-            "Seconds between the engine building its last KV-event batch and this process "
-            "receiving it (the engine's clock against ours).",
-            ("backend",),
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
         self._kv_children: dict[tuple[str, str], Any] = {}
-        # Engine metrics as this process last read them (each worker scrapes on its own).
-        self.engine_waiting = Gauge(
-            "sluicegate_engine_waiting",
-            "Requests waiting in the engine's queue, as last scraped.",
-            ("backend",),
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.engine_running = Gauge(
-            "sluicegate_engine_running",
-            "Requests in the engine's running batch, as last scraped.",
-            ("backend",),
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.engine_kv_usage = Gauge(
-            "sluicegate_engine_kv_usage",
-            "Share of the engine's KV cache in use (0..1), as last scraped.",
-            ("backend",),
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.engine_scrape_age = Gauge(
-            "sluicegate_engine_scrape_age_seconds",
-            "Seconds since the engine's metrics were last read successfully.",
-            ("backend",),
-            multiprocess_mode="livemin",
-            registry=reg,
-        )
-        self.engine_scrape_errors = Counter(
-            "sluicegate_engine_scrape_errors_total",
-            "Failed scrapes of the engine's metrics (status, timeout, malformed or bad values).",
-            ("backend",),
-            registry=reg,
-        )
         self._routed: dict[tuple[str, str, str, str], Any] = {}
-        self.discovery_backends = Gauge(
-            "sluicegate_discovery_backends",
-            "Backends discovered by each kind of source (kubernetes, dns), draining ones included.",
-            ("source",),
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.discovery_events = Counter(
-            "sluicegate_discovery_events_total",
-            "Discovery events: added, removed, draining, ready, relist, expired (410), bookmark, "
-            "watch_*, error, lookup_failed, models_failed, bad_port, bad_answer, bad_endpoint.",
-            ("source", "event"),
-            registry=reg,
-        )
-        self.discovery_last_sync = Gauge(
-            "sluicegate_discovery_last_sync_seconds",
-            "Seconds since each kind of source last synced (list, watch event or answer); "
-            "grows while the API server or DNS is unreachable. -1 before the first sync.",
-            ("source",),
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.invalid_records = Counter(
-            "sluicegate_registry_invalid_records_total",
-            "Registry records (admin changes read back from the store) skipped as invalid.",
-            registry=reg,
-        )
-        self.log_dropped = Counter(
-            "sluicegate_log_dropped_total",
-            "Log lines dropped because the log writer fell behind (its queue was full).",
-            registry=reg,
-        )
-        # Admission queue (router/request/admission.py): only moves while requests queue.
-        self.queue_depth_gauge = Gauge(
-            "sluicegate_queue_depth",
-            "Requests waiting in the admission queue for a backend slot, by model and priority.",
-            ("model", "priority"),
-            multiprocess_mode="livesum",
-            registry=reg,
-        )
-        self.queue_wait_seconds = Histogram(
-            "sluicegate_queue_wait_seconds",
-            "Time requests waited in the admission queue before a backend took them.",
-            ("model", "priority"),
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self.ratelimited_total = Counter(
-            "sluicegate_ratelimited_total",
-            "Requests refused with 429 by a client key's quota, by key name and limit "
-            "(rpm, tpm, max_parallel).",
-            ("key", "limit"),
-            registry=reg,
-        )
-        self.quota_degraded_gauge = Gauge(
-            "sluicegate_quota_degraded",
-            "1 while Redis is unreachable for quotas and each process enforces its share of "
-            "every key's limits (limit / processes) on its own traffic.",
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.shed_total = Counter(
-            "sluicegate_shed_total",
-            "Requests refused by the admission queue: max_wait, deadline (the client's "
-            "x-sluicegate-timeout) or queue_full.",
-            ("reason",),
-            registry=reg,
-        )
-        self.tokens_total = Counter(
-            "sluicegate_tokens_total",
-            "Tokens used by answered requests, by client key name, model and kind (prompt, "
-            "completion, cached prompt tokens); estimated where the backend sent no usage.",
-            ("key", "model", "kind"),
-            registry=reg,
-        )
-        self.usage_dropped = Counter(
-            "sluicegate_usage_dropped_total",
-            "Hourly usage buckets lost: over the in-memory cap, or kept past 8 days while Redis "
-            "was unreachable.",
-            registry=reg,
-        )
-        self.background_runs = Counter(
-            "sluicegate_background_runs_total",
-            "Rounds of the background chores (heartbeats, registry sync, usage writer, probes, "
-            "scrapes, discovery), by chore and result: ok, or error (an exception, logged once a "
-            "streak).",
-            ("task", "result"),
-            registry=reg,
-        )
-        # Hostile or broken input refused or cut (issue 22's hardening): counted, not logged
-        # per request.
-        self.loops_refused = Counter(
-            "sluicegate_loops_refused_total",
-            "Requests refused with 508 because they already carried this router's hop marker "
-            "(a backend points back at the router) or passed too many routers.",
-            registry=reg,
-        )
-        self.tracing_headers_dropped = Counter(
-            "sluicegate_tracing_headers_dropped_total",
-            "Client traceparent / tracestate headers dropped for being over the W3C trace "
-            "context limits (512 / 8192 characters); the request is served, in a new trace when "
-            "its traceparent went.",
-            ("header",),
-            registry=reg,
-        )
         self._by_usage: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         # Label lookups take a lock and validate; resolve each combination once.
         self._by_request: dict[tuple[str, str, int], tuple[Any, ...]] = {}
