@@ -1,29 +1,35 @@
-"""The Balancer protocol: given the eligible candidates, their loads and weights, choose one.
+"""The Balancer protocol: given the eligible candidates and one request's context, choose one.
 
 A balancer is pure: no I/O, no health, no clock. Health filters candidates before it is asked;
-the in-flight store supplies the loads; the request's retry context supplies `exclude`.
-`pick()` returns a `Choice`: the candidate and why it was chosen, as one value, so the caller
-never reads a reason back off the balancer (a balancer is shared by concurrent requests).
-Every balancer declares what it needs:
+the in-flight store supplies the loads; the request supplies one `PickContext`
+(balancers/context.py): the backends it already tried (`exclude`), the prompt's hints, the
+adapter it wants, its SLO and priority. `pick(candidates, ctx)` returns a `Choice`: the
+candidate and why it was chosen, as one value, so the caller never reads a reason back off the
+balancer (a balancer is shared by concurrent requests). Every balancer declares what it needs:
 - `needs_counts`: False when its choice ignores loads, which lets a shared store skip reading
   them (one Redis round trip instead of two);
 - `needs_engine`: True when it reads engine metrics: the proxy then hands the store the latest
   `EngineReading`s and each `Candidate` carries its backend's (`engine`, None when the backend
-  is not scraped); when False, `engine` stays None.
+  is not scraped); when False, `engine` stays None (a request for a LoRA adapter reads them
+  whatever the balancer);
+- `needs_hints`: True when it reads `ctx.hints`: only then does the request hash its prompt,
+  look it up in the prefix index and match its tokens against KV events.
 A balancer may also offer its policy in the Redis store's own language (`RedisForm`): the store
 then picks and counts in one atomic script across replicas, instead of reading counts, picking
 here and adding the lease (two round trips, and a race between them); such a choice's reason is
-"load".
-Plugins written to the first contract (`pick` returning a bare `Candidate`, the declarations
-optional) are wrapped once where they are loaded (`balancers.plugin`).
+"load". It is used only for a plain context (`PickContext.plain`: no hints, no adapter).
+Plugins written to an earlier contract (`pick(candidates, exclude)`, maybe returning a bare
+`Candidate`, the declarations optional) are wrapped once where they are loaded
+(`balancers.plugin`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
+from balancers.context import NO_CONTEXT, PickContext
 from router.core.engine import EngineReading
 
 
@@ -54,11 +60,10 @@ class Balancer(Protocol):
     name: ClassVar[str]
     needs_counts: ClassVar[bool]
     needs_engine: ClassVar[bool]
+    needs_hints: ClassVar[bool]
 
-    def pick(
-        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Choice | None:
-        """One of `candidates` not in `exclude`, or None when none is left."""
+    def pick(self, candidates: Sequence[Candidate], ctx: PickContext = NO_CONTEXT) -> Choice | None:
+        """One of `candidates` not in `ctx.exclude`, or None when none is left."""
         ...
 
 

@@ -9,10 +9,12 @@ script (see `balancers.base.RedisForm`); keep the two in step."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 from typing import ClassVar
 
 from balancers.base import Candidate, Choice
+from balancers.context import NO_CONTEXT, PickContext
+from balancers.lora import eligible, labelled
 
 EXACT_SCAN_MAX = 16
 
@@ -63,15 +65,22 @@ class LeastInflight:
     name: ClassVar[str] = "least_inflight"
     needs_counts: ClassVar[bool] = True
     needs_engine: ClassVar[bool] = False
+    needs_hints: ClassVar[bool] = False
     redis_pick: ClassVar[str] = _REDIS_PICK
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def pick(
-        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Choice | None:
+    def pick(self, candidates: Sequence[Candidate], ctx: PickContext = NO_CONTEXT) -> Choice | None:
+        exclude = ctx.exclude
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
+        want = ctx.adapter
+        if want is not None:
+            return labelled(self.among(eligible(pool, want)), want)
+        return self.among(pool)
+
+    def among(self, pool: Sequence[Candidate]) -> Choice | None:
+        """The least loaded of `pool` (nothing excluded)."""
         if not pool:
             return None
         if len(pool) == 1:

@@ -19,7 +19,7 @@ score = (running' + QUEUE_WEIGHT x waiting' + KV_WEIGHT x kv_usage) / weight
 - a backend without a reading (not scraped, `kind: openai`) scores its in-flight count, which is
   in the same unit (requests); a stale reading ranks after every fresh one ("most loaded"),
   and among stale ones the in-flight count decides.
-- a request for a LoRA adapter (`for_adapter()`, balancers/lora.py): only engines serving it
+- a request for a LoRA adapter (`ctx.adapter`, balancers/lora.py): only engines serving it
   are candidates (or, with load on demand and none serving it, engines running LoRA), and each
   adds QUEUE_WEIGHT x lora.ahead() / weight: by tier, running it 0, a free slot 1, waiting for a
   slot 4, to be loaded first 16 (+1 per adapter running there), plus the adapter's home term
@@ -32,12 +32,13 @@ Pure: no I/O, no clock; the readings arrive on the candidates (`Candidate.engine
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 from typing import ClassVar
 
 from balancers.base import Candidate, Choice
+from balancers.context import NO_CONTEXT, AdapterWant, PickContext
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
-from balancers.lora import REASONS, AdapterWant, ahead, eligible, tier
+from balancers.lora import REASONS, ahead, eligible, tier
 from router.core.engine import EngineReading
 
 QUEUE_WEIGHT = 4.0
@@ -63,6 +64,7 @@ class LeastLoad:
     name: ClassVar[str] = "least_load"
     needs_counts: ClassVar[bool] = True
     needs_engine: ClassVar[bool] = True
+    needs_hints: ClassVar[bool] = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
@@ -89,9 +91,6 @@ class LeastLoad:
         unseen = c.inflight - int(r.running + r.waiting)
         return dispatched if dispatched >= unseen else unseen
 
-    def for_adapter(self, want: AdapterWant) -> AdapterPick:
-        return AdapterPick(self, want)
-
     def score(self, c: Candidate) -> float:
         r = c.engine
         if r is None:
@@ -101,18 +100,40 @@ class LeastLoad:
         running, waiting = now_on(r, self.since(c))
         return (running + QUEUE_WEIGHT * waiting + KV_WEIGHT * r.kv_usage) / c.weight
 
-    def pick(
-        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Choice | None:
+    def pick(self, candidates: Sequence[Candidate], ctx: PickContext = NO_CONTEXT) -> Choice | None:
+        exclude = ctx.exclude
         pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
+        want = ctx.adapter
+        if want is not None:
+            return self.for_adapter(pool, want)
+        return self.among(pool)
+
+    def among(self, pool: Sequence[Candidate]) -> Choice | None:
+        """The least loaded of `pool` (nothing excluded, no adapter)."""
         if not pool:
             return None
         for c in pool:
             if c.engine is not None:
                 break
         else:
-            return self._fallback.pick(pool)
+            return self._fallback.among(pool)
         return Choice(pool[0] if len(pool) == 1 else self._choose(pool))
+
+    def for_adapter(self, pool: Sequence[Candidate], want: AdapterWant) -> Choice | None:
+        """A request for an adapter: among the engines it may run on, the score plus the
+        adapter's tier and home (module docstring); the reason is the tier's."""
+        pool = eligible(pool, want)
+        if not pool:
+            return None
+        score = self.score
+        scored = [(score(c) + QUEUE_WEIGHT * ahead(c, want) / c.weight, c) for c in pool]
+        best = min(s for s, _ in scored)
+        if best == _STALE:
+            scored = [(c.inflight / c.weight + ahead(c, want), c) for _, c in scored]
+            best = min(s for s, _ in scored)
+        tied = [c for s, c in scored if s == best]
+        chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._rng.random())
+        return Choice(chosen, REASONS[tier(chosen.engine, want, chosen.name)])
 
     def _choose(self, pool: Sequence[Candidate]) -> Candidate:
         if len(pool) > EXACT_SCAN_MAX:
@@ -129,35 +150,3 @@ class LeastLoad:
         if len(tied) == 1:
             return tied[0]
         return weighted_choice(tied, self._rng.random())
-
-
-class AdapterPick:
-    """One adapter request's `least_load` picker: its choice's reason is the tier's."""
-
-    name: ClassVar[str] = "least_load"
-    needs_counts: ClassVar[bool] = True
-    needs_engine: ClassVar[bool] = True
-    adapter_aware: ClassVar[bool] = True
-
-    def __init__(self, load: LeastLoad, want: AdapterWant) -> None:
-        self._load = load
-        self.want = want
-
-    def cost(self, c: Candidate) -> float:
-        return self._load.score(c) + QUEUE_WEIGHT * ahead(c, self.want) / c.weight
-
-    def pick(
-        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Choice | None:
-        pool = [c for c in candidates if c.name not in exclude] if exclude else candidates
-        pool = eligible(pool, self.want)
-        if not pool:
-            return None
-        scored = [(self.cost(c), c) for c in pool]
-        best = min(s for s, _ in scored)
-        if best == _STALE:
-            scored = [(c.inflight / c.weight + ahead(c, self.want), c) for _, c in scored]
-            best = min(s for s, _ in scored)
-        tied = [c for s, c in scored if s == best]
-        chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._load._rng.random())
-        return Choice(chosen, REASONS[tier(chosen.engine, self.want, chosen.name)])

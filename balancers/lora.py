@@ -1,9 +1,9 @@
 """LoRA adapter affinity: which engines may take a request for an adapter, and what each costs.
 
-A request for an adapter reaches the balancer as an `AdapterWant` (its name, and whether it may
-be loaded on demand); each candidate's engine reading says which adapters it serves (its
-`/v1/models`), runs and queues (`vllm:lora_requests_info`) and how many it runs at once
-(`max_lora`). Each candidate gets a tier, best first:
+A request for an adapter reaches the balancer as an `AdapterWant` in `PickContext.adapter` (its
+name, and whether it may be loaded on demand); each candidate's engine reading says which
+adapters it serves (its `/v1/models`), runs and queues (`vllm:lora_requests_info`) and how many
+it runs at once (`max_lora`). Each candidate gets a tier, best first:
 
   RUNNING  the adapter has requests in the engine's running batch: a new one joins it for free
   SLOT     the engine serves it and has a free LoRA slot (fewer adapters running than max_lora)
@@ -40,14 +40,13 @@ arrives as data too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from enum import IntEnum
 from functools import lru_cache
 from hashlib import blake2b
-from typing import ClassVar, cast
 
-from balancers.base import Balancer, Candidate, Choice
+from balancers.base import Candidate, Choice
+from balancers.context import AdapterWant
 from router.core.engine import EngineReading
 
 
@@ -73,18 +72,6 @@ REASONS = {
     Tier.WAITING: "adapter_waiting",
     Tier.LOAD: "adapter_load",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterWant:
-    name: str
-    on_demand: bool = False  # it is in `lora.sources` and load_on_demand is on
-    failed: frozenset[str] = field(default_factory=frozenset)  # backends not to load it on
-    loaded: frozenset[str] = field(default_factory=frozenset)  # backends the router loaded it on
-    # backends the router just unloaded it from (their readings may still list it)
-    unloaded: frozenset[str] = field(default_factory=frozenset)
-    # backend -> adapters this router has requests in flight for there (exact, no scrape lag)
-    flights: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 def serves(r: EngineReading | None, want: AdapterWant, name: str) -> bool:
@@ -144,34 +131,10 @@ def eligible(candidates: Sequence[Candidate], want: AdapterWant) -> list[Candida
     return [c for c in candidates if loadable(c.engine) and c.name not in want.failed]
 
 
-class Filtered:
-    """Any other balancer for an adapter request: the same choice among `eligible()` ones."""
-
-    needs_counts: ClassVar[bool] = True
-    needs_engine: ClassVar[bool] = True
-    adapter_aware: ClassVar[bool] = True
-
-    def __init__(self, inner: Balancer, want: AdapterWant) -> None:
-        self.name = inner.name
-        self._inner = inner
-        self.want = want
-
-    def pick(
-        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Choice | None:
-        choice = self._inner.pick(eligible(candidates, self.want), exclude)
-        if choice is None:
-            return None
-        c = choice.candidate
-        return Choice(c, REASONS[tier(c.engine, self.want, c.name)], choice.held, choice.cached)
-
-
-def bind(picker: Balancer, want: AdapterWant) -> Balancer:
-    """`picker` for a request for `want`: as it is when it weighs adapters itself, its own
-    adapter form when it has one (`for_adapter`), else `Filtered`."""
-    if getattr(picker, "adapter_aware", False):
-        return picker
-    own = getattr(picker, "for_adapter", None)
-    if own is not None:
-        return own(want)  # type: ignore[no-any-return]
-    return cast(Balancer, Filtered(picker, want))
+def labelled(choice: Choice | None, want: AdapterWant) -> Choice | None:
+    """A choice made among `eligible()` candidates by a policy that does not weigh adapters
+    (round robin, least in flight, a plugin), with its adapter tier's reason."""
+    if choice is None:
+        return None
+    c = choice.candidate
+    return Choice(c, REASONS[tier(c.engine, want, c.name)], choice.held, choice.cached)

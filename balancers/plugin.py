@@ -1,20 +1,25 @@
-"""An installed plugin balancer as the router sees every balancer: `pick()` returns a `Choice`,
-`needs_counts` and `needs_engine` are declared.
+"""An installed plugin balancer as the router sees every balancer: `pick(candidates, ctx)`
+returns a `Choice`, `needs_counts`, `needs_engine` and `needs_hints` are declared.
 
-The first plugin contract (docs/balancers.md) let `pick()` return a bare `Candidate` and left
-the declarations out (then: counts needed, engine readings not). `adapted(cls)` makes, once per
-plugin class, a subclass of `Plugin` that builds the plugin, supplies what it leaves out and
-wraps its answer, so the request path never dispatches on the shape. A plugin that already
-returns a `Choice` passes it through; its Lua form (`RedisForm`) is kept.
+Plugins are written to the documented plugin contract (docs/balancers.md): `pick(candidates,
+exclude)`, returning a `Choice` or a bare `Candidate`, the declarations optional (then: counts
+needed, engine readings not). `adapted(cls)` makes, once per plugin class, a subclass of
+`Plugin` that builds the plugin, supplies what it leaves out, hands it the context's exclusions
+and wraps its answer, so the request path never dispatches on the shape. A request for a LoRA
+adapter offers it only the engines that may run the adapter, and its choice takes the adapter
+tier's reason (balancers/lora.py). A plugin that returns a `Choice` keeps its reason otherwise;
+its Lua form (`RedisForm`) is kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any, ClassVar, cast
 
 from balancers.base import Balancer, Candidate, Choice
+from balancers.context import NO_CONTEXT, PickContext
+from balancers.lora import eligible, labelled
 
 
 class Plugin:
@@ -23,16 +28,21 @@ class Plugin:
     name: ClassVar[str]
     needs_counts: ClassVar[bool]
     needs_engine: ClassVar[bool]
+    needs_hints: ClassVar[bool] = False
     plugin: ClassVar[type]
 
     def __init__(self) -> None:
         self.inner = self.plugin()
         self._pick: Callable[..., Any] = self.inner.pick
 
-    def pick(
-        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Choice | None:
-        got = self._pick(candidates, exclude)
+    def pick(self, candidates: Sequence[Candidate], ctx: PickContext = NO_CONTEXT) -> Choice | None:
+        want = ctx.adapter
+        if want is not None:
+            return labelled(self._choice(eligible(candidates, want), ctx), want)
+        return self._choice(candidates, ctx)
+
+    def _choice(self, candidates: Sequence[Candidate], ctx: PickContext) -> Choice | None:
+        got = self._pick(candidates, ctx.exclude)
         if got is None or isinstance(got, Choice):
             return got
         return Choice(got)

@@ -6,19 +6,26 @@ from collections.abc import Sequence, Set
 from typing import ClassVar
 
 from balancers.base import Candidate, Choice
+from balancers.context import NO_CONTEXT, PickContext
+from balancers.lora import eligible, labelled
 
 
 class RoundRobin:
     name: ClassVar[str] = "round_robin"
     needs_counts: ClassVar[bool] = False
     needs_engine: ClassVar[bool] = False
+    needs_hints: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._current: dict[str, float] = {}
 
-    def pick(
-        self, candidates: Sequence[Candidate], exclude: Set[str] = frozenset()
-    ) -> Choice | None:
+    def pick(self, candidates: Sequence[Candidate], ctx: PickContext = NO_CONTEXT) -> Choice | None:
+        want = ctx.adapter
+        if want is not None:
+            return labelled(self._pick(eligible(candidates, want), ctx.exclude), want)
+        return self._pick(candidates, ctx.exclude)
+
+    def _pick(self, candidates: Sequence[Candidate], exclude: Set[str]) -> Choice | None:
         best: Candidate | None = None
         best_weight = 0.0
         total = 0.0

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from balancers.context import NO_CONTEXT
 from bench.procstat import cpu_seconds
 from tests.harness import Cluster, Proc
 
@@ -207,7 +208,7 @@ def acquire_cost(n: int = 100_000) -> dict[str, float]:
         store = LocalInflight()
         t0 = time.process_time()
         for _ in range(n):
-            lease = store.acquire_now(backends, bal, set(), rd)
+            lease = store.acquire_now(backends, bal, NO_CONTEXT, rd)
             assert lease is not None
             store.release(lease)
         out[label] = round((time.process_time() - t0) / n * 1e6, 2)

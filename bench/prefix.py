@@ -105,7 +105,7 @@ async def _requests(affinity: Affinity, payloads: list[dict[str, object]], tasks
             assert request is not None
             if affinity.shared is not None:
                 request = await affinity.look_up(request, backends)
-            affinity.bind(bal, request, backends)
+            affinity.hints(request, backends)
             affinity.dispatched(request.hashes, backends[w % 8].name, None)
 
     await asyncio.gather(*(worker(w) for w in range(tasks)))

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from balancers.base import Balancer, Candidate, Choice, redis_form
+from balancers.context import NO_CONTEXT, PickContext
 from balancers.inflight.redis import RedisInflight
 from balancers.least_inflight import LeastInflight
 from balancers.round_robin import RoundRobin
@@ -55,7 +56,7 @@ def python_choices(
     ]
     seen: set[str] = set()
     for _ in range(SAMPLES):
-        picked = bal.pick(offered, exclude)
+        picked = bal.pick(offered, PickContext(exclude))
         if picked is not None:
             seen.add(picked.candidate.name)
     return seen
@@ -77,7 +78,7 @@ def redis_choices(
         seen: set[str] = set()
         try:
             for _ in range(SAMPLES):
-                lease = await store.acquire(bs, bal, exclude)
+                lease = await store.acquire(bs, bal, PickContext(exclude))
                 if lease is None:
                     continue
                 seen.add(lease.backend)
@@ -128,8 +129,8 @@ def test_a_subclass_that_changes_the_policy_can_drop_the_redis_form(rds: Proc) -
     class MostInflight(LeastInflight):
         redis_pick = None  # type: ignore[assignment]
 
-        def pick(self, candidates, exclude=frozenset()):  # type: ignore[no-untyped-def]
-            pool = [c for c in candidates if c.name not in exclude]
+        def pick(self, candidates, ctx=NO_CONTEXT):  # type: ignore[no-untyped-def]
+            pool = [c for c in candidates if c.name not in ctx.exclude]
             most = max(pool, key=lambda c: c.inflight, default=None)
             return Choice(most) if most else None
 

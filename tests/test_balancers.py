@@ -17,6 +17,7 @@ import pytest
 
 from balancers import available, balancer_class, balancer_type
 from balancers.base import Candidate, Choice, redis_form
+from balancers.context import NO_CONTEXT, PickContext
 from balancers.inflight.local import LocalInflight
 from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_choice
 from balancers.plugin import adapted
@@ -67,8 +68,8 @@ def test_round_robin_fractional_weights_within_a_percent() -> None:
 def test_round_robin_exclude_and_empty() -> None:
     rr = RoundRobin()
     pool = cands(("a", 1, 0), ("b", 1, 0))
-    assert {rr.pick(pool, {"a"}).candidate.name for _ in range(5)} == {"b"}  # type: ignore[union-attr]
-    assert rr.pick(pool, {"a", "b"}) is None
+    assert {rr.pick(pool, PickContext({"a"})).candidate.name for _ in range(5)} == {"b"}  # type: ignore[union-attr]
+    assert rr.pick(pool, PickContext({"a", "b"})) is None
     assert rr.pick([]) is None
 
 
@@ -79,8 +80,8 @@ def test_least_inflight_picks_the_least_loaded_relative_to_weight() -> None:
     li = LeastInflight(random.Random(1))
     pool = cands(("a", 1, 3), ("b", 1, 1), ("c", 4, 5))  # scores 3, 1, 1.25
     assert {li.pick(pool).candidate.name for _ in range(200)} == {"b"}  # type: ignore[union-attr]
-    assert li.pick(pool, {"b"}).candidate.name == "c"  # type: ignore[union-attr]
-    assert li.pick(pool, {"a", "b", "c"}) is None
+    assert li.pick(pool, PickContext({"b"})).candidate.name == "c"  # type: ignore[union-attr]
+    assert li.pick(pool, PickContext({"a", "b", "c"})) is None
 
 
 def test_least_inflight_ties_spread_evenly_never_first_wins() -> None:
@@ -167,11 +168,11 @@ def test_a_plugin_returning_a_bare_candidate_routes_with_reason_load() -> None:
     bal = cls()
     a, b = Candidate("a", 1.0, 5), Candidate("b", 1.0, 0)
     assert bal.pick([a, b]) == Choice(a, "load")
-    assert bal.pick([a, b], {"a"}) == Choice(b, "load")
-    assert bal.pick([a], {"a"}) is None
+    assert bal.pick([a, b], PickContext({"a"})) == Choice(b, "load")
+    assert bal.pick([a], PickContext({"a"})) is None
     store = LocalInflight()
     backends = [mk("a"), mk("b")]
-    lease = store.acquire_now(backends, bal, set())
+    lease = store.acquire_now(backends, bal, NO_CONTEXT)
     assert (
         lease is not None
         and lease.backend == "a"
@@ -213,16 +214,16 @@ async def _local_store_capacity() -> None:
     store = LocalInflight()
     bs: Sequence[Backend] = [mk("a", cap=2), mk("b", cap=1)]
     li = LeastInflight()
-    leases = [await store.acquire(bs, li, set()) for _ in range(3)]
+    leases = [await store.acquire(bs, li, NO_CONTEXT) for _ in range(3)]
     assert sorted(lease.backend for lease in leases if lease) == ["a", "a", "b"]
-    assert await store.acquire(bs, li, set()) is None  # all full
+    assert await store.acquire(bs, li, NO_CONTEXT) is None  # all full
     on_a = next(lease for lease in leases if lease and lease.backend == "a")
     store.release(on_a)
     store.release(on_a)  # a second release must not free someone else's slot
     assert await store.counts(["a", "b"]) == {"a": 1, "b": 1}
-    again = await store.acquire(bs, li, set())
+    again = await store.acquire(bs, li, NO_CONTEXT)
     assert again is not None and again.backend == "a"
-    assert await store.acquire(bs, li, set()) is None
+    assert await store.acquire(bs, li, NO_CONTEXT) is None
 
 
 # --- through the router ------------------------------------------------------------------

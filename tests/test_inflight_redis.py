@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from balancers.base import Candidate
+from balancers.context import NO_CONTEXT
 from balancers.inflight.redis import RedisInflight
 from balancers.least_inflight import LeastInflight
 from balancers.plugin import adapted
@@ -67,7 +68,7 @@ def test_two_replicas_share_one_count_atomically(rds: Proc) -> None:
         li = LeastInflight()
         # 200 acquires at once, half from each replica: atomic pick-and-count leaves 50 each.
         leases = await asyncio.gather(
-            *(s.acquire(bs, li, set()) for s in [a, b] * 100), return_exceptions=False
+            *(s.acquire(bs, li, NO_CONTEXT) for s in [a, b] * 100), return_exceptions=False
         )
         assert not a.degraded and not b.degraded
         assert Counter(lease.backend for lease in leases if lease) == dict.fromkeys("abcd", 50)
@@ -93,7 +94,7 @@ def test_one_round_trip_to_acquire_and_one_to_release(rds: Proc) -> None:
         await s.start()
         with redis.Redis.from_url(rds.url) as r:
             r.config_resetstat()
-            leases = [await s.acquire(bs, LeastInflight(), set()) for _ in range(10)]
+            leases = [await s.acquire(bs, LeastInflight(), NO_CONTEXT) for _ in range(10)]
             for lease in leases:
                 s.release(lease)  # type: ignore[arg-type]
             await s.flush()
@@ -118,7 +119,7 @@ def test_lua_ties_spread_evenly_and_follow_weights(rds: Proc) -> None:
         got: Counter[str] = Counter()
         li = LeastInflight()
         for _ in range(n):
-            lease = await s.acquire(bs, li, set())
+            lease = await s.acquire(bs, li, NO_CONTEXT)
             assert lease is not None
             got[lease.backend] += 1
             s.release(lease)
@@ -136,7 +137,7 @@ def test_lua_ties_spread_evenly_and_follow_weights(rds: Proc) -> None:
         # Under load (nothing released) the counts settle in the ratio of the weights.
         bs = [mk("p", 1), mk("q", 2), mk("r", 5)]
         for _ in range(400):
-            await s.acquire(bs, LeastInflight(), set())
+            await s.acquire(bs, LeastInflight(), NO_CONTEXT)
         assert await s.counts(["p", "q", "r"]) == {"p": 50, "q": 100, "r": 250}
         await s.aclose()
 
@@ -151,10 +152,10 @@ def test_lua_two_choices_for_large_sets(rds: Proc) -> None:
         s = store(rds.url, prefix)
         await s.start()
         for _ in range(5):
-            await s.acquire([bs[0]], LeastInflight(), set())
+            await s.acquire([bs[0]], LeastInflight(), NO_CONTEXT)
         got: Counter[str] = Counter()
         for _ in range(300):
-            lease = await s.acquire(bs, LeastInflight(), set())
+            lease = await s.acquire(bs, LeastInflight(), NO_CONTEXT)
             assert lease is not None
             got[lease.backend] += 1
             s.release(lease)
@@ -174,15 +175,15 @@ def test_capacity_holds_across_replicas_for_every_balancer(rds: Proc) -> None:
         await a.start()
         await b.start()
         rr_a, rr_b = RoundRobin(), RoundRobin()
-        first = await a.acquire(bs, rr_a, set())
-        second = await b.acquire(bs, rr_b, set())  # its rotation starts at the full one
+        first = await a.acquire(bs, rr_a, NO_CONTEXT)
+        second = await b.acquire(bs, rr_b, NO_CONTEXT)  # its rotation starts at the full one
         assert first is not None and second is not None
         assert {first.backend, second.backend} == {"a", "b"}
-        assert await a.acquire(bs, rr_a, set()) is None
-        assert await b.acquire(bs, LeastInflight(), set()) is None
+        assert await a.acquire(bs, rr_a, NO_CONTEXT) is None
+        assert await b.acquire(bs, LeastInflight(), NO_CONTEXT) is None
         a.release(first)
         await a.flush()
-        again = await b.acquire(bs, LeastInflight(), set())
+        again = await b.acquire(bs, LeastInflight(), NO_CONTEXT)
         assert again is not None and again.backend == first.backend
         b.release(second)
         b.release(again)
@@ -217,9 +218,9 @@ def test_plugin_balancers_see_shared_counts(rds: Proc) -> None:
         await a.start()
         await b.start()
         for _ in range(3):
-            await a.acquire([bs[1]], LeastInflight(), set())
+            await a.acquire([bs[1]], LeastInflight(), NO_CONTEXT)
         rec = adapted(Recorder, "recorder")()  # as the router builds a plugin
-        lease = await b.acquire(bs, rec, set())
+        lease = await b.acquire(bs, rec, NO_CONTEXT)
         # b is full (3 held by the other replica) so it is not even offered.
         assert rec.inner.seen == [{"a": 0}]  # type: ignore[attr-defined]
         assert lease is not None and lease.backend == "a"
@@ -239,7 +240,7 @@ def test_release_is_not_lost_to_cancellation(rds: Proc) -> None:
         started = asyncio.Event()
 
         async def request() -> None:
-            lease = await s.acquire(bs, LeastInflight(), set())
+            lease = await s.acquire(bs, LeastInflight(), NO_CONTEXT)
             assert lease is not None
             try:
                 started.set()
@@ -273,8 +274,8 @@ def test_dead_replica_leases_expire_live_stream_stays_counted(rds: Proc) -> None
         await dead.start()
         await live.start()
         for _ in range(3):
-            await dead.acquire(bs, LeastInflight(), set())
-        mine = await live.acquire(bs, LeastInflight(), set())
+            await dead.acquire(bs, LeastInflight(), NO_CONTEXT)
+        mine = await live.acquire(bs, LeastInflight(), NO_CONTEXT)
         assert mine is not None
         await dead._redis.aclose()  # kill -9: no release, no heartbeat from here on
         assert await live.counts(["a"]) == {"a": 4}
@@ -309,10 +310,10 @@ def test_redis_down_falls_back_locally_and_comes_back(
     async def body() -> None:
         s = store(rd.url, prefix, timeout=0.05)
         await s.start()
-        shared = [await s.acquire(bs, LeastInflight(), set()) for _ in range(2)]
+        shared = [await s.acquire(bs, LeastInflight(), NO_CONTEXT) for _ in range(2)]
         assert not s.degraded
         rd.kill9()
-        local = [await s.acquire(bs, LeastInflight(), set()) for _ in range(4)]
+        local = [await s.acquire(bs, LeastInflight(), NO_CONTEXT) for _ in range(4)]
         assert all(lease is not None for lease in local)
         assert s.degraded and s.fallbacks == 4
         assert await s.counts(["a", "b"]) == {"a": 3, "b": 3}  # the local view
@@ -349,7 +350,7 @@ def test_redis_slow_falls_back_without_error_and_settles_owed_removals(procs: Cl
         try:
 
             async def acquires(n: int) -> list[Any]:
-                return [await s.acquire(bs, LeastInflight(), set()) for _ in range(n)]
+                return [await s.acquire(bs, LeastInflight(), NO_CONTEXT) for _ in range(n)]
 
             # Each timer starts with what it bounds, so its own lateness is the machine's.
             first, late = await late_by(acquires(1), timeout)
@@ -389,7 +390,7 @@ def test_no_secret_in_logs_when_redis_is_unreachable(caplog: pytest.LogCaptureFi
         s = RedisInflight(url, timeout=0.05, heartbeat=False)
         await s.start()
         for _ in range(3):
-            lease = await s.acquire([mk("a")], LeastInflight(), set())
+            lease = await s.acquire([mk("a")], LeastInflight(), NO_CONTEXT)
             assert lease is not None
             s.release(lease)
         assert s.degraded
@@ -410,7 +411,9 @@ def test_scripts_reloaded_after_redis_forgets_them(rds: Proc) -> None:
         await s.start()
         with redis.Redis.from_url(rds.url) as r:
             r.script_flush()  # what a restarted or failed-over Redis looks like to a client
-        leases = await asyncio.gather(*(s.acquire(bs, LeastInflight(), set()) for _ in range(6)))
+        leases = await asyncio.gather(
+            *(s.acquire(bs, LeastInflight(), NO_CONTEXT) for _ in range(6))
+        )
         assert not s.degraded and s.fallbacks == 0
         assert await s.counts(["a", "b"]) == {"a": 3, "b": 3}
         for lease in leases:

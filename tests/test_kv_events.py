@@ -505,7 +505,6 @@ def test_a_flight_is_pending_until_answered_and_held_until_it_ends() -> None:
 def test_a_prompt_in_flight_counts_as_held_where_it_was_sent() -> None:
     """Before the engine's events say so, a second request of a prompt sees it held where the
     first went (it is prefilling or running there), and the hint is gone once the first ends."""
-    from balancers.cache_aware import CacheAware
     from router.core.settings import AffinityConfig
     from router.request.affinity import Affinity, RequestAffinity
 
@@ -517,17 +516,16 @@ def test_a_prompt_in_flight_counts_as_held_where_it_was_sent() -> None:
         kv._engines[n].feeds[0].state = "live"
         kv.index.stored(n, _ev([1], None, toks(BS, start=7000)), 100)
     affinity = Affinity(AffinityConfig(), kv=kv)
-    balancer = CacheAware()
     prompt = toks(40)
 
     def hints() -> dict[str, int]:
         request = RequestAffinity([], None, tokens=prompt, model="m")
-        affinity.bind(balancer, request, backends)
+        affinity.hints(request, backends)
         return dict(affinity._kv_hints(request, backends, {}).cached)
 
     assert hints() == {}
     request = RequestAffinity([], None, tokens=prompt, model="m")
-    affinity.bind(balancer, request, backends)
+    affinity.hints(request, backends)
     flight = affinity.kv_dispatched(request, "b", 0)
     assert flight is not None and hints() == {"b": 40}
     kv.ended(flight)

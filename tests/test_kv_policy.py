@@ -12,9 +12,11 @@ import pytest
 
 from balancers.base import Candidate
 from balancers.cache_aware import CacheAware, Hints, KvHints
+from balancers.context import PickContext
 from router.core.engine import EngineReading
 from router.engine.calibrate import ALPHA, Calibration
 from router.request.tokens import GIL_FREE_CHARS, RouterTokenizer
+from tests.picking import Bound
 from tests.tiny_tokenizer import write_tokenizer
 
 
@@ -25,7 +27,10 @@ def reading(running: float, p: float | None = None, q: float | None = None) -> E
 
 
 def pick(cands: list[Candidate], kv: KvHints) -> tuple[str, str]:
-    bal = CacheAware(random.Random(1)).with_hints(Hints(8, 256, {}, None, kv), 1.25)
+    bal = Bound(
+        CacheAware(random.Random(1)),
+        PickContext(hints=Hints(8, 256, {}, None, kv), load_factor=1.25),
+    )
     chosen = bal.pick(cands)
     assert chosen is not None
     return chosen.candidate.name, chosen.reason

@@ -9,6 +9,7 @@ from collections import Counter
 from types import MappingProxyType
 
 from balancers.base import Candidate
+from balancers.context import NO_CONTEXT, PickContext
 from balancers.inflight.local import LocalInflight
 from balancers.least_inflight import LeastInflight
 from balancers.least_load import LeastLoad
@@ -29,7 +30,7 @@ def test_without_readings_it_picks_exactly_as_least_inflight() -> None:
             Candidate(f"b{i}", gen.choice((1.0, 2.0, 0.5)), gen.randint(0, 5)) for i in range(n)
         ]
         exclude = {f"b{gen.randint(0, n)}"}
-        assert a.pick(cands, exclude) == b.pick(cands, exclude)
+        assert a.pick(cands, PickContext(exclude)) == b.pick(cands, PickContext(exclude))
 
 
 def test_engine_load_wins_over_our_own_counts() -> None:
@@ -63,18 +64,18 @@ def test_a_burst_between_two_readings_spreads_out() -> None:
     store, bal = LocalInflight(), LeastLoad(random.Random(1))
     backends = _backends("a", "b", "c")
     readings = {"a": reading(running=0), "b": reading(running=2), "c": reading(running=4)}
-    leases = [store.acquire_now(backends, bal, set(), readings) for _ in range(12)]
+    leases = [store.acquire_now(backends, bal, NO_CONTEXT, readings) for _ in range(12)]
     # Counting its own requests since the reading, it levels the three at 8 each.
     assert Counter(x.backend for x in leases if x) == {"a": 6, "b": 4, "c": 2}
     # Requests that finished since the reading free their place again.
     for lease in leases:
         if lease and lease.backend == "a":
             store.release(lease)
-    more = [store.acquire_now(backends, bal, set(), readings) for _ in range(6)]
+    more = [store.acquire_now(backends, bal, NO_CONTEXT, readings) for _ in range(6)]
     assert Counter(x.backend for x in more if x) == {"a": 6}
     # A new reading (seq 2) already includes those requests: counting starts over from it.
     fresh = {n: reading(running=8, seq=2) for n in ("a", "b", "c")}
-    again = [store.acquire_now(backends, bal, set(), fresh) for _ in range(3)]
+    again = [store.acquire_now(backends, bal, NO_CONTEXT, fresh) for _ in range(3)]
     assert Counter(x.backend for x in again if x) == {"a": 1, "b": 1, "c": 1}
 
 
@@ -109,7 +110,7 @@ def _backends(*names: str) -> list[Backend]:
 def test_local_store_hands_readings_to_the_balancer() -> None:
     store = LocalInflight()
     readings = {"a": reading(running=9), "b": reading(running=1)}
-    lease = store.acquire_now(_backends("a", "b"), LeastLoad(), set(), readings)
+    lease = store.acquire_now(_backends("a", "b"), LeastLoad(), NO_CONTEXT, readings)
     assert lease is not None and lease.backend == "b"
 
 
@@ -129,7 +130,7 @@ def test_redis_store_generic_path_with_readings(tmp_path: object) -> None:
                 bal = LeastLoad(random.Random(2))
                 picked = []
                 for _ in range(10):
-                    lease = await store.acquire(_backends("a", "b"), bal, set(), readings)
+                    lease = await store.acquire(_backends("a", "b"), bal, NO_CONTEXT, readings)
                     assert lease is not None
                     picked.append(lease.backend)
                 counts = await store.counts(["a", "b"])

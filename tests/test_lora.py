@@ -22,14 +22,16 @@ from openai import NotFoundError, OpenAI
 
 from balancers.base import Candidate
 from balancers.cache_aware import CacheAware, Hints
+from balancers.context import AdapterWant, PickContext
 from balancers.least_load import LeastLoad
-from balancers.lora import AdapterWant, Tier, tier
+from balancers.lora import Tier, tier
 from router.core.engine import EngineReading
 from router.engine.adapters import adapters_of, base_models
 from router.engine.parse import MAX_LORA_SERIES, parse
 from router.ops.status import run as status
 from router.request.prefix import block_hashes
 from tests.harness import Cluster, Proc, backend, stats
+from tests.picking import Bound
 
 LAB = '{engine="0",model_name="m"}'
 
@@ -119,7 +121,7 @@ def test_tiers_running_then_free_slot_then_waiting() -> None:
         Candidate("run", 1.0, 0, reading(1, {"sql"}, {"sql"})),
         Candidate("wait", 1.0, 0, reading(1, {"sql"}, {"a", "b"})),
     ]
-    picker = LeastLoad().for_adapter(want)
+    picker = Bound(LeastLoad(), PickContext(adapter=want))
     choice = picker.pick(cands)
     assert choice is not None and (choice.candidate.name, choice.reason) == (
         "run",
@@ -138,8 +140,11 @@ def test_an_engine_without_the_adapter_is_never_chosen_unless_loading_on_demand(
     for on_demand in (False, True):
         want = AdapterWant("sql", on_demand=on_demand)
         for picker in (
-            LeastLoad().for_adapter(want),
-            CacheAware().with_hints(Hints(1, 64, {"idle": 1}, adapter=want), 1.25),
+            Bound(LeastLoad(), PickContext(adapter=want)),
+            Bound(
+                CacheAware(),
+                PickContext(hints=Hints(1, 64, {"idle": 1}), load_factor=1.25, adapter=want),
+            ),
         ):
             assert picker.pick([idle, holder]).candidate.name == "holder"  # type: ignore[union-attr]
             # The holder left (a failed attempt): only loading it elsewhere can serve it.
@@ -147,15 +152,19 @@ def test_an_engine_without_the_adapter_is_never_chosen_unless_loading_on_demand(
             assert (other.candidate.name if other else None) == ("idle" if on_demand else None)
     # Nobody serves it: without load on demand nobody takes it; with it, the most room does.
     fuller = Candidate("fuller", 1.0, 0, reading(0, {"a", "b"}, {"a", "b"}))
-    assert LeastLoad().for_adapter(AdapterWant("sql")).pick([idle, fuller]) is None
-    picker = LeastLoad().for_adapter(AdapterWant("sql", on_demand=True))
-    choice = picker.pick([idle, fuller])
+    assert LeastLoad().pick([idle, fuller], PickContext(adapter=AdapterWant("sql"))) is None
+    choice = LeastLoad().pick(
+        [idle, fuller], PickContext(adapter=AdapterWant("sql", on_demand=True))
+    )
     assert choice is not None and (choice.candidate.name, choice.reason) == ("idle", "adapter_load")
     # A failed load there counts for that engine and adapter only.
     failed = AdapterWant("sql", on_demand=True, failed=frozenset({"idle"}))
-    assert LeastLoad().for_adapter(failed).pick([idle, fuller]).candidate.name == "fuller"  # type: ignore[union-attr]
+    assert (
+        Bound(LeastLoad(), PickContext(adapter=failed)).pick([idle, fuller]).candidate.name
+        == "fuller"
+    )  # type: ignore[union-attr]
     norole = Candidate("no-lora", 1.0, 0, reading(0, set(), max_lora=None))
-    assert LeastLoad().for_adapter(failed).pick([norole]) is None
+    assert Bound(LeastLoad(), PickContext(adapter=failed)).pick([norole]) is None
 
 
 def test_prefix_blocks_are_keyed_by_adapter() -> None:
@@ -344,3 +353,39 @@ def test_adapter_routes_follow_the_base_model_through_swaps_and_patches() -> Non
     assert [b.name for b in reg.snapshot.by_model["sql"]] == ["d"]
     reg.set_adapters({})
     assert "sql" not in reg.snapshot.by_model and not reg.snapshot.adapters
+
+
+def test_every_balancer_and_a_first_contract_plugin_take_the_adapter_from_the_context() -> None:
+    """The adapter reaches every policy in its pick context: those that do not weigh adapters
+    (round robin, least in flight, a plugin written to `pick(candidates, exclude)`) choose only
+    among the engines serving it, and the choice carries the adapter tier's reason."""
+    from balancers import balancer_type
+    from balancers.least_inflight import LeastInflight
+    from balancers.plugin import adapted
+    from balancers.round_robin import RoundRobin
+
+    class FirstOffered:
+        name = "first"
+
+        def pick(
+            self, candidates: list[Candidate], exclude: frozenset[str] = frozenset()
+        ) -> object:
+            return next((c for c in candidates if c.name not in exclude), None)
+
+    without = Candidate("without", 1.0, 0, reading(0, {"a"}))
+    serving = Candidate("serving", 1.0, 5, reading(0, {"sql"}, {"sql"}))
+    ctx = PickContext(adapter=AdapterWant("sql"))
+    for bal in (
+        RoundRobin(),
+        LeastInflight(),
+        adapted(FirstOffered, "first")(),
+        balancer_type("least_load")(),
+    ):
+        for _ in range(3):
+            choice = bal.pick([without, serving], ctx)
+            assert choice is not None and choice.candidate.name == "serving", bal
+            assert choice.reason == "adapter_running", bal
+        assert bal.pick([without, serving], PickContext({"serving"}, adapter=ctx.adapter)) is None
+        # Without an adapter the same policy takes any engine.
+        plain = {bal.pick([without, serving]).candidate.name for _ in range(4)}  # type: ignore[union-attr]
+        assert "without" in plain, bal

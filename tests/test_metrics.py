@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from balancers.context import NO_CONTEXT
 from balancers.inflight.local import LocalInflight
 from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
@@ -303,7 +304,7 @@ def test_metered_store_counts_a_lease_once() -> None:
     b = Backend("a", "http://a", "vllm", MappingProxyType({"m": "m"}))
 
     async def main() -> None:
-        lease = await store.acquire([b], RoundRobin(), frozenset())
+        lease = await store.acquire([b], RoundRobin(), NO_CONTEXT)
         assert lease is not None
         assert value(_samples(m.render()), "sluicegate_backend_in_flight", backend="a") == 1
         store.release(lease)
@@ -316,7 +317,7 @@ def test_metered_store_counts_a_lease_once() -> None:
         fallback = "sluicegate_redis_fallback"
         assert value(_samples(m.render()), fallback) == 0
         inner.degraded = True  # as a shared store does while Redis is unreachable
-        await store.acquire([b], RoundRobin(), frozenset())
+        await store.acquire([b], RoundRobin(), NO_CONTEXT)
         assert value(_samples(m.render()), fallback) == 1
         inner.degraded = False
         store.check_fallback()  # also called by GET /metrics

@@ -7,7 +7,8 @@ import random
 from types import MappingProxyType
 
 from balancers.base import Candidate, Choice
-from balancers.cache_aware import CacheAware, HintedPick, Hints
+from balancers.cache_aware import CacheAware, Hints
+from balancers.context import PickContext
 from balancers.inflight.local import LocalInflight
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import Ring, point
@@ -16,6 +17,7 @@ from router.core.engine import EngineReading
 from router.core.settings import AffinityConfig
 from router.request.affinity import MAX_SESSION_KEY_CHARS, Affinity
 from router.request.prefix import block_hashes, prefix_hashes, prompt_text
+from tests.picking import Bound
 
 SYSTEM = "You are a careful assistant. " * 40  # 1160 characters
 
@@ -117,33 +119,41 @@ def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     # here: the score is the in-flight count, like the bound.
     match = Hints(blocks=32, block_chars=256, held={"a": 32})
     a, b, c = Candidate("a", 1.0, 3), Candidate("b", 1.0, 2), Candidate("c", 1.0, 2)
-    pick = bal.with_hints(match, 1.25)
+    pick = Bound(bal, PickContext(hints=match, load_factor=1.25))
     assert chose(pick.pick([a, b, c])) == (a, "prefix", 32)
     # Far above the mean (cap = ceil(1.25 x (10 + 1) / 3) = 5): it spills to the least loaded.
     a, b, c = Candidate("a", 1.0, 8), Candidate("b", 1.0, 2), Candidate("c", 1.0, 0)
-    pick = bal.with_hints(match, 1.25)
+    pick = Bound(bal, PickContext(hints=match, load_factor=1.25))
     assert chose(pick.pick([a, b, c])) == (c, "spill", 0)
     # A looser bound keeps it on the holder only while the cache is worth the queue.
-    pick = bal.with_hints(match, 4.0)
+    pick = Bound(bal, PickContext(hints=match, load_factor=4.0))
     assert chose(pick.pick([a, b, c]))[:2] == (a, "prefix")
     a = Candidate("a", 1.0, 12)
     assert chose(pick.pick([a, b, c]))[:2] == (c, "load")
     # The holder excluded (its attempt failed) or absent: plain least_load, reason load.
-    pick = bal.with_hints(match, 1.25)
+    pick = Bound(bal, PickContext(hints=match, load_factor=1.25))
     assert chose(pick.pick([a, b, c], exclude={"a"}))[:2] == (c, "load")
-    assert bal.with_hints(Hints(0, 256, {}), 1.25).pick([b, c]).candidate == c
+    assert (
+        Bound(bal, PickContext(hints=Hints(0, 256, {}), load_factor=1.25)).pick([b, c]).candidate
+        == c
+    )
     # With engine readings the cost is time: a busy batch and a half-full KV cache do not cost
     # our first token a prefill, a queue does. A holder whose engine queues hidden load loses,
     # one that only runs a big batch keeps the prompt.
     busy = Candidate("a", 1.0, 0, reading(running=12, kv=0.6))
     cool = Candidate("b", 1.0, 0, reading(running=1, kv=0.1))
-    pick = bal.with_hints(match, 1.25)
+    pick = Bound(bal, PickContext(hints=match, load_factor=1.25))
     assert chose(pick.pick([busy, cool]))[:2] == (busy, "prefix")
     queuing = Candidate("a", 1.0, 0, reading(running=16, kv=0.6, waiting=3))
     assert chose(pick.pick([queuing, cool]))[:2] == (cool, "load")  # 3 ahead > 1 + 1
     # Among equal costs (no holder, no queue) the least loaded wins, as with least_load.
     other = Candidate("c", 1.0, 0, reading(running=3, kv=0.1))
-    assert bal.with_hints(Hints(32, 256, {}), 1.25).pick([other, busy, cool]).candidate == cool
+    assert (
+        Bound(bal, PickContext(hints=Hints(32, 256, {}), load_factor=1.25))
+        .pick([other, busy, cool])
+        .candidate
+        == cool
+    )
 
 
 def test_a_follow_up_is_not_turned_away_by_its_own_finished_first_turn() -> None:
@@ -153,12 +163,12 @@ def test_a_follow_up_is_not_turned_away_by_its_own_finished_first_turn() -> None
     match = Hints(blocks=32, block_chars=256, held={"a": 31})
     caught = EngineReading(1.0, 0.0, 0.01, 65536, None, 1.0, 2, inflight_at=1)
     idle = Candidate("c", 1.0, 0, reading(running=0))
-    pick = CacheAware(random.Random(1)).with_hints(match, 1.25)
+    pick = Bound(CacheAware(random.Random(1)), PickContext(hints=match, load_factor=1.25))
     choice = pick.pick([Candidate("a", 1.0, 0, caught), idle])
     assert choice is not None and (choice.candidate.name, choice.reason) == ("a", "prefix")
     # Not knowing the count at the scrape, the queued request could be anyone's: it moves.
     blind = EngineReading(1.0, 0.0, 0.01, 65536, None, 1.0, 2)
-    pick = CacheAware(random.Random(1)).with_hints(match, 1.25)
+    pick = Bound(CacheAware(random.Random(1)), PickContext(hints=match, load_factor=1.25))
     assert pick.pick([Candidate("a", 1.0, 0, blind), idle]).candidate.name == "c"
 
 
@@ -169,7 +179,7 @@ def test_a_holder_spills_when_its_engine_queues_not_when_its_batch_fluctuates() 
     others = [Candidate("b", 1.0, 3, reading(3, 0.3)), Candidate("c", 1.0, 2, reading(2, 0.2))]
 
     def pick(a: Candidate, bal: CacheAware | None = None) -> tuple[str, str]:
-        p = (bal or CacheAware(random.Random(1))).with_hints(match, 1.25)
+        p = Bound((bal or CacheAware(random.Random(1))), PickContext(hints=match, load_factor=1.25))
         chosen = p.pick([a, *others])
         assert chosen is not None
         return chosen.candidate.name, chosen.reason
@@ -213,12 +223,11 @@ def test_a_hot_prefix_spreads_over_holders_and_never_melts_one() -> None:
     affinity.dispatched(request.hashes, "a", None)
     picked, reasons = [], []
     for _ in range(16):
-        picker = affinity.bind(bal, request, backends)
-        lease = store.acquire_now(backends, picker, set())
+        ctx = PickContext(hints=affinity.hints(request, backends))
+        lease = store.acquire_now(backends, bal, ctx)
         assert lease is not None and lease.choice is not None
         affinity.dispatched(request.hashes, lease.backend, None)
         picked.append(lease.backend)
-        assert isinstance(picker, HintedPick)
         reasons.append(lease.choice.reason)
     counts = {n: picked.count(n) for n in "abcd"}
     assert max(counts.values()) <= 5, counts  # 16 over 4 with bounded loads
@@ -259,19 +268,19 @@ def test_a_session_sticks_under_the_bound_and_walks_the_ring_past_it() -> None:
     home = next(Ring(["a", "b", "c"]).walk(session))
     idle = [Candidate(n, 1.0, 0, reading(0)) for n in ("a", "b", "c")]
     by_name = {c.name: c for c in idle}
-    pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
+    pick = Bound(bal, PickContext(hints=Hints(0, 256, {}, session), load_factor=1.25))
     assert all(chose(pick.pick(idle))[:2] == (by_name[home], "session") for _ in range(20))
     busy = [Candidate(n, 1.0, 9 if n == home else 1, reading(1)) for n in ("a", "b", "c")]
     second = list(Ring(["a", "b", "c"]).walk(session))[1]
-    pick = bal.with_hints(Hints(0, 256, {}, session), 1.25)
+    pick = Bound(bal, PickContext(hints=Hints(0, 256, {}, session), load_factor=1.25))
     choice = pick.pick(busy)
     assert choice is not None and (choice.candidate.name, choice.reason) == (second, "spill")
     # Its home excluded (a failed attempt): the next one on the ring, never the excluded.
     assert pick.pick(idle, exclude={home}).candidate.name == second
 
 
-def test_the_redis_store_runs_the_hinted_picker() -> None:
-    """Through the shared store the picker's choice and reason hold, and the lease counts."""
+def test_the_redis_store_picks_with_the_hints() -> None:
+    """Through the shared store the hinted choice and reason hold, and the lease counts."""
     import asyncio
 
     from balancers.inflight.redis import RedisInflight
@@ -287,8 +296,9 @@ def test_the_redis_store_runs_the_hinted_picker() -> None:
             try:
                 readings = {n: reading(1) for n in ("a", "b", "c")}
                 hints = Hints(blocks=32, block_chars=256, held={"b": 32})
-                picker = CacheAware(random.Random(2)).with_hints(hints, 1.25)
-                lease = await store.acquire(_backends("a", "b", "c"), picker, set(), readings)
+                bal = CacheAware(random.Random(2))
+                ctx = PickContext(hints=hints, load_factor=1.25)
+                lease = await store.acquire(_backends("a", "b", "c"), bal, ctx, readings)
                 assert lease is not None and lease.choice is not None
                 return lease.backend, lease.choice.reason, await store.counts(["a", "b", "c"])
             finally:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 
+from balancers.context import NO_CONTEXT
 from balancers.inflight.redis import RedisInflight
 from balancers.least_inflight import LeastInflight
 from router.core.backend import Backend
@@ -232,7 +233,7 @@ def _backend(name: str) -> Backend:
 
 
 async def _inflight_call(store: Any) -> Callable[[], None]:
-    lease = await store.acquire([_backend("a")], LeastInflight(), set())
+    lease = await store.acquire([_backend("a")], LeastInflight(), NO_CONTEXT)
     return lambda: store.release(lease)
 
 

@@ -10,11 +10,12 @@ back to local counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from balancers.base import Balancer, Choice
+from balancers.context import NO_CONTEXT, PickContext
 from router.core.backend import Backend
 from router.core.engine import EngineReading
 
@@ -46,11 +47,12 @@ class InflightStore(Protocol):
         self,
         backends: Sequence[Backend],
         balancer: Balancer,
-        exclude: Set[str],
+        ctx: PickContext = NO_CONTEXT,
         readings: Readings | None = None,
     ) -> Lease | None:
-        """A lease on the picked backend, or None when every candidate is full or excluded.
-        `readings` (engine metrics by backend name) ride along on each `Candidate`."""
+        """A lease on the backend `balancer` picks for `ctx`, or None when every candidate is
+        full or in `ctx.exclude`. `readings` (engine metrics by backend name) ride along on
+        each `Candidate`."""
         ...
 
     def release(self, lease: Lease) -> None: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 
 from balancers.base import Balancer, Candidate
+from balancers.context import NO_CONTEXT, PickContext
 from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
 
@@ -37,19 +38,19 @@ class LocalInflight:
         self,
         backends: Sequence[Backend],
         balancer: Balancer,
-        exclude: Set[str],
+        ctx: PickContext = NO_CONTEXT,
         readings: Readings | None = None,
     ) -> Lease | None:
-        return self.acquire_now(backends, balancer, exclude, readings)
+        return self.acquire_now(backends, balancer, ctx, readings)
 
     def acquire_now(
         self,
         backends: Sequence[Backend],
         balancer: Balancer,
-        exclude: Set[str],
+        ctx: PickContext = NO_CONTEXT,
         readings: Readings | None = None,
     ) -> Lease | None:
-        choice = balancer.pick(self.candidates(backends, exclude, readings), exclude)
+        choice = balancer.pick(self.candidates(backends, ctx.exclude, readings), ctx)
         if choice is None:
             return None
         name = choice.candidate.name

@@ -27,10 +27,12 @@ import itertools
 import logging
 import random
 import uuid
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from balancers.base import Balancer, Candidate, Choice, redis_form
+from balancers.context import NO_CONTEXT, PickContext
 from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
 from router.core.errors import StoreUnavailable
@@ -227,28 +229,30 @@ class RedisInflight(SharedStore[_Owed]):
         self,
         backends: Sequence[Backend],
         balancer: Balancer,
-        exclude: Set[str],
+        ctx: PickContext = NO_CONTEXT,
         readings: Readings | None = None,
     ) -> Lease | None:
+        exclude = ctx.exclude
         cands = [b for b in backends if b.name not in exclude] if exclude else list(backends)
         if not cands:
             return None
         if self.degraded:
             self.fallbacks += 1
-            return self._acquire_local(cands, balancer, readings)
+            return self._acquire_local(cands, balancer, ctx, readings)
         token = f"{self.replica_id}:{next(self._seq)}"
-        script = self._policy(balancer)
+        # The Lua form weighs loads only: a context with hints or an adapter picks here.
+        script = self._policy(balancer) if ctx.plain else None
         try:
             if script is not None:
                 choice = await self._acquire_atomic(cands, token, script, readings)
             else:
-                choice = await self._acquire_picked(cands, balancer, token, readings)
+                choice = await self._acquire_picked(cands, balancer, ctx, token, readings)
         except StoreUnavailable:
             # The script may have run after we stopped waiting: remove the id wherever it landed.
             for b in cands:
                 self.owed.add((b.name, token))
             self.fallbacks += 1
-            return self._acquire_local(cands, balancer, readings)
+            return self._acquire_local(cands, balancer, ctx, readings)
         except BaseException:
             for b in cands:  # cancelled mid-call (the client left): same doubt, Redis is fine
                 self._remove_later(token, b.name)
@@ -288,6 +292,7 @@ class RedisInflight(SharedStore[_Owed]):
         self,
         cands: Sequence[Backend],
         balancer: Balancer,
+        ctx: PickContext,
         token: str,
         readings: Readings | None = None,
     ) -> Choice | None:
@@ -306,8 +311,9 @@ class RedisInflight(SharedStore[_Owed]):
         ]
         by_name = {b.name: b for b in cands}
         tried: set[str] = set()
+        pick_ctx = ctx
         for _ in range(len(offered)):
-            choice = balancer.pick(offered, tried)
+            choice = balancer.pick(offered, pick_ctx)
             if choice is None:
                 return None
             b = by_name[choice.candidate.name]
@@ -317,6 +323,7 @@ class RedisInflight(SharedStore[_Owed]):
             ):
                 return choice
             tried.add(b.name)  # filled up since we looked
+            pick_ctx = replace(ctx, exclude=frozenset(tried))  # cands are without ctx.exclude
         return None
 
     def _hold(self, choice: Choice, token: str) -> Lease:
@@ -326,7 +333,11 @@ class RedisInflight(SharedStore[_Owed]):
         return Lease(backend, token, choice=choice)
 
     def _acquire_local(
-        self, cands: Sequence[Backend], balancer: Balancer, readings: Readings | None = None
+        self,
+        cands: Sequence[Backend],
+        balancer: Balancer,
+        ctx: PickContext,
+        readings: Readings | None = None,
     ) -> Lease | None:
         local = self._local
         offered = [
@@ -336,7 +347,7 @@ class RedisInflight(SharedStore[_Owed]):
             for b in cands
             if b.max_inflight is None or local.get(b.name, 0) < b.max_inflight
         ]
-        choice = balancer.pick(offered)
+        choice = balancer.pick(offered, ctx)
         if choice is None:
             return None
         return self._hold(choice, f"{self.replica_id}:{next(self._seq)}")

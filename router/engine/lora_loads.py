@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from balancers.lora import AdapterWant
+from balancers.context import AdapterWant
 from router.core.backend import Backend
 from router.core.engine import EngineReading
 from router.core.settings import LoraConfig

@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from balancers.context import NO_CONTEXT, PickContext
 from router.ops.live import Live
 
 if TYPE_CHECKING:
@@ -816,13 +817,10 @@ class MeteredInflight:
         self,
         backends: Sequence[Backend],
         balancer: Balancer,
-        exclude: Set[str],
+        ctx: PickContext = NO_CONTEXT,
         readings: Readings | None = None,
     ) -> Lease | None:
-        if readings is None:  # plugin stores written before readings existed keep working
-            lease = await self._store.acquire(backends, balancer, exclude)
-        else:
-            lease = await self._store.acquire(backends, balancer, exclude, readings)
+        lease = await self._store.acquire(backends, balancer, ctx, readings)
         self.check_fallback()
         if lease is not None:
             in_flight, attempts = self._metrics.for_backend(lease.backend)

@@ -1,7 +1,8 @@
-"""Cache-aware routing's part of a request: hash the prompt and read the session key once, bind
-the balancer to what the prefix index knows for each attempt's candidates, record the dispatch.
+"""Cache-aware routing's part of a request: hash the prompt and read the session key once, give
+each attempt's pick context what the prefix index knows of its candidates (`hints`), record
+the dispatch.
 
-Only balancers offering `with_hints()` (`cache_aware`) pay for it: ~0.13-0.17 ms CPU for a
+Only balancers declaring `needs_hints` (`cache_aware`) pay for it: ~0.13-0.17 ms CPU for a
 32k-character prompt (hash, lookup and update, bench/prefix.py; shared in Redis 0.2-0.3 ms).
 Each backend's share of the index is bounded by its engine's KV capacity
 (`vllm:cache_config_info` through the engine readings) or `affinity.capacity_tokens`.
@@ -26,12 +27,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from balancers.base import Balancer
-from balancers.cache_aware import CHARS_PER_TOKEN, Hints, KvHints
+from balancers.cache_aware import CHARS_PER_TOKEN
+from balancers.context import Hints, KvHints
 from balancers.inflight.base import Readings
-from balancers.lora import AdapterWant
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
@@ -52,11 +53,6 @@ if TYPE_CHECKING:
     from router.upstream.pools import Pools
 
 MAX_SESSION_KEY_CHARS = 256
-
-
-@runtime_checkable
-class HintAware(Protocol):
-    def with_hints(self, hints: Hints, load_factor: float) -> Balancer: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +102,6 @@ class Affinity:
         self.shared = shared  # None: the local index is all there is
         self._on_fallback = on_fallback  # a shared lookup answered locally
         self._headers = [h.lower().encode("latin-1") for h in config.session_headers]
-        # Balancer class -> does it take hints. A runtime Protocol check costs ~7 us, too much
-        # to pay on every request for the balancers (most) that don't.
-        self._aware: dict[type, bool] = {}
         self._turn = 0  # which engine tokenizes next (`via: engine`)
         self.memo = token_memo.TokenMemo()  # `via: engine`: earlier messages' ids
 
@@ -123,7 +116,7 @@ class Affinity:
         """What the request brings, when `balancer` routes on it (None: nothing to route on);
         `responses`: a Responses API body (its prompt is `instructions` and `input`);
         `adapter`: the LoRA adapter it names (its blocks are keyed by it)."""
-        if not self._hint_aware(balancer):
+        if not balancer.needs_hints:
             return None
         cfg = self.config
         hashes = prefix_hashes(
@@ -133,13 +126,6 @@ class Affinity:
         if not hashes and key is None:
             return None
         return RequestAffinity(hashes, point(key) if key is not None else None)
-
-    def _hint_aware(self, balancer: Balancer) -> bool:
-        cls = type(balancer)
-        aware = self._aware.get(cls)
-        if aware is None:
-            aware = self._aware[cls] = isinstance(balancer, HintAware)
-        return aware
 
     def session_key(
         self, headers: Sequence[tuple[bytes, bytes]], payload: dict[str, Any]
@@ -304,26 +290,15 @@ class Affinity:
         keys = request.keys.get(group, ()) if group is not None else ()
         return self.kv.dispatched(backend, request.token_count - cached, keys)
 
-    def bind(
-        self,
-        balancer: Balancer,
-        request: RequestAffinity,
-        eligible: Sequence[Backend],
-        adapter: AdapterWant | None = None,
-    ) -> Balancer:
-        """This attempt's picker: `balancer` with the index's view of the eligible backends."""
-        if not self._hint_aware(balancer):
-            return balancer
+    def hints(self, request: RequestAffinity, eligible: Sequence[Backend]) -> Hints:
+        """This attempt's hints: the index's (and KV events') view of the eligible backends."""
         known = request.held
         if known is None:
             held = self.index.match(request.hashes, [b.name for b in eligible])
         else:
             held = {b.name: known[b.name] for b in eligible if b.name in known}
         kv = self._kv_hints(request, eligible, held) if request.tokens is not None else None
-        hints = Hints(
-            len(request.hashes), self.config.block_chars, held, request.session, kv, adapter
-        )
-        return cast(HintAware, balancer).with_hints(hints, self.config.load_factor)
+        return Hints(len(request.hashes), self.config.block_chars, held, request.session, kv)
 
     def dispatched(self, hashes: list[bytes], backend: str, readings: Readings | None) -> None:
         """`backend` was sent this prompt: from now on it holds the prefix."""

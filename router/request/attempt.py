@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 
 import httpx
 from starlette.types import Send
 
 from balancers import lora as adapters
 from balancers.base import Balancer, Candidate, Choice
+from balancers.context import AdapterWant, PickContext
 from balancers.disaggregation import decide
 from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
@@ -93,7 +94,7 @@ class Attempts:
         self.p_exclude: set[str] = set()  # prefill engines that failed this request
         self.last: Retry | None = None
         self.engine_aware = balancer.needs_engine or call.adapter is not None
-        self.want: adapters.AdapterWant | None = None
+        self.want: AdapterWant | None = None
         self.readings: Readings | None = None
 
     async def __call__(self, number: int, answered: Callable[[], None]) -> None:
@@ -186,25 +187,19 @@ class Attempts:
 
     # -- picking ------------------------------------------------------------------------------
 
-    def _bound(self, eligible: Sequence[Backend]) -> Balancer:
-        """The balancer for this pick, bound to the request's affinity and adapter."""
+    def _context(self, eligible: Sequence[Backend], exclude: Set[str]) -> PickContext:
+        """What this pick is told of the request: its exclusions, the prompt's hints for the
+        eligible backends, the adapter it wants."""
         parts = self.parts
-        balancer = self.balancer
         adapter = self.call.adapter
         want = None
         if adapter is not None:
-            want = (
-                parts.lora.want(adapter)
-                if parts.lora is not None
-                else adapters.AdapterWant(adapter)
-            )
+            want = parts.lora.want(adapter) if parts.lora is not None else AdapterWant(adapter)
             want = dataclasses.replace(want, flights=parts.flights.on())
-        affinity = self.affinity
-        picker = parts.affinity.bind(balancer, affinity, eligible, want) if affinity else balancer
-        if want is not None:
-            picker = adapters.bind(picker, want)
         self.want = want
-        return picker
+        affinity = self.affinity
+        hints = parts.affinity.hints(affinity, eligible) if affinity else None
+        return PickContext(exclude, hints, want, parts.settings.affinity.load_factor)
 
     async def _lease(self, number: int) -> Lease:
         """The first attempt of a request with a ticket goes through admission (it may queue);
@@ -217,9 +212,8 @@ class Attempts:
                 return await admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
         self.readings = parts.readings() if parts.readings and self.engine_aware else None
-        lease = await parts.store.acquire(
-            eligible, self._bound(eligible), self.exclude, self.readings
-        )
+        ctx = self._context(eligible, self.exclude)
+        lease = await parts.store.acquire(eligible, self.balancer, ctx, self.readings)
         if lease is None:
             raise NoneLeft
         return lease
@@ -239,9 +233,8 @@ class Attempts:
             if not eligible:
                 return None
         self.readings = all_readings if self.engine_aware else None
-        return await parts.store.acquire(
-            eligible, self._bound(eligible), self.exclude, self.readings
-        )
+        ctx = self._context(eligible, self.exclude)
+        return await parts.store.acquire(eligible, self.balancer, ctx, self.readings)
 
     def _routed(self, lease: Lease, number: int) -> None:
         """What the pick chose and why, into the record, metrics, prefix index and trace."""
@@ -308,7 +301,8 @@ class Attempts:
         if not split.split:
             return None
         readings = parts.readings() if parts.readings and self.engine_aware else None
-        chosen = await parts.store.acquire(candidates, self._bound(candidates), p_exclude, readings)
+        ctx = self._context(candidates, p_exclude)
+        chosen = await parts.store.acquire(candidates, self.balancer, ctx, readings)
         if chosen is None:
             call.record.pd = "no_prefill"  # all at their max_inflight
             return None

@@ -1,0 +1,78 @@
+"""What one request brings to a pick, as data: `PickContext` (Envoy's `LoadBalancerContext`).
+
+The request path builds one per attempt and hands it to `Balancer.pick(candidates, ctx)`; each
+policy reads what it needs and ignores the rest, so a new input (an SLO, a gateway's subset) is
+a field here, not another wrapper around the balancer. Everything here is computed outside the
+balancers (the prefix index, KV events, the LoRA registry) and never changed once built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class KvHints:
+    """The prompt in tokens, and what each candidate holds of it."""
+
+    tokens: int  # the prompt's token count
+    cached: Mapping[str, int]  # backend -> leading prompt tokens it holds
+    exact: frozenset[str]  # backends whose `cached` comes from live KV events
+    pending: Mapping[str, int] = field(default_factory=dict)  # uncached, sent, not answered
+    # backend -> tokens its KV cache holds, per its live events (all it holds, any prompt's)
+    stored: Mapping[str, int] = field(default_factory=dict)
+    # backend -> seconds since the oldest of its pending requests was sent
+    pending_age: Mapping[str, float] = field(default_factory=dict)
+    # backend -> blocks its cache evicted per second lately, per its live events
+    churn: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """The prompt's prefix as the index sees it, and the session it names."""
+
+    blocks: int  # blocks in the request's prefix chain
+    block_chars: int
+    held: Mapping[str, int]  # backend -> how many leading blocks the index says it holds
+    session: int | None = None  # the session key's point on the ring (None: no session)
+    kv: KvHints | None = None  # token-level holdings, when the model's backends publish events
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWant:
+    """The LoRA adapter a request names, and what the router knows of it (balancers/lora.py)."""
+
+    name: str
+    on_demand: bool = False  # it is in `lora.sources` and load_on_demand is on
+    failed: frozenset[str] = field(default_factory=frozenset)  # backends not to load it on
+    loaded: frozenset[str] = field(default_factory=frozenset)  # backends the router loaded it on
+    # backends the router just unloaded it from (their readings may still list it)
+    unloaded: frozenset[str] = field(default_factory=frozenset)
+    # backend -> adapters this router has requests in flight for there (exact, no scrape lag)
+    flights: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PickContext:
+    """One attempt's inputs to a pick. `exclude`: backends this request already tried (the
+    stores leave them out too); `hints`: the prompt's prefix and session (built only for a
+    balancer that declares `needs_hints`); `adapter`: the LoRA adapter wanted; `load_factor`:
+    the bounded-load factor of affinity (`affinity.load_factor`); `slo_ttft_ms`,
+    `slo_tpot_ms` and `priority`: the request's latency objectives and admission band."""
+
+    exclude: Set[str] = frozenset()
+    hints: Hints | None = None
+    adapter: AdapterWant | None = None
+    load_factor: float = 1.25
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    priority: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but exclusions: a policy's load-only form (its Lua, `RedisForm`) may pick."""
+        return self.hints is None and self.adapter is None
+
+
+NO_CONTEXT = PickContext()
