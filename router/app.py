@@ -18,6 +18,7 @@ from balancers.inflight.local import LocalInflight
 from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.core.backend import Backend
+from router.core.endpoints import Endpoint
 from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
 from router.core.netpolicy import NetPolicy
 from router.core.redis_client import Client, RedisConfig
@@ -52,8 +53,8 @@ from router.request.proxy import Proxy
 from router.request.quota import QuotaBook, Quotas
 from router.request.response_ids import ResponseIds
 from router.request.usage_book import UsageBook
-from router.upstream.pools import Pools
-from router.web.api import FastPath, openai_routes, proxy_endpoints
+from router.upstream.pools import Pools, Sender
+from router.web.api import FastPath, Handler, openai_routes, proxy_endpoints
 from router.web.auth import AdminAuth, ClientKeys
 from router.web.console import console_routes
 from router.web.live_state import LiveState
@@ -165,10 +166,20 @@ def _response_ids(settings: Settings, client: Client | None) -> ResponseIds:
     )
 
 
-def create_app(settings: Settings) -> FastPath:
+def create_app(
+    settings: Settings,
+    *,
+    transport: Callable[[Backend], Sender] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    tune_gc: bool = True,
+) -> App:
     """The router: its parts built once (`AppParts`), started and closed by the lifespan in that
-    order and its reverse (`_lifespan`), reached through the routes (`_routes`)."""
-    parts = AppParts(settings)
+    order and its reverse (`_lifespan`), reached through the routes (`_routes`) and as the
+    returned app's `parts`. The seams: `transport` sends every request to a backend in place
+    of the pools' own connections (backend -> its sender); `clock` is the monotonic time of the
+    runner's chores and of health (ejections, probes); `tune_gc` False leaves the process's
+    garbage collector as it is (`sluicegate serve` freezes the startup heap)."""
+    parts = AppParts(settings, transport=transport, clock=clock, tune_gc=tune_gc)
     app = FastAPI(
         title="sluicegate",
         lifespan=_lifespan(parts),
@@ -178,25 +189,50 @@ def create_app(settings: Settings) -> FastPath:
     )
     _routes(app, parts)
     # Proxied POSTs skip FastAPI's layers; everything else (and the lifespan) goes through it.
-    return FastPath(app, proxy_endpoints(parts.proxy, parts.client_keys), parts.lifecycle)
+    return App(app, proxy_endpoints(parts.proxy, parts.client_keys), parts.lifecycle, parts)
+
+
+class App(FastPath):
+    """The ASGI app `create_app` returns, with every part of the process reachable."""
+
+    def __init__(
+        self,
+        app: FastAPI,
+        endpoints: dict[Endpoint, Handler],
+        lifecycle: Lifecycle,
+        parts: AppParts,
+    ) -> None:
+        super().__init__(app, endpoints, lifecycle)
+        self.parts = parts
 
 
 class AppParts:
     """Every object of one router process, built once, each from those built before it."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        transport: Callable[[Backend], Sender] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tune_gc: bool = True,
+    ) -> None:
         self.settings = settings
+        self.clock = clock
+        self._tune_gc = tune_gc
         # Backends added at run time (admin API, discovery) reach only the networks allowed.
         policy = NetPolicy.from_config(settings.admin)
-        self.pools = pools = Pools(settings.timeouts, settings.limits, policy)
+        self.pools = pools = Pools(settings.timeouts, settings.limits, policy, transport)
         self.metrics = metrics = Metrics()
         count_drops(metrics.log_dropped.inc)
         # One Redis client (one connection pool) for every part that shares state through Redis.
         redis = RedisConfig.from_settings(settings)
         self.redis_client = redis_client = redis.client() if redis is not None else None
         # Every background chore of this process runs on it (and is counted per chore).
-        self.runner = runner = Runner(on_run=metrics.background_run)
-        self.health = HealthBook(settings.health, settings.outlier, on_change=self._health_changed)
+        self.runner = runner = Runner(on_run=metrics.background_run, clock=clock)
+        self.health = HealthBook(
+            settings.health, settings.outlier, clock=clock, on_change=self._health_changed
+        )
         self.monitor = HealthMonitor(self.health, policy=policy, runner=runner)
         self.engine = engine = EngineScraper(
             settings.engine_metrics,
@@ -348,7 +384,8 @@ class AppParts:
         settings, fleet, runner = self.settings, self.fleet, self.runner
         # Before the pools, stores and discovery start: what is frozen here lives as long as
         # the process (a pool frozen with its backend could not be collected once closed).
-        tune_collector()
+        if self._tune_gc:
+            tune_collector()
         try:
             fleet.apply(await fleet.store.load())
         except (RegistryError, StoreUnavailable):

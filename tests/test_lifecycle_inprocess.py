@@ -40,13 +40,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Message
 
-import router.app
 from router.app import create_app
 from router.core.backend import Backend
 from router.core.settings import BackendConfig, HealthConfig, MigrationConfig, Settings
 from router.mock.wire import Chunks
 from router.request.proxy import Proxy
-from router.upstream.pools import Pools
 from router.upstream.transport import Answer, Outgoing
 from router.web.api import FastPath
 
@@ -176,23 +174,9 @@ class Upstreams:
         self.exchanges: list[Exchange] = []
         self.arrived: asyncio.Queue[Exchange] = asyncio.Queue()
 
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real = Pools.request
-        upstreams = self
-
-        def request(
-            pools: Pools,
-            backend: Backend,
-            path: str,
-            headers: Headers,
-            body: bytes,
-            method: str = "POST",
-            cache: bool = True,
-        ) -> tuple[Any, Outgoing]:
-            _, outgoing = real(pools, backend, path, headers, body, method, cache)
-            return _FakeTransport(upstreams, backend.name), outgoing
-
-        monkeypatch.setattr(Pools, "request", request)
+    def transport(self, backend: Backend) -> _FakeTransport:
+        """`create_app`'s transport seam: every request to `backend` becomes an `Exchange`."""
+        return _FakeTransport(self, backend.name)
 
     async def next(self) -> Exchange:
         return await self.arrived.get()
@@ -386,24 +370,12 @@ async def lifespan(app: FastPath) -> AsyncIterator[None]:
 
 
 def serve(
-    monkeypatch: pytest.MonkeyPatch,
     scenario: Scenario,
     backends: Iterable[BackendConfig] | None = None,
     **config: Any,
 ) -> None:
     """Run `scenario` against a fresh app (by default two backends, `a` and `b`, serving model
     `m`), then check that nothing is left, then shut the app down."""
-    made: list[Proxy] = []
-
-    class Recorded(Proxy):
-        # The proxy is internal to the app; the leak checks read its budget and tracked streams.
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(router.app, "Proxy", Recorded)
-    # The startup's collector tuning (gc.freeze) would stay on for every later test here.
-    monkeypatch.setattr(router.app, "tune_collector", lambda: 0)
     if backends is None:
         backends = [backend(n) for n in BACKENDS]
     backends = list(backends)
@@ -416,11 +388,10 @@ def serve(
 
     async def main() -> None:
         upstreams = Upstreams()
-        upstreams.install(monkeypatch)
-        app = create_app(settings)
+        # The startup's collector tuning (gc.freeze) would stay on for every later test here.
+        app = create_app(settings, transport=upstreams.transport, tune_gc=False)
         async with lifespan(app):
-            (proxy,) = made
-            r = Router(app, proxy, upstreams, (b.name for b in backends))
+            r = Router(app, app.parts.proxy, upstreams, (b.name for b in backends))
             r.baseline = set(asyncio.all_tasks())
             guard = asyncio.timeout(GUARD)
             try:
@@ -463,9 +434,7 @@ def error_event(body: bytes) -> dict[str, Any]:
 # 1. A streamed chat completion.
 
 
-def test_a_stream_is_relayed_as_it_comes_and_exactly_as_vllm_sends_it_unasked(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_stream_is_relayed_as_it_comes_and_exactly_as_vllm_sends_it_unasked() -> None:
     upstream = vllm_stream(4, usage=True)  # the router asks for usage
     unasked = b"".join(vllm_stream(4, usage=False))  # what vLLM sends a client that did not
 
@@ -508,12 +477,10 @@ def test_a_stream_is_relayed_as_it_comes_and_exactly_as_vllm_sends_it_unasked(
         for kind, n in (("prompt", 9), ("completion", 4)):
             assert await r.metric("sluicegate_tokens_total", model="m", kind=kind) == n
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
-def test_a_client_that_asked_for_usage_gets_the_stream_untouched(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_client_that_asked_for_usage_gets_the_stream_untouched() -> None:
     upstream = vllm_stream(3, usage=True)
 
     async def scenario(r: Router) -> None:
@@ -525,7 +492,7 @@ def test_a_client_that_asked_for_usage_gets_the_stream_untouched(
         await call.done()
         assert call.status == 200 and call.body == b"".join(upstream)
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
 # 2. Retry before the first byte.
@@ -542,7 +509,7 @@ def test_a_client_that_asked_for_usage_gets_the_stream_untouched(
     ids=lambda e: type(e).__name__,
 )
 def test_a_failure_before_the_head_is_retried_on_the_other_backend_and_charged_to_the_first(
-    monkeypatch: pytest.MonkeyPatch, failure: httpx.TransportError
+    failure: httpx.TransportError,
 ) -> None:
     upstream = vllm_stream(2, usage=True)
     kind = "timeout" if isinstance(failure, httpx.TimeoutException) else "connect"
@@ -569,12 +536,10 @@ def test_a_failure_before_the_head_is_retried_on_the_other_backend_and_charged_t
         assert await r.metric(errors, backend=second.backend) == 0
         assert await r.metric("sluicegate_retries_total", model="m") == 1
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
-def test_when_every_backend_fails_before_the_head_the_client_gets_a_502(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_when_every_backend_fails_before_the_head_the_client_gets_a_502() -> None:
     async def scenario(r: Router) -> None:
         call = r.chat(stream=True)
         for _ in BACKENDS:
@@ -584,7 +549,7 @@ def test_when_every_backend_fails_before_the_head_the_client_gets_a_502(
         assert call.json()["error"]["code"] == "upstream_connect_error"
         assert len(r.upstreams.exchanges) == 2  # one each: a failed backend is not tried again
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
 # 3. The client leaves, at each step.
@@ -655,7 +620,7 @@ STEPS: dict[str, Callable[[Router, Call], Awaitable[list[Exchange]]]] = {
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_a_client_that_leaves_stops_the_upstream_and_leaves_nothing_behind(
-    monkeypatch: pytest.MonkeyPatch, step: str, stream: bool
+    step: str, stream: bool
 ) -> None:
     async def scenario(r: Router) -> None:
         call = r.chat(stream=stream)
@@ -669,7 +634,7 @@ def test_a_client_that_leaves_stops_the_upstream_and_leaves_nothing_behind(
         assert await r.metric("sluicegate_client_disconnects_total", model="m") == 1
         assert await r.metric("sluicegate_upstream_errors_total", kind="mid_stream") == 0
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
 # 4. The backend fails mid-body.
@@ -688,7 +653,7 @@ def test_a_client_that_leaves_stops_the_upstream_and_leaves_nothing_behind(
     ids=lambda v: type(v).__name__ if isinstance(v, Exception) else v,
 )
 def test_a_stream_that_breaks_mid_body_ends_with_an_error_event_and_releases_everything(
-    monkeypatch: pytest.MonkeyPatch, failure: httpx.TransportError, code: str
+    failure: httpx.TransportError, code: str
 ) -> None:
     events = vllm_stream(20, usage=True)
     kind = "timeout" if code == "upstream_timeout" else "mid_stream"
@@ -717,12 +682,10 @@ def test_a_stream_that_breaks_mid_body_ends_with_an_error_event_and_releases_eve
         errors = "sluicegate_upstream_errors_total"
         assert await r.metric(errors, backend=ex.backend, kind=kind) == 1
 
-    serve(monkeypatch, scenario, migration=MigrationConfig(enabled=False))
+    serve(scenario, migration=MigrationConfig(enabled=False))
 
 
-def test_a_whole_answer_that_breaks_mid_body_is_cut_short_and_releases_everything(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_whole_answer_that_breaks_mid_body_is_cut_short_and_releases_everything() -> None:
     # A plain body cannot carry an error event: the app's call raises, and the server then
     # closes the connection, so the client sees a body shorter than its content-length.
     async def scenario(r: Router) -> None:
@@ -739,16 +702,14 @@ def test_a_whole_answer_that_breaks_mid_body_is_cut_short_and_releases_everythin
         assert r.upstreams.exchanges == [ex]
         assert (await r.backends())[ex.backend]["consecutive_failures"] == 1
 
-    serve(monkeypatch, scenario, migration=MigrationConfig(enabled=False))
+    serve(scenario, migration=MigrationConfig(enabled=False))
 
 
 # 5. Answers that are not 2xx.
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
-def test_a_4xx_is_relayed_at_once_with_its_status_and_body(
-    monkeypatch: pytest.MonkeyPatch, stream: bool
-) -> None:
+def test_a_4xx_is_relayed_at_once_with_its_status_and_body(stream: bool) -> None:
     body = b'{"error":{"message":"max_tokens is too large","type":"BadRequestError","code":400}}'
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
 
@@ -764,12 +725,10 @@ def test_a_4xx_is_relayed_at_once_with_its_status_and_body(
         assert r.upstreams.exchanges == [ex]  # the client's own error: not tried elsewhere
         assert (await r.backends())[ex.backend]["consecutive_failures"] == 0
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
-def test_a_5xx_from_every_backend_relays_the_last_answer_with_its_status(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_5xx_from_every_backend_relays_the_last_answer_with_its_status() -> None:
     async def scenario(r: Router) -> None:
         call = r.chat(stream=True)
         answers = []
@@ -790,16 +749,14 @@ def test_a_5xx_from_every_backend_relays_the_last_answer_with_its_status(
         assert rows[last.backend]["consecutive_failures"] == 1
         assert await r.metric("sluicegate_upstream_errors_total", kind="status") == 2
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
 # The server cancels the app's call (its shutdown once the drain grace is over).
 
 
 @pytest.mark.parametrize("step", ["before_the_head", "mid_body"])
-def test_a_call_cancelled_by_the_server_unwinds_and_leaves_nothing_behind(
-    monkeypatch: pytest.MonkeyPatch, step: str
-) -> None:
+def test_a_call_cancelled_by_the_server_unwinds_and_leaves_nothing_behind(step: str) -> None:
     async def scenario(r: Router) -> None:
         call = r.chat(stream=True)
         ex = await r.upstreams.next()
@@ -815,7 +772,7 @@ def test_a_call_cancelled_by_the_server_unwinds_and_leaves_nothing_behind(
         assert ex.cancelled if step == "before_the_head" else ex.aborted
         assert r.upstreams.exchanges == [ex]
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
 # A stream that breaks mid-body, migration on (the default): it goes on on the other backend.
@@ -838,9 +795,7 @@ async def _broken_after_three_tokens(r: Router) -> tuple[Call, Exchange]:
     return call, ex
 
 
-def test_a_broken_stream_goes_on_on_the_other_backend_as_one_stream(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_broken_stream_goes_on_on_the_other_backend_as_one_stream() -> None:
     async def scenario(r: Router) -> None:
         call, ex = await _broken_after_three_tokens(r)
         # The other engine counts the text relayed so far, then continues it.
@@ -872,13 +827,11 @@ def test_a_broken_stream_goes_on_on_the_other_backend_as_one_stream(
         for kind, n in (("prompt", 9), ("completion", 10)):
             assert await r.metric("sluicegate_tokens_total", model="m", kind=kind) == n
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
 @pytest.mark.parametrize("step", ["token_count", "continuation_head"])
-def test_a_client_that_leaves_during_a_migration_leaves_nothing_behind(
-    monkeypatch: pytest.MonkeyPatch, step: str
-) -> None:
+def test_a_client_that_leaves_during_a_migration_leaves_nothing_behind(step: str) -> None:
     async def scenario(r: Router) -> None:
         call, ex = await _broken_after_three_tokens(r)
         waiting = await r.upstreams.next()
@@ -893,16 +846,14 @@ def test_a_client_that_leaves_during_a_migration_leaves_nothing_behind(
         assert not call.complete
         assert r.upstreams.exchanges[-1] is waiting  # nothing tried after the client left
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
 # An exception that is no upstream failure (a bug on the way): every cleanup still runs.
 
 
 @pytest.mark.parametrize("step", ["before_the_head", "mid_body"])
-def test_an_unexpected_exception_still_releases_everything(
-    monkeypatch: pytest.MonkeyPatch, step: str
-) -> None:
+def test_an_unexpected_exception_still_releases_everything(step: str) -> None:
     class Bug(Exception):
         pass
 
@@ -921,12 +872,10 @@ def test_an_unexpected_exception_still_releases_everything(
         assert not call.complete
         assert r.upstreams.exchanges == [ex]  # a bug is not a backend's failure: no retry
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
-def test_an_error_answer_cut_short_is_relayed_with_a_length_that_matches(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_an_error_answer_cut_short_is_relayed_with_a_length_that_matches() -> None:
     async def scenario(r: Router) -> None:
         call = r.chat(stream=False)
         for _ in BACKENDS:
@@ -936,4 +885,4 @@ def test_an_error_answer_cut_short_is_relayed_with_a_length_that_matches(
         await call.done()  # Call checks the length as uvicorn does
         assert call.status == 503 and call.body == b'{"error":'
 
-    serve(monkeypatch, scenario)
+    serve(scenario)

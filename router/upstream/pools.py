@@ -17,7 +17,9 @@ reuses keep-alive connections across requests and closes them all at shutdown.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlencode
 
 import httpx
@@ -25,7 +27,7 @@ import httpx
 from router.core.backend import Backend
 from router.core.netpolicy import NetPolicy
 from router.core.settings import PoolLimits, Timeouts
-from router.upstream.transport import LeanTransport, Outgoing
+from router.upstream.transport import Answer, LeanTransport, Outgoing
 
 
 def backend_transport(
@@ -81,13 +83,26 @@ async def ask(
         await r.aclose()
 
 
+class Sender(Protocol):
+    """What sends one request to a backend: a pool's `LeanTransport`, or the transport given
+    to `create_app` (tests, embedding)."""
+
+    async def send(self, request: Outgoing) -> Answer: ...
+
+
 class Pools:
     """Backend name -> its traffic transport. It outlives config swaps that keep the URL, the
-    query and the TLS context."""
+    query and the TLS context. `transport`, when given, sends every request in its place
+    (`create_app(settings, transport=...)`): backend -> its sender."""
 
     def __init__(
-        self, timeouts: Timeouts, limits: PoolLimits, policy: NetPolicy | None = None
+        self,
+        timeouts: Timeouts,
+        limits: PoolLimits,
+        policy: NetPolicy | None = None,
+        transport: Callable[[Backend], Sender] | None = None,
     ) -> None:
+        self._transport = transport
         # Held to backends not from the file (admin API, discovery): their traffic and probes.
         self._policy = policy
         self._limits = httpx.Limits(
@@ -112,7 +127,7 @@ class Pools:
         body: bytes,
         method: str = "POST",
         cache: bool = True,
-    ) -> tuple[LeanTransport, Outgoing]:
+    ) -> tuple[Sender, Outgoing]:
         """The pool for `backend` and a `method` request to `path` on it, built without
         re-parsing URLs (`cache` False: a path that names one resource, never kept).
 
@@ -125,7 +140,8 @@ class Pools:
             url = join_url(pool.base, pool.encoded_query, path)
             if cache:
                 pool.urls[path] = url
-        return pool.transport, Outgoing(method, url, headers, body, self._timeout)
+        sender = pool.transport if self._transport is None else self._transport(backend)
+        return sender, Outgoing(method, url, headers, body, self._timeout)
 
     def transport(self, backend: Backend) -> LeanTransport:
         return self._get(backend).transport
