@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
@@ -63,8 +63,15 @@ from router.web.usage_admin import usage_routes
 log = logging.getLogger("sluicegate.app")
 
 
-class _Closes(Protocol):
-    async def aclose(self) -> None: ...
+class _Follows(Protocol):
+    """A part that follows the backend set: told it whole, or a change of it."""
+
+    def sync(self, backends: Sequence[Backend]) -> None: ...
+
+    def update(self, upserted: Sequence[Backend], removed: Sequence[str]) -> None: ...
+
+
+Step = Callable[[], Awaitable[None]]
 
 
 def make_store(redis: RedisConfig | None, client: Client | None, runner: Runner) -> InflightStore:
@@ -247,6 +254,13 @@ class AppParts:
             pending_ttl=settings.affinity.pending_ttl,
             policy=policy,
         )
+        # What follows the backend set (`_changed`); new or changed backends are probed at once.
+        self._followers: tuple[_Follows, ...] = (
+            self.health,
+            self.monitor,
+            self.engine,
+            self.kv_events,
+        )
         backends = [Backend.from_config(b) for b in settings.backends]
         # The registry's constructor swaps in its first snapshot before the proxy (and its
         # migration) exists: streams to move are told of only once there is one.
@@ -255,8 +269,7 @@ class AppParts:
             backends,
             settings.balancer,
             settings.model_balancers,
-            on_swap=self._on_swap,
-            on_patch=self._on_patch,
+            on_change=self._changed,
         )
         self.lora = LoraLoads(settings.lora, pool_sender(pools), metrics.lora_load)
         self.lora.on_loaded = engine.refresh_adapters
@@ -331,24 +344,24 @@ class AppParts:
             return None
         return r.kv_capacity_tokens // r.block_size
 
-    def _on_swap(self, snapshot: Snapshot) -> None:
-        _learn_secrets(snapshot.backends)
-        self.health.sync(snapshot.backends)
-        self.monitor.sync(snapshot.backends)  # new or changed backends are probed at once
-        self.engine.sync(snapshot.backends)
-        self.kv_events.sync(snapshot.backends)
+    def _changed(self, snapshot: Snapshot, change: Change | None) -> None:
+        """A new backend set: each part that follows it takes the whole set on a swap (`change`
+        None), or only what changed on a patch (a discovery change: one slice of a 50,000
+        endpoint fleet moved)."""
+        if change is None:
+            _learn_secrets(snapshot.backends)
+            for part in self._followers:
+                part.sync(snapshot.backends)
+        else:
+            _learn_secrets(change.upserted)
+            for part in self._followers:
+                part.update(change.upserted, change.removed)
         # Streams on a backend gone from the registry (its drain grace over) migrate, when on.
-        if self._migration is not None:
+        if self._migration is None:
+            return
+        if change is None:
             self._migration.backends_changed(frozenset(snapshot.by_name))
-
-    def _on_patch(self, snapshot: Snapshot, change: Change) -> None:
-        # A discovery change: only what changed (a 50,000 endpoint fleet, one slice moved).
-        _learn_secrets(change.upserted)
-        self.health.update(change.upserted, change.removed)
-        self.monitor.update(change.upserted, change.removed)
-        self.engine.update(change.upserted, change.removed)
-        self.kv_events.update(change.upserted, change.removed)
-        if change.removed and self._migration is not None:
+        elif change.removed:
             self._migration.backends_removed(change.removed)
 
     def _adapters_changed(self) -> None:
@@ -380,8 +393,32 @@ class AppParts:
 
     # --- start and stop ----------------------------------------------------------------------
 
+    def _order(self) -> list[tuple[str, Step | None, Step | None]]:
+        """Every part with something to start or close: (name, start, close), in start order.
+        `stop` closes them in the reverse order: the runner first (no chore runs on a closed
+        part), the Redis client last (every part before it shares it)."""
+        admission, shared = self.admission, self.affinity.shared
+        return [
+            ("redis", None, self.redis_client.aclose if self.redis_client else None),
+            ("response_ids", None, self.proxy.response_ids.aclose),
+            ("admission", None, admission.aclose if admission else None),
+            ("usage", None, self.proxy.usage.aclose),
+            ("tracing", None, self.tracing.aclose),
+            ("prefix_index", shared.start if shared else None, shared.aclose if shared else None),
+            ("quotas", self.quotas.start, self.quotas.aclose),
+            ("inflight", self.store.start, self.store.aclose),
+            ("pools", None, self.pools.aclose),
+            ("lora", None, self.lora.aclose),
+            ("kv_events", self.kv_events.start, self.kv_events.aclose),
+            ("engine", self.engine.start, self.engine.aclose),
+            ("health", self.monitor.start, self.monitor.aclose),
+            ("registry", None, self.fleet.store.aclose),
+            ("discovery", self.discovery.start, self.discovery.aclose),
+            ("runner", self._start_chores, self.runner.stop),
+        ]
+
     async def start(self) -> None:
-        settings, fleet, runner = self.settings, self.fleet, self.runner
+        fleet = self.fleet
         # Before the pools, stores and discovery start: what is frozen here lives as long as
         # the process (a pool frozen with its backend could not be collected once closed).
         if self._tune_gc:
@@ -393,11 +430,14 @@ class AppParts:
             log.warning("shared registry unavailable at start; serving the file's backends")
         for b in self.registry.snapshot.backends:
             self.pools.transport(b)
-        await self.store.start()
-        await self.quotas.start()
-        if self.affinity.shared is not None:
-            await self.affinity.shared.start()
         pin_mmap_threshold()  # big bodies mapped and unmapped: a flood's memory leaves
+        for _, start, _ in self._order():
+            if start is not None:
+                await start()
+        self._log_started()
+
+    async def _start_chores(self) -> None:
+        settings, fleet, runner = self.settings, self.fleet, self.runner
         if fleet.store.kind != "local":
             runner.forever(
                 "registry_sync",
@@ -413,7 +453,13 @@ class AppParts:
         if settings.api_keys_file:
             runner.every("client_keys_reload", self.reload_keys, settings.api_keys_reload)
         runner.start()
-        if settings.workers > 1 and fleet.store.kind == "local" and self.admin_auth.configured:
+
+    def _log_started(self) -> None:
+        if (
+            self.settings.workers > 1
+            and self.fleet.store.kind == "local"
+            and self.admin_auth.configured
+        ):
             log.warning(
                 "admin changes reach only the worker that takes them: set SLUICEGATE_REDIS_URL"
             )
@@ -424,47 +470,25 @@ class AppParts:
                 "fields": {
                     "backends": len(snap.backends),
                     "models": len(snap.models),
-                    "registry_store": fleet.store.kind,
+                    "registry_store": self.fleet.store.kind,
                     "admin_api": "on" if self.admin_auth.configured else "read-only",
                     "client_keys": self.client_keys.enabled,
                     "tracing": self.tracing.enabled,
                 }
             },
         )
-        await self.monitor.start()
-        await self.engine.start()
-        await self.kv_events.start()
-        await self.discovery.start()
 
     async def stop(self) -> None:
         self.lifecycle.draining = True
         await self.lifecycle.wait_idle(self.settings.drain_grace)
-        await self.runner.stop()
-        closers: list[_Closes | None] = [
-            self.discovery,
-            self.fleet.store,
-            self.monitor,
-            self.engine,
-            self.kv_events,
-            self.lora,
-            self.pools,
-            self.store,
-            self.quotas,
-            self.affinity.shared,
-            self.tracing,
-            self.proxy.usage,
-            self.admission,
-            self.proxy.response_ids,
-            self.redis_client,  # last: every part above shares it
-        ]
-        for part in closers:
-            if part is None:
+        for name, _, close in reversed(self._order()):
+            if close is None:
                 continue
             # One part failing to close (Redis gone) must not leave the others open.
             try:
-                await part.aclose()
+                await close()
             except Exception:
-                log.exception("shutdown: closing %s failed", type(part).__name__)
+                log.exception("shutdown: closing %s failed", name)
         # A worker may end by uvicorn's re-raised SIGTERM, which skips atexit: write the queued
         # log lines now (bounded wait).
         stop_logging()

@@ -25,19 +25,19 @@ N = SLICES * PER_SLICE
 
 
 class Consumers:
-    """What the app's on_swap / on_patch hand health, probes, scrapes and KV events."""
+    """What the registry's on_change hands the app's followers (health, probes, scrapes, KV
+    events): the whole set on a swap, the change alone on a patch."""
 
     def __init__(self) -> None:
         self.snapshots = 0
         self.handed = 0  # backends (or removed names) handed over, in all
 
-    def on_swap(self, snap: Snapshot) -> None:
+    def on_change(self, snap: Snapshot, change: Change | None) -> None:
         self.snapshots += 1
-        self.handed += len(snap.backends)
-
-    def on_patch(self, snap: Snapshot, change: Change) -> None:
-        self.snapshots += 1
-        self.handed += len(change.upserted) + len(change.removed)
+        if change is None:
+            self.handed += len(snap.backends)
+        else:
+            self.handed += len(change.upserted) + len(change.removed)
 
     def reset(self) -> tuple[int, int]:
         seen = (self.snapshots, self.handed)
@@ -64,7 +64,7 @@ def endpoints(first: int, count: int, ready: bool = True) -> list[Endpoint]:
 
 def test_discovery_work_grows_with_the_change_not_with_the_fleet() -> None:
     seen = Consumers()
-    registry = Registry([], "least_inflight", on_swap=seen.on_swap, on_patch=seen.on_patch)
+    registry = Registry([], "least_inflight", on_change=seen.on_change)
     fleet = Fleet(registry, [], LocalRecords())
     cfg = KubernetesDiscovery.model_validate(
         {

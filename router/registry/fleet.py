@@ -170,30 +170,29 @@ class Registry:
 
     `swap` builds a snapshot from the whole backend list; `patch` derives one from the current
     snapshot and a change (Python work in the size of the change; the new snapshot's tuples and
-    maps are C-level copies), and hands `on_patch` the change alone when given one."""
+    maps are C-level copies). Each new snapshot goes to `on_change` with its `Change` (None
+    for a whole swap: its followers take the whole set)."""
 
     def __init__(
         self,
         backends: Iterable[Backend],
         default_balancer: str,
         model_balancers: dict[str, str] | None = None,
-        on_swap: Callable[[Snapshot], None] | None = None,
-        on_patch: Callable[[Snapshot, Change], None] | None = None,
+        on_change: Callable[[Snapshot, Change | None], None] | None = None,
     ) -> None:
         self._default = default_balancer
         self._per_model = dict(model_balancers or {})
         for name in {default_balancer, *self._per_model.values()}:
             balancer_class(name)  # fail at startup, not on the first request
         self._balancers: dict[str, Balancer] = {}
-        self._on_swap = on_swap
+        self._on_change = on_change
         self._adapters: dict[str, str | None] = {}
-        self._on_patch = on_patch
         # model -> {name: backend}, in snapshot order: a patch rebuilds only touched models.
         self._members: dict[str, dict[str, Backend]] = {}
         self.snapshot = Snapshot.build(backends)
         self._index(self.snapshot)
-        if on_swap:
-            on_swap(self.snapshot)
+        if on_change:
+            on_change(self.snapshot, None)
 
     def _index(self, snap: Snapshot) -> None:
         adapters = snap.adapters
@@ -220,8 +219,8 @@ class Registry:
         snap = Snapshot.build(backends, self.snapshot.version + 1, self._adapters)
         self.snapshot = snap
         self._index(snap)
-        if self._on_swap:
-            self._on_swap(snap)
+        if self._on_change:
+            self._on_change(snap, None)
         return snap
 
     def patch(self, upserted: Sequence[Backend], removed: Iterable[str]) -> Snapshot:
@@ -274,10 +273,8 @@ class Registry:
             adapters=MappingProxyType(routed),
         )
         self.snapshot = snap
-        if self._on_patch is not None:
-            self._on_patch(snap, Change(tuple(upserted), tuple(gone)))
-        elif self._on_swap is not None:
-            self._on_swap(snap)
+        if self._on_change is not None:
+            self._on_change(snap, Change(tuple(upserted), tuple(gone)))
         return snap
 
 
