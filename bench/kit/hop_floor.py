@@ -1,12 +1,12 @@
 """The floor under the hop: a raw ASGI pass-through with nothing of sluicegate in it.
 
-    HOP_FLOOR_UPSTREAM=http://127.0.0.1:PORT uvicorn bench.hop_floor:app --loop uvloop \
+    HOP_FLOOR_UPSTREAM=http://127.0.0.1:PORT uvicorn bench.kit.hop_floor:app --loop uvloop \
         --http httptools --no-access-log
 
 uvicorn with uvloop and httptools, and the router's upstream stack (router/upstream/transport.py)
 under the request the router would build: what a Python proxy on this stack costs before it does
 anything of its own (no validation, routing, leases, disconnect watcher, usage, metrics, log line).
-bench/hop.py runs it beside nginx and sluicegate.
+bench/scenarios/hop.py runs it beside nginx and sluicegate.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""One client process of the real-engine benchmark (bench/real_engine.py starts a few of them).
+"""One client process of the real-engine benchmark (bench/scenarios/real_engine.py starts a few
+of them).
 
-    python -m bench.real_client PLAN.json OUT.json
+    python -m bench.kit.real_client PLAN.json OUT.json
 
 The plan holds conversations, each with the URL it talks to (the router, or one engine for the
 direct baseline), a system prompt and its user turns. Every conversation runs on a thread of

@@ -8,7 +8,7 @@ is the floor a Python proxy on the same stack (uvicorn, uvloop, httptools) start
 default pool (100 connections, 20 kept alive) stays: keeping 64 alive measured no faster at 32
 users (streamed, slower), so the default is not a handicap.
 
-    TEXTBOOK_UPSTREAM=http://127.0.0.1:8001 uvicorn bench.textbook_proxy:app \
+    TEXTBOOK_UPSTREAM=http://127.0.0.1:8001 uvicorn bench.kit.textbook_proxy:app \
         --loop uvloop --http httptools --no-access-log --port 8002
 """
 

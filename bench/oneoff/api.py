@@ -1,8 +1,8 @@
 """What the endpoint table costs: router CPU per request for chat completions against a baseline
 checkout (the ≤ 2 % budget), and for each other API against chat completions, one run.
 
-    python -m bench.api --baseline-src DIR [--rounds 3] [--seconds 3]
-    python -m bench.api --baseline-src DIR --chat-only --rounds 8   # the chat A/B alone
+    python -m bench.oneoff.api --baseline-src DIR [--rounds 3] [--seconds 3]
+    python -m bench.oneoff.api --baseline-src DIR --chat-only --rounds 8   # the chat A/B alone
 
 The overhead scenario's load (the fast mock, 64 tokens, concurrency 32) runs against each
 (router, endpoint) pair in alternating rounds, so noise on this shared machine spreads evenly;
@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc
 
 _B = "XbenchX"

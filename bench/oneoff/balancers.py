@@ -7,7 +7,7 @@
    store (one router each, taking turns).
 3. The same for each way to reach Redis: one server, a 3-master Cluster, Sentinel (`ha`).
 
-    python -m bench.balancers [--seconds 15] [--only slow|stores|ha]
+    python -m bench.oneoff.balancers [--seconds 15] [--only slow|stores|ha]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import asyncio
 import json
 from typing import Any
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc, backend, control, stats
 
 CHAT = "/v1/chat/completions"

@@ -1,6 +1,6 @@
 """Router memory under request-body floods: bodies that stop short, and big queued bodies.
 
-    python -m bench.bodies            # ~30 s: RSS before, at the peak and after each flood
+    python -m bench.oneoff.bodies            # ~30 s: RSS before, at the peak and after each flood
 
 1. `short`: connections each send a request head and all but 1 KB of a 4 MB body, then go
    silent. `server.body_timeout` (2 s here) answers each 408 and closes it.
@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.procstat import rss_mb
+from bench.kit.procstat import rss_mb
 from tests.harness import Cluster, Proc, backend, control
 
 MB = 1024 * 1024

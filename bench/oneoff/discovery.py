@@ -11,7 +11,8 @@
    endpoints from the fake API server (a process of its own): apply times, the longest loop
    block and the slowest /readyz answer while a large list or one slice's change is applied.
 
-    python -m bench.discovery [--seconds 5] [--only hot|churn|large|app] [--sizes 1000,5000,50000]
+    python -m bench.oneoff.discovery [--seconds 5] [--only hot|churn|large|app]
+        [--sizes 1000,5000,50000]
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from router.core.settings import BackendConfig
 from router.ops.collector import tune_collector
 from router.registry.fleet import Discovered, Fleet, LocalRecords, Registry
@@ -246,7 +247,7 @@ def apply_app(n: int, per_slice: int = 1000) -> dict[str, Any]:
 
     kport = free_port()
     kube = subprocess.Popen(
-        [sys.executable, "-m", "bench.kube_proc", str(kport)],
+        [sys.executable, "-m", "bench.oneoff.kube_proc", str(kport)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

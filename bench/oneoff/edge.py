@@ -1,6 +1,6 @@
 """What the edge hardening costs, as ratios from one run (about a minute):
 
-    python -m bench.edge
+    python -m bench.oneoff.edge
 
 1. A log call on the request path: the bounded queue (`router.ops.logs`, formatting and the write
    in a writer thread) against formatting and writing inline, as before. Both write JSON lines to
@@ -23,8 +23,8 @@ from typing import Any
 
 import uvloop
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from router.ops import logs
 from tests.harness import Cluster
 

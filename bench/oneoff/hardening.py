@@ -1,6 +1,6 @@
 """What issue 22's quota and body hardening costs: router CPU per streamed request, one run.
 
-    python -m bench.hardening --baseline-src DIR   # this checkout beside another (e.g. main)
+    python -m bench.oneoff.hardening --baseline-src DIR   # this checkout beside another (e.g. main)
 
 The overhead scenario's load (64-token streams, no delay, concurrency 32) against each router in
 alternating rounds, so machine noise spreads evenly; ratios are within this one run. Two setups
@@ -17,8 +17,8 @@ import hashlib
 import json
 from typing import Any
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"

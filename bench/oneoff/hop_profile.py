@@ -1,15 +1,15 @@
 """Where the router's CPU goes, by stage of a request, with every setting at its default.
 
-    python -m bench.hop_profile            # short streams (64 tokens, c=32) and long ones
+    python -m bench.oneoff.hop_profile            # short streams (64 tokens, c=32) and long ones
 
-The router runs under bench/hop_serve.py: cProfile on the event loop's thread, timed by that
+The router runs under bench/oneoff/hop_serve.py: cProfile on the event loop's thread, timed by that
 thread's CPU clock, switched on for the measured window only. Each function's own time goes to
 the stage its module and name belong to (`STAGES`, first match wins); a builtin (`len`, a bytes
 method) is charged to the stages of its callers, in proportion. cProfile inflates functions
 called often more than long ones, so the shares aim the cuts; the cuts themselves are proven by
-whole-process CPU in alternating rounds (bench/hop.py). The log line is formatted and written by
-a thread of its own, which cProfile does not see: its cost is the CPU difference between
-`log_level: info` (the default) and `warning`, in alternating rounds.
+whole-process CPU in alternating rounds (bench/scenarios/hop.py). The log line is formatted and
+written by a thread of its own, which cProfile does not see: its cost is the CPU difference
+between `log_level: info` (the default) and `warning`, in alternating rounds.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
@@ -139,7 +139,7 @@ def _router(c: Cluster, up: Proc, out: str, env: dict[str, str]) -> Proc:
         {"backends": [{"name": "b0", "url": up.url, "models": {"m": "mock-model"}}]}
     )
     port = free_port()
-    args = [sys.executable, "-m", "bench.hop_serve", "serve", "--config", str(path)]
+    args = [sys.executable, "-m", "bench.oneoff.hop_serve", "serve", "--config", str(path)]
     args += ["--port", str(port), "--host", "127.0.0.1"]
     proc = c._spawn(args, port, "router", {"HOP_PROFILE_OUT": out, **env})
     wait_http(f"http://127.0.0.1:{port}/healthz", proc=proc.popen)

@@ -1,6 +1,7 @@
-"""`sluicegate serve` under a switchable profiler, for the stage breakdown (bench/hop_profile.py).
+"""`sluicegate serve` under a switchable profiler, for the stage breakdown
+(bench/oneoff/hop_profile.py).
 
-    python -m bench.hop_serve serve --config FILE --port N   # the same arguments as the CLI
+    python -m bench.oneoff.hop_serve serve --config FILE --port N   # the same arguments as the CLI
 
 SIGUSR1 starts cProfile on the event loop's thread, SIGUSR2 stops it and writes the stats to
 $HOP_PROFILE_OUT: only the measured window is profiled (no start-up, no warm-up). The timer is

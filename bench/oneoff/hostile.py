@@ -1,6 +1,6 @@
 """Router memory against backends that send response heads without end.
 
-    python -m bench.hostile            # ~10 s: RSS before, peak during, after; 502s and time
+    python -m bench.oneoff.hostile            # ~10 s: RSS before, peak during, after; 502s and time
 
 Each request goes to the raw-socket hostile backend of the tests in `head-flood` mode (a status
 line, then headers until the peer drops the connection, up to ~8 MB each). The transport caps a
@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from bench.procstat import rss_mb
+from bench.kit.procstat import rss_mb
 from tests.harness import Cluster
 from tests.hostile_backend import HostileBackend
 

@@ -1,7 +1,8 @@
 """Router CPU and latency against hostile engine input and a hostile usage event, one run.
 
-    python -m bench.hostile_engine                       # ~30 s
-    python -m bench.hostile_engine --baseline-src DIR    # also a router from another checkout
+    python -m bench.oneoff.hostile_engine                      # ~30 s
+    python -m bench.oneoff.hostile_engine --baseline-src DIR   # also a router from another
+                                                               # checkout
 
 `metrics_page`: one backend's `/metrics` answers a 4 MB page of valid series of a wanted family
 (issue 22, defect 9); the router scrapes it every 0.25 s (`least_load`). Measured: the router's
@@ -19,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from bench.procstat import cpu_seconds
+from bench.kit.procstat import cpu_seconds
 from router.request.usage_stream import UsageStrip
 from tests.harness import Cluster, Proc, control
 

@@ -2,7 +2,8 @@
 that measure a router in the benchmark's process: the fake's JSON work must not take the GIL
 from the router being timed.
 
-    python -m bench.kube_proc PORT     then one JSON command per stdin line, "ok" per line back:
+    python -m bench.oneoff.kube_proc PORT
+    then one JSON command per stdin line, "ok" per line back:
         {"op": "fill", "slices": 50, "per_slice": 1000, "port": 9}   slices s0..s49 of loopback
                                                                      addresses (127.x.y.z)
         {"op": "put", "slice": 3, "ranges": [[3000, 1000], [90000, 1]], "port": 9}

@@ -1,6 +1,6 @@
 """What migration costs when nothing fails: router CPU per streamed request, on against off.
 
-    python -m bench.migration_cost      # about two minutes
+    python -m bench.oneoff.migration_cost      # about two minutes
 
 Routers from this checkout in front of one mock (64-token streams, no delay), PER_SETTING of
 each setting: the default (migration on for the mock's `kind: vllm`) and `migration: {enabled:
@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from bench.run import Bench
+from bench.kit.cluster import Bench
 
 ROUNDS = 6
 SECONDS = 3.0

@@ -1,5 +1,6 @@
 """How often a continuation from re-tokenized text differs from the uninterrupted answer, beside
-one from token ids, on one real vLLM engine at temperature 0 (`python -m bench.migration_drift`).
+one from token ids, on one real vLLM engine at temperature 0
+(`python -m bench.oneoff.migration_drift`).
 
 For each prompt: the uninterrupted answer (MAX_TOKENS, `ignore_eos`, `return_token_ids`), then,
 for each cut point k, two continuations of its first k tokens:

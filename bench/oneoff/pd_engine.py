@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on 2 real vLLM engines, against the same 2 engines unified.
 
-    python -m bench.pd_engine [--requests 48] [--workers 4]    # ~4 minutes; one run
+    python -m bench.oneoff.pd_engine [--requests 48] [--workers 4]    # ~4 minutes; one run
 
 The larger dummy model (router/enginefleet/model.py `larger`: hidden 1024, 4 layers, where a
 1500-token prefill costs ~0.85 s of a core) on two engines, one per core, with NixlConnector as

@@ -1,4 +1,4 @@
-"""Cost of cache-aware routing's per-request work (`python -m bench.prefix`, a few seconds).
+"""Cost of cache-aware routing's per-request work (`python -m bench.oneoff.prefix`, a few seconds).
 
 CPU per request, for a 32k-character chat prompt (a long system prompt and a few turns):
 hashing the prompt into its block chain (router/request/prefix.py), then the prefix index's
@@ -25,7 +25,7 @@ import redis as redis_py
 from balancers.cache_aware import CacheAware
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import Ring, point
-from bench.procstat import cpu_seconds
+from bench.kit.procstat import cpu_seconds
 from router.core.backend import Backend
 from router.core.settings import AffinityConfig
 from router.request.affinity import Affinity

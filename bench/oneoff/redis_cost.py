@@ -1,10 +1,12 @@
 """Router CPU per request with Redis shared state on: this checkout against another (an A/B).
 
-    python -m bench.redis_cost <baseline checkout>     # about three minutes
-    python -m bench.redis_cost <baseline checkout> --plain   # the same on the defaults: no Redis
-    python -m bench.redis_cost <baseline checkout> --long    # the defaults, CPU per chunk: long
-                                                             # streams (128 tokens at 10 ms/token,
-                                                             # 100 users), each token one read
+    python -m bench.oneoff.redis_cost <baseline checkout>   # about three minutes
+    python -m bench.oneoff.redis_cost <baseline checkout> --plain  # the same on the defaults:
+                                                                   # no Redis
+    python -m bench.oneoff.redis_cost <baseline checkout> --long   # the defaults, CPU per chunk:
+                                                                   # long streams (128 tokens at
+                                                                   # 10 ms/token, 100 users),
+                                                                   # each token one read
 
 Routers with `redis_url` set (in-flight counts shared, quotas shared for the client key every
 request carries: rpm, tpm and max_parallel, so each request runs an admit and its release, an
@@ -22,7 +24,7 @@ import json
 import sys
 from typing import Any
 
-from bench.run import Bench
+from bench.kit.cluster import Bench
 
 ROUNDS = 6
 SECONDS = 3.0

@@ -1,8 +1,10 @@
 """What tracing and the TTFT/TPOT counting cost: router CPU per streamed request, one run.
 
-    python -m bench.tracing                       # tracing off vs on (to a local OTLP receiver)
-    python -m bench.tracing --baseline-src DIR    # also a router run from another checkout
-                                                  # (e.g. the commit before TTFT/TPOT counting)
+    python -m bench.oneoff.tracing                      # tracing off vs on (to a local OTLP
+                                                        # receiver)
+    python -m bench.oneoff.tracing --baseline-src DIR   # also a router run from another checkout
+                                                        # (e.g. the commit before TTFT/TPOT
+                                                        # counting)
 
 The overhead scenario's load (64-token streams, no delay, concurrency 32) against each router in
 alternating rounds, so machine noise spreads evenly; ratios are within this one run. The receiver
@@ -16,8 +18,8 @@ import asyncio
 import json
 from typing import Any
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc
 from tests.otlp_receiver import Receiver
 

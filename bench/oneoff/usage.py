@@ -1,7 +1,7 @@
 """What usage accounting costs: router CPU per streamed request, `active` vs `passive`, one run.
 
-    python -m bench.usage [--rounds 3] [--seconds 4]
-    python -m bench.usage --baseline-src DIR      # also a router from another checkout (e.g.
+    python -m bench.oneoff.usage [--rounds 3] [--seconds 4]
+    python -m bench.oneoff.usage --baseline-src DIR      # also a router from another checkout (e.g.
                                                   # the commit before usage accounting)
 
 `active` (the default) adds `stream_options.include_usage` to each streamed request whose client
@@ -21,8 +21,8 @@ import json
 import time
 from typing import Any
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from router.request.usage_stream import USAGE_OBJECT, UsageStrip
 from tests.harness import Cluster, Proc
 

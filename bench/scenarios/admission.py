@@ -32,7 +32,8 @@ from typing import Any
 
 import httpx
 
-from bench.procstat import cpu_seconds
+from bench.kit.procstat import cpu_seconds
+from bench.kit.traffic import Client, bodies, collect, durations, flood
 from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
@@ -52,7 +53,7 @@ def _router(c: Cluster, mocks: dict[str, Proc], **extra: Any) -> Proc:
 
 
 def overhead(c: Cluster, seconds: float) -> dict[str, Any]:
-    from bench.loadgen import run_load
+    from bench.kit.loadgen import run_load
 
     mocks = {f"a{i}": c.mock(f"a{i}", tokens=64) for i in range(2)}
     key = "sk-bench-0123456789"
@@ -179,8 +180,6 @@ async def _critical_probe(port: int, seconds: float, gap: float, lengths: range)
     at any phase of the slots' cycle): their times to first token."""
     import random
 
-    from bench.noisy import Client, bodies
-
     rng = random.Random(11)
     pool = bodies(lengths)
     client = Client("127.0.0.1", port, "authorization: Bearer critical\r\n", 30)
@@ -199,8 +198,6 @@ def priority_realistic(c: Cluster, seconds: float, lengths: range) -> dict[str, 
     request the same, the slots free together) and critical requests at random phases: a
     critical request's extra time to first token under a sheddable flood (64 clients, closed
     loop, in a child process), in slot turnovers, against the router's own queue wait."""
-    from bench.noisy import collect, durations, flood
-
     slots = 4
     mock = c.mock("p", itl_ms=10)
     keys = [
@@ -221,7 +218,9 @@ def priority_realistic(c: Cluster, seconds: float, lengths: range) -> dict[str, 
         idle = asyncio.run(_critical_probe(router.port, 2.0, mean, lengths))
         solo = sorted(idle)[len(idle) // 2]
         spec = {"port": router.port, "users": 64, "seconds": seconds + 1.5}
-        sheddable = flood({**spec, "secret": "sheddable", "lengths": [lengths[0], lengths[-1] + 1]})
+        bounds = [lengths[0], lengths[-1] + 1]
+        # The sheddable clients give up 2 s past the queue's max_wait (its answers are not judged).
+        sheddable = flood({**spec, "secret": "sheddable", "lengths": bounds, "give_up": 12.0})
         time.sleep(1.0)  # the queue fills
         under = asyncio.run(_critical_probe(router.port, seconds, mean, lengths))
         flooded = collect(sheddable, seconds + 60)

@@ -1,6 +1,6 @@
 """sluicegate beside the other Python proxies people reach for (`python -m bench.run --only
-compare`): a textbook FastAPI proxy (`bench/textbook_proxy.py`) and LiteLLM's proxy, with a direct
-connection to the mock as the floor.
+compare`): a textbook FastAPI proxy (`bench/kit/textbook_proxy.py`) and LiteLLM's proxy, with a
+direct connection to the mock as the floor.
 
 The overhead scenario's load: 64-token streams from the fast mock (no token delay, so the hop's
 own CPU is what limits it), 32 keep-alive users, the same pre-built request against each target
@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
@@ -49,7 +49,7 @@ def textbook(cluster: Cluster, upstream: Proc) -> Proc:
             sys.executable,
             "-m",
             "uvicorn",
-            "bench.textbook_proxy:app",
+            "bench.kit.textbook_proxy:app",
             "--host",
             "127.0.0.1",
             "--port",
@@ -269,7 +269,7 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         f"fast mock (no token delay), {res['concurrency']} keep-alive users, "
         f"{res['rounds']} alternating rounds of {res['seconds_per_round']:g} s per target. "
         "Each proxy is one process, one worker; CPU is its process tree's user + system time "
-        "per request. The textbook proxy is `bench/textbook_proxy.py` (FastAPI, one shared "
+        "per request. The textbook proxy is `bench/kit/textbook_proxy.py` (FastAPI, one shared "
         "httpx client, `StreamingResponse(resp.aiter_raw())`, uvicorn with uvloop/httptools); "
         "LiteLLM "
         + (f"{res['litellm_version']} " if res.get("litellm_version") else "")

@@ -1,4 +1,5 @@
-"""What the console costs (`python -m bench.run --only console`, or `python -m bench.console`).
+"""What the console costs (`python -m bench.run --only console`, or
+`python -m bench.scenarios.console`).
 
 Page cost: a router (two mock engines, admission, three client keys with limits, the admin token)
 is read as `PAGES` open consoles read it: each its own connection, `<path>/api/live` every
@@ -24,8 +25,9 @@ from typing import Any
 
 import httpx
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
+from bench.kit.report import Row
 from router.ops.live import Live
 from tests.harness import Cluster, Proc
 
@@ -181,7 +183,7 @@ def section(r: dict[str, Any]) -> list[str]:
         f"{r['pages']} consoles reading the live view every second (and `/admin/usage` every "
         f"30 s), {r['reads_per_second']} reads/s of {r['bytes_per_read']} bytes, against the same "
         f"router unread, {r['rounds']} alternating rounds of {r['seconds_per_round']:.0f} s "
-        "(bench/console.py).",
+        "(bench/scenarios/console.py).",
         "",
         "| router CPU, share of one core | % |",
         "|---|---|",
@@ -196,6 +198,15 @@ def section(r: dict[str, Any]) -> list[str]:
         "in the same run.",
         "",
     ]
+
+
+def targets(r: dict[str, Any]) -> list[Row]:
+    """This scenario's row of the page's Targets table (`r`: a run's results)."""
+    co = r.get("console")
+    if not co:
+        return []
+    share = co["pages_cpu_share_percent"]
+    return [("console: 5 open pages, router CPU % of a core", "<= 1", share, share <= 1)]
 
 
 def main() -> None:

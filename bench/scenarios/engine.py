@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.procstat import cpu_seconds
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
@@ -153,7 +153,7 @@ def overhead(c: Cluster, seconds: float) -> dict[str, Any]:
     """Router CPU per request, least_load vs least_inflight, plus an A/A pair (two
     least_inflight routers) that shows this machine's noise floor; and the in-process cost of
     one acquire + release through the local store, which is the whole hot-path difference."""
-    from bench.loadgen import run_load
+    from bench.kit.loadgen import run_load
 
     mocks = {f"o{i}": c.mock(f"o{i}", tokens=64) for i in range(2)}
     routers = {
@@ -509,7 +509,7 @@ def main() -> None:
     import uvloop
 
     uvloop.install()
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     args = sys.argv[1:]
     opts = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
     c = Cluster()
@@ -531,7 +531,7 @@ def main() -> None:
     if "--write-docs" in args:
         png = root / "docs" / PNG
         made = plot(samples, png) if samples else png.exists()
-        from bench.report import splice_page
+        from bench.kit.page import splice_page
 
         splice_page(
             root / "docs" / "benchmarks.md", [("engine", section(res, PNG if made else None))]

@@ -1,25 +1,25 @@
 """The hop beside nginx and the floor (issue #28): CPU per request and per chunk, req/s, bursts.
 
-    python -m bench.run --only hop            # the docs section and bench/results/latest.json
-    python -m bench.hop                       # the same figures, printed
-    python -m bench.hop --check               # exit 1 when sluicegate's CPU/request ratio to
-                                              # nginx is more than 5 % over bench/hop_baseline.json
-    python -m bench.hop --record              # write this run's ratio as the baseline
-    python -m bench.hop --baseline-src DIR    # also a router from another checkout (A/B)
-    python -m bench.hop --ab --baseline-src DIR   # only the two routers: a cut's proof
-    python -m bench.hop --burst --rounds 7    # only the bursts
+    python -m bench.run --only hop         # the docs section and bench/results/latest.json
+    python -m bench.scenarios.hop          # the same figures, printed
+    python -m bench.scenarios.hop --check  # exit 1 when sluicegate's CPU/request ratio to nginx
+                                           # is more than 5 % over bench/hop_baseline.json
+    python -m bench.scenarios.hop --record             # write this run's ratio as the baseline
+    python -m bench.scenarios.hop --baseline-src DIR   # also a router from another checkout (A/B)
+    python -m bench.scenarios.hop --ab --baseline-src DIR   # only the two routers: a cut's proof
+    python -m bench.scenarios.hop --burst --rounds 7   # only the bursts
 
 Targets, all on 127.0.0.1, each one process: the mock itself (direct), nginx (when installed),
 sluicegate with every setting at its default (`log_level: info` included, the log going to a
-file) and the floor (bench/hop_floor.py: uvicorn, uvloop, httptools and the router's upstream
+file) and the floor (bench/kit/hop_floor.py: uvicorn, uvloop, httptools and the router's upstream
 stack, nothing of sluicegate). Loads alternate between targets in rounds so that the noise of this
 shared machine spreads evenly, and every figure is a ratio within this one run:
 - per request: 64-token streams, no token delay, 32 keep-alive users; CPU is the target's process
   tree's user + system time per completed request. Then again at one request rate for every
   target (open loop, RATE_SHARE of sluicegate's req/s at 32 users): at one concurrency the
-  faster target runs more requests per event-loop turn and so pays less for each (bench/pd.py
-  measured 1.13x CPU per request for a router at 0.89x the rate), so the ratio at one rate is
-  the like-for-like one; both are shown;
+  faster target runs more requests per event-loop turn and so pays less for each
+  (bench/scenarios/pd.py measured 1.13x CPU per request for a router at 0.89x the rate), so the
+  ratio at one rate is the like-for-like one; both are shown;
 - per chunk: 128-token streams at 10 ms per token (each token its own read and write), 100 users;
   CPU per streamed event, the per-request part included;
 - bursts: 200 and 500 streams opened at once on new connections (64 tokens at 20 ms per
@@ -38,12 +38,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.nginx import start_nginx
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
-BASELINE = Path(__file__).with_name("hop_baseline.json")
+BASELINE = Path(__file__).resolve().parents[1] / "hop_baseline.json"
 GROWTH = 1.05  # the gate: CPU/request ratio to nginx at most this much over the baseline's
 SHORT, LONG, ITL_MS = 64, 128, 10.0
 BURST_TOKENS, BURST_ITL_MS = 64, 20.0  # a burst's streams: about 1.3 s each
@@ -65,7 +66,7 @@ def _body(model: str, tokens: int) -> bytes:
 
 def _floor(c: Cluster, up: Proc, workers: int = 1) -> Proc:
     port = free_port()
-    args = [sys.executable, "-m", "uvicorn", "bench.hop_floor:app", "--loop", "uvloop"]
+    args = [sys.executable, "-m", "uvicorn", "bench.kit.hop_floor:app", "--loop", "uvloop"]
     args += ["--http", "httptools", "--no-access-log", "--log-level", "warning"]
     args += ["--workers", str(workers)]
     args += ["--host", "127.0.0.1", "--port", str(port)]
@@ -136,8 +137,6 @@ def _ratio_spread(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
 
 
 def run(c: Cluster, quick: bool = False, baseline_src: str | None = None) -> dict[str, Any]:
-    from bench.run import start_nginx
-
     fast = c.mock("hop-fast", tokens=SHORT)
     slow = c.mock("hop-slow", tokens=LONG, itl_ms=ITL_MS)
     bursty = c.mock("hop-burst", tokens=BURST_TOKENS, itl_ms=BURST_ITL_MS)
@@ -232,8 +231,6 @@ def bursts(c: Cluster, up: Proc, one: Proc, two: Proc, rounds: dict[int, int]) -
     own read 21-77 ms across three runs), so each round's added p99 is taken against the direct
     burst of the same round, and a target's figure is the median of its rounds (lowest-highest
     beside it); the pooled p99 is shown too."""
-    from bench.run import start_nginx
-
     ngx = start_nginx(c, [up])
     floors = {w: _floor(c, up, workers=w) for w in (1, 2)}
     body = _body("mock-model", BURST_TOKENS)
@@ -375,7 +372,7 @@ def lines(res: dict[str, Any]) -> list[str]:
         "",
         f"`python -m bench.run --only hop`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{res['rounds']} alternating rounds. Every setting of sluicegate at its default. The "
-        "floor is `bench/hop_floor.py`: uvicorn + uvloop + httptools and the router's upstream "
+        "floor is `bench/kit/hop_floor.py`: uvicorn + uvloop + httptools and the router's upstream "
         "stack, nothing of sluicegate. Ratios as median (lowest-highest) of the rounds.",
         "",
         "| target | req/s (64-token streams, c=32) | CPU ms/request (c=32) "

@@ -1,4 +1,4 @@
-"""What precise prefix routing costs a router process (`python -m bench.kv`, ~20 s).
+"""What precise prefix routing costs a router process (`python -m bench.scenarios.kv`, ~20 s).
 
 1. Ingestion: 20 engines publishing vLLM-format KV events at 500 events/s each (a separate
    process, real ZMQ PUB sockets on ipc paths), one router process subscribed (KvEvents on
@@ -31,7 +31,7 @@ from typing import Any
 
 import uvloop
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 ENGINES = 20
 EVENTS_PER_S = 500

@@ -34,7 +34,8 @@ from typing import Any
 
 import httpx
 
-from bench.prefix_workload import _reasons
+from bench.kit.page import fmt, table
+from bench.scenarios.prefix_workload import _reasons
 from tests.harness import Cluster, wait_http
 
 PREFIXES = 8
@@ -273,8 +274,6 @@ if __name__ == "__main__":
 
 
 def section(res: dict[str, Any], date: str) -> list[str]:
-    from bench.report import _fmt, _table
-
     rows: list[tuple[str, ...]] = [
         ("target", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms",
          "output tokens/s", "failed"),
@@ -283,12 +282,12 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         rows.append(
             (
                 name,
-                _fmt(r["hit_rate"]),
-                _fmt(r["ttft_p50_ms"]),
-                _fmt(r["ttft_p90_ms"]),
-                _fmt(r["ttft_p99_ms"]),
-                _fmt(r["itl_p50_ms"]),
-                _fmt(r["output_tokens_s"]),
+                fmt(r["hit_rate"]),
+                fmt(r["ttft_p50_ms"]),
+                fmt(r["ttft_p90_ms"]),
+                fmt(r["ttft_p99_ms"]),
+                fmt(r["itl_p50_ms"]),
+                fmt(r["output_tokens_s"]),
                 str(r["failed"]),
             )
         )
@@ -303,10 +302,10 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         f"`python -m bench.run --only kv_real`, {date}: vLLM's own client, {res['workload']}, "
         "through one sluicegate in front of 2 engines (64 KV blocks of 128 tokens each); "
         f"{res.get('rounds', 1)} rounds of every target, each round in another order "
-        "(bench/kv_real.py). TTFT and ITL over all rounds' requests; hit rate: the engines' "
-        "prefix-cache hits over queries during the target's runs.",
+        "(bench/scenarios/kv_real.py). TTFT and ITL over all rounds' requests; hit rate: the "
+        "engines' prefix-cache hits over queries during the target's runs.",
         "",
-        _table(rows),
+        table(rows),
         "",
         f"Events' TTFT p50 / p99 over least_load's, round by round: {per_round}.",
         "",

@@ -32,10 +32,11 @@ Measured per scenario and variant: the hit rate (the share of the trace's prompt
 the engines found cached, from each answer's `usage.prompt_tokens_details.cached_tokens`; the
 hidden clients' requests are not counted), TTFT p50/p90/p99 (client side, request sent to the
 first token), tokens/s, routing reasons.
-`python -m bench.kv_workload restart events approx` plays only the scenarios and variants named;
-KV_BENCH_ROUNDS=6 plays more rounds (one scenario's ratios then vary less), KV_BENCH_DUMP=1 prints
-every request and, after each round, each engine's event state, blocks indexed and events
-received (`BlockRemoved`: its evictions, since the router joined and replayed its buffer).
+`python -m bench.scenarios.kv_workload restart events approx` plays only the scenarios and
+variants named; KV_BENCH_ROUNDS=6 plays more rounds (one scenario's ratios then vary less),
+KV_BENCH_DUMP=1 prints every request and, after each round, each engine's event state, blocks
+indexed and events received (`BlockRemoved`: its evictions, since the router joined and replayed
+its buffer).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from typing import Any
 
 import httpx
 
-from bench.prefix_workload import _reasons, _send, _text, pct
+from bench.kit.page import fmt, table
+from bench.scenarios.prefix_workload import _reasons, _send, _text, pct
 from tests.harness import Cluster, Proc
 
 ENGINES = 4
@@ -398,7 +400,7 @@ def run(
     variants: tuple[str, ...] = VARIANTS,
     costs: bool = True,
 ) -> dict[str, Any]:
-    from bench.kv import run as cost_run
+    from bench.scenarios.kv import run as cost_run
 
     out: dict[str, Any] = {"costs": cost_run(quick)} if costs else {}
     plain, longer = trace(SECONDS), trace(RESTART_SECONDS)
@@ -455,12 +457,10 @@ if __name__ == "__main__":
 
 
 def section(res: dict[str, Any], date: str) -> list[str]:
-    from bench.report import _fmt, _table
-
     out = [
         "## Precise prefix routing: KV events against the guess",
         "",
-        f"`python -m bench.run --only kv`, {date}; bench/kv_workload.py has the workload "
+        f"`python -m bench.run --only kv`, {date}; bench/scenarios/kv_workload.py has the workload "
         f"({ENGINES} mock vLLM engines publishing KV events, {CUSTOMERS} customers' "
         f"{SYSTEM_TOKENS}-token system prompts, {RATE:g} requests/s for {SECONDS:g} s "
         f"({RESTART_SECONDS:g} s for `restart`), the same trace for every variant, in {ROUNDS} "
@@ -481,15 +481,15 @@ def section(res: dict[str, Any], date: str) -> list[str]:
                 (
                     scenario,
                     name,
-                    _fmt(r["hit_rate"]),
-                    _fmt(r["ttft_p50_ms"]),
-                    _fmt(r["ttft_p90_ms"]),
-                    _fmt(r["ttft_p99_ms"]),
-                    _fmt(r["tokens_s"]),
+                    fmt(r["hit_rate"]),
+                    fmt(r["ttft_p50_ms"]),
+                    fmt(r["ttft_p90_ms"]),
+                    fmt(r["ttft_p99_ms"]),
+                    fmt(r["tokens_s"]),
                     str(r["errors"]),
                 )
             )
-    out += [_table(rows), ""]
+    out += [table(rows), ""]
     ratios: list[tuple[str, ...]] = [
         ("scenario", "events / guess: hit rate", "misses", "TTFT p90", "rounds ahead on hits"),
     ]
@@ -502,19 +502,19 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         ratios.append(
             (
                 scenario,
-                _fmt(r["hit_rate"]),
-                _fmt(r.get("miss_rate")),
-                _fmt(r["ttft_p90_ms"]),
+                fmt(r["hit_rate"]),
+                fmt(r.get("miss_rate")),
+                fmt(r["ttft_p90_ms"]),
                 "-" if ahead is None else f"{ahead} of {n}",
             )
         )
     if len(ratios) > 1:
-        out += [_table(ratios), ""]
+        out += [table(ratios), ""]
     costs = res.get("costs")
     if costs:
         line = (
-            f"Costs (bench/kv.py): ingesting {costs['ingest_events_per_s']} events/s from 20 "
-            f"engines took {costs['ingest_core_share'] * 100:.1f} % of one core "
+            f"Costs (bench/scenarios/kv.py): ingesting {costs['ingest_events_per_s']} events/s "
+            f"from 20 engines took {costs['ingest_core_share'] * 100:.1f} % of one core "
             f"({costs['ingest_us_per_event']} us/event; budget 10 %)"
         )
         if "core_share_vs_baseline" in costs:

@@ -206,7 +206,7 @@ def section(r: dict[str, Any]) -> list[str]:
         f"{r['engines']} mock engines with `max_loras` {r['max_loras']}, {r['adapters']} adapters "
         f"with Zipf popularity, {r['clients']} streaming clients for {r['seconds']:.0f} s per "
         f"router; moving an adapter into a slot costs {r['slot_ms']:.0f} ms of that engine's step "
-        "(bench/lora.py).",
+        "(bench/scenarios/lora.py).",
         "",
         head,
         sep,

@@ -1,7 +1,7 @@
 """What prefill/decode disaggregation costs the router: CPU per request, split against direct.
 
     python -m bench.run --only pd                 # its section of docs/benchmarks.md
-    python -m bench.pd [--rounds 3] [--seconds 4] [--baseline-src DIR]
+    python -m bench.scenarios.pd [--rounds 3] [--seconds 4] [--baseline-src DIR]
 
 Mock engines speaking NIXL's handoff (router/mock/handoff.py): a prefill engine and a decode
 engine, 64-token streams, no token delay, concurrency 16. Loads, in alternating rounds:
@@ -29,8 +29,8 @@ import asyncio
 import json
 from typing import Any
 
-from bench.loadgen import run_load
-from bench.procstat import cpu_seconds
+from bench.kit.loadgen import run_load
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
@@ -201,9 +201,10 @@ def section(r: dict[str, Any]) -> list[str]:
         "## Prefill/decode disaggregation: the router's CPU per request",
         "",
         f"Mock engines with NIXL's handoff, 64-token streams, {r['rounds']} rounds of "
-        f"{r['seconds']:.0f} s per load and way (bench/pd.py): `disaggregated` is prefilled on P "
-        "then streamed from D; `short_on_split` goes direct on the same router; `plain` is a "
-        "router without roles (the decision skipped). Each load runs closed loop at concurrency "
+        f"{r['seconds']:.0f} s per load and way (bench/scenarios/pd.py): `disaggregated` is "
+        "prefilled on P then streamed from D; `short_on_split` goes direct on the same router; "
+        "`plain` is a router without roles (the decision skipped). Each load runs closed loop at "
+        "concurrency "
         f"{r['concurrency']}, then open loop at one rate for all ({RATE_SHARE:.0%} of the split "
         "router's closed-loop req/s). The target is judged at the one rate (the module says why).",
         "",

@@ -1,6 +1,6 @@
 """Cache-aware routing on multi-turn chat (`python -m bench.run --only prefix`, ~4 minutes).
 
-Alone: `python -m bench.prefix_workload [--quick] [--variants=chat:least_inflight,...]
+Alone: `python -m bench.scenarios.prefix_workload [--quick] [--variants=chat:least_inflight,...]
 [--engine=--prefill-ms-per-1k=30,--max-num-seqs=8]` (another engine calibration) prints JSON.
 
 Workload *chat*: many customers, each with its own long system prompt (2k-5k tokens), each

@@ -6,7 +6,7 @@ than the workload's working set, so where a conversation's turns land decides wh
 Workload: CONVERSATIONS multi-turn chats at once, each with its own system prompt (~575 tokens),
 TURNS turns each resending the whole history (the engine's own answers included), MAX_TOKENS
 tokens per answer, streamed with `include_usage`. Clients run in CLIENTS separate processes
-(bench/real_client.py): one Python process is CPU-bound before a real engine is.
+(bench/kit/real_client.py): one Python process is CPU-bound before a real engine is.
 
 Targets, one after another on the same engines, each with its own prompts (a salt per target,
 so none finds another's blocks cached):
@@ -33,7 +33,8 @@ from typing import Any
 
 import httpx
 
-from bench.procstat import cpu_seconds
+from bench.kit.page import fmt, table
+from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, wait_http
 
 CONVERSATIONS = 12
@@ -85,7 +86,7 @@ def drive(convs: list[dict[str, Any]], model: str, tmp: Path, tag: str) -> dict[
         outs.append(out)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "bench.real_client", str(plan_path), str(out)],
+                [sys.executable, "-m", "bench.kit.real_client", str(plan_path), str(out)],
                 stdin=subprocess.DEVNULL,
             )
         )
@@ -189,8 +190,6 @@ def run(cluster: Cluster, quick: bool = False) -> dict[str, Any]:
 
 
 def section(res: dict[str, Any], date: str) -> list[str]:
-    from bench.report import _fmt, _table
-
     rows: list[tuple[str, ...]] = [
         (
             "target",
@@ -207,12 +206,12 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         rows.append(
             (
                 name,
-                _fmt(r["ttft_p50_ms"]),
-                _fmt(r["ttft_p90_ms"]),
-                _fmt(r["tokens_per_s"]),
-                _fmt(r["cached_share"]),
-                _fmt(r["cached_share_followups"]),
-                _fmt(r.get("router_cpu_ms_per_req")),
+                fmt(r["ttft_p50_ms"]),
+                fmt(r["ttft_p90_ms"]),
+                fmt(r["tokens_per_s"]),
+                fmt(r["cached_share"]),
+                fmt(r["cached_share_followups"]),
+                fmt(r.get("router_cpu_ms_per_req")),
                 str(r["errors"]),
             )
         )
@@ -222,12 +221,12 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         f"`python -m bench.run --only real`, {date}. {res['conversations']} conversations at "
         f"once, {res['turns']} turns each, {res['max_tokens']} tokens per answer, from "
         f"{res['client_processes']} client processes; each engine holds "
-        f"{res['kv_tokens_per_engine']} tokens of KV (bench/real_engine.py has the workload). "
-        "`direct` pins each conversation to one engine with no router; the others go through "
-        "one sluicegate. Cached share: the engines' own `cached_tokens` over prompt tokens. "
-        "Targets run one after another, not interleaved in rounds: on a shared machine the "
-        "drift between them is noise as much as routing.",
+        f"{res['kv_tokens_per_engine']} tokens of KV (bench/scenarios/real_engine.py has the "
+        "workload). `direct` pins each conversation to one engine with no router; the others go "
+        "through one sluicegate. Cached share: the engines' own `cached_tokens` over prompt "
+        "tokens. Targets run one after another, not interleaved in rounds: on a shared machine "
+        "the drift between them is noise as much as routing.",
         "",
-        _table(rows),
+        table(rows),
         "",
     ]

@@ -2,7 +2,7 @@
 the balancer to what the prefix index knows for each attempt's candidates, record the dispatch.
 
 Only balancers offering `with_hints()` (`cache_aware`) pay for it: ~0.13-0.17 ms CPU for a
-32k-character prompt (hash, lookup and update, bench/prefix.py; shared in Redis 0.2-0.3 ms).
+32k-character prompt (hash, lookup and update, bench/oneoff/prefix.py; shared in Redis 0.2-0.3 ms).
 Each backend's share of the index is bounded by its engine's KV capacity
 (`vllm:cache_config_info` through the engine readings) or `affinity.capacity_tokens`.
 The local index (`balancers/prefix_index.py`) is per process; with Redis the index is shared
