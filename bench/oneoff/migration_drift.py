@@ -14,7 +14,6 @@ uninterrupted one. Prints one JSON line; about a minute with the engine's start.
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import httpx
@@ -140,4 +139,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -19,13 +19,13 @@ import asyncio
 import importlib.util
 import json
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from bench.kit.loadgen import run_load
+from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc, free_port, wait_http
 
@@ -252,14 +252,6 @@ def _rounded(obj: Any) -> Any:
     return obj
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-    return str(v)
-
-
 def section(res: dict[str, Any], date: str) -> list[str]:
     """The `compare` section of docs/benchmarks.md."""
     lines = [
@@ -290,14 +282,14 @@ def section(res: dict[str, Any], date: str) -> list[str]:
                     (
                         label,
                         k,
-                        _fmt(v["rps"]),
-                        _fmt(v["ttfc_p50_ms"]),
-                        _fmt(v["ttfc_p99_ms"]),
-                        _fmt(v["cpu_ms_per_req"]),
-                        _fmt(v["errors"]),
+                        fmt(v["rps"]),
+                        fmt(v["ttfc_p50_ms"]),
+                        fmt(v["ttfc_p99_ms"]),
+                        fmt(v["cpu_ms_per_req"]),
+                        fmt(v["errors"]),
                     )
                 )
-    lines += [_table(rows), ""]
+    lines += [table(rows), ""]
     ratios: list[tuple[str, ...]] = [
         (
             "request",
@@ -312,13 +304,13 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         ratios.append(
             (
                 label,
-                _fmt(row.get("sluicegate_vs_textbook_rps")),
-                _fmt(row.get("sluicegate_vs_textbook_cpu")),
-                _fmt(row.get("sluicegate_vs_litellm_rps")),
-                _fmt(row.get("sluicegate_vs_litellm_cpu")),
+                fmt(row.get("sluicegate_vs_textbook_rps")),
+                fmt(row.get("sluicegate_vs_textbook_cpu")),
+                fmt(row.get("sluicegate_vs_litellm_rps")),
+                fmt(row.get("sluicegate_vs_litellm_cpu")),
             )
         )
-    lines += [_table(ratios), ""]
+    lines += [table(ratios), ""]
     lines += [
         "Req/s above 1 and CPU/req below 1 favour sluicegate. TTFC for non-streamed requests is "
         "the time to the first byte of the whole answer. All processes share the machine's cores "
@@ -333,13 +325,6 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         "",
     ]
     return lines
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    first, *body = rows
-    out = ["| " + " | ".join(first) + " |", "|" + "---|" * len(first)]
-    out += ["| " + " | ".join(r) + " |" for r in body]
-    return "\n".join(out)
 
 
 if __name__ == "__main__":

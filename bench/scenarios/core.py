@@ -208,7 +208,7 @@ def soak(bench: Bench) -> None:
     fds0 = open_fds(router.pid)
     sampler = _Sampler(router.pid, every=1.0)
 
-    async def mixed() -> list[Result]:
+    async def mixed() -> tuple[Result, Result, Result]:
         host, port = "127.0.0.1", router.port
         return await asyncio.gather(
             run_load(host, port, CHAT, b'{"model":"m","stream":true}', 40, duration=duration),
@@ -332,7 +332,7 @@ def _slope(series: list[float]) -> float:
 
 def overhead_section(res: dict[str, Any]) -> list[str]:
     out = ["## Overhead (64-token streams, no token delay)", ""]
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             "concurrency",
             "target",

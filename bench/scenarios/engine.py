@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from bench.kit.page import table
 from bench.kit.procstat import cpu_seconds
 from tests.harness import Cluster, Proc
 
@@ -472,10 +473,10 @@ def section(res: dict[str, Any], png: str | None) -> list[str]:
                         share,
                     )
                 )
-        out += [f"**{part}**", "", _md(rows), ""]
+        out += [f"**{part}**", "", table(rows), ""]
     rows2 = [("target", "goal", "measured", "met")]
     rows2 += [(a, b, str(c), "yes" if d else "no") for a, b, c, d in targets(res)]
-    out += [_md(rows2), ""]
+    out += [table(rows2), ""]
     if "overhead" in res:
         o = res["overhead"]
         out += [
@@ -492,12 +493,6 @@ def section(res: dict[str, Any], png: str | None) -> list[str]:
     if png:
         out += [f"![{png}]({png})", ""]
     return out
-
-
-def _md(rows: list[tuple[str, ...]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    return "\n".join(lines)
 
 
 PNG = "bench-engine-ttft.png"

@@ -102,7 +102,7 @@ def _rounds(
     targets: dict[str, tuple[Proc, bytes]], rounds: int, **load: Any
 ) -> dict[str, dict[str, Any]]:
     """Each target `rounds` times, the order rotating: requests, CPU, elapsed, TTFT samples."""
-    agg = {
+    agg: dict[str, dict[str, Any]] = {
         k: {"ok": 0, "errors": 0, "cpu": [], "n": [], "elapsed": 0.0, "ttfb": []} for k in targets
     }
     for rnd in range(rounds):
@@ -212,8 +212,8 @@ def run(c: Cluster, quick: bool = False, baseline_src: str | None = None) -> dic
 
     # Bursts: new connections all at once; sluicegate at 1 and 2 workers.
     two = _router(c, fast, slow, workers=2, burst=bursty)
-    rounds = dict.fromkeys(BURST_SIZES, 3) if quick else BURST_ROUNDS
-    res["bursts"] = bursts(c, bursty, router, two, rounds)
+    per_size = dict.fromkeys(BURST_SIZES, 3) if quick else BURST_ROUNDS
+    res["bursts"] = bursts(c, bursty, router, two, per_size)
     stopped = (router, base, two, ngx_fast, ngx_slow, floor_fast, floor_slow)
     for p in (*stopped, fast, slow, bursty):
         if p is not None:

@@ -109,11 +109,13 @@ async def _ingest(recv_only: bool = False) -> dict[str, float]:
         kv = KvEvents(capacity=lambda _n: 4096, on_events=Metrics().kv_events)
         kv.sync(
             Backend.from_config(
-                BackendConfig(
-                    name=f"e{i}",
-                    url="http://127.0.0.1:9",
-                    models=["m"],
-                    kv_events={"endpoint": f"ipc://{run}/e{i}.sock", "topic": "kv"},
+                BackendConfig.model_validate(
+                    {
+                        "name": f"e{i}",
+                        "url": "http://127.0.0.1:9",
+                        "models": ["m"],
+                        "kv_events": {"endpoint": f"ipc://{run}/e{i}.sock", "topic": "kv"},
+                    }
                 )
             )
             for i in range(ENGINES)

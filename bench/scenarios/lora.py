@@ -87,7 +87,7 @@ def _slot_loads(mocks: list[Proc]) -> int:
     return sum(int(httpx.get(m.url + "/stats", timeout=5).json()["lora_loads"]) for m in mocks)
 
 
-def _p(values: list[float], q: float) -> float:
+def _p(values: list[float], q: int) -> float:
     if not values:
         return float("nan")
     return (

@@ -87,7 +87,9 @@ def run(
     if baseline_src:
         base = _router(c, [{"name": "d", "url": plain_d.url, "models": models}], baseline_src)
         loads["baseline"] = (base, _body(LONG))
-    agg = {k: {"ok": 0, "errors": 0, "cpu": 0.0, "ttfb": [], "elapsed": 0.0} for k in loads}
+    agg: dict[str, dict[str, Any]] = {
+        k: {"ok": 0, "errors": 0, "cpu": 0.0, "ttfb": [], "elapsed": 0.0} for k in loads
+    }
     at_rate = {k: {"ok": 0, "errors": 0, "cpu": 0.0, "elapsed": 0.0} for k in loads}
 
     def once(name: str, duration: float, rate: float = 0.0) -> dict[str, Any]:
@@ -113,8 +115,8 @@ def run(
             for k in ("ok", "errors", "cpu", "elapsed"):
                 a[k] += m[k]
             a["ttfb"] += m["ttfb"]
-    split = agg["disaggregated"]
-    rate = RATE_SHARE * split["ok"] / split["elapsed"] if split["elapsed"] else 100.0
+    ran = agg["disaggregated"]
+    rate = RATE_SHARE * ran["ok"] / ran["elapsed"] if ran["elapsed"] else 100.0
     for rnd in range(rounds):
         for name in order[rnd % len(order) :] + order[: rnd % len(order)]:
             m = once(name, seconds, rate)

@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from bench.kit.page import table
 from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
@@ -674,12 +675,6 @@ def plot(res: dict[str, Any], samples: dict[str, list[float]], path: Path) -> bo
     return True
 
 
-def _md(rows: Sequence[tuple[str, ...]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    return "\n".join(lines)
-
-
 def _bars(res: dict[str, Any]) -> list[str]:
     """A text bar chart of the hit rates and TTFT p90, for when matplotlib is absent."""
     chat = res.get("chat", {})
@@ -753,13 +748,13 @@ def section(res: dict[str, Any], png: str | None, date: str = "") -> list[str]:
                     reasons,
                 )
             )
-        out += [f"**{part}**", "", _md(rows), ""]
+        out += [f"**{part}**", "", table(rows), ""]
     rows2: list[tuple[str, ...]] = [("target", "goal", "measured", "met")]
     rows2 += [
         (a, b, str(v), "-" if ok is None else ("yes" if ok else "no"))
         for a, b, v, ok in targets(res)
     ]
-    out += [_md(rows2), ""]
+    out += [table(rows2), ""]
     out += [f"![{png}]({png})", ""] if png else [*_bars(res), ""]
     return [*out, *READING]
 
