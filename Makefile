@@ -72,7 +72,8 @@ bench: $(VENV)/.bench redis-server
 bench-quick: $(VENV)/.bench redis-server
 	$(PY) -m bench.run --quick
 
-# nginx, the hop's reference (bench/scenarios/hop.py starts its own on loopback ports; none is served here).
+# nginx, the hop's reference (bench/scenarios/hop.py starts its own on loopback ports; none is
+# served here).
 nginx:
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
 	  echo "installing nginx (the hop benchmark's reference)"; \

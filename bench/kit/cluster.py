@@ -49,7 +49,7 @@ class Bench:
         # it to the log file, as a deployment would.
         # One hash seed for every router: the layout of its dicts and sets moves one process's
         # CPU per request by 1-4 % against another's of the same code (four identical routers
-        # spread 0.6 % with one seed), which would drown the A/B comparisons below.
+        # spread 0.6 % with one seed), which would drown the A/B comparisons (`--baseline-src`).
         env = {"SLUICEGATE_LOG_LEVEL": "warning", "PYTHONHASHSEED": "0"}
         return self.cluster.router(cfg, workers=workers, env=env, src=src)
 

@@ -56,7 +56,7 @@ def _router(c: Cluster, backends: list[dict[str, Any]], src: str | None = None) 
     config: dict[str, Any] = {"backends": backends}
     if src is None:
         config["disaggregation"] = {"min_uncached_tokens": 256}
-    # One hash seed for both routers (bench/run.py says why).
+    # One hash seed for both routers (bench/kit/cluster.py says why).
     env = {"SLUICEGATE_LOG_LEVEL": "warning", "PYTHONHASHSEED": "0"}
     return c.router(config, env=env, src=src)
 
