@@ -19,14 +19,10 @@ from typing import Any
 
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
+from bench.kit.stats import pct
 from tests.harness import Cluster, Proc, backend, control, stats
 
 CHAT = "/v1/chat/completions"
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def load(router: Proc, body: dict[str, Any], concurrency: int, seconds: float) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from bench.kit.stats import pct
 from tests.harness import Cluster
 
 LONG_TOKENS, SHORT_TOKENS = 1500, 40
@@ -38,11 +39,6 @@ MAX_TOKENS = 48
 WORKERS = 4
 REQUESTS = 48  # per target
 EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def _stream(url: str, model: str, prompt: str) -> tuple[float, float] | None:
@@ -105,10 +101,10 @@ def _load(url: str, model: str, prompts: list[tuple[str, str]], workers: int) ->
         ttft, tpot = [r[0] for r in rows], [r[1] for r in rows]
         out[kind] = {
             "n": len(rows),
-            "ttft_p50_ms": round(1000 * _pct(ttft, 0.5), 1),
-            "ttft_p90_ms": round(1000 * _pct(ttft, 0.9), 1),
-            "tpot_p50_ms": round(1000 * _pct(tpot, 0.5), 2),
-            "tpot_p90_ms": round(1000 * _pct(tpot, 0.9), 2),
+            "ttft_p50_ms": round(1000 * pct(ttft, 0.5), 1),
+            "ttft_p90_ms": round(1000 * pct(ttft, 0.9), 1),
+            "tpot_p50_ms": round(1000 * pct(tpot, 0.5), 2),
+            "tpot_p90_ms": round(1000 * pct(tpot, 0.9), 2),
             "tpot_mean_ms": round(1000 * statistics.fmean(tpot), 2) if tpot else None,
         }
     return out

@@ -18,14 +18,8 @@ from bench.kit.loadgen import Result, run_load
 from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds, open_fds, rss_mb, socket_states
 from bench.kit.report import Row
+from bench.kit.stats import pct
 from tests.harness import Proc
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def overhead(bench: Bench) -> None:

@@ -25,6 +25,7 @@ import httpx
 
 from bench.kit.page import table
 from bench.kit.procstat import cpu_seconds
+from bench.kit.stats import pct
 from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
@@ -44,11 +45,6 @@ ENGINE = [
     "--background-tokens",
     "400",
 ]
-
-
-def pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
 
 
 def trace(rate: float, seconds: float, seed: int) -> list[tuple[float, int]]:

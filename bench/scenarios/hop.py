@@ -41,6 +41,7 @@ from typing import Any
 from bench.kit.loadgen import run_load
 from bench.kit.nginx import start_nginx
 from bench.kit.procstat import cpu_seconds
+from bench.kit.stats import pct
 from tests.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
@@ -117,11 +118,6 @@ def _rounds(
             a["elapsed"] += r.elapsed
             a["ttfb"] += r.ttfb
     return agg
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def _ratio_spread(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
@@ -255,7 +251,7 @@ def bursts(c: Cluster, up: Proc, one: Proc, two: Proc, rounds: dict[int, int]) -
             for rnd in range(n):
                 agg = _rounds(_rotated(targets, rnd), 1, **load)  # one round, its own order
                 for k, a in agg.items():
-                    per_round[k].append(_pct(a["ttfb"], 0.99) * 1000)
+                    per_round[k].append(pct(a["ttfb"], 0.99) * 1000)
                     pooled[k] += a["ttfb"]
                     errors[k] += a["errors"]
             added = {
@@ -263,12 +259,12 @@ def bursts(c: Cluster, up: Proc, one: Proc, two: Proc, rounds: dict[int, int]) -
                 for k, v in per_round.items()
                 if k != "direct"
             }
-            direct_p99 = _pct(pooled["direct"], 0.99) * 1000
+            direct_p99 = pct(pooled["direct"], 0.99) * 1000
             out[str(size)] = {
                 k: {
-                    "ttft_p50_ms": _pct(pooled[k], 0.5) * 1000,
-                    "ttft_p99_ms": _pct(pooled[k], 0.99) * 1000,
-                    "added_p99_ms": _pct(pooled[k], 0.99) * 1000 - direct_p99,
+                    "ttft_p50_ms": pct(pooled[k], 0.5) * 1000,
+                    "ttft_p99_ms": pct(pooled[k], 0.99) * 1000,
+                    "added_p99_ms": pct(pooled[k], 0.99) * 1000 - direct_p99,
                     "added_p99_rounds_ms": added.get(k, []),
                     "errors": errors[k],
                 }

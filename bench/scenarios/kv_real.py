@@ -34,8 +34,8 @@ from typing import Any
 
 import httpx
 
+from bench.kit.chat import routing_reasons
 from bench.kit.page import fmt, table
-from bench.scenarios.prefix_workload import _reasons
 from tests.harness import Cluster, wait_http
 
 PREFIXES = 8
@@ -146,7 +146,7 @@ def _one(
             tmp / f"{target}-{seed}.json", seed,
         )  # fmt: skip
         after = [_counts(e.url) for e in fleet.engines]
-        reasons = {k: int(v) for k, v in _reasons(router.url).items() if v}
+        reasons = {k: int(v) for k, v in routing_reasons(router.url).items() if v}
         rates = {
             r["name"]: {
                 k: (r.get("engine") or {}).get(k) for k in ("prefill_s_per_token", "step_s_per_seq")

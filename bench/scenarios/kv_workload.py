@@ -53,8 +53,9 @@ from typing import Any
 
 import httpx
 
+from bench.kit.chat import random_text, routing_reasons, send_turn
 from bench.kit.page import fmt, table
-from bench.scenarios.prefix_workload import _reasons, _send, _text, pct
+from bench.kit.stats import pct
 from tests.harness import Cluster, Proc
 
 ENGINES = 4
@@ -105,7 +106,7 @@ class Trace:
 def trace(seconds: float, seed: int = 24) -> Trace:
     rng = random.Random(seed)
     systems = tuple(
-        f"You are the assistant of customer {c}. " + _text(rng, SYSTEM_TOKENS)
+        f"You are the assistant of customer {c}. " + random_text(rng, SYSTEM_TOKENS)
         for c in range(CUSTOMERS)
     )
     reqs = []
@@ -114,8 +115,8 @@ def trace(seconds: float, seed: int = 24) -> Trace:
         t += rng.expovariate(RATE)
         if t >= seconds:
             break
-        reqs.append((t, rng.randrange(CUSTOMERS), _text(rng, 20), rng.randrange(2)))
-    floods = tuple(_text(rng, FLOOD_TOKENS) for _ in range(int(FLOOD_RATE * seconds * 2) + 4))
+        reqs.append((t, rng.randrange(CUSTOMERS), random_text(rng, 20), rng.randrange(2)))
+    floods = tuple(random_text(rng, FLOOD_TOKENS) for _ in range(int(FLOOD_RATE * seconds * 2) + 4))
     return Trace(systems, tuple(reqs), floods)
 
 
@@ -215,7 +216,7 @@ async def _play(
         nonlocal errors
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         try:
-            turn = await _send(
+            turn = await send_turn(
                 clients[replica % len(clients)],
                 _messages(t.systems[customer], question),
                 OUT_TOKENS,
@@ -294,7 +295,7 @@ async def _warm(routers: list[Proc], t: Trace) -> dict[str, int]:
 async def _send_via(client: httpx.AsyncClient, base: str, system: str) -> Any:
     c = httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT)
     try:
-        return await _send(c, _messages(system, "hello"), 2)
+        return await send_turn(c, _messages(system, "hello"), 2)
     except (httpx.HTTPError, ValueError):
         return None
     finally:
@@ -332,7 +333,7 @@ def _round(c: Cluster, f: Fleet, t: Trace, scenario: str, name: str) -> Round:
                 # The engine the warm-up put the most prompts on: its restart loses the most.
                 restart_at = int(max(where, key=lambda k: where[k])[1:]) if where else 0
         time.sleep(0.5)
-        reasons0 = [_reasons(r.url) for r in routers]
+        reasons0 = [routing_reasons(r.url) for r in routers]
         turns, wall, errors = asyncio.run(_play(f, routers, t, scenario, restart_at))
         if DUMP:
             for row in httpx.get(routers[0].url + "/admin/backends", timeout=5).json():
@@ -345,7 +346,7 @@ def _round(c: Cluster, f: Fleet, t: Trace, scenario: str, name: str) -> Round:
                 )
         reasons: dict[str, int] = {}
         for r, r0 in zip(routers, reasons0, strict=True):
-            for k, v in _reasons(r.url).items():
+            for k, v in routing_reasons(r.url).items():
                 reasons[k] = reasons.get(k, 0) + int(v - r0.get(k, 0.0))
     finally:
         for r in routers:

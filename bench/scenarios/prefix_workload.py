@@ -43,10 +43,11 @@ from typing import Any
 
 import httpx
 
+from bench.kit.chat import Turn, random_text, routing_reasons, send_turn
 from bench.kit.page import table
+from bench.kit.stats import pct
 from tests.harness import Cluster, Proc
 
-CHAT = "/v1/chat/completions"
 ENGINES = 4
 ENGINE = [
     "--engine",
@@ -92,24 +93,6 @@ class Shape:
 FULL = Shape()
 QUICK = replace(FULL, customers=16, conversations=1, turns=4, concurrency=16, fresh_requests=32)
 
-_WORDS = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which "
-    "but have an they you were her she there one all we their can has been if more when will "
-    "would who so no model token cache engine router prompt request stream batch queue block "
-    "policy customer invoice order refund shipping account billing support ticket contract"
-).split()
-
-
-def _text(rng: random.Random, tokens: int) -> str:
-    """About `tokens` tokens (four characters each, as the mock counts) of random words."""
-    words: list[str] = []
-    chars = 0
-    while chars < tokens * 4:
-        w = rng.choice(_WORDS)
-        words.append(w)
-        chars += len(w) + 1
-    return " ".join(words)
-
 
 @dataclass(frozen=True)
 class Conversation:
@@ -129,7 +112,8 @@ class Plan:
 def plan(shape: Shape) -> Plan:
     rng = random.Random(shape.seed)
     systems = tuple(
-        f"You are the assistant of customer {c}. " + _text(rng, rng.randint(*shape.system_tokens))
+        f"You are the assistant of customer {c}. "
+        + random_text(rng, rng.randint(*shape.system_tokens))
         for c in range(shape.customers)
     )
     convs: list[Conversation] = []
@@ -140,68 +124,27 @@ def plan(shape: Shape) -> Plan:
             convs.append(
                 Conversation(
                     c,
-                    tuple(_text(rng, rng.randint(*shape.user_tokens)) for _ in range(shape.turns)),
+                    tuple(
+                        random_text(rng, rng.randint(*shape.user_tokens))
+                        for _ in range(shape.turns)
+                    ),
                     tuple(rng.randrange(2) for _ in range(shape.turns)),
                     tuple(rng.expovariate(1 / shape.think_s) for _ in range(shape.turns)),
                 )
             )
     lo, hi = shape.system_tokens
     fresh = tuple(
-        (_text(rng, rng.randint(lo, hi)), rng.randrange(2), rng.expovariate(1 / shape.think_s))
+        (
+            random_text(rng, rng.randint(lo, hi)),
+            rng.randrange(2),
+            rng.expovariate(1 / shape.think_s),
+        )
         for _ in range(shape.fresh_requests)
     )
     return Plan(systems, tuple(convs), fresh)
 
 
 # ---------------------------------------------------------------------------- the client side
-
-
-@dataclass
-class Turn:
-    ttft: float
-    tokens: int
-    content: str
-    backend: str
-    cached: int  # the engine's usage.prompt_tokens_details.cached_tokens
-    prompt: int  # usage.prompt_tokens
-
-
-async def _send(
-    client: httpx.AsyncClient, messages: list[dict[str, str]], out_tokens: int
-) -> Turn | None:
-    body = {
-        "model": "m",
-        "stream": True,
-        "max_tokens": out_tokens,
-        "messages": messages,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.monotonic()
-    first: float | None = None
-    parts: list[str] = []
-    cached = prompt = 0
-    async with client.stream("POST", CHAT, json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            choices = event.get("choices") or []
-            text = choices[0].get("delta", {}).get("content") if choices else None
-            if text:
-                if first is None:
-                    first = time.monotonic() - t0
-                parts.append(text)
-            usage = event.get("usage")
-            if usage:
-                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-                prompt = int(usage.get("prompt_tokens", 0))
-    if first is None:
-        return None
-    backend = r.headers.get("x-sluicegate-backend", "?")
-    return Turn(first, len(parts), "".join(parts), backend, cached, prompt)
 
 
 @dataclass
@@ -247,7 +190,7 @@ def chat_jobs(p: Plan, shape: Shape, replicas: int) -> list[Callable[..., Any]]:
                 await asyncio.sleep(think)
                 messages.append({"role": "user", "content": user})
                 try:
-                    t = await _send(clients[rep % replicas], messages, shape.out_tokens)
+                    t = await send_turn(clients[rep % replicas], messages, shape.out_tokens)
                 except (httpx.HTTPError, ValueError):
                     t = None
                 if t is None:
@@ -278,7 +221,7 @@ def fresh_jobs(p: Plan, shape: Shape, replicas: int) -> list[Callable[..., Any]]
         async def run(clients: list[httpx.AsyncClient], tally: Tally) -> None:
             await asyncio.sleep(think)
             try:
-                t = await _send(
+                t = await send_turn(
                     clients[rep % replicas], [{"role": "user", "content": prompt}], shape.out_tokens
                 )
             except (httpx.HTTPError, ValueError):
@@ -308,25 +251,11 @@ def _counters(url: str, names: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def _reasons(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith("sluicegate_routing_decisions_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 IDX_HIT, IDX_LOOKUP = (
     "sluicegate_affinity_hit_blocks_total",
     "sluicegate_affinity_lookup_blocks_total",
 )
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
 
 
 @dataclass
@@ -399,7 +328,7 @@ def variant(
         asyncio.run(_drive([r.url for r in routers], replace(shape, concurrency=len(warm)), warm))
         time.sleep(0.5)  # the last leases released, fresh readings
     before = [_counters(m.url, (HITS, QUERIES)) for m in f.mocks]
-    routed = [(_reasons(r.url), _counters(r.url, (IDX_HIT, IDX_LOOKUP))) for r in routers]
+    routed = [(routing_reasons(r.url), _counters(r.url, (IDX_HIT, IDX_LOOKUP))) for r in routers]
     tally, wall = asyncio.run(_drive([r.url for r in routers], shape, jobs))
     after = [_counters(m.url, (HITS, QUERIES)) for m in f.mocks]
     hits = sum(a[HITS] - b[HITS] for a, b in zip(after, before, strict=True))
@@ -407,7 +336,7 @@ def variant(
     reasons: dict[str, float] = {}
     index = {IDX_HIT: 0.0, IDX_LOOKUP: 0.0}
     for r, (reasons0, index0) in zip(routers, routed, strict=True):
-        for k, v in _reasons(r.url).items():
+        for k, v in routing_reasons(r.url).items():
             reasons[k] = reasons.get(k, 0.0) + v - reasons0.get(k, 0.0)
         for k, v in _counters(r.url, (IDX_HIT, IDX_LOOKUP)).items():
             index[k] += v - index0[k]
