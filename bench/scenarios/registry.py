@@ -35,6 +35,8 @@ from tests.harness import Cluster
 
 @dataclass(frozen=True)
 class Scenario:
+    """One scenario: its name, its run function, its section of the page and its Targets rows."""
+
     name: str
     run: Callable[[Bench], None]
     section: Section | None = None
