@@ -72,7 +72,8 @@ bench: $(VENV)/.bench redis-server
 bench-quick: $(VENV)/.bench redis-server
 	$(PY) -m bench.run --quick
 
-# nginx, the hop's reference (bench/hop.py starts its own on loopback ports; none is served here).
+# nginx, the hop's reference (bench/scenarios/hop.py starts its own on loopback ports; none is
+# served here).
 nginx:
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
 	  echo "installing nginx (the hop benchmark's reference)"; \
@@ -83,7 +84,7 @@ nginx:
 # run, grew more than 5 % over bench/hop_baseline.json. On a shared machine re-run a failure
 # before believing it (docs/benchmarks.md).
 bench-hop: $(VENV)/.bench nginx
-	$(PY) -m bench.hop --check
+	$(PY) -m bench.scenarios.hop --check
 
 # docs/configuration.md from the settings model (tests/test_settings_doc.py fails while it is stale).
 docs: $(STAMP)

@@ -371,7 +371,7 @@ def test_slow_backend_least_inflight_sends_fewer_and_keeps_ttft_low(procs: Clust
     """Four backends with 8 batch slots each, one with 3x the inter-token latency, under a
     closed loop of 28 streams: round robin gives the slow one a quarter and a queue; least in
     flight gives it about its capacity's share. (What that does to the tail of time to first
-    token is measured by bench/balancers.py, not asserted on a shared machine.)"""
+    token is measured by bench/oneoff/balancers.py, not asserted on a shared machine.)"""
     # Few tokens, long gaps: the same 3x, at a chunk rate the SDK client parses unhurried also
     # on a loaded machine (a client that lags stretches every stream alike, and the 3x with them:
     # at 12 tokens 30 ms apart the slow one's share reached 0.19 on a busy machine).

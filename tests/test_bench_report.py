@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.report import splice, write_report
+from bench.kit.page import splice
+from bench.kit.report import write_report
+from bench.scenarios.registry import PAGE
 
 
 def _report(results: dict[str, Any]) -> dict[str, Any]:
@@ -34,13 +36,15 @@ def _prefix(hit: float) -> dict[str, Any]:
 
 def test_a_partial_run_replaces_its_section_and_keeps_the_others(tmp_path: Path) -> None:
     soak = {"seconds": 240, "requests": 12345}
-    write_report(_report({"soak": soak, "prefix": _prefix(0.8)}), {}, tmp_path)
+    write_report(_report({"soak": soak, "prefix": _prefix(0.8)}), {}, tmp_path, PAGE)
     page = tmp_path / "benchmarks.md"
     full = page.read_text()
     assert "12345" in full and "| cache_aware_redis | 0.800 |" in full
 
     merged = {"soak": soak, "prefix": _prefix(0.9)}
-    write_report(_report({"prefix": _prefix(0.9)}), {}, tmp_path, only=["prefix"], merged=merged)
+    write_report(
+        _report({"prefix": _prefix(0.9)}), {}, tmp_path, PAGE, only=["prefix"], merged=merged
+    )
     partial = page.read_text()
     section = partial.split("<!-- prefix:begin -->")[1].split("<!-- prefix:end -->")[0]
     assert (
@@ -64,7 +68,7 @@ def test_a_partial_run_replaces_its_section_and_keeps_the_others(tmp_path: Path)
 def test_the_targets_table_shows_the_figure_its_section_shows(tmp_path: Path) -> None:
     """A partial run rewrites the Targets table from the saved results, so the table never quotes
     a figure that the scenario's own section no longer shows."""
-    write_report(_report({"prefix": _prefix(0.8)}), {}, tmp_path)
+    write_report(_report({"prefix": _prefix(0.8)}), {}, tmp_path, PAGE)
     page = tmp_path / "benchmarks.md"
     # least_inflight's hit rate is 0.3 in both runs: the ratio row moves from 0.8/0.3 to 0.9/0.3.
     assert "| 2.67 | yes |" in page.read_text()
@@ -72,6 +76,7 @@ def test_the_targets_table_shows_the_figure_its_section_shows(tmp_path: Path) ->
         _report({"prefix": _prefix(0.9)}),
         {},
         tmp_path,
+        PAGE,
         only=["prefix"],
         merged={"prefix": _prefix(0.9)},
     )

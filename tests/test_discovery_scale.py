@@ -7,7 +7,7 @@ measures how late the loop runs. What is checked is what users see: every answer
 change shows within a few seconds, and the loop is never held for long. Before the apply was
 incremental, each change rebuilt the whole fleet (parse every slice, compose, swap, and every
 per-backend book walked in full): the loop stalled for seconds. The timings themselves are in
-the benchmark (`python -m bench.discovery --only app`).
+the benchmark (`python -m bench.oneoff.discovery --only app`).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_replacing_a_slice_of_a_large_fleet_keeps_the_router_answering(tmp_path:
                 await shows(N, 60)  # the initial list: 20,000 endpoints
                 # A full collection walks every object the 20,000 backends hold, a pause that
                 # scales with the heap, not with the change under test (the app freezes only
-                # its startup heap; bench.discovery reports the rest). Collected and frozen
+                # its startup heap; bench.oneoff.discovery reports the rest). Collected and frozen
                 # here, it cannot land inside the change's window by chance; the change's own
                 # allocations are still collected.
                 gc.collect()

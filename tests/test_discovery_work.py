@@ -7,7 +7,7 @@ hand each backend over once and publish a bounded number of snapshots per slice;
 endpoint's change must hand over one backend; a slice replaced, that slice. The code before
 issue 31 rebuilt the whole snapshot once per name (`Fleet._compose` in a loop), and every
 change handed the consumers the whole fleet: these counts were quadratic there. The timings
-are the benchmark's (`python -m bench.discovery --only large|app`).
+are the benchmark's (`python -m bench.oneoff.discovery --only large|app`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from bench.procstat import open_fds
+from bench.kit.procstat import open_fds
 from tests.harness import Cluster, Proc, in_flight
 from tests.hostile_backend import HostileBackend
 

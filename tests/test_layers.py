@@ -4,6 +4,10 @@ Layers, bottom first: settings, the backend type and errors; the upstream transp
 balancers and health; the request path's parts and the registry; metrics; the lifecycle's steps;
 the lifecycle (their order); the HTTP face, admin and status; the app; the CLI. A module may
 import its own layer or below.
+
+The benchmarks sit above the router: bench/kit (what they share), then bench/scenarios (`make
+bench`'s, with their registry above them) and bench/oneoff (investigations), then bench/run.py,
+the entry point, which nothing imports.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("router", "balancers", "health")
+PACKAGES = ("router", "balancers", "health", "bench")
 
 # Longest matching prefix wins. A new module must be placed here: an unknown one fails the test.
 LAYERS: dict[str, int] = {
@@ -88,11 +92,17 @@ LAYERS: dict[str, int] = {
     "router.app": 8,
     "router.cli": 9,
     "router.ops.probe": 9,  # the image's HEALTHCHECK entry point (stdlib only)
+    "bench.kit": 10,  # processes, loads, nginx, /proc, the page writer: no scenario
+    "bench.scenarios": 11,  # `make bench`'s scenarios
+    "bench.oneoff": 11,  # investigations run on their own
+    "bench.scenarios.registry": 12,  # the one registry: every scenario by name
+    "bench.run": 13,  # the entry point (`python -m bench.run`)
 }
 
 # Package markers (`__init__.py` holding only a docstring) sit in layer 0. They match their own
 # name only: a prefix here would place every unlisted module of the package silently.
 PACKAGE_MARKERS = frozenset({"router", "router.request", "router.registry", "router.ops"})
+PACKAGE_MARKERS |= {"bench", "bench.kit", "bench.scenarios", "bench.oneoff"}
 
 
 def _modules() -> dict[str, Path]:
@@ -162,6 +172,20 @@ def test_no_import_circle() -> None:
         if module not in state:
             visit(module, [module])
     assert circles == []
+
+
+def test_bench_scenarios_and_oneoffs_share_only_the_kit() -> None:
+    """Two rooms of one layer: `make bench`'s scenarios and the one-off investigations meet only in
+    bench/kit, so either can change without the other."""
+    rooms = ("bench.scenarios", "bench.oneoff")
+    crossing = [
+        f"{m} imports {d}"
+        for m, deps in _graph().items()
+        for d in sorted(deps)
+        for here, there in (rooms, rooms[::-1])
+        if m.startswith(here + ".") and (d == there or d.startswith(there + "."))
+    ]
+    assert crossing == []
 
 
 def test_the_checks_see_a_circle_and_an_upward_import(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ instead of building a second copy elsewhere). The first chunk matters: a prompt 
 no full block and sends no event, so a holder's pending grew with every hit (docs/kv-events.md).
 Cost: per message one decode (msgspec), and per stored block a scan for its end and one hash
 (router/engine/kv_index.py); the event counts reach the metrics once per FLUSH_INTERVAL, not per
-message (bench/kv.py).
+message (bench/scenarios/kv.py).
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ STATES = ("waiting", "live", "unsure", "replaying", "error")
 def _frames(recv: Callable[..., Any]) -> list[bytes]:
     """One multipart message, waiting for none (zmq.Again: nothing queued). pyzmq's
     `recv_multipart` asks `getsockopt(RCVMORE)` after each frame, which converts the option to
-    its enum in Python: 3 of those a batch were a tenth of the ingestion's cost (bench/kv.py).
-    A frame received without a copy carries the flag itself. A message's frames arrive
-    together, so none is missing once its first has come."""
+    its enum in Python: 3 of those a batch were a tenth of the ingestion's cost
+    (bench/scenarios/kv.py). A frame received without a copy carries the flag itself. A message's
+    frames arrive together, so none is missing once its first has come."""
     frame = recv(zmq.NOBLOCK, copy=False)
     parts = [frame.bytes]
     while frame.more:
@@ -650,7 +650,7 @@ class KvEvents:
     def flush(self) -> None:
         """Hand the counts received since the last flush to `on_events` (the Prometheus
         counters): every FLUSH_INTERVAL from the pump, and at each scrape. Per batch, the
-        counters' two increments cost a tenth of the ingestion (bench/kv.py)."""
+        counters' two increments cost a tenth of the ingestion (bench/scenarios/kv.py)."""
         on = self._on_events
         if on is None:
             return

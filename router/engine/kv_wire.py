@@ -15,7 +15,7 @@ A map-encoded batch of known types and unsigned int hashes (what vLLM 0.32 sends
 decoder call into the very `Stored`/`Removed`/`Cleared` structs the index reads, already in the
 one spelling per block, with no per-event Python objects besides those and no pass over them
 after; an array-encoded batch, one holding a type we do not know or a signed hash, falls back
-to one decode per event (bench/kv.py measures the ingestion budget). The structs are not
+to one decode per event (bench/scenarios/kv.py measures the ingestion budget). The structs are not
 tracked by the garbage collector (they hold no cycle), so a busy feed triggers fewer
 collections.
 """

@@ -3,9 +3,9 @@
 A real engine's `/metrics` is hundreds of lines (histograms with a line per bucket); the router
 needs five or six lines of it. `bytes.find` of "\n<family name>" jumps to those lines in C; the
 rest of the text is never split, decoded or looked at.
-(bench/engine_parse.py measures this against prometheus-client's parser.) Values of series of
-one family are summed across their labels (`model_name`, `engine`, data-parallel ranks); KV
-shares, being shares, are averaged.
+(bench/scenarios/engine.py's `parse_cost` measures it against prometheus-client's parser.)
+Values of series of one family are summed across their labels (`model_name`, `engine`,
+data-parallel ranks); KV shares, being shares, are averaged.
 
 Rejected, as `MetricsError` with a short reason: no wanted family at all, a value that is not a
 number, NaN or infinite, negative, or absurd (a queue of a million, a KV share above 1), more than

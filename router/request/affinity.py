@@ -3,7 +3,8 @@ each attempt's pick context what the prefix index knows of its candidates (`hint
 the dispatch.
 
 Only balancers declaring `needs_hints` (`cache_aware`) pay for it: ~0.13-0.17 ms CPU for a
-32k-character prompt (hash, lookup and update, bench/prefix.py; shared in Redis 0.2-0.3 ms).
+32k-character prompt (hash, lookup and update, bench/oneoff/prefix.py; shared in Redis 0.2-0.3
+ms).
 Each backend's share of the index is bounded by its engine's KV capacity
 (`vllm:cache_config_info` through the engine readings) or `affinity.capacity_tokens`.
 The local index (`balancers/prefix_index.py`) is per process; with Redis the index is shared

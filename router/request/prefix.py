@@ -11,7 +11,7 @@ A body with neither `messages` nor `prompt` (or a prompt shorter than one block)
 no affinity, never an error. A request for a LoRA adapter starts its chain from a key of the
 adapter's name (`seed`): the same prompt under an adapter and under the base model (or another
 adapter) shares no block, as the engine caches them apart.
-Cost: ~0.13 ms CPU for a 32k-character prompt (bench/prefix.py);
+Cost: ~0.13 ms CPU for a 32k-character prompt (bench/oneoff/prefix.py);
 xxhash's xxh3 would hash the blocks ~5x faster (0.02 against 0.1 ms in one run), but blake2b
 is well within the 0.3 ms budget and needs no new dependency.
 """

@@ -23,7 +23,7 @@ completion prompt too, its special tokens (the BOS) put around as the tokenizer'
 them. New pieces are encoded in Rust, with the GIL released (`encode_batch`; `encode` keeps
 it). A prompt past `tokenize_inline_chars` is tokenized in a worker thread, off the event loop.
 The floor is the library's: a cold 8k-token prompt costs what `tokenizers` takes to encode it
-(bench/kv.py reports both).
+(bench/scenarios/kv.py reports both).
 Anything a template or tokenizer rejects gives no tokens (the request is routed on the
 approximate index), never an error: the engine answers for the request itself.
 """

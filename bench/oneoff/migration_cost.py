@@ -1,0 +1,74 @@
+"""What migration costs when nothing fails: router CPU per streamed request, on against off.
+
+    python -m bench.oneoff.migration_cost      # about two minutes
+
+Routers from this checkout in front of one mock (64-token streams, no delay), PER_SETTING of
+each setting: the default (migration on for the mock's `kind: vllm`) and `migration: {enabled:
+false}`. Loads alternate between them in ROUNDS rounds at concurrency 32 so the shared machine's
+noise falls on all; the figure is the ratio of the settings' CPU per request (their process trees,
+from /proc), one run. Several processes per setting, since one process's CPU per request differs
+from another's of the same code by about 1 %. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from bench.kit.cluster import Bench
+
+ROUNDS = 6
+SECONDS = 3.0
+PER_SETTING = 3
+CONCURRENCY = 32
+
+
+def main() -> int:
+    bench = Bench(quick=True)
+    try:
+        up = bench.mock("fast", tokens=64)
+        settings: dict[str, dict[str, Any]] = {
+            "on": {},
+            "off": {"migration": {"enabled": False}},
+        }
+        targets = {
+            (name, i): bench.router([up], **extra)
+            for i in range(PER_SETTING)
+            for name, extra in settings.items()
+        }
+        msgs = [{"role": "user", "content": "hi"}]  # a call that may migrate has messages
+        body = {"model": "m", "stream": True, "max_tokens": 64, "messages": msgs}
+        cpu = dict.fromkeys(settings, 0.0)
+        ok = dict.fromkeys(settings, 0)
+        for router in targets.values():  # warm-up
+            bench.measured(router, router, body, CONCURRENCY, duration=1.0)
+        keys = list(targets)
+        for rnd in range(ROUNDS):
+            for name, i in keys[rnd % len(keys) :] + keys[: rnd % len(keys)]:
+                router = targets[(name, i)]
+                m = bench.measured(router, router, body, CONCURRENCY, duration=SECONDS)
+                cpu[name] += m["hop_cpu_s"]
+                ok[name] += m["ok"]
+        per = {k: cpu[k] / ok[k] * 1000 for k in settings}
+        print(
+            json.dumps(
+                {
+                    "cpu_ms_per_req": per,
+                    "requests": ok,
+                    "on_vs_off_cpu": per["on"] / per["off"],
+                    "rounds": ROUNDS,
+                    "routers_per_setting": PER_SETTING,
+                    "seconds": SECONDS,
+                    "concurrency": CONCURRENCY,
+                }
+            ),
+            flush=True,
+        )
+    finally:
+        bench.cluster.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
