@@ -5,8 +5,8 @@
 estimate alone exceeds the key's whole `tpm` is `request_too_large`, without `Retry-After`: no
 window ever admits it) or reserves one request, `estimate` tokens and one parallel slot, and
 returns a `Reservation` whose `close(used)` (called in the lifecycle's `finally`) frees the slot
-and corrects the token count with the tokens the response really used. Windows slide over 1 s sub-
-buckets, the same as the shared form in Redis (`quota_shared.py`, which says why): a use stops
+and corrects the token count with the tokens the response really used. Windows slide over 1 s
+sub-buckets, the same as the shared form in Redis (`quota_shared.py`, which says why): a use stops
 counting 61 s after its bucket began, so no 60 s ever sees more than the limit; memory is a few
 dozen buckets per key whatever the traffic (a log of every request held ~360k entries at 2k
 requests/s and cost CPU in cache misses and allocation). Without Redis each worker and replica
