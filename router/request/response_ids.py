@@ -245,12 +245,10 @@ class ResponseIds:
             return None
         if raw is None:
             return None
-        holder = _parse(raw)
-        if holder is None:
-            return None
-        if holder.owned_by(owner):
-            self._keep(response_id, holder)
-        return holder
+        stored = _parse(raw)
+        if stored is not None and stored.owned_by(owner):
+            self._keep(response_id, stored)
+        return stored
 
     def sized(self, response_id: str, owner: str, tokens: int) -> None:
         """The conversation behind `response_id` is `tokens` long (its latest usage): what a
