@@ -49,12 +49,12 @@ _SEP = "\x1f"
 ANONYMOUS = "-"  # the owner of every response when no client keys are configured
 MAX_SIZING = 1024  # size writes to Redis in flight at once; past it one is dropped (a hint)
 
+# Lua: true when the id's value `v` names the owner ARGV[1] (its third field).
+_OWNS = "v and string.match(v, '^[^\\031]*\\031[^\\031]*\\031([^\\031]*)') == ARGV[1]"
 # KEYS: the id's key. ARGV: owner, ttl s. The value; its ttl refreshed only when the owner's.
-_FIND = """
+_FIND = f"""
 local v = redis.call('GET', KEYS[1])
-if v and string.match(v, '^[^\\031]*\\031[^\\031]*\\031([^\\031]*)') == ARGV[1] then
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-end
+if {_OWNS} then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return v
 """
 # KEYS: the id's key. ARGV: the value's head (backend, model, owner, each with its separator),
@@ -84,11 +84,9 @@ end
 return gone
 """
 # KEYS: the id's key. ARGV: owner. Deleted only while it is that owner's.
-_DROP = """
+_DROP = f"""
 local v = redis.call('GET', KEYS[1])
-if v and string.match(v, '^[^\\031]*\\031[^\\031]*\\031([^\\031]*)') == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
+if {_OWNS} then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
