@@ -103,15 +103,13 @@ def estimate_tokens(
             completion = default_max_tokens
     else:
         completion = 0
-    prompts = _prompts(payload) if completion else 1
+    # A completions batch: a `prompt` list of texts or of token-id lists is one prompt per
+    # item (a list of ids is one prompt), each generating `sequences`.
+    prompts = 1
+    if completion:
+        batch = payload.get("prompt")
+        if type(batch) is list and batch and type(batch[0]) is not int:
+            prompts = len(batch)
     prompt = min(body_len // 4 + history, prompts * max_model_len) if prompt_from_body else 0
-    return min(prompt + prompts * sequences * min(completion, max_model_len), MAX_ESTIMATE)
-
-
-def _prompts(payload: Mapping[str, Any]) -> int:
-    """The prompts of a completions batch: a `prompt` list of texts or of token-id lists is one
-    prompt per item (a list of ids, one prompt); anything else is one prompt."""
-    prompt = payload.get("prompt")
-    if type(prompt) is list and prompt and type(prompt[0]) is not int:
-        return len(prompt)
-    return 1
+    total = prompt + prompts * sequences * min(completion, max_model_len)
+    return total if total < MAX_ESTIMATE else MAX_ESTIMATE
