@@ -170,6 +170,7 @@ def _response_ids(settings: Settings, client: Client | None) -> ResponseIds:
         settings.redis_prefix,
         timeout=settings.redis_timeout * 4,
         owns_client=False,
+        max_per_key=cfg.max_per_key,
     )
 
 

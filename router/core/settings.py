@@ -385,6 +385,9 @@ class ResponseIdsConfig(_Strict):
 
     ttl: float = Field(86400.0, ge=1, le=30 * 86400)  # seconds after its last use an id is kept
     max_local: int = Field(100_000, ge=1, le=10_000_000)  # ids this process keeps itself
+    # Stored responses one client key keeps (all of them, with no client keys configured); past
+    # it the key's oldest id is forgotten, here and in Redis (one Redis key each otherwise).
+    max_per_key: int = Field(10_000, ge=1, le=10_000_000)
 
 
 class AffinityConfig(_Strict):

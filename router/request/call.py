@@ -25,6 +25,7 @@ from router.request.parts import Parts
 from router.request.pd import RolePools
 from router.request.quota import Hold
 from router.request.record import RequestRecord
+from router.request.response_ids import ANONYMOUS
 from router.request.stitch import Stitch
 from router.request.usage_stream import inject, needs_injection, with_usage
 
@@ -54,6 +55,7 @@ class Call:
         "migrations",
         "model",
         "model_span",
+        "owner",
         "path",
         "payload",
         "plan",
@@ -64,6 +66,7 @@ class Call:
         "segment",
         "started",
         "stitch",
+        "stored_id",
         "stream",
         "text",
         "ticket",
@@ -116,6 +119,8 @@ class Call:
         self.anthropic = endpoint.errors == "anthropic"
         # Remember a new stored response's id with its backend (`store: false`: none is kept).
         self.remembers = endpoint.state == "creates" and payload.get("store") is not False
+        self.owner = ANONYMOUS  # the client key's tag on stored responses (set on getting in)
+        self.stored_id: str | None = None  # the id remembered for this response, once it is
         self._injected: bytes | None = None  # the body with include_usage, made once
         self.started = False  # the response head reached the client
         self.trace: RequestTrace = NO_TRACE

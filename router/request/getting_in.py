@@ -25,7 +25,7 @@ from router.request.estimate import BadLimit, estimate_tokens
 from router.request.parts import Parts
 from router.request.quota import KeyLimits
 from router.request.record import RequestRecord
-from router.request.response_ids import Holder
+from router.request.response_ids import ANONYMOUS, Holder
 from router.request.validate import ValidRequest, request_id_of, validate
 
 
@@ -39,6 +39,7 @@ async def get_in(
     weight: float,
     limits: KeyLimits | None,
     response_id: str | None,
+    owner: str = ANONYMOUS,
 ) -> Call | Response:
     request_id = request_id_of(request.headers.get("x-request-id"))
     if parts.lifecycle.draining:
@@ -55,8 +56,11 @@ async def get_in(
         parts.metrics.loop_refused()
         return hop
     checked: ValidRequest | Response
+    history = 0  # the stored conversation a request continues, in tokens (0: none, unknown)
     if endpoint.state == "follows":
-        checked = await _follow(parts, request, request_id, response_id or "", allowed_models)
+        checked = await _follow(
+            parts, request, request_id, response_id or "", allowed_models, owner
+        )
     else:
         checked = await validate(
             request,
@@ -68,7 +72,8 @@ async def get_in(
             parts.settings.max_upload_bytes,
         )
         if endpoint.state == "creates" and not isinstance(checked, Response):
-            checked = await _continue(parts, checked, request_id)
+            continued = await _continue(parts, checked, request_id, owner)
+            checked, history = continued if isinstance(continued, tuple) else (continued, 0)
     if isinstance(checked, Response):
         return checked
     try:
@@ -79,6 +84,7 @@ async def get_in(
             parts.default_max_tokens,
             parts.max_model_len,
             endpoint.prompt_from_body,
+            history,
         )
     except BadLimit as bad:
         return error_response(
@@ -126,6 +132,7 @@ async def get_in(
         endpoint,
         checked.model_span,
     )
+    call.owner = owner
     if limits is not None and endpoint.quota:
         held = await parts.quotas.admit(limits, estimate, request_id)
         if isinstance(held, Response):
@@ -145,21 +152,24 @@ def let_go(parts: Parts, call: Call, used: float) -> None:
 
 
 async def _continue(
-    parts: Parts, checked: ValidRequest, request_id: str
-) -> ValidRequest | Response:
-    """A Responses request with `previous_response_id` goes to the backend holding it."""
+    parts: Parts, checked: ValidRequest, request_id: str, owner: str
+) -> tuple[ValidRequest, int] | Response:
+    """A Responses request with `previous_response_id` goes to the backend holding it; with the
+    stored conversation's known size (tokens), which its estimate carries."""
     previous = checked.payload.get("previous_response_id")
     if not isinstance(previous, str) or not previous:
-        return checked
-    holder = await parts.response_ids.find(previous)
+        return checked, 0
+    holder = await parts.response_ids.find(previous, owner)
     if holder is None:
         if len(checked.backends) == 1:
-            return checked  # made before this router knew it: only one engine can have it
+            return checked, 0  # made before this router knew it: only one engine can have it
+        return _response_gone(previous, request_id, "previous_response_id", None)
+    if not holder.owned_by(owner):  # another key's: as unknown, even with one engine
         return _response_gone(previous, request_id, "previous_response_id", None)
     backend = next((b for b in checked.backends if b.name == holder.backend), None)
     if backend is None:
         return _response_gone(previous, request_id, "previous_response_id", holder)
-    return dataclasses.replace(checked, backends=(backend,))
+    return dataclasses.replace(checked, backends=(backend,)), holder.tokens
 
 
 async def _follow(
@@ -168,10 +178,16 @@ async def _follow(
     request_id: str,
     response_id: str,
     allowed_models: Set[str] | None,
+    owner: str,
 ) -> ValidRequest | Response:
-    """`GET /v1/responses/{id}` or `.../cancel`: the backend holding the response."""
-    holder = await parts.response_ids.find(response_id)
-    if holder is None or (allowed_models is not None and holder.model not in allowed_models):
+    """`GET /v1/responses/{id}` or `.../cancel`: the backend holding the response, for its
+    owner only."""
+    holder = await parts.response_ids.find(response_id, owner)
+    if (
+        holder is None
+        or not holder.owned_by(owner)
+        or (allowed_models is not None and holder.model not in allowed_models)
+    ):
         return _response_gone(response_id, request_id, "response_id", None)
     backends = parts.registry.snapshot.by_model.get(holder.model, ())
     backend = next((b for b in backends if b.name == holder.backend), None)

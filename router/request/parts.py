@@ -58,7 +58,11 @@ class Parts:
         self.response_ids = (
             response_ids
             if response_ids is not None
-            else ResponseIds(settings.response_ids.ttl, settings.response_ids.max_local)
+            else ResponseIds(
+                settings.response_ids.ttl,
+                settings.response_ids.max_local,
+                max_per_key=settings.response_ids.max_per_key,
+            )
         )
         # This deployment's mark on upstream requests; a request bearing it already is a loop.
         self.hops = hops or HopMarker(settings.deployment_id)

@@ -13,6 +13,7 @@ the drain count (taken around the task) and getting in's holds (closed with the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Set
 from typing import Any
 
@@ -30,6 +31,7 @@ from router.request.getting_in import get_in, let_go
 from router.request.migrate import carry_on
 from router.request.parts import Parts
 from router.request.quota import KeyLimits
+from router.request.response_ids import ANONYMOUS
 from router.request.watch import run_watched
 
 CHAT = BY_ROUTE[("POST", "/v1/chat/completions")]
@@ -48,12 +50,15 @@ class Proxy(Parts):
         weight: float = 1.0,
         limits: KeyLimits | None = None,
         response_id: str | None = None,
+        owner: str = ANONYMOUS,
     ) -> Response:
         """`endpoint`: its row (`router/core/endpoints.py`); `allowed_models`: the public names
         the client's key may use (None: any); `priority`, `weight`: the key's admission band
         and share; `response_id`: the id in the path of an endpoint that follows a stored
-        response. The router's own errors come OpenAI-shaped (the web layer turns them into
-        Anthropic's for the Messages API; a `ProxyCall` does that itself)."""
+        response; `owner`: the key's tag on the stored responses it makes and may reach
+        (router/request/response_ids.py). The router's own errors come OpenAI-shaped (the web
+        layer turns them into Anthropic's for the Messages API; a `ProxyCall` does that
+        itself)."""
         call = await get_in(
             self,
             request,
@@ -64,6 +69,7 @@ class Proxy(Parts):
             weight,
             limits,
             response_id,
+            owner,
         )
         return call if isinstance(call, Response) else ProxyCall(self, call)
 
@@ -89,7 +95,10 @@ class ProxyCall(Response):
                 parts.lifecycle.leave()
         finally:
             used = account.tokens(call)
-            let_go(parts, call, account.charged(call, used))
+            charged = account.charged(call, used)
+            let_go(parts, call, charged)
+            if call.stored_id is not None:  # what a request continuing it will carry along
+                parts.response_ids.sized(call.stored_id, call.owner, math.ceil(charged))
             account.book(parts, call, used)
 
     async def _run(self, send: Send) -> None:

@@ -214,5 +214,7 @@ async def _remember_id(parts: Parts, call: Call, seen: bytes, backend: Backend) 
     if found is None:
         return seen if len(seen) < _ID_WINDOW else None
     response_id = found.group(1).decode("utf-8", "replace")
-    await parts.response_ids.remember(response_id, Holder(backend.name, call.model))
+    holder = Holder(backend.name, call.model, call.owner)
+    if await parts.response_ids.remember(response_id, holder):
+        call.stored_id = response_id
     return None

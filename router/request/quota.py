@@ -1,15 +1,17 @@
 """Per-key quotas, enforced in this process: `rpm`, `tpm` and `max_parallel` from a key's entry.
 
 `Quotas.admit(limits, estimate)` is called once per request before it is proxied: it refuses with
-429 in OpenAI's shape (`rate_limit_exceeded`, `Retry-After`, `x-ratelimit-*`) or reserves one
-request, `estimate` tokens and one parallel slot, and returns a `Reservation` whose `close(used)`
-(called in the lifecycle's `finally`) frees the slot and corrects the token count with the
-tokens the response really used. Windows slide over 1 s sub-buckets, the same as the shared
-form in Redis (`quota_shared.py`, which says why): a use stops counting 61 s after its bucket
-began, so no 60 s ever sees more than the limit; memory is a few dozen buckets per key whatever
-the traffic (a log of every request held ~360k entries at 2k requests/s and cost CPU in cache
-misses and allocation). Without Redis each worker and replica enforces the limits on its own
-traffic (per process); with Redis this is the fallback, fed each process's share.
+429 in OpenAI's shape (`rate_limit_exceeded`, `Retry-After`, `x-ratelimit-*`; a request whose
+estimate alone exceeds the key's whole `tpm` is `request_too_large`, without `Retry-After`: no
+window ever admits it) or reserves one request, `estimate` tokens and one parallel slot, and
+returns a `Reservation` whose `close(used)` (called in the lifecycle's `finally`) frees the slot
+and corrects the token count with the tokens the response really used. Windows slide over 1 s
+sub-buckets, the same as the shared form in Redis (`quota_shared.py`, which says why): a use stops
+counting 61 s after its bucket began, so no 60 s ever sees more than the limit; memory is a few
+dozen buckets per key whatever the traffic (a log of every request held ~360k entries at 2k
+requests/s and cost CPU in cache misses and allocation). Without Redis each worker and replica
+enforces the limits on its own traffic (per process); with Redis this is the fallback, fed each
+process's share.
 """
 
 from __future__ import annotations
@@ -170,6 +172,27 @@ def refusal(
     return out
 
 
+def too_large(limits: KeyLimits, estimate: int, request_id: str) -> Response | None:
+    """The 429 for a request whose estimate alone exceeds the key's whole tpm (None: it does
+    not). Waiting cannot help it, so it gets no Retry-After, and `x-should-retry: false` keeps
+    the OpenAI SDKs from retrying it."""
+    tpm = limits.tpm
+    if tpm is None or estimate <= tpm:
+        return None
+    out = error_response(
+        429,
+        f"Request too large for this key: its estimated {estimate} tokens (prompt, stored "
+        f"conversation, and max tokens x n for each prompt) exceed the key's whole limit of "
+        f"{tpm} tokens per minute, so it can never be admitted. Reduce the input, the max "
+        "tokens, n or the number of prompts.",
+        "rate_limit_exceeded",
+        "request_too_large",
+        {"x-request-id": request_id, "x-should-retry": "false"},
+    )
+    out.raw_headers.append((b"x-ratelimit-limit-tokens", b"%d" % tpm))
+    return out
+
+
 class Reservation:
     __slots__ = ("_book", "_bucket", "_estimate", "_state", "headers", "on_correct")
 
@@ -266,8 +289,19 @@ class Quotas:
         return Reservation(self, st, sec, estimate if limits.tpm is not None else None, [])
 
     def admit_now(
-        self, limits: KeyLimits, estimate: int, request_id: str
+        self, limits: KeyLimits, estimate: int, request_id: str, whole_tpm: int | None = None
     ) -> Reservation | Response:
+        """`whole_tpm`: the key's whole tpm when `limits` is only this process's share of it
+        (None: `limits` is the whole)."""
+        big = too_large(
+            limits if whole_tpm is None else KeyLimits(limits.key_id, tpm=whole_tpm),
+            estimate,
+            request_id,
+        )
+        if big is not None:
+            if self._on_refused is not None:
+                self._on_refused(limits.label, "tpm")
+            return big
         now = self.clock()
         sec = int(now)
         st = self._keys.get(limits.key_id)
@@ -289,7 +323,8 @@ class Quotas:
         if limits.tpm is not None:
             window = st.tokens
             used = window.used(sec)
-            # A request bigger than the whole limit waits for an empty window, not forever.
+            # Only a share (Redis down) can be smaller than an estimate that passed `too_large`:
+            # such a request waits for the share's window to empty, not forever.
             need = min(estimate, limits.tpm)
             if used + need > limits.tpm:
                 reset = window.reset_after(now, need, limits.tpm)

@@ -60,6 +60,7 @@ from router.request.quota import (
     Reservation,
     rate_headers,
     refusal,
+    too_large,
 )
 from router.state.store import ScriptFailed, SharedStore
 
@@ -99,8 +100,8 @@ local function window(key, limit, need)
   table.sort(live, function(x, y) return x[1] < y[1] end)
   local reset = 0
   if total + need > limit then
-    -- when enough leaves for `need` (at most the whole limit: a huge request waits for an
-    -- empty window, not forever)
+    -- when enough leaves for `need` (never more than the limit: a larger estimate is refused
+    -- before this script, `quota.too_large`)
     local over = total + need - limit
     reset = BUCKETS * 1000
     for _, e in ipairs(live) do
@@ -123,7 +124,7 @@ if rpm > 0 then
 end
 if tpm > 0 then
   local ok
-  t_used, t_reset, ok = window(KEYS[2], tpm, math.min(est, tpm))
+  t_used, t_reset, ok = window(KEYS[2], tpm, est)
   if not ok and refused == 0 then refused = 2 end
 end
 if refused == 0 and par > 0 then
@@ -484,6 +485,11 @@ class SharedQuotas(SharedStore[_Owed]):
     async def admit(
         self, limits: KeyLimits, estimate: int, request_id: str
     ) -> SharedReservation | Reservation | Response:
+        big = too_large(limits, estimate, request_id)
+        if big is not None:  # no window of the key ever admits it: Redis need not be asked
+            if self._on_refused is not None:
+                self._on_refused(limits.label, "tpm")
+            return big
         if self.degraded:
             return self._admit_local(limits, estimate, request_id)
         tag = self._tag(limits.key_id)
@@ -560,7 +566,7 @@ class SharedQuotas(SharedStore[_Owed]):
         share = self._shares.get(limits)
         if share is None:
             share = self._shares[limits] = _share(limits, self.processes)
-        held = self.local.admit_now(share, estimate, request_id)
+        held = self.local.admit_now(share, estimate, request_id, limits.tpm)
         if isinstance(held, Reservation):
             tag = self._tag(limits.key_id)
             sec = int(self.local.clock())

@@ -35,7 +35,6 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -514,14 +513,52 @@ async def request_tokens(
 
 
 def prompt_chars(payload: dict[str, Any]) -> int:
-    """A prompt's characters of text (256 for a message whose content is not a string)."""
+    """A prompt's characters of text, as the size guards need them: a message's content as a
+    string or as a list of parts (each text part's length, OTHER_PART for any other part, as
+    for a content of another kind), its `reasoning` and its tool calls' `arguments`; a
+    completion prompt's text, ids, or every prompt of a batch. One pass over the messages and
+    their parts (what the JSON parse already walked), no copy."""
     messages = payload.get("messages")
     if isinstance(messages, list):
-        return sum(
-            len(m.get("content") or "")
-            if isinstance(m, dict) and isinstance(m.get("content"), str)
-            else 256
-            for m in messages
-        )
+        return sum(_message_chars(m) for m in messages)
     prompt = payload.get("prompt")
-    return len(prompt) if isinstance(prompt, str | Sequence) else 0
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        if not prompt or type(prompt[0]) is int:
+            return len(prompt)  # token ids: about a character each at the least
+        return sum(len(p) if isinstance(p, str | list) else OTHER_PART for p in prompt)
+    return 0
+
+
+# What a content part that is not text (an image, audio), or a content of another kind, counts.
+OTHER_PART = 256
+
+
+def _message_chars(m: Any) -> int:
+    if not isinstance(m, dict):
+        return OTHER_PART
+    content = m.get("content")
+    if isinstance(content, str):
+        n = len(content)
+    elif isinstance(content, list):
+        n = 0
+        for p in content:
+            if isinstance(p, str):
+                n += len(p)
+            elif isinstance(p, dict) and isinstance(text := p.get("text"), str):
+                n += len(text)
+            else:
+                n += OTHER_PART
+    else:
+        n = 0 if content is None else OTHER_PART
+    reasoning = m.get("reasoning")
+    if isinstance(reasoning, str):
+        n += len(reasoning)
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        for c in calls:
+            fn = c.get("function") if isinstance(c, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            n += len(args) if isinstance(args, str) else OTHER_PART
+    return n

@@ -56,6 +56,7 @@ def proxy_endpoints(proxy: Proxy, keys: ClientKeys | None = None) -> dict[Endpoi
                 key.weight,
                 key.limits,
                 response_id,
+                key.owner,
             )
 
         async def anthropic_handler(request: Request) -> Response:

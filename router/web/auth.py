@@ -24,6 +24,7 @@ from starlette.responses import Response
 from router.core.errors import error_response
 from router.core.settings import ClientKeyConfig, read_api_keys_file
 from router.request.quota import KeyLimits
+from router.request.response_ids import ANONYMOUS, owner_of
 
 log = logging.getLogger("sluicegate.auth")
 
@@ -101,6 +102,7 @@ class ClientKey:
     priority: str = "standard"  # admission band
     weight: float = 1.0  # share within the band
     limits: KeyLimits | None = None  # rpm / tpm / max_parallel, when the entry sets any
+    owner: str = ANONYMOUS  # the stored responses it may reach (response_ids.owner_of)
 
 
 class ClientKeys:
@@ -143,6 +145,7 @@ class ClientKeys:
                 e.priority,
                 e.weight,
                 limits,
+                owner_of(e.sha256),
             )
         self._keys = keys
 
