@@ -72,3 +72,12 @@ def test_the_annotated_config_example_loads(tmp_path: Path) -> None:
     settings = load_settings(tmp_path / "config.yaml")
     assert [b.name for b in settings.backends] == ["vllm-a", "openai", "azure"]
     assert settings.admission is not None and settings.redis_prefix == "sluicegate"
+
+
+def test_the_readme_quotes_no_benchmark_figure() -> None:
+    """Figures live on the benchmark page, made from the results; a README that copies them
+    drifts (as the Targets table once did). Latencies, ratios and rates outside code blocks
+    are refused here."""
+    text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.S)
+    figures = re.findall(r"\b\d+(?:\.\d+)?\s?(?:ms|us|µs|x|%|req/s|tokens/s)(?![\w/])", text)
+    assert figures == [], f"README quotes figures (move them to bench/reading.md): {figures}"
