@@ -12,11 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
-from tests.harness import Cluster, Proc, backend, control, sha, stats, wait_for
+from tests.harness import Cluster, Proc, backend, booked, control, sha, stats, wait_for
 
 ADMIN = "admin-background-token-0123456789"
 TPM = 2000
@@ -43,17 +42,6 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
 
 def sdk(router: Proc, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0, timeout=20)
-
-
-def booked(router: Proc, key: str) -> dict[str, int]:
-    rows: list[dict[str, Any]] = httpx.get(
-        router.url + "/admin/usage",
-        params={"key": key},
-        headers={"authorization": f"Bearer {ADMIN}"},
-        timeout=5,
-    ).json()["data"]
-    fields = ("prompt_tokens", "completion_tokens", "requests", "estimated_requests")
-    return {f: sum(int(r[f]) for r in rows) for f in fields}
 
 
 def finished(client: openai.OpenAI, response_id: str, within: float = 30.0) -> Any:
@@ -91,7 +79,7 @@ def test_background_responses_are_charged_their_whole_estimate(fleet: dict[str, 
     assert stats(mock)["tokens_generated"] >= len(made) * BUDGET
     # The usage book holds what the quota charged: the estimate, marked estimated; the GETs
     # that fetched the outputs added nothing.
-    book = booked(router, "bg")
+    book = booked(router, "bg", ADMIN)
     assert book["requests"] == book["estimated_requests"] == len(made)
     assert book["prompt_tokens"] + book["completion_tokens"] >= len(made) * BUDGET
 

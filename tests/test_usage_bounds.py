@@ -6,8 +6,6 @@ cannot charge a key a billion tokens (defect 14). Real router, mock engines, the
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 import openai
 import pytest
@@ -17,6 +15,7 @@ from tests.harness import (
     Cluster,
     Proc,
     backend,
+    booked,
     control,
     expected_text,
     metric,
@@ -56,17 +55,6 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
     return {"router": router, "slow": slow, "a": a, "b": b}
 
 
-def booked(router: Proc, key: str) -> dict[str, int]:
-    rows: list[dict[str, Any]] = httpx.get(
-        router.url + "/admin/usage",
-        params={"key": key},
-        headers={"authorization": f"Bearer {ADMIN}"},
-        timeout=5,
-    ).json()["data"]
-    fields = ("prompt_tokens", "completion_tokens", "requests", "estimated_requests")
-    return {f: sum(int(r[f]) for r in rows) for f in fields}
-
-
 def test_an_abandoned_whole_answer_is_booked_at_its_estimate(fleet: dict[str, Proc]) -> None:
     router, slow = fleet["router"], fleet["slow"]
     # ~2 s of generation; the client gives up after 0.3 s, before any response head.
@@ -79,8 +67,8 @@ def test_an_abandoned_whole_answer_is_booked_at_its_estimate(fleet: dict[str, Pr
             headers={"authorization": f"Bearer {GONE}"},
             timeout=0.3,
         )
-    wait_for(lambda: booked(router, "gone")["requests"] == 1, "the abandoned request booked")
-    book = booked(router, "gone")
+    wait_for(lambda: booked(router, "gone", ADMIN)["requests"] == 1, "the abandoned request booked")
+    book = booked(router, "gone", ADMIN)
     assert book["prompt_tokens"] + book["completion_tokens"] == estimate
     assert book["estimated_requests"] == 1
     counted = metric(router, "sluicegate_tokens_total", key="gone", kind="prompt") + metric(
@@ -115,8 +103,8 @@ def test_a_lying_tokenize_count_is_bounded_by_the_text(fleet: dict[str, Proc]) -
     # b said the 10 relayed tokens were 999,999,999; they are at most their text's bytes (+8).
     most = 40 + len(expected_text(BREAK_AT).encode()) + 8
     assert 40 <= usage.completion_tokens <= most
-    wait_for(lambda: booked(router, "moved")["requests"] == 1, "the request booked")
-    book = booked(router, "moved")
+    wait_for(lambda: booked(router, "moved", ADMIN)["requests"] == 1, "the request booked")
+    book = booked(router, "moved", ADMIN)
     assert book["completion_tokens"] <= most
     # The key is not locked out: its next request is admitted.
     again = client.chat.completions.create(
