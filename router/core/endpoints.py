@@ -43,8 +43,9 @@ Tpm = Literal["estimate", "none"]
 
 CHAT_LIMITS = ("max_completion_tokens", "max_tokens")
 COMPLETION_LIMITS = ("max_tokens",)  # vLLM ignores max_completion_tokens on completions
-# vLLM's transcription budget. A form's fields other than `model` and `stream` are not read, so
-# an upload's estimate is the default budget (`default_max_tokens`), corrected to its count.
+# An upload's form is read only for `model` and `stream`, so its limit field is never present:
+# a row with one is estimated at the default budget (`default_max_tokens`), corrected to its
+# count at the end, where a row without any would be estimated at 0 tokens.
 AUDIO_LIMITS = ("max_completion_tokens",)
 REAL = "vLLM 0.32.0, mock"
 MOCK = "mock (vLLM 0.32.0 serves it only for models of that kind)"

@@ -127,14 +127,14 @@ async def get_in(
         checked.model_span,
     )
     if limits is not None and endpoint.limited:
-        held = await parts.quotas.admit(_limits_of(endpoint, limits), estimate, request_id)
+        held = await parts.quotas.admit(limits_for(endpoint, limits), estimate, request_id)
         if isinstance(held, Response):
             return held
         call.reservation = held
     return call
 
 
-def _limits_of(endpoint: Endpoint, limits: KeyLimits) -> KeyLimits:
+def limits_for(endpoint: Endpoint, limits: KeyLimits) -> KeyLimits:
     """The key's limits that apply to the endpoint (its row's `rpm`, `parallel`, `tpm`)."""
     if endpoint.fully_limited:
         return limits  # the common case: no copy
