@@ -410,6 +410,19 @@ def stats(mock: Proc) -> dict[str, Any]:
     return dict(r.json())
 
 
+def booked(router: Proc, key: str, admin_token: str) -> dict[str, int]:
+    """The key's totals in the router's usage book (`GET /admin/usage`), over every hour."""
+    r = httpx.get(
+        router.url + "/admin/usage",
+        params={"key": key},
+        headers={"authorization": f"Bearer {admin_token}"},
+        timeout=5,
+    )
+    r.raise_for_status()
+    fields = ("prompt_tokens", "completion_tokens", "requests", "estimated_requests")
+    return {f: sum(int(row[f]) for row in r.json()["data"]) for f in fields}
+
+
 def _redis_cli() -> str:
     binary = shutil.which("redis-cli")
     if binary is None:

@@ -1,7 +1,7 @@
 """The engine's other APIs through sluicegate, with the official SDKs: OpenAI's Responses API
 (streamed and not, a previous_response_id chain across 2 mock engines and 2 router replicas
 sharing Redis, GET and cancel, an engine gone), Anthropic's Messages API (streamed and not, bad
-key, unknown model, abort mid-stream), count_tokens without quota, /tokenize, an audio upload,
+key, unknown model, abort mid-stream), count_tokens without tokens, /tokenize, an audio upload,
 and a backend's own 404 relayed without ejecting it.
 
 One fleet for the whole file (2 mocks, Redis, 2 routers): each test uses what it needs.
@@ -185,13 +185,15 @@ def test_anthropic_messages_streamed_and_not(fleet: dict[str, Any]) -> None:
     assert all(h["anthropic-version"] and "x-api-key" not in h for h in seen)
 
 
-def test_count_tokens_routed_and_costs_no_quota(fleet: dict[str, Any]) -> None:
+def test_count_tokens_routed_and_costs_requests_not_tokens(fleet: dict[str, Any]) -> None:
     client = ant(fleet["r1"])
     raw = client.messages.with_raw_response.count_tokens(
         model=MODEL, messages=[{"role": "user", "content": "hello world, hello"}]
     )
     assert raw.parse().input_tokens >= 1
-    assert not [h for h in raw.headers if h.startswith("x-ratelimit")]
+    # Counted against the key's requests (issue 46: it was outside every limit), no tokens.
+    assert raw.headers.get("x-ratelimit-limit-requests") == "100000"
+    assert not [h for h in raw.headers if h.startswith("x-ratelimit") and "tokens" in h]
     counted = client.messages.with_raw_response.create(
         model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "hi"}]
     )

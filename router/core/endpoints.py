@@ -14,7 +14,15 @@ elsewhere:
 - `limit_fields`: the body fields holding the completion budget, first present wins, for the
   quota and admission estimate (empty: the endpoint generates nothing beyond its prompt);
 - `errors`: the format of the router's own errors there (`openai` or `anthropic`);
-- `quota`: False for an endpoint that costs no quota at all (`count_tokens`);
+- `rpm`, `parallel`, `tpm`: how the client key's limits treat it, stated by every row (no
+  default, so a new row cannot leave its limits out; tests/test_endpoint_limits.py walks the
+  table and checks each row does what it states). `rpm`: the request counts against the key's
+  requests per minute; `parallel`: it is checked against the key's `max_parallel` and holds one
+  of its slots while it runs (False: not checked; a process without Redis still shows it in the
+  key's in-flight count); `tpm`: `estimate` (admitted against its token estimate, charged what
+  it used at its end: the engine's usage, or the whole estimate while the usage is unknown) or
+  `none` (neither charged nor refused by tokens: it generates nothing, or what it returns was
+  charged to the request that made it);
 - `inject_usage`: streams get `stream_options.include_usage` (`router/request/usage_stream.py`);
 - `state`: `creates` (a stored response: its id is remembered with its backend, and
   `previous_response_id` routes to that backend), `follows` (`{response_id}` in the path routes
@@ -31,9 +39,14 @@ BodyKind = Literal["json", "multipart", "none"]
 UsageShape = Literal["chat", "completion", "responses", "messages", "prompt", "none"]
 ErrorFormat = Literal["openai", "anthropic"]
 State = Literal["none", "creates", "follows"]
+Tpm = Literal["estimate", "none"]
 
 CHAT_LIMITS = ("max_completion_tokens", "max_tokens")
 COMPLETION_LIMITS = ("max_tokens",)  # vLLM ignores max_completion_tokens on completions
+# An upload's form is read only for `model` and `stream`, so its limit field is never present:
+# a row with one is estimated at the default budget (`default_max_tokens`), corrected to its
+# count at the end, where a row without any would be estimated at 0 tokens.
+AUDIO_LIMITS = ("max_completion_tokens",)
 REAL = "vLLM 0.32.0, mock"
 MOCK = "mock (vLLM 0.32.0 serves it only for models of that kind)"
 
@@ -47,28 +60,46 @@ class Endpoint:
     streams: bool = False
     limit_fields: tuple[str, ...] = ()
     errors: ErrorFormat = "openai"
-    quota: bool = True
     inject_usage: bool = False
     state: State = "none"
     tested: str = REAL
+    rpm: bool = field(kw_only=True)
+    parallel: bool = field(kw_only=True)
+    tpm: Tpm = field(kw_only=True)
     # Derived once (read per request): tokens are counted; a JSON body's bytes / 4 estimate
-    # the prompt (an audio upload's or a lookup's do not).
+    # the prompt (an audio upload's or a lookup's do not); some or all of the key's limits apply.
     counts_tokens: bool = field(init=False)
     prompt_from_body: bool = field(init=False)
+    limited: bool = field(init=False)
+    fully_limited: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        charged = self.tpm != "none"
         object.__setattr__(self, "counts_tokens", self.usage != "none")
         object.__setattr__(self, "prompt_from_body", self.body == "json" and self.usage != "none")
+        object.__setattr__(self, "limited", self.rpm or self.parallel or charged)
+        object.__setattr__(self, "fully_limited", self.rpm and self.parallel and charged)
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("/v1/chat/completions", streams=True, limit_fields=CHAT_LIMITS, inject_usage=True),
+    Endpoint(
+        "/v1/chat/completions",
+        streams=True,
+        limit_fields=CHAT_LIMITS,
+        inject_usage=True,
+        rpm=True,
+        parallel=True,
+        tpm="estimate",
+    ),
     Endpoint(
         "/v1/completions",
         usage="completion",
         streams=True,
         limit_fields=COMPLETION_LIMITS,
         inject_usage=True,
+        rpm=True,
+        parallel=True,
+        tpm="estimate",
     ),
     Endpoint(
         "/v1/responses",
@@ -76,7 +107,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         streams=True,
         limit_fields=("max_output_tokens",),
         state="creates",
+        rpm=True,
+        parallel=True,
+        tpm="estimate",
     ),
+    # What a GET returns was charged to the POST that made it: a background response's whole
+    # estimate (router/request/account.py), so polling for it costs requests, not tokens.
     Endpoint(
         "/v1/responses/{response_id}",
         method="GET",
@@ -84,28 +120,68 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         usage="none",
         streams=True,
         state="follows",
+        rpm=True,
+        parallel=True,
+        tpm="none",
     ),
-    Endpoint("/v1/responses/{response_id}/cancel", body="none", usage="none", state="follows"),
+    Endpoint(
+        "/v1/responses/{response_id}/cancel",
+        body="none",
+        usage="none",
+        state="follows",
+        rpm=True,
+        parallel=True,
+        tpm="none",
+    ),
     Endpoint(
         "/v1/messages",
         usage="messages",
         streams=True,
         limit_fields=("max_tokens",),
         errors="anthropic",
+        rpm=True,
+        parallel=True,
+        tpm="estimate",
     ),
-    Endpoint("/v1/messages/count_tokens", usage="none", errors="anthropic", quota=False),
-    Endpoint("/tokenize", usage="none"),
-    Endpoint("/detokenize", usage="none"),
-    Endpoint("/v1/embeddings", usage="prompt"),
-    Endpoint("/pooling", usage="prompt", tested=MOCK),
-    Endpoint("/classify", usage="prompt", tested=MOCK),
-    Endpoint("/score", usage="prompt", tested=MOCK),
-    Endpoint("/v1/score", usage="prompt", tested=MOCK),
-    Endpoint("/rerank", usage="prompt", tested=MOCK),
-    Endpoint("/v1/rerank", usage="prompt", tested=MOCK),
-    Endpoint("/v2/rerank", usage="prompt", tested=MOCK),
-    Endpoint("/v1/audio/transcriptions", body="multipart", streams=True, tested=MOCK),
-    Endpoint("/v1/audio/translations", body="multipart", streams=True, tested=MOCK),
+    # Anthropic's count_tokens is free of token limits but not of request limits.
+    Endpoint(
+        "/v1/messages/count_tokens",
+        usage="none",
+        errors="anthropic",
+        rpm=True,
+        parallel=True,
+        tpm="none",
+    ),
+    Endpoint("/tokenize", usage="none", rpm=True, parallel=True, tpm="none"),
+    Endpoint("/detokenize", usage="none", rpm=True, parallel=True, tpm="none"),
+    Endpoint("/v1/embeddings", usage="prompt", rpm=True, parallel=True, tpm="estimate"),
+    Endpoint("/pooling", usage="prompt", tested=MOCK, rpm=True, parallel=True, tpm="estimate"),
+    Endpoint("/classify", usage="prompt", tested=MOCK, rpm=True, parallel=True, tpm="estimate"),
+    Endpoint("/score", usage="prompt", tested=MOCK, rpm=True, parallel=True, tpm="estimate"),
+    Endpoint("/v1/score", usage="prompt", tested=MOCK, rpm=True, parallel=True, tpm="estimate"),
+    Endpoint("/rerank", usage="prompt", tested=MOCK, rpm=True, parallel=True, tpm="estimate"),
+    Endpoint("/v1/rerank", usage="prompt", tested=MOCK, rpm=True, parallel=True, tpm="estimate"),
+    Endpoint("/v2/rerank", usage="prompt", tested=MOCK, rpm=True, parallel=True, tpm="estimate"),
+    Endpoint(
+        "/v1/audio/transcriptions",
+        body="multipart",
+        streams=True,
+        limit_fields=AUDIO_LIMITS,
+        tested=MOCK,
+        rpm=True,
+        parallel=True,
+        tpm="estimate",
+    ),
+    Endpoint(
+        "/v1/audio/translations",
+        body="multipart",
+        streams=True,
+        limit_fields=AUDIO_LIMITS,
+        tested=MOCK,
+        rpm=True,
+        parallel=True,
+        tpm="estimate",
+    ),
 )
 
 RESPONSES_PREFIX = "/v1/responses/"

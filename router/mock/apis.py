@@ -35,6 +35,17 @@ def not_found_response(response_id: str) -> dict[str, Any]:
     }
 
 
+def background_needs_store() -> dict[str, Any]:
+    return {
+        "error": {
+            "message": "background can only be used when `store` is true",
+            "type": "BadRequestError",
+            "param": "background",
+            "code": 400,
+        }
+    }
+
+
 def cannot_cancel() -> dict[str, Any]:
     return {
         "error": {
@@ -77,8 +88,10 @@ def response_object(
     text: str | None,
     usage: dict[str, Any] | None,
     max_tokens: int,
+    background: bool = False,
 ) -> dict[str, Any]:
-    """A Responses `response` object (in progress while `text` is None)."""
+    """A Responses `response` object (in progress while `text` is None; a background one is
+    `queued` until it is done, as vLLM's are)."""
     done = text is not None
     output: list[dict[str, Any]] = (
         [
@@ -110,14 +123,14 @@ def response_object(
         "tool_choice": "none",
         "tools": [],
         "top_p": 1.0,
-        "background": False,
+        "background": background,
         "max_output_tokens": max_tokens,
         "max_tool_calls": None,
         "previous_response_id": req.get("previous_response_id"),
         "prompt": None,
         "reasoning": None,
         "service_tier": "auto",
-        "status": "incomplete" if done else "in_progress",
+        "status": "incomplete" if done else "queued" if background else "in_progress",
         "text": None,
         "top_logprobs": None,
         "truncation": "disabled",

@@ -10,9 +10,12 @@ field sets, the role-only first chat event, the finish reason on the last token'
 with `prompt_tokens_details`, errors), held to a real engine by tests_engine/test_conformance.py.
 Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
-metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms, end_gap_ms;
-`reset_prefix_cache` empties the engine's prefix cache) so fault tests need no second
-implementation. Streams end with vLLM's usage event when the request asks for it
+metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms, end_gap_ms,
+tokenize_count, hold; `reset_prefix_cache` empties the engine's prefix cache) so fault tests
+need no second implementation. A Responses request with `background: true` is answered at once
+with the stored response `queued` and `usage: null`, as vLLM's background mode answers; it
+generates on, and `GET /v1/responses/{id}` returns it done, with its usage, later.
+Streams end with vLLM's usage event when the request asks for it
 (`stream_options.include_usage`, with `continuous_usage_stats` the counts in every event); with
 `usage_nulls` every other event then also carries `"usage":null`, as OpenAI's API does (vLLM
 does not).
@@ -130,6 +133,11 @@ class Behaviour:
     # > 0: a stream's end (the chunked terminator) this long after `[DONE]`, in a write of its
     # own: a client that leaves once it reads `[DONE]` (the openai SDK does) leaves before it.
     end_gap_ms: float = 0.0
+    # >= 0: `/tokenize` answers this `count` whatever the text (an engine lying to the router)
+    tokenize_count: int = -1
+    # Every API request (generation, tokenize, pooling, stored responses...) waits, counted in
+    # `/stats` `held`, until `hold` is set false again: keeps requests in flight on purpose.
+    hold: bool = False
 
 
 @dataclass
@@ -188,7 +196,12 @@ class MockUpstream:
         self.stats = Stats()
         # Stored Responses (vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1): id -> response object
         self.responses: dict[str, dict[str, Any]] = {}
+        # Background responses still generating: id -> their generation
+        self._behind: dict[str, asyncio.Future[None]] = {}
         self._queue: deque[asyncio.Future[None]] = deque()  # requests waiting for a batch slot
+        self._released = asyncio.Event()  # cleared while `hold` keeps requests waiting
+        self._released.set()
+        self.held = 0  # requests waiting for `hold` to be lifted
         self.lora_runtime_loads = 0  # POST /v1/load_lora_adapter that succeeded
         # Prefill/decode handoff (router/mock/handoff.py); None: a plain engine.
         self.handoff = Handoff(handoff, name, self.default_model) if handoff is not None else None
@@ -265,6 +278,7 @@ class MockUpstream:
             self.stats.connections.add((client[0], client[1]))
         if path.startswith("/v1/responses/"):
             await _read_body(receive)
+            await self._wait_hold()
             await self._stored(method, path, send)
             return
         if method == "GET":
@@ -286,6 +300,8 @@ class MockUpstream:
         if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and self._lora_on():
             await self._lora_admin(path, body, send)
             return
+        if path in _GENERATION or path in _API_PATHS or path == "/tokenize":
+            await self._wait_hold()
         if path in _GENERATION:
             await self._generate(scope, path, body, receive, send)
             return
@@ -304,12 +320,24 @@ class MockUpstream:
             found = _RUN.search(text)
             run = found.group(0) if found is not None else ""
             ids = mock_tokens(text[: len(text) - len(run)]) + list(range(run.count(" ")))
-            await _json(send, 200, apis.tokenize(ids, self.max_model_len))
+            answer = apis.tokenize(ids, self.max_model_len)
+            if self.behaviour.tokenize_count >= 0:
+                answer["count"] = self.behaviour.tokenize_count
+            await _json(send, 200, answer)
             return
         if path in _API_PATHS:
             await self._api(scope, path, body, receive, send)
             return
         await _json(send, 404, _NOT_FOUND)
+
+    async def _wait_hold(self) -> None:
+        if self._released.is_set():
+            return
+        self.held += 1
+        try:
+            await self._released.wait()
+        finally:
+            self.held -= 1
 
     async def _get(self, path: str, send: Send) -> None:
         if path == "/health":  # vLLM: an empty body
@@ -334,6 +362,7 @@ class MockUpstream:
                     **self.stats.public(),
                     "behaviour": asdict(self.behaviour),
                     "metrics_scrapes": self.metrics_scrapes,
+                    "held": self.held,
                     "metrics_active_max": self.metrics_active_max,
                     "lora_loads": self.engine.lora_loads if self.engine is not None else 0,
                     "lora_runtime_loads": self.lora_runtime_loads,
@@ -401,6 +430,10 @@ class MockUpstream:
             fields.update(asdict(self.behaviour))
             fields.update(changes)
             self.behaviour = Behaviour(**fields)
+            if self.behaviour.hold:
+                self._released.clear()
+            else:
+                self._released.set()
         except (ValueError, TypeError) as exc:
             await _json(send, 400, wire.error(400, str(exc), "BadRequestError", None).body)
             return
@@ -538,7 +571,11 @@ class MockUpstream:
             await _json(send, 404, {"detail": "Not Found"})
         elif stored is None:
             await _json(send, 404, apis.not_found_response(response_id))
-        elif cancel:  # the mock's responses are all synchronous and done
+        elif cancel and response_id in self._behind:  # a background one still generating
+            self._behind.pop(response_id).cancel()
+            stored["status"] = "cancelled"
+            await _raw(send, 200, apis.dumps(stored))
+        elif cancel:  # done, or synchronous
             await _json(send, 400, apis.cannot_cancel())
         else:
             await _raw(send, 200, apis.dumps(stored))
@@ -609,6 +646,9 @@ class MockUpstream:
         field = {"/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens"}.get(path)
         n = req.get(field) if field else None
         n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else self.behaviour.tokens
+        if path == "/v1/responses" and req.get("background") is True and not req.get("stream"):
+            await self._background(send, rec, req, model, prompt, min(n, 100_000))
+            return
         gone = asyncio.Event()
         watcher = asyncio.ensure_future(_watch(receive, gone, rec))
         await self._admit(gone)
@@ -680,9 +720,7 @@ class MockUpstream:
             usage = apis.response_usage(prompt, n)
             done = apis.response_object(rid, model, req, text, usage, n)
             if req.get("store") is not False:
-                self.responses[done["id"]] = done
-                while len(self.responses) > _MAX_STORED:
-                    del self.responses[next(iter(self.responses))]
+                self._store(done)
             if stream:
                 tail = apis.response_tail(done, rid, text, 4 + n)
             else:
@@ -703,6 +741,67 @@ class MockUpstream:
             if req.get("stream_include_usage") == "true":
                 tail = apis.transcription_usage(rid, model, prompt, n)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _background(
+        self,
+        send: Send,
+        rec: dict[str, Any],
+        req: dict[str, Any],
+        model: str,
+        prompt: int,
+        n: int,
+    ) -> None:
+        """vLLM's background mode: the answer is the stored response, `queued` with `usage:
+        null`; it generates on after the answer, and `GET /v1/responses/{id}` returns it done,
+        with its usage, once it is (`cancel` stops it)."""
+        st = self.stats
+        if req.get("store") is False:
+            await _json(send, 400, apis.background_needs_store())
+            st.completed += 1
+            return
+        rid = (rec["request_id"] or "0")[:64]
+        queued = apis.response_object(rid, model, req, None, None, n, background=True)
+        self._store(queued)
+        task = asyncio.ensure_future(self._generate_behind(rec, queued, req, prompt, n))
+        self._behind[queued["id"]] = task
+        task.add_done_callback(lambda _: self._behind.pop(queued["id"], None))
+        await _raw(send, 200, apis.dumps(queued))
+
+    async def _generate_behind(
+        self, rec: dict[str, Any], stored: dict[str, Any], req: dict[str, Any], prompt: int, n: int
+    ) -> None:
+        """A background response's generation, paced as a request's (no client to leave)."""
+        bh = self.behaviour
+        st = self.stats
+        running = asyncio.Event()  # never set: nobody waits on a background response
+        await self._admit(running)
+        st.running += 1
+        stored["status"] = "in_progress"  # the object GET answers until it is done
+        try:
+            await self._sleep(bh.ttft_ms, running)
+            parts: list[str] = []
+            for i in range(n):
+                if i and bh.itl_ms:
+                    await self._sleep(bh.itl_ms, running)
+                self._count_token(rec, running)
+                parts.append(token_text(i))
+            usage = apis.response_usage(prompt, n)
+            rid, model = stored["id"][len("resp_") :], stored["model"]
+            done = apis.response_object(rid, model, req, "".join(parts), usage, n, True)
+            self._store(done)
+            st.completed += 1
+        except asyncio.CancelledError:
+            stored["status"] = "cancelled"
+            st.aborted += 1
+            raise
+        finally:
+            st.running -= 1
+            self._wake_one()
+
+    def _store(self, response: dict[str, Any]) -> None:
+        self.responses[response["id"]] = response
+        while len(self.responses) > _MAX_STORED:
+            del self.responses[next(iter(self.responses))]
 
     async def _admit(self, gone: asyncio.Event) -> None:
         """Wait for a batch slot when `max_running` is set, so time to first token grows with

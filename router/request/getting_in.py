@@ -133,12 +133,24 @@ async def get_in(
         checked.model_span,
     )
     call.owner = owner
-    if limits is not None and endpoint.quota:
-        held = await parts.quotas.admit(limits, estimate, request_id)
+    if limits is not None and endpoint.limited:
+        held = await parts.quotas.admit(limits_for(endpoint, limits), estimate, request_id)
         if isinstance(held, Response):
             return held
         call.reservation = held
     return call
+
+
+def limits_for(endpoint: Endpoint, limits: KeyLimits) -> KeyLimits:
+    """The key's limits that apply to the endpoint (its row's `rpm`, `parallel`, `tpm`)."""
+    if endpoint.fully_limited:
+        return limits  # the common case: no copy
+    return dataclasses.replace(
+        limits,
+        rpm=limits.rpm if endpoint.rpm else None,
+        tpm=limits.tpm if endpoint.tpm != "none" else None,
+        max_parallel=limits.max_parallel if endpoint.parallel else None,
+    )
 
 
 def let_go(parts: Parts, call: Call, used: float) -> None:

@@ -33,6 +33,9 @@ Again = Callable[[Callable[[], None]], Awaitable[None]]
 
 _COUNT = re.compile(rb'"count"\s*:\s*(\d{1,9})')  # /tokenize's answer opens with it
 _COUNT_WINDOW = 4096
+# Tokens a text may hold past one per UTF-8 byte (a tokenizer's own markers, were it to add any
+# despite `add_special_tokens: false`).
+_COUNT_SLACK = 8
 
 
 async def carry_on(
@@ -155,7 +158,11 @@ async def count_segment(parts: Parts, call: Call, backend: Backend) -> None:
 
 
 async def _tokens_of(parts: Parts, call: Call, backend: Backend, text: str) -> int | None:
-    """`POST /tokenize` of `text` alone on `backend` (vLLM's, SGLang's): its count."""
+    """`POST /tokenize` of `text` alone on `backend` (vLLM's, SGLang's): its count, never more
+    than the text's UTF-8 bytes plus `_COUNT_SLACK`. The count is the engine's word, and it is
+    charged to the client's key: a byte-level tokenizer makes at most one token of each byte, so
+    an honest count is never cut, while a lying engine's (a key was charged a billion tokens
+    for a few words) is bounded by the size of the text it was shown."""
     target = backend.models.get(call.model, call.model)
     body = json.dumps({"model": target, "prompt": text, "add_special_tokens": False})
     headers = [(b"content-type", b"application/json"), *backend.auth_headers]
@@ -173,7 +180,8 @@ async def _tokens_of(parts: Parts, call: Call, backend: Backend, text: str) -> i
                 head += chunk
                 found = _COUNT.search(head)
                 if found is not None:
-                    return int(found.group(1))
+                    most = len(text.encode("utf-8", "surrogatepass")) + _COUNT_SLACK
+                    return min(int(found.group(1)), most)
                 if len(head) > _COUNT_WINDOW:
                     return None
     except UPSTREAM_FAILURES:  # TimeoutError among them
