@@ -20,7 +20,7 @@ from router.core.backend import Backend
 from router.core.endpoints import Endpoint
 from router.core.errors import error_response
 from router.core.fastjson import loads
-from router.request.multipart import boundary_of, form_fields
+from router.request.multipart import BadForm, boundary_of, form_fields
 
 _FORM_FIELDS = frozenset({"model", "stream"})
 
@@ -136,7 +136,10 @@ def _form(
             "invalid_body",
             rid,
         )
-    spans = form_fields(body, boundary, _FORM_FIELDS)
+    try:
+        spans = form_fields(body, boundary, _FORM_FIELDS)
+    except BadForm as bad:
+        return error_response(400, str(bad), "invalid_request_error", bad.code, rid)
     span = spans.get("model")
     model = body[span[0] : span[1]].decode("utf-8", "replace").strip() if span else ""
     if not model:
