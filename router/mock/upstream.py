@@ -53,9 +53,9 @@ import re
 import time
 import uuid
 from collections import deque
+from dataclasses import asdict, dataclass, field
 from email.parser import BytesParser
 from email.policy import HTTP
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send

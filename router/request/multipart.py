@@ -89,9 +89,7 @@ def form_fields(body: bytes, boundary: bytes, wanted: frozenset[str]) -> dict[st
             name, is_file = named
             if name in wanted:
                 if name in seen:
-                    raise BadForm(
-                        f"The form has more than one `{name}` field.", "duplicate_field"
-                    )
+                    raise BadForm(f"The form has more than one `{name}` field.", "duplicate_field")
                 seen.add(name)
                 if not is_file:
                     found[name] = (value_start, end)
