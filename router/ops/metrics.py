@@ -246,6 +246,13 @@ class Metrics:
             multiprocess_mode="livemax",
             registry=reg,
         )
+        self.body_bytes_held = Gauge(
+            "sluicegate_body_bytes_held",
+            "Bytes of request bodies read and held by requests (max_held_body_bytes), each "
+            "worker's as of its last /metrics answer, summed over live workers.",
+            multiprocess_mode="livesum",
+            registry=reg,
+        )
         self.affinity_fallbacks = Counter(
             "sluicegate_affinity_fallbacks_total",
             "Prefix lookups answered by the process's own index because the shared one (Redis) "

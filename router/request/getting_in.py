@@ -66,11 +66,43 @@ async def get_in(
             parts.registry.snapshot.by_model,
             endpoint,
             parts.settings.max_upload_bytes,
+            bodies=parts.bodies,
         )
-        if endpoint.state == "creates" and not isinstance(checked, Response):
-            checked = await _continue(parts, checked, request_id)
     if isinstance(checked, Response):
         return checked
+    # The body is held in the body budget from here: by the call until `let_go`, or given
+    # back at once on any other way out (a refusal, an error, a cancel).
+    held = len(checked.body)
+    try:
+        got = await _hold(
+            parts, request, endpoint, checked, request_id, hop, key_name, priority, weight, limits
+        )
+    except BaseException:
+        parts.bodies.give(held)
+        raise
+    if isinstance(got, Response):
+        parts.bodies.give(held)
+    return got
+
+
+async def _hold(
+    parts: Parts,
+    request: Request,
+    endpoint: Endpoint,
+    checked: ValidRequest,
+    request_id: str,
+    hop: bytes,
+    key_name: str | None,
+    priority: str,
+    weight: float,
+    limits: KeyLimits | None,
+) -> Call | Response:
+    """A valid request's estimate, admission ticket and quota reservation, as its `Call`."""
+    if endpoint.state == "creates":
+        continued = await _continue(parts, checked, request_id)
+        if isinstance(continued, Response):
+            return continued
+        checked = continued
     try:
         estimate = estimate_tokens(
             checked.payload,
@@ -135,8 +167,10 @@ async def get_in(
 
 
 def let_go(parts: Parts, call: Call, used: float) -> None:
-    """Close what getting in held, charged `used` tokens: the quota reservation, and the
-    admission ticket's fair-queue tag (only a request that queued has one to correct)."""
+    """Close what getting in held, charged `used` tokens: the body's bytes in the body budget
+    (`call.body` is the body read, never replaced), the quota reservation, and the admission
+    ticket's fair-queue tag (only a request that queued has one to correct)."""
+    parts.bodies.give(len(call.body))
     if call.reservation is not None:
         call.reservation.close(used)
     ticket = call.ticket
