@@ -54,8 +54,8 @@ import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from email.message import Message as EmailMessage
 from email.parser import BytesParser
-from email.policy import HTTP
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -1120,18 +1120,31 @@ async def _max_tokens(req: dict[str, Any], default: int, least: int, send: Send)
 def _form(body: bytes, content_type: str | None) -> dict[str, Any] | None:
     """A multipart upload's plain fields, or None when it is not one. Parsed with the standard
     library's `email` parser, not the router's own (`router/request/multipart.py`): a fault in
-    that one must not pass on both sides. A field given twice keeps its last value, as vLLM's
-    form parser (Starlette's `FormData.get`) does."""
+    that one must not pass on both sides. Each part is named as vLLM's form parser
+    (python-multipart under Starlette) names it: by its last `Content-Disposition`, whose
+    parameters after the first (the type) are read by `email`'s rules, the last of a name
+    winning; a field given twice keeps its last value (Starlette's `FormData.get`)."""
     if not content_type or not content_type.lower().startswith("multipart/form-data"):
         return None
     head = b"Content-Type: " + content_type.encode("latin-1", "replace") + b"\r\n\r\n"
-    message = BytesParser(policy=HTTP).parsebytes(head + body)
+    message = BytesParser().parsebytes(head + body)
     if not message.is_multipart():
         return None
     fields: dict[str, Any] = {}
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if not isinstance(name, str) or part.get_filename() is not None:
+    for part in message.get_payload():
+        if not isinstance(part, EmailMessage):
+            continue
+        dispositions = part.get_all("content-disposition")
+        if not dispositions:
+            continue
+        header = EmailMessage()
+        header["content-disposition"] = str(dispositions[-1])
+        options = {
+            key: value[-1] if isinstance(value, tuple) else value
+            for key, value in (header.get_params(header="content-disposition") or [])[1:]
+        }
+        name = options.get("name")
+        if name is None or "filename" in options:
             continue
         value = part.get_payload(decode=True)
         fields[name] = value.decode("utf-8", "replace") if isinstance(value, bytes) else ""
