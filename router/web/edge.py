@@ -36,23 +36,29 @@ from router.core.errors import anthropic_payload, error_payload
 
 log = logging.getLogger("sluicegate.app")
 
-_BODY = error_payload(
-    "The router has too many open connections; retry shortly.",
-    "api_error",
-    "too_many_connections",
-)
-REFUSAL = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-    b"content-length: " + str(len(_BODY)).encode() + b"\r\nretry-after: 1\r\n"
-    b"connection: close\r\n\r\n" + _BODY
-)
 
-
-def _closing_answer(status: bytes, body: bytes) -> bytes:
+def _closing_answer(status: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    """A whole answer, written to the transport before it is closed."""
     return (
         b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
-        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+        b"content-length: "
+        + str(len(body)).encode()
+        + b"\r\n"
+        + extra
+        + b"connection: close\r\n\r\n"
+        + body
     )
+
+
+REFUSAL = _closing_answer(
+    b"503 Service Unavailable",
+    error_payload(
+        "The router has too many open connections; retry shortly.",
+        "api_error",
+        "too_many_connections",
+    ),
+    b"retry-after: 1\r\n",
+)
 
 
 _SLOW_MESSAGE = "The request body did not arrive in time (server.body_timeout)."
