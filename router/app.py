@@ -18,8 +18,14 @@ from balancers.inflight.local import LocalInflight
 from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.core.backend import Backend
-from router.core.endpoints import Endpoint
-from router.core.errors import RegistryError, StoreUnavailable, error_response, type_for_status
+from router.core.endpoints import ANTHROPIC_PATHS, Endpoint
+from router.core.errors import (
+    RegistryError,
+    StoreUnavailable,
+    as_anthropic,
+    error_response,
+    type_for_status,
+)
 from router.core.netpolicy import NetPolicy
 from router.core.redis_client import Client, RedisConfig
 from router.core.runner import Runner
@@ -549,6 +555,7 @@ def _routes(app: FastAPI, p: AppParts) -> None:
         if p.affinity.shared is not None:
             metrics.affinity_shared_entries.set(p.affinity.shared.entries)
         metrics.engine_readings(p.engine.readings, time.time())
+        metrics.body_bytes_held.set(p.proxy.bodies.held)
         p.kv_events.flush()
         metrics.kv_state(p.kv_events.blocks(), p.kv_events.lags())
         p.discovery.refresh_metrics()
@@ -572,13 +579,15 @@ def _routes(app: FastAPI, p: AppParts) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(
+        answer = error_response(
             exc.status_code,
             str(exc.detail),
             type_for_status(exc.status_code),
             None,
             dict(exc.headers or {}),
         )
+        # A method the Messages API's paths do not take (405) is still their client's error.
+        return as_anthropic(answer) if request.scope["path"] in ANTHROPIC_PATHS else answer
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "router.request.usage_stream": 3,  # include_usage asked for and its event taken out (pure)
     "router.request.usage_book": 3,  # hourly usage per key and model: core only
     "router.request.multipart": 3,  # a form's model and stream fields (pure)
+    "router.request.byte_budget": 3,  # bytes of bodies held against a bound (pure)
     "router.request.response_ids": 3,  # response id -> backend, local or in Redis
     "router.request.estimate": 3,  # a request's token estimate (pure)
     "router.request.continuation": 3,  # migration: the continuation request (pure)

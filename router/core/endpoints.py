@@ -204,6 +204,9 @@ def match_follow(method: str, path: str) -> tuple[Endpoint, str] | None:
 
 
 BY_ROUTE: dict[tuple[str, str], Endpoint] = {(e.method, e.path): e for e in ENDPOINTS}
+# Paths whose errors come in Anthropic's format, also those answered before any row's handler
+# runs (a body timeout at the edge, a method the path does not take).
+ANTHROPIC_PATHS = frozenset(e.path for e in ENDPOINTS if e.errors == "anthropic")
 # Fixed paths, looked up per request: `(method, path)` is one dict get.
 FIXED: dict[str, dict[str, Endpoint]] = {}
 for _e in ENDPOINTS:

@@ -747,6 +747,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # multipart/form-data bodies (audio uploads): OpenAI's own limit is 25 MB
     max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1024)
+    # Bytes of request bodies one worker reads and holds at once, all requests together, from
+    # their first byte until each request ends; past it: 503 with Retry-After. Never below
+    # max_body_bytes or max_upload_bytes (raised to them), so any one body fits.
+    max_held_body_bytes: int = Field(256 * 1024 * 1024, ge=1024, le=1 << 40)
     response_ids: ResponseIdsConfig = ResponseIdsConfig()
     max_error_body_bytes: int = Field(64 * 1024, ge=1024)
     drain_grace: float = Field(30.0, ge=0)

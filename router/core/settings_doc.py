@@ -90,6 +90,12 @@ _EXTRA: dict[str, str] = {
     "MigrationRule.max_migrations": "Migrations of one request at most.",
     "MigrationConfig.models": "Public model name -> a rule replacing the global one for it.",
     "Settings.max_body_bytes": "Largest JSON request body; larger: 413.",
+    "Settings.max_held_body_bytes": (
+        "Bytes of request bodies one worker reads and holds at once, all requests together "
+        "(from their first byte to the request's end); past it a request gets 503 "
+        "(`bodies_over_budget`) with Retry-After. Raised to `max_body_bytes` and "
+        "`max_upload_bytes` when below them."
+    ),
     "Settings.response_ids": "Responses API ids -> the backend that stored them.",
     "Settings.max_error_body_bytes": (
         "Most bytes read of a backend's retryable error answer (5xx, 429); relayed, cut there, "

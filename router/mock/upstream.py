@@ -57,6 +57,8 @@ import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from email.message import Message as EmailMessage
+from email.parser import BytesParser
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -65,7 +67,6 @@ from router.mock import apis, wire
 from router.mock.engine import Engine, EngineConfig, block_hashes
 from router.mock.handoff import Handoff, HandoffConfig
 from router.mock.kv_publish import mock_tokens
-from router.request.multipart import boundary_of, form_fields
 
 # POST paths served by `_api` (other APIs than chat/completions/embeddings), in vLLM's shapes
 _API_PATHS = frozenset(
@@ -1216,20 +1217,38 @@ async def _max_tokens(req: dict[str, Any], default: int, least: int, send: Send)
 
 
 def _form(body: bytes, content_type: str | None) -> dict[str, Any] | None:
-    """A multipart upload's plain fields (the file's bytes are skipped), or None."""
-    boundary = boundary_of(content_type)
-    if boundary is None:
+    """A multipart upload's plain fields, or None when it is not one. Parsed with the standard
+    library's `email` parser, not the router's own (`router/request/multipart.py`): a fault in
+    that one must not pass on both sides. Each part is named as vLLM's form parser
+    (python-multipart under Starlette) names it: by its last `Content-Disposition`, whose
+    parameters after the first (the type) are read by `email`'s rules, the last of a name
+    winning; a field given twice keeps its last value (Starlette's `FormData.get`)."""
+    if not content_type or not content_type.lower().startswith("multipart/form-data"):
         return None
-    names = frozenset({"model", "stream", "stream_include_usage", "language"})
-    return {
-        k: body[a:b].decode("utf-8", "replace")
-        for k, (a, b) in form_fields(body, boundary, names).items()
-    } | {"stream": _field_true(body, boundary, "stream")}
-
-
-def _field_true(body: bytes, boundary: bytes, name: str) -> bool:
-    span = form_fields(body, boundary, frozenset({name})).get(name)
-    return span is not None and body[span[0] : span[1]].strip().lower() == b"true"
+    head = b"Content-Type: " + content_type.encode("latin-1", "replace") + b"\r\n\r\n"
+    message = BytesParser().parsebytes(head + body)
+    if not message.is_multipart():
+        return None
+    fields: dict[str, Any] = {}
+    for part in message.get_payload():
+        if not isinstance(part, EmailMessage):
+            continue
+        dispositions = part.get_all("content-disposition")
+        if not dispositions:
+            continue
+        header = EmailMessage()
+        header["content-disposition"] = str(dispositions[-1])
+        options = {
+            key: value[-1] if isinstance(value, tuple) else value
+            for key, value in (header.get_params(header="content-disposition") or [])[1:]
+        }
+        name = options.get("name")
+        if name is None or "filename" in options:
+            continue
+        value = part.get_payload(decode=True)
+        fields[name] = value.decode("utf-8", "replace") if isinstance(value, bytes) else ""
+    fields["stream"] = str(fields.get("stream", "")).strip().lower() == "true"
+    return fields
 
 
 def _api_prompt_tokens(req: dict[str, Any]) -> int:

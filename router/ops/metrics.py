@@ -290,6 +290,14 @@ ROWS: tuple[Row, ...] = (
         mode="livemax",
     ),
     Row(
+        "body_bytes_held",
+        Gauge,
+        "sluicegate_body_bytes_held",
+        "Bytes of request bodies read and held by requests (max_held_body_bytes), each "
+        "worker's as of its last /metrics answer, summed over live workers.",
+        mode="livesum",
+    ),
+    Row(
         "affinity_fallbacks",
         Counter,
         "sluicegate_affinity_fallbacks_total",
@@ -521,6 +529,7 @@ class Metrics:
     routing_decisions: Counter
     affinity_entries: Gauge
     affinity_shared_entries: Gauge
+    body_bytes_held: Gauge
     affinity_fallbacks: Counter
     affinity_lookup_blocks: Counter
     affinity_hit_blocks: Counter

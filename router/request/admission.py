@@ -39,6 +39,7 @@ from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
 from router.core.errors import NoCapacity, error_response
 from router.core.settings import AdmissionConfig
+from router.request.byte_budget import ByteBudget
 
 BANDS = ("critical", "standard", "sheddable")
 _RANK = {name: i for i, name in enumerate(BANDS)}
@@ -182,7 +183,7 @@ class Admission:
         self._queues: dict[str, _ModelQueue] = {}
         self._busy: set[_ModelQueue] = set()  # queues with someone in the heaps
         self._size = 0  # queued, all models
-        self._bytes = 0  # their bodies' bytes
+        self._bytes = ByteBudget(cfg.max_queue_bytes)  # their bodies' bytes
         self._seq = 0
         self._ticker: asyncio.Task[None] | None = None
         self._mean_wait = 1.0  # seconds, a moving average: the Retry-After of a refusal
@@ -193,7 +194,7 @@ class Admission:
 
     @property
     def queued_bytes(self) -> int:
-        return self._bytes
+        return self._bytes.held
 
     def bands(self) -> dict[str, dict[str, float | int]]:
         """Per band: requests waiting and the oldest one's wait in seconds, all models. Walks
@@ -312,7 +313,7 @@ class Admission:
         if t.size > cfg.max_queue_bytes:
             raise self._refused(QueueFull, "queue_full", "The admission queue is full")
         # Entries or bytes over their bound: the lowest go first, the newcomer if it is lowest.
-        while self._size >= cfg.max_queue or self._bytes + t.size > cfg.max_queue_bytes:
+        while self._size >= cfg.max_queue or not self._bytes.fits(t.size):
             victim = self._lowest()
             if victim is None or (victim.band, victim.order) < (t.band, t.order):
                 raise self._refused(QueueFull, "queue_full", "The admission queue is full")
@@ -346,7 +347,7 @@ class Admission:
         band.live += 1
         q.live += 1
         self._size += 1
-        self._bytes += t.size
+        self._bytes.add(t.size)
         self._busy.add(q)
         self._metrics.queue_depth(t.model, BANDS[t.band], 1)
         if self._ticker is None or self._ticker.done():
@@ -369,7 +370,7 @@ class Admission:
         band.live -= 1
         q.live -= 1
         self._size -= 1
-        self._bytes -= t.size
+        self._bytes.give(t.size)
         self._metrics.queue_depth(t.model, BANDS[t.band], -1)
         if q.live == 0:
             self._busy.discard(q)

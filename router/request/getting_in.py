@@ -56,7 +56,6 @@ async def get_in(
         parts.metrics.loop_refused()
         return hop
     checked: ValidRequest | Response
-    history = 0  # the stored conversation a request continues, in tokens (0: none, unknown)
     if endpoint.state == "follows":
         checked = await _follow(
             parts, request, request_id, response_id or "", allowed_models, owner
@@ -70,12 +69,55 @@ async def get_in(
             parts.registry.snapshot.by_model,
             endpoint,
             parts.settings.max_upload_bytes,
+            bodies=parts.bodies,
         )
-        if endpoint.state == "creates" and not isinstance(checked, Response):
-            continued = await _continue(parts, checked, request_id, owner)
-            checked, history = continued if isinstance(continued, tuple) else (continued, 0)
     if isinstance(checked, Response):
         return checked
+    # The body is held in the body budget from here: by the call until `let_go`, or given
+    # back at once on any other way out (a refusal, an error, a cancel).
+    held = len(checked.body)
+    try:
+        got = await _hold(
+            parts,
+            request,
+            endpoint,
+            checked,
+            request_id,
+            hop,
+            key_name,
+            priority,
+            weight,
+            limits,
+            owner,
+        )
+    except BaseException:
+        parts.bodies.give(held)
+        raise
+    if isinstance(got, Response):
+        parts.bodies.give(held)
+    return got
+
+
+async def _hold(
+    parts: Parts,
+    request: Request,
+    endpoint: Endpoint,
+    checked: ValidRequest,
+    request_id: str,
+    hop: bytes,
+    key_name: str | None,
+    priority: str,
+    weight: float,
+    limits: KeyLimits | None,
+    owner: str,
+) -> Call | Response:
+    """A valid request's estimate, admission ticket and quota reservation, as its `Call`."""
+    history = 0  # the stored conversation a request continues, in tokens (0: none, unknown)
+    if endpoint.state == "creates":
+        continued = await _continue(parts, checked, request_id, owner)
+        if isinstance(continued, Response):
+            return continued
+        checked, history = continued
     try:
         estimate = estimate_tokens(
             checked.payload,
@@ -154,8 +196,10 @@ def limits_for(endpoint: Endpoint, limits: KeyLimits) -> KeyLimits:
 
 
 def let_go(parts: Parts, call: Call, used: float) -> None:
-    """Close what getting in held, charged `used` tokens: the quota reservation, and the
-    admission ticket's fair-queue tag (only a request that queued has one to correct)."""
+    """Close what getting in held, charged `used` tokens: the body's bytes in the body budget
+    (`call.body` is the body read, never replaced), the quota reservation, and the admission
+    ticket's fair-queue tag (only a request that queued has one to correct)."""
+    parts.bodies.give(len(call.body))
     if call.reservation is not None:
         call.reservation.close(used)
     ticket = call.ticket

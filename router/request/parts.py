@@ -18,6 +18,7 @@ from router.registry.fleet import Registry
 from router.request.adapter_flights import AdapterFlights
 from router.request.admission import Admission
 from router.request.affinity import Affinity
+from router.request.byte_budget import ByteBudget
 from router.request.drain import Lifecycle
 from router.request.endings import Retry
 from router.request.failover import Failover
@@ -76,6 +77,10 @@ class Parts:
         # The engine scraper's latest readings, for balancers that score engine load.
         self.readings = readings
         self.settings = settings
+        # Bodies read and held by requests in this process; any one body always fits.
+        self.bodies = ByteBudget(
+            max(settings.max_held_body_bytes, settings.max_body_bytes, settings.max_upload_bytes)
+        )
         self.registry = registry
         self.pools = pools
         self.store = store

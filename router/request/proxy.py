@@ -86,8 +86,8 @@ class ProxyCall(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         parts = self.parts
         call = self.call
-        call.trace = parts.tracing.begin(call.client_headers, call.record)
         try:
+            call.trace = parts.tracing.begin(call.client_headers, call.record)
             parts.lifecycle.enter()
             try:
                 await run_watched(self._run(send), scope, receive, call.record)

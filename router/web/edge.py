@@ -31,33 +31,44 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from router.core.client_link import BODY_WRITE, ON_CLIENT_LOST
-from router.core.errors import error_payload
+from router.core.endpoints import ANTHROPIC_PATHS
+from router.core.errors import anthropic_payload, error_payload
 
 log = logging.getLogger("sluicegate.app")
 
-_BODY = error_payload(
-    "The router has too many open connections; retry shortly.",
-    "api_error",
-    "too_many_connections",
-)
-REFUSAL = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-    b"content-length: " + str(len(_BODY)).encode() + b"\r\nretry-after: 1\r\n"
-    b"connection: close\r\n\r\n" + _BODY
+
+def _closing_answer(status: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    """A whole answer, written to the transport before it is closed."""
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+        b"content-length: "
+        + str(len(body)).encode()
+        + b"\r\n"
+        + extra
+        + b"connection: close\r\n\r\n"
+        + body
+    )
+
+
+REFUSAL = _closing_answer(
+    b"503 Service Unavailable",
+    error_payload(
+        "The router has too many open connections; retry shortly.",
+        "api_error",
+        "too_many_connections",
+    ),
+    b"retry-after: 1\r\n",
 )
 
 
-_SLOW_BODY = error_payload(
-    "The request body did not arrive in time (server.body_timeout).",
-    "invalid_request_error",
-    "request_timeout",
+_SLOW_MESSAGE = "The request body did not arrive in time (server.body_timeout)."
+SLOW_BODY = _closing_answer(
+    b"408 Request Timeout",
+    error_payload(_SLOW_MESSAGE, "invalid_request_error", "request_timeout"),
 )
-SLOW_BODY = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-    b"content-length: "
-    + str(len(_SLOW_BODY)).encode()
-    + b"\r\nconnection: close\r\n\r\n"
-    + _SLOW_BODY
+# The Messages API's clients read Anthropic's error shape (`as_anthropic`'s type for a 4xx).
+SLOW_BODY_ANTHROPIC = _closing_answer(
+    b"408 Request Timeout", anthropic_payload(_SLOW_MESSAGE, "invalid_request_error")
 )
 
 
@@ -127,7 +138,9 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         if cycle is None or not cycle.response_started:
-            transport.write(SLOW_BODY)  # the app, still reading, sees the client gone
+            anthropic = cycle is not None and cycle.scope["path"] in ANTHROPIC_PATHS
+            # the app, still reading, sees the client gone
+            transport.write(SLOW_BODY_ANTHROPIC if anthropic else SLOW_BODY)
         transport.close()
 
     def on_headers_complete(self) -> None:
