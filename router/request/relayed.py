@@ -45,6 +45,7 @@ _TOOL_CALL = b'"tool_calls":[{'
 _FINISH = b'"finish_reason":"'
 _DONE = b"[DONE]\n\n"  # the end of the stream's last event, after any error
 _HEAD_BYTES = 4096  # the first event is kept apart: it names the stream's id, created, model
+_BLANK_ENDS = (b"\n\n", b"\r\r", b"\n\r")  # a chunk ending so ends an event
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,9 @@ class Relayed:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        if chunk.endswith(b"\n\n"):  # it ends an event (what engines write): nothing to hold
+        # It ends in a blank line (LF LF: what engines write; CR CR, LF CR: a lone CR ends a
+        # line, and a LF after it would only complete a CRLF): nothing to hold.
+        if chunk.endswith(_BLANK_ENDS):
             whole, partial = chunk, b""
         else:
             cut = last_boundary(chunk, len(chunk))
@@ -121,6 +124,13 @@ class Relayed:
             self._held = partial
         self.slow = bool(self._held) or self.broken is not None
         return whole
+
+    def flush(self) -> bytes:
+        """What is held when the stream ends (its last event had no blank line after it): it
+        goes to the client as it would without migration."""
+        held, self._held = self._held, b""
+        self.slow = self.broken is not None
+        return self._before_error(held) if held else held
 
     def _before_error(self, whole: bytes) -> bytes:
         """`whole` up to the engine's error. An engine sends it last (then at most [DONE]): a
