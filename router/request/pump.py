@@ -210,9 +210,7 @@ async def pump(
     await send({"type": "http.response.body", "body": held, "more_body": False})
 
 
-async def _release(
-    send: Send, call: Call, strip: UsageStrip | None, stitch: Stitch | None
-) -> None:
+async def _release(send: Send, call: Call, strip: UsageStrip | None, stitch: Stitch | None) -> None:
     """Before a stream goes on elsewhere, what the strip holds back goes to the client: whole
     events (the relay passes no partial one), the last of them ending in a CR, which a LF might
     have followed. The relay counted them as relayed: the continuation follows them."""
