@@ -203,6 +203,10 @@ async def pump(
         usage.flush()  # the relay's last batch
         await _release(send, call, strip, stitch)
         raise Broken(FailureKind.MID_STREAM, message, relay, why)
+    if response.status_code < 400:
+        # The answer came whole: only now a success (an engine that breaks every answer
+        # mid-way must reach `consecutive_failures`, not be reset by each answer's start).
+        parts.health.on_success(backend.name)
     if not ended:
         usage.close(readable and response.status_code < 400)
     held = strip.flush() if strip is not None else b""
