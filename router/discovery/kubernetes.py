@@ -366,11 +366,12 @@ def _raw_watch() -> Any:
 
         async def next(self) -> Any:
             # The client's own, for a watch with `timeout_seconds` (it ends with the stream).
-            if self.resp is None:
-                self.resp = await self.func()
+            resp: Any = self.resp
+            if resp is None:
+                resp = self.resp = await self.func()
+            content = resp.content
             lines, rest = self._lines, self._rest
             while not lines:
-                content = self.resp.content
                 data = await content.readany()
                 if not data:  # the end: a last line without its LF still counts
                     if not rest:
