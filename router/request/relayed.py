@@ -5,7 +5,9 @@ chunk may hold more than tokens: one that ends inside an event, in an event that
 choices event (CHOICES_END), or holds a finish reason. `feed(chunk)` returns what may be sent
 now:
 - whole events only: a partial event is held until its end arrives (at most MAX_HELD bytes), so
-  the client never holds half an event when a continuation takes over;
+  the client never holds half an event when a continuation takes over; an event ends at a blank
+  line of any SSE line end (LF, CRLF, lone CR: router/request/sse.py), and `flush()` gives what
+  is held when the stream ends (the client gets it, as it would with migration off);
 - never an engine's error event (`{"error": ...}`) nor a choice with `finish_reason: "error"`:
   they and what follows them are withheld and `broken` says why;
 - after `move()` (the backend is being removed: router/request/migration.py), the whole events of
