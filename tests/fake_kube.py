@@ -92,7 +92,8 @@ class FakeKube:
         self.watch_error: int | None = None
         self.watch_garbage = False
         self.silent = False
-        self.bookmark_flood = 0  # this many bookmarks back to back at the start of each watch
+        # This many bookmarks back to back (one write) at the start of each watch.
+        self.bookmark_flood = 0
         self._changed: asyncio.Condition | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
@@ -318,9 +319,15 @@ class FakeKube:
         bookmarks = _true(query.get("allowWatchBookmarks"))
         end = time.monotonic() + float(query.get("timeoutSeconds") or 3600)
         mark = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1"}
-        for _ in range(self.bookmark_flood if bookmarks else 0):
-            await event("BOOKMARK", {**mark, "metadata": {"resourceVersion": str(self.rv)}})
         sent = since if given else self.rv
+        if bookmarks and self.bookmark_flood:
+            # Back to back, in one write (a backlog), each at the version this watch has
+            # delivered so far, as a real server's bookmarks are: the changes after it follow.
+            meta = {"resourceVersion": str(sent)}
+            line = json.dumps({"type": "BOOKMARK", "object": {**mark, "metadata": meta}})
+            data = (line.encode() + b"\n") * self.bookmark_flood
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()
         assert self._changed is not None
         while time.monotonic() < end:
             for rv, kind, obj in list(self.history):

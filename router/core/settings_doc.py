@@ -87,7 +87,10 @@ _EXTRA: dict[str, str] = {
     "MigrationRule.enabled": (
         "True: on; false: off; unset: on, except from or to `kind: openai` backends."
     ),
-    "MigrationRule.max_migrations": "Migrations of one request at most.",
+    "MigrationRule.max_migrations": (
+        "Migrations of one request at most; it reaches at most 1 + this many engines that "
+        "broke while working on it, plain retries included."
+    ),
     "MigrationConfig.models": "Public model name -> a rule replacing the global one for it.",
     "Settings.max_body_bytes": "Largest JSON request body; larger: 413.",
     "Settings.max_held_body_bytes": (

@@ -6,9 +6,14 @@ version (the ERROR event), so the list-then-watch loop below stays explicit. Con
 service account in a cluster, else `kubeconfig:` or `KUBECONFIG`.
 
     list (resourceVersion R) -> watch from R with bookmarks -> events update the slice set
+    a bookmark with more of the stream already here behind it -> superseded: skipped (only the
+                                latest version matters), neither applied nor counted as a sign
+                                of being in sync: a flood's backlog is read through at once
     410 Gone                 -> re-list at once; a second 410 in a row waits (backoff) first
     non-2xx list or watch    -> the last set stays, the source is stale ("HTTP 429"), backoff
     no event for `watch_idle_timeout` -> the watch is restarted; the source is stale meanwhile
+                                (superseded bookmarks are no event: a backlog that does not
+                                end within it shows stale, and the watch resumes past it)
     watch closed / dropped   -> watch again from the last version (backoff with jitter on
                                 errors; only a watch that stayed up resets it)
     every `resync` seconds   -> full re-list and reconcile, even when the watch looks fine:
@@ -25,6 +30,7 @@ import os
 import random
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +44,13 @@ _LIST_TIMEOUT = 10.0
 _MAX_LIST_BYTES = 256 * 1024 * 1024  # a list answer past this is not a Service's slices
 _BACKOFF_BASE = 0.2
 _HEALTHY = 10.0  # seconds a watch must stay up before the backoff starts over
-_BOOKMARKS_PER_S = 20
+_BOOKMARKS_PER_S = 20  # more in a second is a flood: warned, and worked through at half pace
+_SLICE = 0.005  # seconds of watch events handled between yields to the loop (a backlog's)
+_MAX_LINE = 4 * 1024 * 1024  # one watch event's JSON at most (the client's own line limit)
+# A bookmark's line as the API server writes it (Go's encoding/json: `type` first). Another
+# spelling is parsed, and still skipped when superseded.
+_BOOKMARK = re.compile(rb'\{\s*"type"\s*:\s*"BOOKMARK"')
+_SUPERSEDED: dict[str, Any] = {"type": "BOOKMARK"}  # what a skipped bookmark reads as
 _YIELD_EVERY = 500  # endpoints parsed between yields to the loop
 _YIELD_BYTES = 1 << 20  # list JSON decoded between yields
 
@@ -60,6 +72,8 @@ class KubernetesSource:
         self._rng = random.Random()
         self._bookmark_window = 0.0
         self._bookmarks = 0
+        self._slice_start = 0.0  # when the watch last yielded the loop
+        self._superseded = 0  # bookmarks skipped, not yet counted
         # The client's import takes ~0.3 s (hundreds of model modules): here, at startup, not
         # in the running loop on the source's first round.
         import kubernetes_asyncio.client
@@ -109,10 +123,17 @@ class KubernetesSource:
                                 timeout_seconds=remaining,
                                 _request_timeout=remaining + _LIST_TIMEOUT,
                             ):
-                                quiet.reschedule(asyncio.get_running_loop().time() + idle)
                                 version = w.resource_version or version
-                                change = self._read_event(ev)
                                 bookmark = ev.get("type") == "BOOKMARK"
+                                if bookmark and w.behind:
+                                    # Superseded: later lines are here already (a flood's
+                                    # backlog); only the latest version matters.
+                                    self._superseded += 1
+                                    del ev
+                                    await self._turn(True)
+                                    continue
+                                quiet.reschedule(asyncio.get_running_loop().time() + idle)
+                                change = self._read_event(ev)
                                 # The event's JSON (thousands of objects for a large slice)
                                 # goes before the apply, not after: kept through it, the
                                 # collector moves it to its old generation and then runs
@@ -120,7 +141,7 @@ class KubernetesSource:
                                 del ev
                                 if change is not None:
                                     await self.rec.update_group(*change)
-                                await self._pace(bookmark)
+                                await self._turn(bookmark)
                                 if self._clock() - started >= _HEALTHY:
                                     self._failures = 0
                     except TimeoutError:
@@ -130,6 +151,7 @@ class KubernetesSource:
                             continue
                         raise
                     finally:
+                        self._count_superseded()
                         await w.close()
                     # Closed by the server (its timeout, or a restart): watch again from
                     # `version`; a watch that keeps closing at once is slowed down.
@@ -180,19 +202,32 @@ class KubernetesSource:
         self._failures = min(self._failures + 1, 30)
         await asyncio.sleep(self._rng.uniform(cap / 2, cap))
 
-    async def _pace(self, bookmark: bool) -> None:
-        """Bookmarks come about once a minute; a flood of them is the server's fault: past
-        `_BOOKMARKS_PER_S`, the watch yields for a while instead of spinning the loop."""
-        if not bookmark:
-            return
+    async def _turn(self, bookmark: bool) -> None:
+        """After each watch event: a backlog (thousands of changes, a flood of bookmarks) is
+        worked through in slices of `_SLICE` seconds, each followed by a turn of the loop, so
+        requests keep theirs. Bookmarks come about once a minute; more than `_BOOKMARKS_PER_S`
+        in a second is the server's fault: warned, and each slice of it is followed by a rest
+        as long, so a flood costs at most half the loop and still drains in seconds (pacing
+        each bookmark instead left 82,000 of them, and the changes behind them, an hour)."""
         now = self._clock()
-        if now - self._bookmark_window >= 1.0:
-            self._bookmark_window, self._bookmarks = now, 0
-        self._bookmarks += 1
-        if self._bookmarks > _BOOKMARKS_PER_S:
+        flooding = False
+        if bookmark:
+            if now - self._bookmark_window >= 1.0:
+                self._bookmark_window, self._bookmarks = now, 0
+            self._bookmarks += 1
+            flooding = self._bookmarks > _BOOKMARKS_PER_S
             if self._bookmarks == _BOOKMARKS_PER_S + 1:
                 self.rec.warn("bookmark_flood", "the API server floods the watch with bookmarks")
-            await asyncio.sleep(1.0 / _BOOKMARKS_PER_S)
+        if now - self._slice_start < _SLICE:
+            return
+        self._count_superseded()
+        await asyncio.sleep(_SLICE if flooding else 0)
+        self._slice_start = self._clock()
+
+    def _count_superseded(self) -> None:
+        if self._superseded:
+            self.rec.event("bookmark_superseded", self._superseded)
+            self._superseded = 0
 
     async def _list(self, api: Any) -> str:
         from kubernetes_asyncio.client.exceptions import ApiException
@@ -314,10 +349,50 @@ def _raw_watch() -> Any:
 
     class RawWatch(watch.Watch):
         """Events as the JSON dicts the server sent: the client would also build its model
-        objects (a few ms per 1,000-endpoint slice, in Python), which nothing here reads."""
+        objects (a few ms per 1,000-endpoint slice, in Python), which nothing here reads.
+
+        Lines are read as they have arrived, all at once (the client reads one at a time), so
+        `behind` tells whether more of the stream is already here after the event returned: a
+        bookmark then is superseded. A line is at most `_MAX_LINE` bytes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._lines: deque[bytes] = deque()
+            self._rest = bytearray()  # a line begun, not ended
+            self.behind = False
 
         def unmarshal_event(self, data: str | bytes, response_type: str | None) -> Any:
             return super().unmarshal_event(data, None)
+
+        async def next(self) -> Any:
+            # The client's own, for a watch with `timeout_seconds` (it ends with the stream).
+            resp: Any = self.resp
+            if resp is None:
+                resp = self.resp = await self.func()
+            content = resp.content
+            lines, rest = self._lines, self._rest
+            while not lines:
+                data = await content.readany()
+                if not data:  # the end: a last line without its LF still counts
+                    if not rest:
+                        raise StopAsyncIteration
+                    lines.append(bytes(rest))
+                    rest.clear()
+                    break
+                start = len(rest)
+                rest += data
+                rest += content.read_nowait()
+                end = rest.rfind(b"\n", start)
+                if end >= 0:
+                    lines.extend(line for line in bytes(rest[:end]).split(b"\n") if line)
+                    del rest[: end + 1]
+                if len(rest) > _MAX_LINE:
+                    raise ValueError("a watch event is too long")
+            line = lines.popleft()
+            self.behind = bool(lines or rest)
+            if self.behind and _BOOKMARK.match(line):
+                return _SUPERSEDED  # not parsed: its version is not needed either
+            return self.unmarshal_event(line.decode("utf8"), self.return_type)
 
     return RawWatch()
 

@@ -139,6 +139,9 @@ class Behaviour:
     # Every API request (generation, tokenize, pooling, stored responses...) waits, counted in
     # `/stats` `held`, until `hold` is set false again: keeps requests in flight on purpose.
     hold: bool = False
+    # How a stream's SSE lines end: "\n" (what engines write), "\r\n" or "\r" (both allowed by
+    # the SSE grammar: relays must frame events by any of them).
+    line_end: str = "\n"
 
 
 @dataclass
@@ -430,6 +433,8 @@ class MockUpstream:
             fields = asdict(Behaviour())
             fields.update(asdict(self.behaviour))
             fields.update(changes)
+            if fields["line_end"] not in ("\n", "\r\n", "\r"):
+                raise ValueError("line_end must be one of LF, CRLF, CR")
             self.behaviour = Behaviour(**fields)
             if self.behaviour.hold:
                 self._released.clear()
@@ -869,6 +874,8 @@ class MockUpstream:
         chunks = self._chunks(rec, req, model, chat, prompt)
         headers = list(_SSE)
         compressor = None
+        if bh.line_end != "\n" and not bh.gzip:
+            send = _reframed(send, bh.line_end.encode())
         if bh.gzip:
             headers.append((b"content-encoding", b"gzip"))
             compressor = gzip.GzipFile  # marker: compress the whole stream at the end
@@ -1272,6 +1279,17 @@ def _answer(path: str, model: str, req: dict[str, Any], prompt: int) -> dict[str
         tokens = req.get("tokens")
         return apis.detokenize(tokens if isinstance(tokens, list) else [])
     return apis.pooling(path, model, req, prompt)
+
+
+def _reframed(send: Send, line_end: bytes) -> Send:
+    """`send` with each LF of a stream's bodies written as `line_end` (JSON holds no raw LF)."""
+
+    async def reframed(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": message.get("body", b"").replace(b"\n", line_end)}
+        await send(message)
+
+    return reframed
 
 
 async def _raw(send: Send, status: int, body: bytes) -> None:

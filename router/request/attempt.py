@@ -39,7 +39,7 @@ from router.request.call import Call
 from router.request.endings import Broken, NoneLeft, Retry
 from router.request.headers import downstream_response_headers, upstream_request_headers
 from router.request.hops import HOP_HEADER
-from router.request.migrate import count_segment, outcome, whole_again
+from router.request.migrate import count_segment, outcome, spent, whole_again
 from router.request.parts import Parts
 from router.request.pd import with_members
 from router.request.prefill_leg import Phase, first_phase
@@ -102,6 +102,8 @@ class Attempts:
         parts = self.parts
         call = self.call
         rec = call.record
+        if call.broke and spent(call):
+            raise NoneLeft  # it broke as many engines as it may reach
         call.trace.queued()
         lease = await self._lease(number)
         try:
@@ -111,12 +113,16 @@ class Attempts:
                 rec.prefill_backend = None  # this attempt's own, set when it has one
                 prefill = await self._prefill_lease(number, lease)
             await exchange(parts, call, self.send, lease, answered, prefill)
-        except Broken:
+        except Broken as broken:
             call.working = False
+            if broken.why != "moved":  # a backend being removed broke nothing
+                call.broke += 1
             self.exclude.add(lease.backend)  # a continuation goes elsewhere
             raise
         except Retry as retry:
             call.working = False  # that backend failed or refused before it answered
+            if retry.sent:  # it broke while working on it
+                call.broke += 1
             self.last = retry
             call.trace.attempt_failed(retry.kind, retry.response[0] if retry.response else None)
             if retry.prefill is not None:  # phase 1 again elsewhere; the decode engine stays
@@ -395,7 +401,6 @@ async def exchange(
         streaming = call.stream and status < 400
         if call.started:  # a migration: the client has its response head already
             answered()
-            parts.health.on_success(backend.name)
             await pump(parts, call, send, response, backend, streaming)
             return
         headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
@@ -408,8 +413,8 @@ async def exchange(
         await send({"type": "http.response.start", "status": status, "headers": headers})
         call.started = True
         answered()
-        if status < 400:
-            parts.health.on_success(backend.name)
+        # Its success is counted when the answer has come whole (router/request/pump.py): one
+        # breaking mid-answer is a failure, not a success then a failure.
         await pump(parts, call, send, response, backend, streaming)
     finally:
         # What was taken, given back: the synchronous releases first, so that a cancellation

@@ -41,6 +41,7 @@ class Call:
         "backends",
         "body",
         "body_write",
+        "broke",
         "carried",
         "client_headers",
         "continuation",
@@ -139,6 +140,9 @@ class Call:
         self.plan: Plan | None = plan if isinstance(plan, Plan) else None
         self.why_not: str | None = plan if isinstance(plan, str) else None
         self.migrations = 0
+        # Engines that broke while working on it (mid-answer, or after it was sent): a request
+        # that may migrate reaches at most 1 + max_migrations of them (router/request/migrate.py).
+        self.broke = 0
         self.text = ""
         self.carried = 0
         self.head: dict[str, object] | None = None

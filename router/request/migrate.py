@@ -67,6 +67,12 @@ async def carry_on(
             broken = next_break
             continue
         except (Retry, NoneLeft):
+            if spent(call):  # its continuations broke engines too
+                outcome(parts, call, "limit", broken.why, source)
+                why = f"it broke {call.broke} engines"
+                await _end_broken(call, send, broken, f"Not migrated: {why}.")
+                call.record.error = "migration_failed"  # its failure is counted already
+                return
             outcome(parts, call, "failed", broken.why, source)
             await _end_broken(call, send, broken, "No backend could continue it.")
             call.record.error = "migration_failed"  # its failure is counted already
@@ -77,12 +83,21 @@ async def carry_on(
         return
 
 
+def spent(call: Call) -> bool:
+    """The request broke 1 + `max_migrations` engines while they worked on it (a request that
+    kills its engine, or a fleet breaking): no other engine gets it, by a plain retry or a
+    migration. Checked before each attempt; without it each migration ran the failover loop
+    again (`retries.attempts` engines), and one such request reached every engine."""
+    plan = call.plan
+    return plan is not None and call.broke > plan.max_migrations
+
+
 def whole_again(parts: Parts, call: Call, last: Retry) -> bool:
     """May a non-streamed request that broke on its engine be sent on once more? (Nothing
     reached the client, so the original request migrates as it is.)"""
     if call.started or call.plan is None or not last.sent or call.stream:
         return False
-    if call.migrations >= call.plan.max_migrations:
+    if call.migrations >= call.plan.max_migrations or spent(call):
         return False
     if not parts.failover.budget.allows(parts.lifecycle.active):
         outcome(parts, call, "budget", "whole answer lost")

@@ -28,6 +28,7 @@ from router.request.endings import Broken
 from router.request.parts import Parts
 from router.request.relayed import CHOICES_END, Relayed
 from router.request.response_ids import Holder
+from router.request.stitch import Stitch
 from router.request.usage import ResponseUsage
 from router.request.usage_stream import FINISHED, USAGE_OBJECT, UsageStrip
 from router.upstream.transport import Answer
@@ -162,6 +163,7 @@ async def pump(
         )
         if relay is not None and not relay.spoiled:
             usage.flush()  # the relay's last batch
+            await _release(send, call, strip, stitch)
             raise Broken(kind, message, relay, "connection") from exc
         if call.why_not is not None:
             message += f" Not migrated: {call.why_not}."
@@ -175,6 +177,19 @@ async def pump(
     finally:
         if relay is not None:
             parts.migration.untrack(backend.name, relay)
+    if relay is not None and relay.slow and relay.broken is None:
+        # The stream ended inside an event (no blank line after its last one): what the relay
+        # held goes on as it would without migration (the usage event among it taken out).
+        last = relay.flush()
+        if last:
+            watch(last)
+            if strip is not None:
+                last = strip.feed(last)
+            if stitch is not None and last:
+                last = stitch.feed(last)
+            if last:
+                await send({"type": "http.response.body", "body": last, "more_body": True})
+                rec.bytes_out += len(last)
     if relay is not None and relay.broken is not None:
         why = relay.broken
         if why != "moved":  # the engine's own error: a failure of that backend
@@ -186,12 +201,29 @@ async def pump(
             else f"Backend `{backend.name}` failed mid-stream ({why.replace('_', ' ')})."
         )
         usage.flush()  # the relay's last batch
+        await _release(send, call, strip, stitch)
         raise Broken(FailureKind.MID_STREAM, message, relay, why)
+    if response.status_code < 400:
+        # The answer came whole: only now a success (an engine that breaks every answer
+        # mid-way must reach `consecutive_failures`, not be reset by each answer's start).
+        parts.health.on_success(backend.name)
     if not ended:
         usage.close(readable and response.status_code < 400)
     held = strip.flush() if strip is not None else b""
     rec.bytes_out += len(held)
     await send({"type": "http.response.body", "body": held, "more_body": False})
+
+
+async def _release(send: Send, call: Call, strip: UsageStrip | None, stitch: Stitch | None) -> None:
+    """Before a stream goes on elsewhere, what the strip holds back goes to the client: whole
+    events (the relay passes no partial one), the last of them ending in a CR, which a LF might
+    have followed. The relay counted them as relayed: the continuation follows them."""
+    held = strip.flush() if strip is not None else b""
+    if held and stitch is not None:
+        held = stitch.feed(held)
+    if held:
+        await send({"type": "http.response.body", "body": held, "more_body": True})
+        call.record.bytes_out += len(held)
 
 
 def _relay_for(parts: Parts, call: Call, backend: Backend) -> Relayed | None:

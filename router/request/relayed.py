@@ -5,7 +5,9 @@ chunk may hold more than tokens: one that ends inside an event, in an event that
 choices event (CHOICES_END), or holds a finish reason. `feed(chunk)` returns what may be sent
 now:
 - whole events only: a partial event is held until its end arrives (at most MAX_HELD bytes), so
-  the client never holds half an event when a continuation takes over;
+  the client never holds half an event when a continuation takes over; an event ends at a blank
+  line of any SSE line end (LF, CRLF, lone CR: router/request/sse.py), and `flush()` gives what
+  is held when the stream ends (the client gets it, as it would with migration off);
 - never an engine's error event (`{"error": ...}`) nor a choice with `finish_reason: "error"`:
   they and what follows them are withheld and `broken` says why;
 - after `move()` (the backend is being removed: router/request/migration.py), the whole events of
@@ -45,6 +47,7 @@ _TOOL_CALL = b'"tool_calls":[{'
 _FINISH = b'"finish_reason":"'
 _DONE = b"[DONE]\n\n"  # the end of the stream's last event, after any error
 _HEAD_BYTES = 4096  # the first event is kept apart: it names the stream's id, created, model
+_BLANK_ENDS = (b"\n\n", b"\r\r", b"\n\r")  # a chunk ending so ends an event
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +109,9 @@ class Relayed:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        if chunk.endswith(b"\n\n"):  # it ends an event (what engines write): nothing to hold
+        # It ends in a blank line (LF LF: what engines write; CR CR, LF CR: a lone CR ends a
+        # line, and a LF after it would only complete a CRLF): nothing to hold.
+        if chunk.endswith(_BLANK_ENDS):
             whole, partial = chunk, b""
         else:
             cut = last_boundary(chunk, len(chunk))
@@ -121,6 +126,13 @@ class Relayed:
             self._held = partial
         self.slow = bool(self._held) or self.broken is not None
         return whole
+
+    def flush(self) -> bytes:
+        """What is held when the stream ends (its last event had no blank line after it): it
+        goes to the client as it would without migration."""
+        held, self._held = self._held, b""
+        self.slow = self.broken is not None
+        return self._before_error(held) if held else held
 
     def _before_error(self, whole: bytes) -> bytes:
         """`whole` up to the engine's error. An engine sends it last (then at most [DONE]): a
