@@ -370,6 +370,12 @@ class Answer:
     async def aclose(self) -> None:
         await self.stream.aclose()
 
+    def peer(self) -> str | None:
+        """The address the answer came from (its connection's peer), when known."""
+        transport = self.stream._conn.transport
+        name = transport.get_extra_info("peername") if transport is not None else None
+        return str(name[0]) if isinstance(name, tuple) and name else None
+
 
 class Outgoing:
     """A request as this transport writes it: the URL it connects by, and its bytes, made once.
