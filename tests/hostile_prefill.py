@@ -45,10 +45,10 @@ class HostilePrefill(HostileBackend):
         self, mode: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
         if mode == "deep-params":
-            params = b'{"remote_host":"127.0.0.1","x":' + b"[" * DEPTH + b"]" * DEPTH + b"}"
-            writer.write(_response(200, _answer_with(params), b"application/json"))
+            deep = b'{"remote_host":"127.0.0.1","x":' + b"[" * DEPTH + b"]" * DEPTH + b"}"
+            writer.write(_response(200, _answer_with(deep), b"application/json"))
         elif mode == "far-params":
-            params = {
+            far = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
                 "remote_block_ids": [[0, 1, 2]],
@@ -60,7 +60,7 @@ class HostilePrefill(HostileBackend):
                 "transfer_mode": "pull",
             }
             writer.write(
-                _response(200, _answer_with(json.dumps(params).encode()), b"application/json")
+                _response(200, _answer_with(json.dumps(far).encode()), b"application/json")
             )
         elif mode == "drip":
             writer.write(
