@@ -317,6 +317,21 @@ def test_a_refused_handoff_taken_by_the_same_decode_engine_from_another_prefill_
     assert metric(router, "sluicegate_upstream_errors_total", backend="d") == 0
 
 
+def test_a_refused_handoff_then_served_whole_by_that_decode_engine_charges_neither(
+    procs: Cluster,
+) -> None:
+    # The only prefill engine forgets its blocks: D refuses, then serves the request whole.
+    # D's pulls or P's blocks: either may be at fault, and D works: nobody is charged.
+    p = pd_mock(procs, "p", "prefill", "--kv-lease-ms", "0")
+    d = pd_mock(procs, "d", "decode")
+    router = pd_router(procs, [("p", p)], [("d", d)])
+    assert chat_as(router, "k", "whole-after", LONG) == text_of(TOKENS)
+    assert len(legs(d, "whole-after")) == 2 and handoff(d)["failed_transfers"] == 1
+    rows = admin_backends(router)
+    assert rows[p.url]["consecutive_failures"] == rows[d.url]["consecutive_failures"] == 0
+    assert metric(router, "sluicegate_upstream_errors_total") == 0
+
+
 # -- 19: params naming another host ---------------------------------------------------------------
 
 

@@ -127,10 +127,10 @@ class Attempts:
                 if retry.response is None:  # the prefill leg's own failure
                     parts.metrics.attempt_failed(retry.prefill, retry.kind)
                 else:  # the decode engine refused the handoff: charged once it is known whose
-                    self._settle(lease.backend, False)
+                    self._settle(lease.backend, None)
                     self.refused = (retry.prefill, lease.backend, retry.response[0])
             else:
-                self._settle(lease.backend, False)
+                self._settle(lease.backend, None)
                 parts.metrics.attempt_failed(lease.backend, retry.kind)
                 self.exclude.add(lease.backend)  # the next attempt goes elsewhere
             raise
@@ -176,24 +176,29 @@ class Attempts:
                 release()
         return False
 
-    def _settle(self, decode: str, took_handoff: bool) -> None:
-        """Charge a pending refused handoff (`refused`) now that `decode` answered again:
-        vLLM's decode engine answers 500 when its pull fails, and to anything when it is
-        broken. Only the same decode engine then taking another prefill engine's handoff
-        shows the first prefill engine at fault; otherwise it is the decode engine's own."""
+    def _settle(self, decode: str | None, handoff: bool | None) -> None:
+        """Charge a pending refused handoff (`refused`) now that `decode` answered again, taking
+        a handoff (`handoff` True) or serving the request whole (False); None: it failed, or no
+        answer came. vLLM's decode engine answers 500 when its pull fails, and a broken one to
+        everything: only the same decode engine taking another prefill engine's handoff shows
+        the first prefill engine at fault, and its serving the request whole shows neither."""
         refused = self.refused
         if refused is None:
             return
         self.refused = None
         prefill, refuser, status = refused
-        name = prefill if took_handoff and decode == refuser else refuser
+        if decode == refuser and handoff is not None:
+            if not handoff:
+                return  # it works; whether its pulls or that prefill engine failed, unknown
+            name = prefill
+        else:
+            name = refuser  # the engine that answered 500
         self.parts.health.on_failure(name, FailureKind.STATUS, status)
         self.parts.metrics.attempt_failed(name, FailureKind.STATUS)
 
     async def give_up(self) -> None:
         """No attempt is left: the last backend's own error answer, or the router's error."""
-        if self.refused is not None:  # no later answer tells: the engine that answered 500
-            self._settle(self.refused[1], False)
+        self._settle(None, None)  # no later answer tells: the engine that answered 500
         last = self.last
         call = self.call
         if last is None:
