@@ -86,6 +86,10 @@ class Exchange:
             return "cancelled before its head" if self.cancelled else "failed before its head"
         return "closed" if self.closed else "answered, open"
 
+    def peer(self) -> str | None:
+        """The address the answer came from: none here (the backend's URL host stands)."""
+        return None
+
     @property
     def sent_line(self) -> str:
         return self.request.head.split(b"\r\n", 1)[0].decode("latin-1")

@@ -270,10 +270,11 @@ def test_a_split_request_runs_its_prefill_leg_then_its_decode_leg(
         assert prefill.backend == "p"
         assert (await r.backends())["p"]["in_flight"] == 1
         prefill.answer(200, [(b"content-type", b"application/json")])
-        prefill.end(b'{"kv_transfer_params":{"remote_block_ids":[1]},"choices":[]}')
+        params = b'{"remote_block_ids":[1],"remote_host":"p.test","remote_port":5600}'
+        prefill.end(b'{"kv_transfer_params":' + params + b',"choices":[]}')
         decode = await r.upstreams.next()
         assert decode.backend in BACKENDS
-        assert b'"kv_transfer_params":{"remote_block_ids":[1]}' in decode.request.body
+        assert b'"kv_transfer_params":' + params in decode.request.body
         # Phase 1 is over: its lease is back while the decode leg runs.
         rows = await r.backends()
         assert rows["p"]["in_flight"] == 0 and rows[decode.backend]["in_flight"] == 1

@@ -3,7 +3,8 @@
 msgspec's strict RFC 8259 decoder is ~9x `json.loads` on a request body or an SSE event. What it
 refuses (NaN, lone surrogates, a BOM, UTF-16, ...) goes to `json.loads`, so the texts accepted,
 their values and the errors raised (`ValueError`, `RecursionError`) are the standard library's.
-`with_member` rewrites one member of an object and leaves the others' bytes as they came.
+`with_member` rewrites one member of an object and leaves the others' bytes as they came;
+`without_members` drops some the same way.
 """
 
 from __future__ import annotations
@@ -37,3 +38,15 @@ def with_member(body: bytes, name: str, value: Any) -> bytes | None:
         return _encode(members)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
         return None
+
+
+def without_members(body: bytes, names: tuple[str, ...]) -> bytes | None:
+    """The JSON object `body` without members `names` (every one of a duplicated name), the
+    others' values as the client wrote them; None as for `with_member`."""
+    try:
+        members = _members(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    for name in names:
+        members.pop(name, None)
+    return _encode(members)

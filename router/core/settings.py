@@ -130,6 +130,10 @@ class DisaggregationConfig(_Strict):
     # A prompt is split only when at least this many of its tokens are not already cached on
     # the decode engine chosen for it; shorter ones are served whole there.
     min_uncached_tokens: int = Field(512, ge=0, le=1 << 24)
+    # Client keys (by `name`) whose own `kv_transfer_params` (and SGLang's `bootstrap_host`,
+    # `bootstrap_port`, `bootstrap_room`) reach the engines as sent. Every other client's are
+    # removed: a decode engine connects to the host they name and asks it for KV blocks.
+    trusted_keys: list[str] = Field(default_factory=list, max_length=1000)
 
 
 class TracingConfig(_Strict):

@@ -114,7 +114,10 @@ _EXTRA: dict[str, str] = {
     "Settings.tracing": "OpenTelemetry traces.",
     "Settings.admission": "The admission queue; unset: a full fleet answers 503 at once.",
     "Timeouts.connect": "Seconds to open an upstream connection.",
-    "Timeouts.read": "Longest silent gap while reading an upstream answer, seconds.",
+    "Timeouts.read": (
+        "Longest silent gap while reading an upstream answer, seconds; also the longest a "
+        "prefill leg's whole (one-token) answer may take."
+    ),
     "Timeouts.write": "Seconds to write the request upstream.",
     "Timeouts.pool": "Seconds to wait for a free connection of the backend's pool.",
     "PoolLimits.max_connections": "Connections to one backend at most.",

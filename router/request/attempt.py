@@ -92,6 +92,8 @@ class Attempts:
         self.affinity = affinity
         self.exclude: set[str] = set()  # backends that failed this request
         self.p_exclude: set[str] = set()  # prefill engines that failed this request
+        # A decode engine's 5xx to a handoff not yet charged: (prefill, decode, status).
+        self.refused: tuple[str, str, int] | None = None
         self.last: Retry | None = None
         self.engine_aware = balancer.needs_engine or call.adapter is not None
         self.want: AdapterWant | None = None
@@ -113,10 +115,12 @@ class Attempts:
                 rec.prefill_backend = None  # this attempt's own, set when it has one
                 prefill = await self._prefill_lease(number, lease)
             await exchange(parts, call, self.send, lease, answered, prefill)
+            self._settle(lease.backend, rec.prefill_backend is not None)
         except Broken as broken:
             call.working = False
             if broken.why != "moved":  # a backend being removed broke nothing
                 call.broke += 1
+            self._settle(lease.backend, rec.prefill_backend is not None)
             self.exclude.add(lease.backend)  # a continuation goes elsewhere
             raise
         except Retry as retry:
@@ -126,9 +130,14 @@ class Attempts:
             self.last = retry
             call.trace.attempt_failed(retry.kind, retry.response[0] if retry.response else None)
             if retry.prefill is not None:  # phase 1 again elsewhere; the decode engine stays
-                parts.metrics.attempt_failed(retry.prefill, retry.kind)
                 self.p_exclude.add(retry.prefill)
+                if retry.response is None:  # the prefill leg's own failure
+                    parts.metrics.attempt_failed(retry.prefill, retry.kind)
+                else:  # the decode engine refused the handoff: charged once it is known whose
+                    self._settle(lease.backend, None)
+                    self.refused = (retry.prefill, lease.backend, retry.response[0])
             else:
+                self._settle(lease.backend, None)
                 parts.metrics.attempt_failed(lease.backend, retry.kind)
                 self.exclude.add(lease.backend)  # the next attempt goes elsewhere
             raise
@@ -174,8 +183,29 @@ class Attempts:
                 release()
         return False
 
+    def _settle(self, decode: str | None, handoff: bool | None) -> None:
+        """Charge a pending refused handoff (`refused`) now that `decode` answered again, taking
+        a handoff (`handoff` True) or serving the request whole (False); None: it failed, or no
+        answer came. vLLM's decode engine answers 500 when its pull fails, and a broken one to
+        everything: only the same decode engine taking another prefill engine's handoff shows
+        the first prefill engine at fault, and its serving the request whole shows neither."""
+        refused = self.refused
+        if refused is None:
+            return
+        self.refused = None
+        prefill, refuser, status = refused
+        if decode == refuser and handoff is not None:
+            if not handoff:
+                return  # it works; whether its pulls or that prefill engine failed, unknown
+            name = prefill
+        else:
+            name = refuser  # the engine that answered 500
+        self.parts.health.on_failure(name, FailureKind.STATUS, status)
+        self.parts.metrics.attempt_failed(name, FailureKind.STATUS)
+
     async def give_up(self) -> None:
         """No attempt is left: the last backend's own error answer, or the router's error."""
+        self._settle(None, None)  # no later answer tells: the engine that answered 500
         last = self.last
         call = self.call
         if last is None:
@@ -389,14 +419,15 @@ async def exchange(
         status = response.status_code
         # A continuation's answer joins a stream that began with 200: it must be one too.
         if status >= 500 or status == 429 or (call.started and status >= 300):
+            # The decode engine answered, but refused the handoff (vLLM's 500 when the
+            # transfer fails, or its own failure): phase 1 again, on another prefill engine,
+            # fresh params; whose failure it was, the next answer shows (Attempts._settle).
+            # A 429 is the decode engine's own: another one takes it.
+            refused = phase.split if status >= 500 else None
             try:
-                await _retryable_status(parts, call, backend, response, phase.split)
+                await _retryable_status(parts, call, backend, response, refused is None)
             except Retry as retry:
-                # The decode engine answered, but refused the handoff (vLLM's 500 when the
-                # transfer fails): phase 1 again, on another prefill engine, fresh params.
-                # A 429 is the decode engine's own: another one takes it.
-                if status >= 500:
-                    retry.prefill = phase.split
+                retry.prefill = refused
                 raise
         streaming = call.stream and status < 400
         if call.started:  # a migration: the client has its response head already
@@ -435,11 +466,10 @@ async def exchange(
 
 
 async def _retryable_status(
-    parts: Parts, call: Call, backend: Backend, response: Answer, blame: str | None = None
+    parts: Parts, call: Call, backend: Backend, response: Answer, charge: bool = True
 ) -> None:
-    """Read the (small) error answer, note it, and hand it to the retry loop. `blame`: the
-    prefill engine whose handoff the decode engine refused: its failure, not the decode
-    engine's (vLLM's decode answers 500 when it cannot pull, and stays healthy)."""
+    """Read the (small) error answer, note it, and hand it to the retry loop. `charge`
+    False: a refused handoff, charged to one engine or the other later."""
     limit = parts.settings.max_error_body_bytes
     body = b""
     cut = False  # the backend's Content-Length no longer describes `body`
@@ -456,8 +486,8 @@ async def _retryable_status(
     retry_after = _retry_after(response.headers.get("retry-after"))
     if retry_after is not None and status in (429, 503):
         parts.health.cool_down(backend.name, retry_after)
-    if status >= 500:
-        parts.health.on_failure(blame or backend.name, FailureKind.STATUS, status)
+    if status >= 500 and charge:
+        parts.health.on_failure(backend.name, FailureKind.STATUS, status)
     headers = downstream_response_headers(response.headers.raw, call.record.request_id, False)
     if cut or len(body) >= limit:
         headers = [(k, v) for k, v in headers if k != b"content-length"]

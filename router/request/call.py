@@ -22,7 +22,7 @@ from router.request.admission import Ticket
 from router.request.migration import SHAPES, Plan
 from router.request.multipart import replace_span
 from router.request.parts import Parts
-from router.request.pd import RolePools
+from router.request.pd import RolePools, client_body
 from router.request.quota import Hold
 from router.request.record import RequestRecord
 from router.request.response_ids import ANONYMOUS
@@ -159,6 +159,10 @@ class Call:
             self.backends = pools.decode
             if endpoint.usage in SHAPES:
                 self.pools = pools
+            if model_span is None and body:  # a JSON body (a form carries no handoff)
+                stripped = client_body(pools.rule, record.key_name, payload, body)
+                if stripped is not None:
+                    self.body = stripped
 
     def parked(self) -> None:
         """The request waits in the admission queue: its raw body is all it keeps meanwhile."""

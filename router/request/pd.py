@@ -17,12 +17,19 @@ sglang (SGLang's bootstrap): one body with `bootstrap_host`, `bootstrap_port` (P
 
 A `kv_transfer_params` is used once: every phase 2 follows its own phase 1. Requests of models
 that are not split never reach this module past `Disaggregation.pools` (one dict lookup).
+
+What crosses from one party to another is checked here: a client's own handoff fields are
+removed (`client_body`: they name the host a decode engine connects to), and P's params must be
+shallow (`MAX_PARAMS_DEPTH`) and name P itself (`check_remote`).
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import json
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +38,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from router.core.backend import Backend
+from router.core.fastjson import without_members
 from router.core.settings import DisaggregationConfig, Settings
 
 # What vLLM's toy proxy asks the prefill engine for: hold the blocks for a remote decode.
@@ -44,6 +52,14 @@ PREFILL_PARAMS: dict[str, Any] = {
 }
 _PHASE1_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 MAX_PREFILL_ANSWER = 4 * 1024 * 1024  # block ids of a long prompt: ~10 bytes per 16 tokens
+# vLLM's params nest 3 deep (an object, `remote_block_ids`, a list per KV-cache group); a
+# decode engine's JSON reader recurses as the router's does.
+MAX_PARAMS_DEPTH = 16
+# Arrays and objects in P's params past which they are refused unmeasured (vLLM's: 2 plus one
+# per KV-cache group): it bounds the depth count's Python loop.
+MAX_PARAMS_NODES = 4096
+# What a decode engine acts on: NIXL's params, SGLang's bootstrap address and room.
+HANDOFF_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 _MAX_CACHED = 256  # backend tuples whose pools are kept (a snapshot has one per model)
 
 
@@ -58,6 +74,23 @@ class RolePools:
 
 class BadPrefillAnswer(Exception):
     """The prefill engine answered 200 without usable `kv_transfer_params`."""
+
+
+def client_body(
+    rule: DisaggregationConfig, key: str | None, payload: dict[str, Any], body: bytes
+) -> bytes | None:
+    """The body of a request to a split model without the client's own handoff fields (removed
+    from `payload` too), unless its key is one of `rule.trusted_keys`; None: nothing to remove.
+    A decode engine connects to the host such fields name and asks it for blocks, so only the
+    router, or a key trusted to, may write them."""
+    if not any(name in payload for name in HANDOFF_FIELDS):
+        return None
+    if key is not None and key in rule.trusted_keys:
+        return None
+    for name in HANDOFF_FIELDS:
+        payload.pop(name, None)
+    stripped = without_members(body, HANDOFF_FIELDS)
+    return stripped if stripped is not None else _encode(payload)
 
 
 class Disaggregation:
@@ -113,6 +146,18 @@ class _PrefillAnswer(msgspec.Struct):
 _ANSWER = msgspec.json.Decoder(_PrefillAnswer)
 
 
+class _Remote(msgspec.Struct):
+    """Where P's params send the decode engine (NIXL's side channel); the rest is skipped."""
+
+    remote_host: str | None = None
+    remote_port: int | None = None
+
+
+_REMOTE = msgspec.json.Decoder(_Remote)
+# A JSON string, or one bracket: what nesting is made of (brackets inside strings do not count).
+_STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"|[][{}]')
+
+
 def transfer_params(answer: bytes) -> bytes:
     """P's `kv_transfer_params`, as P wrote them (phase 2 carries the bytes unchanged)."""
     try:
@@ -121,9 +166,69 @@ def transfer_params(answer: bytes) -> bytes:
         params = b""  # JSON, but not an object
     except msgspec.DecodeError:
         raise BadPrefillAnswer("its answer is not JSON") from None
+    except RecursionError:  # nested past the reader's own limit, in params or elsewhere
+        raise BadPrefillAnswer("its answer is nested too deeply") from None
     if not params.startswith(b"{") or not params[1:-1].strip():
         raise BadPrefillAnswer("its answer has no kv_transfer_params (is it a kv_producer?)")
+    if _too_deep(params):
+        raise BadPrefillAnswer(f"its kv_transfer_params nest deeper than {MAX_PARAMS_DEPTH} levels")
     return params
+
+
+def _too_deep(params: bytes) -> bool:
+    """Whether `params` (valid JSON) nest past MAX_PARAMS_DEPTH; vLLM's answer at the first
+    test (two byte counts), whose total bounds the depth."""
+    nodes = params.count(b"[") + params.count(b"{")
+    if nodes <= MAX_PARAMS_DEPTH:
+        return False
+    if nodes > MAX_PARAMS_NODES:
+        return True
+    depth = 0
+    for token in _STRUCTURE.finditer(params):
+        mark = token[0][:1]
+        if mark in b"[{":
+            depth += 1
+            if depth > MAX_PARAMS_DEPTH:
+                return True
+        elif mark in b"]}":
+            depth -= 1
+    return False
+
+
+def check_remote(params: bytes, host: str, peer: str | None) -> None:
+    """Raise `BadPrefillAnswer` unless P's params name P as the router knows it (its URL's
+    `host`, or `peer`: the address its connection reached) and a port. The decode engine
+    connects there (NIXL's side channel, `VLLM_NIXL_SIDE_CHANNEL_HOST`/`_PORT`: the port is
+    its own, not the HTTP port, so any valid port passes)."""
+    try:
+        remote = _REMOTE.decode(params)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        raise BadPrefillAnswer(
+            "its kv_transfer_params name no valid remote_host/remote_port"
+        ) from None
+    port = remote.remote_port
+    if port is None or not 0 < port < 65536:
+        raise BadPrefillAnswer("its kv_transfer_params name no valid remote_port")
+    named = _host_key(remote.remote_host or "")
+    if not named or (named != _host_key(host) and named != _host_key(peer or "")):
+        raise BadPrefillAnswer(
+            "its kv_transfer_params name another host than the prefill engine's"
+            " (set VLLM_NIXL_SIDE_CHANNEL_HOST to the address the router reaches it by)"
+        )
+
+
+@functools.lru_cache(maxsize=1024)
+def _host_key(host: str) -> str:
+    """A host as compared: an address in its one canonical form (IPv4 mapped into IPv6 as
+    IPv4), a name lowercased."""
+    host = host.strip().strip("[]").lower()
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host.rstrip(".")
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
 
 
 def _encode(value: Any) -> bytes:
@@ -135,10 +240,16 @@ def _encode(value: Any) -> bytes:
         return json.dumps(value, ensure_ascii=False).encode()
 
 
+@functools.lru_cache(maxsize=4096)
+def url_host(url: str) -> str:
+    """A backend URL's host (a prefill engine's, once per request: kept)."""
+    return urlsplit(url).hostname or ""
+
+
 def bootstrap_fields(prefill: Backend, room: int | None = None) -> bytes:
     """SGLang's three fields, as JSON members to splice in: P's host, its bootstrap port, and a
     fresh room (63 bits, as SGLang's router draws it)."""
-    host = urlsplit(prefill.url).hostname or ""
+    host = url_host(prefill.url)
     room = random.getrandbits(63) if room is None else room
     return (
         b'"bootstrap_host":'

@@ -26,8 +26,10 @@ from router.request.pd import (
     MAX_PREFILL_ANSWER,
     BadPrefillAnswer,
     bootstrap_fields,
+    check_remote,
     prefill_body,
     transfer_params,
+    url_host,
     with_members,
 )
 from router.upstream.transport import Answer
@@ -96,16 +98,21 @@ async def _prefill(parts: Parts, call: Call, backend: Backend) -> bytes | None:
     started = time.perf_counter()
     call.working = True
     response: Answer | None = None
+    peer: str | None = None
     try:
         try:
-            response = await transport.send(request)
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in response.stream:
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > MAX_PREFILL_ANSWER:
-                    break
+            # One token, not streamed: vLLM writes the whole answer at once, so the read
+            # timeout that bounds its head bounds all of it (a trickle resets the read timer).
+            async with asyncio.timeout(parts.settings.timeouts.read):
+                response = await transport.send(request)
+                peer = response.peer()
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.stream:
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > MAX_PREFILL_ANSWER:
+                        break
         except UPSTREAM_FAILURES as exc:
             failure = upstream_failure(exc, name)
             parts.health.on_failure(name, failure.kind)
@@ -124,6 +131,7 @@ async def _prefill(parts: Parts, call: Call, backend: Backend) -> bytes | None:
             if size > MAX_PREFILL_ANSWER:
                 raise BadPrefillAnswer("its answer is too long")
             params = transfer_params(b"".join(chunks))
+            check_remote(params, url_host(backend.url), peer)
         except BadPrefillAnswer as bad:
             trace.prefill_end(FailureKind.CONNECT, status)
             parts.health.on_failure(name, FailureKind.CONNECT)

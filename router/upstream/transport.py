@@ -314,6 +314,12 @@ class _Body(httpx.AsyncByteStream):
         else:
             self._arm(self._timeout)
 
+    def peer(self) -> str | None:
+        """The connection's peer address, when known."""
+        transport = self._conn.transport
+        name = transport.get_extra_info("peername") if transport is not None else None
+        return str(name[0]) if isinstance(name, tuple) and name else None
+
     def divert(self, sink: Callable[[bytes], bool] | None) -> None:
         """Offer each later read to `sink` first, while this body's consumer waits for one: the
         bytes it takes (returns True for) are not returned by `__anext__`."""
@@ -369,6 +375,10 @@ class Answer:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+    def peer(self) -> str | None:
+        """The address the answer came from (its connection's peer), when known."""
+        return self.stream.peer()
 
 
 class Outgoing:
