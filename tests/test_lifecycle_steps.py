@@ -83,9 +83,7 @@ def parking(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
 # Getting in: the quota reservation is closed however the request ends.
 
 
-def test_the_reservation_is_corrected_to_the_tokens_a_request_used(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_reservation_is_corrected_to_the_tokens_a_request_used() -> None:
     async def scenario(r: Router) -> None:
         call = keyed_chat(r)
         ex = await r.upstreams.next()
@@ -100,7 +98,7 @@ def test_the_reservation_is_corrected_to_the_tokens_a_request_used(
         assert reserved > 11
         assert tokens_of_key(r) == 11
 
-    serve(monkeypatch, scenario, **QUOTA)
+    serve(scenario, **QUOTA)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +117,7 @@ def test_the_reservation_is_closed_when_a_later_step_raises_or_is_cancelled(
         assert in_flight_of_key(r) == 0
         assert r.app.lifecycle.active == 0
 
-    serve(monkeypatch, scenario, **QUOTA)
+    serve(scenario, **QUOTA)
 
 
 async def _ended_at(r: Router, step: str) -> None:
@@ -165,7 +163,7 @@ def test_an_exception_between_the_pick_and_the_upstream_request_releases_the_lea
         assert r.upstreams.exchanges == []  # it never reached a backend
         # assert_idle (after the scenario): no lease left on the backend it picked
 
-    serve(monkeypatch, scenario)
+    serve(scenario)
 
 
 # Admission: the ticket's queue place, and the slot an attempt frees.
@@ -217,7 +215,7 @@ def test_a_request_that_leaves_the_admission_queue_leaves_nothing_behind(
             await call.done()
         assert len(r.upstreams.exchanges) == 2  # the third never reached a backend
 
-    serve(monkeypatch, scenario, _one_slot_each(), **FULL_AT_ONE)
+    serve(scenario, _one_slot_each(), **FULL_AT_ONE)
 
 
 @pytest.mark.parametrize("failure", ["bug", "connect_error"])
@@ -247,7 +245,7 @@ def test_an_attempt_that_raises_frees_its_slot_for_the_queued_request(
         if failure != "bug":
             await first.task
 
-    serve(monkeypatch, scenario, _one_slot_each(), **FULL_AT_ONE)
+    serve(scenario, _one_slot_each(), **FULL_AT_ONE)
 
 
 # Prefill/decode: the prefill leg's lease, and the decode lease around it.
@@ -259,9 +257,7 @@ def _split() -> tuple[list[Any], dict[str, Any]]:
     return backends, {"disaggregation": DisaggregationConfig(min_uncached_tokens=0)}
 
 
-def test_a_split_request_runs_its_prefill_leg_then_its_decode_leg(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_split_request_runs_its_prefill_leg_then_its_decode_leg() -> None:
     backends, config = _split()
 
     async def scenario(r: Router) -> None:
@@ -283,13 +279,11 @@ def test_a_split_request_runs_its_prefill_leg_then_its_decode_leg(
         await call.done()
         assert call.status == 200
 
-    serve(monkeypatch, scenario, backends, **config)
+    serve(scenario, backends, **config)
 
 
 @pytest.mark.parametrize("how", ["client_left", "server_cancel", "bug"])
-def test_a_request_ended_during_its_prefill_leg_releases_both_leases(
-    monkeypatch: pytest.MonkeyPatch, how: str
-) -> None:
+def test_a_request_ended_during_its_prefill_leg_releases_both_leases(how: str) -> None:
     backends, config = _split()
 
     async def scenario(r: Router) -> None:
@@ -314,4 +308,4 @@ def test_a_request_ended_during_its_prefill_leg_releases_both_leases(
         assert r.upstreams.exchanges == [prefill]  # no decode leg, no retry
         # assert_idle (after the scenario): no lease on `p`, nor on the decode engine
 
-    serve(monkeypatch, scenario, backends, **config)
+    serve(scenario, backends, **config)
