@@ -69,8 +69,8 @@ ENV PATH=/opt/sluicegate/bin:$PATH \
 USER 10001:10001
 EXPOSE 8080
 # Probes the address the router listens on (--host/--port of the command, else SLUICEGATE_HOST/
-# SLUICEGATE_PORT): router/ops/probe.py, standard library only.
+# SLUICEGATE_PORT): router/tools/probe.py, standard library only.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s \
-  CMD ["python", "-m", "router.ops.probe"]
+  CMD ["python", "-m", "router.tools.probe"]
 ENTRYPOINT ["sluicegate"]
 CMD ["serve"]

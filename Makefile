@@ -88,7 +88,7 @@ bench-hop: $(VENV)/.bench nginx
 
 # docs/configuration.md from the settings model (tests/test_settings_doc.py fails while it is stale).
 docs: $(STAMP)
-	$(PY) -m router.core.settings_doc
+	$(PY) -m router.tools.settings_doc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

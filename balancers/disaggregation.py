@@ -10,8 +10,8 @@ compute where it is than to compute elsewhere and move over the network. The pre
 chosen after that, by the same balancer's scoring over the prefill pool.
 
 Reasons (the `result` label of sluicegate_disaggregated_requests_total, with the outcomes
-router/request/pd.py adds): `disaggregated` (split), `short` (the whole prompt is under the
-threshold), `cached` (the decode engine holds enough of it), `no_prefill` (no prefill engine can
+router/request/placement/pd.py adds): `disaggregated` (split), `short` (the whole prompt is under
+the threshold), `cached` (the decode engine holds enough of it), `no_prefill` (no prefill engine can
 take it now), `client_params` (the client sent its own `kv_transfer_params`: passed on as sent).
 """
 

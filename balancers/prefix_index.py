@@ -1,16 +1,16 @@
 """Which backends recently served which prompt prefix: the per-process index `cache_aware` reads.
 
-It maps a block hash (router/request/prefix.py: hash i covers blocks 0..i) to the backends that
-were last sent a prompt containing that block. Each backend's blocks form an LRU bounded by what
-its engine can keep (`record(..., max_blocks)`: its KV capacity in blocks), so the index forgets
-roughly when the engine does. A prompt's blocks are touched tail first, so a backend's oldest
-entries are prompt tails and a prefix stays matchable longest (vLLM evicts a freed request's
+It maps a block hash (router/request/placement/prefix.py: hash i covers blocks 0..i) to the backends
+that were last sent a prompt containing that block. Each backend's blocks form an LRU bounded by
+what its engine can keep (`record(..., max_blocks)`: its KV capacity in blocks), so the index
+forgets roughly when the engine does. A prompt's blocks are touched tail first, so a backend's
+oldest entries are prompt tails and a prefix stays matchable longest (vLLM evicts a freed request's
 blocks in the same order). Memory is bounded: at most `max_blocks` entries per backend (capped
 at MAX_BLOCKS_PER_BACKEND) and `max_backends` backends (the least recently recorded one goes).
 No I/O, no clock: the proxy records a dispatch, the balancer receives `match()`'s result as data.
 Per process: without Redis each worker and replica keeps its own (affinity then holds within
-one); with Redis the index is shared (router/request/affinity_store.py, same eviction order) and
-this one is kept warm beside it as the fallback while Redis is down or slow.
+one); with Redis the index is shared (router/request/placement/affinity_store.py, same eviction
+order) and this one is kept warm beside it as the fallback while Redis is down or slow.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ from router.ops.logs import stop as stop_logging
 from router.ops.memory import Trimmer, pin_mmap_threshold
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.ops.tracing import make_tracing
-from router.registry.admin import BackendRows, admin_routes
 from router.registry.fleet import (
     Change,
     Fleet,
@@ -50,16 +49,17 @@ from router.registry.fleet import (
     Registry,
     Snapshot,
 )
-from router.request.admission import Admission
-from router.request.affinity import Affinity
-from router.request.drain import Lifecycle
-from router.request.hops import HopMarker
-from router.request.migration import Migration
-from router.request.proxy import Proxy
-from router.request.quota import QuotaBook, Quotas
-from router.request.response_ids import ResponseIds
-from router.request.usage_book import UsageBook
+from router.request.admit.admission import Admission
+from router.request.admit.hops import HopMarker
+from router.request.admit.quota import QuotaBook, Quotas
+from router.request.lifecycle.drain import Lifecycle
+from router.request.lifecycle.proxy import Proxy
+from router.request.migration.policy import Migration
+from router.request.placement.affinity import Affinity
+from router.request.placement.response_ids import ResponseIds
+from router.request.usage.book import UsageBook
 from router.upstream.pools import Pools, Sender
+from router.web.admin import BackendRows, admin_routes
 from router.web.api import FastPath, Handler, openai_routes, proxy_endpoints
 from router.web.auth import AdminAuth, ClientKeys
 from router.web.console import console_routes
@@ -101,7 +101,7 @@ def make_quotas(
     """Per-key quotas in this process, or shared by every replica when Redis is configured."""
     if redis is None or client is None:
         return Quotas(on_refused=metrics.ratelimited)
-    from router.request.quota_shared import SharedQuotas
+    from router.request.admit.quota_shared import SharedQuotas
 
     return SharedQuotas(
         client,
@@ -125,7 +125,7 @@ def make_affinity(
     """The prefix index: this process's own, plus the one shared in Redis when configured."""
     shared = None
     if client is not None:
-        from router.request.affinity_store import SharedPrefixIndex
+        from router.request.placement.affinity_store import SharedPrefixIndex
 
         shared = SharedPrefixIndex(
             client,

@@ -141,9 +141,10 @@ def serve(settings: Settings) -> None:
     # Workers re-read settings from the environment, so pass what the CLI decided through it.
     if settings.config:
         os.environ["SLUICEGATE_CONFIG"] = settings.config
-    # One hop-marker id for this invocation, the same in every worker (router/request/hops.py).
+    # One hop-marker id for this invocation, the same in every worker
+    # (router/request/admit/hops.py).
     if not settings.deployment_id:
-        from router.request.hops import new_deployment_id
+        from router.request.admit.hops import new_deployment_id
 
         os.environ["SLUICEGATE_DEPLOYMENT_ID"] = new_deployment_id()
     # uvicorn re-raises the SIGTERM it handled once it has stopped; after a completed drain that
@@ -239,9 +240,9 @@ def engines(args: argparse.Namespace) -> int:
     """Real vLLM engines on loopback (installed and the model written first), until Ctrl-C."""
     from pathlib import Path
 
-    from router.enginefleet.fleet import EngineOptions, Fleet, ready_line, sample_config
-    from router.enginefleet.install import engine_home, ensure_venv, nixl_dir
-    from router.enginefleet.model import write_model
+    from router.tools.enginefleet.fleet import EngineOptions, Fleet, ready_line, sample_config
+    from router.tools.enginefleet.install import engine_home, ensure_venv, nixl_dir
+    from router.tools.enginefleet.model import write_model
 
     roles = ["prefill", "decode"] if args.pd else args.roles
     if roles and len(roles) != args.count:
@@ -289,7 +290,7 @@ def engines(args: argparse.Namespace) -> int:
 def check_tokenizers(settings: Settings) -> None:
     """Each `affinity.tokenizers` directory loads, before any worker starts (ConfigError)."""
     from router.core.settings import ConfigError
-    from router.request.tokens import RouterTokenizer, TokenizerError
+    from router.request.placement.tokens import RouterTokenizer, TokenizerError
 
     for model, tc in settings.affinity.tokenizers.items():
         if tc.via == "router" and tc.path:
@@ -336,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tls.add_argument("--ssl-certfile", help="PEM server certificate")
     tls.add_argument("--ssl-keyfile", help="PEM server key")
     tls.add_argument("--ssl-ca-certs", help="PEM CA: client certificates it signed are required")
-    eng = p_mock.add_argument_group("engine model (router/mock/engine.py): behave like a vLLM")
+    eng = p_mock.add_argument_group(
+        "engine model (router/tools/mock/engine.py): behave like a vLLM"
+    )
     eng.add_argument("--engine", action="store_true", help="simulate a vLLM scheduler")
     eng.add_argument("--max-num-seqs", type=int, default=32)
     eng.add_argument("--kv-tokens", type=int, default=65536, help="KV capacity in tokens")
@@ -369,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     eng.add_argument("--lora-load-ms", type=float, default=0.0, help="a run-time load's time")
     eng.add_argument("--lora-slot-ms", type=float, default=0.0, help="moving one into a slot")
-    pd = p_mock.add_argument_group("prefill/decode handoff (router/mock/handoff.py)")
+    pd = p_mock.add_argument_group("prefill/decode handoff (router/tools/mock/handoff.py)")
     pd.add_argument("--kv-role", choices=("prefill", "decode", "both"), help="turns it on")
     pd.add_argument("--kv-connector", choices=("nixl", "sglang"), default="nixl")
     pd.add_argument("--kv-engine-id", default="", help="NIXL engine id (default: from the name)")
@@ -400,19 +403,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.count = 2
         return engines(args)
     if args.command == "status":
-        from router.ops.status import run as status
+        from router.tools.status import run as status
 
         try:
             return status(args.url, args.watch, max(0.1, args.interval), args.count)
         except KeyboardInterrupt:
             return 0
     if args.command == "mock-upstream":
-        from router.mock.handoff import HandoffConfig
-        from router.mock.upstream import run
+        from router.tools.mock.handoff import HandoffConfig
+        from router.tools.mock.upstream import run
 
         engine = None
         if args.engine:
-            from router.mock.engine import EngineConfig
+            from router.tools.mock.engine import EngineConfig
 
             engine = EngineConfig(
                 max_num_seqs=args.max_num_seqs,

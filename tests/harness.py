@@ -25,8 +25,8 @@ import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.enginefleet.fleet import below_ephemeral
-from router.enginefleet.fleet import free_port as fleet_free_port
+from router.tools.enginefleet.fleet import below_ephemeral
+from router.tools.enginefleet.fleet import free_port as fleet_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -49,7 +49,7 @@ def _port_slice() -> range:
 def free_port() -> int:
     """A port on 127.0.0.1 nothing holds now, from this process's slice (`_port_slice`), never
     handed out before by this process (a test may point a router at a port it keeps dead); one
-    record with the engine fleet's own ports (`router.enginefleet.fleet.free_port`)."""
+    record with the engine fleet's own ports (`router.tools.enginefleet.fleet.free_port`)."""
     return fleet_free_port(_port_slice())
 
 

@@ -18,7 +18,7 @@ Modes (the `model` of a POST; unknown names behave like `ok`):
     short-stream  an SSE stream declaring Content-Length 4000, sending ~200 bytes, then closing
     slow-stream   one SSE event every 20 ms, 200 of them (for clients that leave)
 
-It does not model a real engine (see `router/mock/upstream.py` for that): only the wire.
+It does not model a real engine (see `router/tools/mock/upstream.py` for that): only the wire.
 """
 
 from __future__ import annotations

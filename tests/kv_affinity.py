@@ -6,7 +6,7 @@ from __future__ import annotations
 from router.core.backend import Backend
 from router.core.settings import AffinityConfig, BackendConfig, TokenizerConfig
 from router.engine.kv_events import Feed, KvEvents
-from router.request.affinity import Affinity
+from router.request.placement.affinity import Affinity
 
 
 def engine_backend(name: str, url: str) -> Backend:

@@ -11,7 +11,7 @@ import pytest
 
 from balancers.inflight.base import Lease
 from router.core.settings import AdmissionConfig
-from router.request.admission import Admission, Ticket, make_ticket
+from router.request.admit.admission import Admission, Ticket, make_ticket
 
 
 class Slots:
@@ -109,7 +109,7 @@ def test_a_woken_request_that_leaves_hands_its_wake_on() -> None:
 def test_the_estimate_is_body_bytes_over_four_plus_the_completion_budget() -> None:
     from starlette.datastructures import Headers
 
-    from router.request.estimate import COMPLETION_LIMITS, estimate_tokens
+    from router.request.admit.estimate import COMPLETION_LIMITS, estimate_tokens
 
     assert estimate_tokens({"max_tokens": 50}, 4000, default_max_tokens=256) == 1000 + 50
     assert estimate_tokens({"max_completion_tokens": 7}, 400) == 100 + 7
@@ -283,7 +283,7 @@ def test_requests_that_leave_unserved_are_not_refunded_to_their_tenant() -> None
 
 
 def test_queued_bytes_are_bounded_and_shed_the_lowest_band_first() -> None:
-    from router.request.admission import QueueFull
+    from router.request.admit.admission import QueueFull
 
     async def main() -> None:
         cfg = AdmissionConfig(max_queue_bytes=3000, max_wait=5)

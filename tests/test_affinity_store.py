@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from balancers.prefix_index import PrefixIndex
-from router.request.affinity_store import SharedPrefixIndex
-from router.request.prefix import block_hashes
+from router.request.placement.affinity_store import SharedPrefixIndex
+from router.request.placement.prefix import block_hashes
 from tests.harness import Cluster, Proc, late_by
 
 pytestmark = pytest.mark.redis
@@ -191,7 +191,7 @@ def test_each_backend_is_capped_as_the_local_index_is(
 ) -> None:
     """Issue 22, defect 7: the shared index followed whatever capacity an engine reported
     (153,600 blocks for one backend); it is capped per backend like the local index."""
-    import router.request.affinity_store as store
+    import router.request.placement.affinity_store as store
 
     monkeypatch.setattr(store, "MAX_BLOCKS_PER_BACKEND", 8)
     prefix = uuid.uuid4().hex

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from router.mock.kv_publish import mock_tokens
+from router.tools.mock.kv_publish import mock_tokens
 from tests.harness import Cluster, Proc, backend, control, stats
 
 KEY = "sk-api-test"

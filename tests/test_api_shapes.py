@@ -14,11 +14,11 @@ from starlette.responses import Response
 from router.core.endpoints import BY_ROUTE, ENDPOINTS, match_follow
 from router.core.errors import as_anthropic, error_response
 from router.core.fastjson import with_member
-from router.request.estimate import estimate_tokens
-from router.request.multipart import boundary_of, form_fields, replace_span
-from router.request.prefix import prefix_hashes
-from router.request.response_ids import Holder, ResponseIds
-from router.request.usage import ResponseUsage
+from router.request.admit.estimate import estimate_tokens
+from router.request.placement.prefix import prefix_hashes
+from router.request.placement.response_ids import Holder, ResponseIds
+from router.request.usage.parse import ResponseUsage
+from router.request.wire.multipart import boundary_of, form_fields, replace_span
 
 DATA = Path(__file__).parent / "data"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from router import cli
-from router.ops import probe
+from router.tools import probe
 
 BACKENDS = "backends:\n  - name: a\n    url: http://127.0.0.1:9\n    models: [m]\n"
 K8S = "discovery:\n  - kind: kubernetes\n    namespace: models\n    service: vllm\n    port: http\n"

@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation end to end: real mock engines speaking NIXL's and SGLang's
-handoff (router/mock/handoff.py), a real router, the openai SDK as the client.
+handoff (router/tools/mock/handoff.py), a real router, the openai SDK as the client.
 
-Every rule of router/request/pd.py: the two legs' bodies and request id, D's stream byte for
-byte, short and cached prompts served whole, params never reused, phase 1 retried on another
+Every rule of router/request/placement/pd.py: the two legs' bodies and request id, D's stream byte
+for byte, short and cached prompts served whole, params never reused, phase 1 retried on another
 prefill engine, a refused handoff redone with fresh params, a client leaving in phase 1, no
 prefill engine left, tokens counted once, the metrics; then SGLang's bootstrap.
 """
@@ -20,7 +20,7 @@ import pytest
 from balancers.disaggregation import decide
 from router.discovery.kubernetes import _slice_endpoints
 from router.discovery.reconcile import Endpoint
-from router.request.pd import PREFILL_PARAMS, BadPrefillAnswer, transfer_params
+from router.request.placement.pd import PREFILL_PARAMS, BadPrefillAnswer, transfer_params
 from tests.harness import Cluster, Proc, backend, control, in_flight, stats
 
 FAIL_DELAY_MS = 200  # the mock decode's 500 after a failed pull (vLLM's is ~5 s)

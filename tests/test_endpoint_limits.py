@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from router.core.endpoints import ENDPOINTS, Endpoint
-from router.request.getting_in import limits_for
-from router.request.quota import KeyLimits
+from router.request.admit.quota import KeyLimits
+from router.request.lifecycle.getting_in import limits_for
 from tests.harness import Cluster, Proc, backend, booked, control, sha, stats, wait_for
 
 ADMIN = "admin-limits-token-0123456789"

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from router.ops.status import run as status
+from router.tools.status import run as status
 from tests.harness import Cluster, Proc, backend, control, stats
 
 INTERVAL = 0.1

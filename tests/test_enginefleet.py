@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from router.enginefleet import install
-from router.enginefleet.fleet import Engine, EngineOptions, Fleet
-from router.enginefleet.model import MODEL_VERSION, corpus, write_model
+from router.tools.enginefleet import install
+from router.tools.enginefleet.fleet import Engine, EngineOptions, Fleet
+from router.tools.enginefleet.model import MODEL_VERSION, corpus, write_model
 
 
 def test_the_model_is_written_the_same_every_time(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_a_pd_fleets_config_gives_each_backend_its_role(tmp_path: Path) -> None:
     import yaml
 
     from router.core.settings import Settings
-    from router.enginefleet.fleet import Fleet, sample_config
+    from router.tools.enginefleet.fleet import Fleet, sample_config
 
     options = EngineOptions(nixl=tmp_path / "nixl")
     fleet = Fleet(
@@ -338,7 +338,7 @@ def test_a_start_whose_side_channel_port_is_taken_starts_again_on_a_fresh_one(
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_handed_out_once() -> None:
-    from router.enginefleet.fleet import free_port
+    from router.tools.enginefleet.fleet import free_port
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = [free_port() for _ in range(50)]

@@ -14,7 +14,7 @@ from health.state import HealthBook, ProbeResult
 from router.core.backend import Backend
 from router.core.errors import FailureKind
 from router.core.settings import BackendConfig, HealthConfig, OutlierConfig, RetryConfig
-from router.request.failover import Failover, RetryBudget
+from router.request.lifecycle.failover import Failover, RetryBudget
 
 
 class Clock:

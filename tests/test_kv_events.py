@@ -451,10 +451,10 @@ async def test_discovery_from_kv_event_sources(ipc: Callable[[str], str]) -> Non
 
 @run
 async def test_the_mocks_replay_socket_answers_a_late_router(ipc: Callable[[str], str]) -> None:
-    """router/mock/kv_publish.py serves vLLM's replay protocol: a router that joins after the
+    """router/tools/mock/kv_publish.py serves vLLM's replay protocol: a router that joins after the
     engine stored blocks (and sees nothing new) is exact at once."""
-    from router.mock.kv_publish import KvPublisher
-    from router.mock.kv_publish import stored as mock_stored
+    from router.tools.mock.kv_publish import KvPublisher
+    from router.tools.mock.kv_publish import stored as mock_stored
 
     pub = KvPublisher(ipc("m1"), replay_endpoint=ipc("m1-replay"))
     prompt = toks(8)
@@ -506,7 +506,7 @@ def test_a_prompt_in_flight_counts_as_held_where_it_was_sent() -> None:
     """Before the engine's events say so, a second request of a prompt sees it held where the
     first went (it is prefilling or running there), and the hint is gone once the first ends."""
     from router.core.settings import AffinityConfig
-    from router.request.affinity import Affinity, RequestAffinity
+    from router.request.placement.affinity import Affinity, RequestAffinity
 
     kv = KvEvents()
     backends = [_backend(n, {"endpoint": f"ipc:///nonexistent/{n}.sock"}) for n in "ab"]

@@ -15,7 +15,7 @@ from balancers.cache_aware import CacheAware, Hints, KvHints
 from balancers.context import PickContext
 from router.core.engine import EngineReading
 from router.engine.calibrate import ALPHA, Calibration
-from router.request.tokens import GIL_FREE_CHARS, RouterTokenizer
+from router.request.placement.tokens import GIL_FREE_CHARS, RouterTokenizer
 from tests.picking import Bound
 from tests.tiny_tokenizer import write_tokenizer
 
@@ -197,7 +197,7 @@ def test_a_prefill_rate_is_learned_from_scrapes_too_small_alone() -> None:
 
 
 def test_piece_cache_gives_the_same_ids(tmp_path: Path) -> None:
-    from router.request.tokens import RouterTokenizer
+    from router.request.placement.tokens import RouterTokenizer
     from tests.tiny_tokenizer import write_tokenizer
 
     tk = RouterTokenizer(str(write_tokenizer(tmp_path)))
@@ -287,7 +287,7 @@ def test_the_mocks_histograms_teach_its_own_rates() -> None:
     import asyncio
 
     from router.engine.parse import parse
-    from router.mock.engine import Engine, EngineConfig
+    from router.tools.mock.engine import Engine, EngineConfig
 
     prefill_ms_per_1k, decode_ms = 40.0, 5.0
 

@@ -140,7 +140,7 @@ def test_the_engines_tokenize_on_one_that_is_up(fleet: dict[str, Proc]) -> None:
     take precise routing with it: the prompt is tokenized on one whose events are live."""
     import asyncio
 
-    from router.request.affinity import RequestAffinity
+    from router.request.placement.affinity import RequestAffinity
     from tests.kv_affinity import engine_affinity, engine_backend
 
     down, up = engine_backend("down", "http://127.0.0.1:9"), engine_backend("up", fleet["b"].url)
@@ -165,8 +165,8 @@ def test_a_seen_system_prompt_costs_no_tokenize_round_trip(fleet: dict[str, Proc
     another last message takes what those render to (the engine's own ids) without asking."""
     import asyncio
 
-    from router.request.affinity import RequestAffinity
-    from router.request.token_memo import MARGIN
+    from router.request.placement.affinity import RequestAffinity
+    from router.request.placement.token_memo import MARGIN
     from tests.kv_affinity import engine_affinity, engine_backend
 
     b = engine_backend("b", fleet["b"].url)

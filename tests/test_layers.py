@@ -17,93 +17,48 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("router", "balancers", "health", "bench")
+ROOMS = ("lifecycle", "admit", "placement", "usage", "migration", "wire")
 
 # Longest matching prefix wins. A new module must be placed here: an unknown one fails the test.
+# Folders, not modules: a folder sits in one layer (a few stdlib-only modules of router/ops
+# sit below their folder, which is the metrics and tracing layer).
 LAYERS: dict[str, int] = {
-    "router.core": 0,
-    "router.core.tls": 0,  # a backend's TLS policy as one shared ssl.SSLContext
-    "router.upstream": 1,
+    "router.core": 0,  # settings, the backend value, errors, the endpoint table
+    "router.upstream": 1,  # the one HTTP stack to backends
+    "router.state": 1,  # the shared-store base, its pipeliner: core only (stores build on it)
     "router.ops.logs": 1,
     "router.ops.collector": 1,  # the startup heap out of the collector's walk (stdlib only)
     "router.ops.memory": 1,  # freed request bodies handed back to the system (stdlib only)
     "router.ops.live": 1,  # the console's last two minutes of routing, per second (stdlib only)
-    "router.state": 1,  # the shared-store base, its pipeliner: core only (stores build on it)
-    "balancers": 2,
-    "health": 2,
-    "router.engine": 2,  # engine metrics scraping: core and upstream only
-    "router.engine.kv_wire": 2,  # vLLM's KV-event messages decoded (pure)
-    "router.engine.kv_index": 2,  # engine blocks keyed by the router's token-chain keys (pure)
-    "router.engine.kv_events": 2,  # ZMQ subscription per engine feeding the index
-    "router.engine.calibrate": 2,  # prefill and decode rates from the engine's histograms
-    "router.request.tokens": 3,  # the request's token ids: router tokenizer or engine /tokenize
-    "router.request.token_memo": 3,  # `via: engine`: earlier messages' ids, remembered
-    "router.registry.fleet": 3,
-    "router.registry.sync": 3,
-    "router.request.record": 3,
-    "router.request.drain": 3,
-    "router.request.headers": 3,
-    "router.request.validate": 3,
-    "router.request.failover": 3,
-    "router.request.prefix": 3,  # prompt -> block hash chain (pure)
-    "router.request.affinity": 3,  # hashing + prefix index + binding cache_aware
-    "router.request.affinity_store": 3,  # the prefix index shared in Redis
-    "router.request.admission": 3,  # the admission queue: core and balancers only
-    "router.request.quota": 3,  # per-key rpm / tpm / max_parallel: core only
-    "router.request.quota_shared": 3,  # the same shared through Redis, on router.state
-    "router.request.sse": 3,  # server-sent events as bytes: boundaries, parsed events (pure)
-    "router.request.hops": 3,  # the hop marker: loops refused (core only)
-    "router.request.usage_stream": 3,  # include_usage asked for and its event taken out (pure)
-    "router.request.usage_book": 3,  # hourly usage per key and model: core only
-    "router.request.multipart": 3,  # a form's model and stream fields (pure)
-    "router.request.byte_budget": 3,  # bytes of bodies held against a bound (pure)
-    "router.request.response_ids": 3,  # response id -> backend, local or in Redis
-    "router.request.estimate": 3,  # a request's token estimate (pure)
-    "router.request.continuation": 3,  # migration: the continuation request (pure)
-    "router.request.migration": 3,  # migration policy: which calls may go on elsewhere
-    "router.request.relayed": 3,  # migration: what one attempt relayed (pure)
-    "router.request.adapter_flights": 3,  # LoRA: adapters in flight per engine (pure)
-    "router.request.stitch": 3,  # migration: a continuation's events joined to the stream (pure)
-    "router.request.usage": 3,  # tokens and the first content token from the bytes (pure)
-    "router.request.pd": 3,  # prefill/decode: a model's pools by role, the two legs' bodies
-    "router.ops.metrics": 4,
-    "router.ops.tracing": 4,  # OpenTelemetry spans: core only, used by the lifecycle and the app
+    "balancers": 2,  # pure policies
+    "health": 2,  # probes, outlier detection, health state
+    "router.engine": 2,  # what engines report: readings, KV events, LoRA adapters
+    "router.request.wire": 3,  # SSE, headers, multipart: bytes in and out (pure)
+    "router.request.admit": 3,  # validation, estimate, admission queue, quotas, hops, budgets
+    "router.request.placement": 3,  # affinity, prefix, tokens, response ids, adapters, P/D
+    "router.request.usage": 3,  # usage from the bytes, its strip, the usage book, the record
+    "router.request.migration": 3,  # relay, stitch, continuation, migration policy
+    "router.registry": 3,  # the backend set, its Redis sync
+    "router.ops": 4,  # metrics, tracing
     "router.discovery": 4,
-    "router.request.endings": 3,  # how an attempt ends: Retry, Broken, NoneLeft (pure)
-    "router.request.watch": 3,  # the lifecycle task under a watcher of the client
-    # The lifecycle's steps: they use metrics and tracing, and each other only downward
-    # (parts, call < getting_in, pump, prefill_leg, migrate < attempt; account).
-    "router.request.parts": 5,  # what every step uses, built once
-    "router.request.call": 5,  # one request's state through the steps
-    "router.request.getting_in": 5,  # drain, hop, validation, ticket, quota
-    "router.request.attempt": 5,  # pick, lease, upstream, retryable status
-    "router.request.prefill_leg": 5,  # P/D: the prefill engine's leg of an attempt
-    "router.request.pump": 5,  # the stream relayed chunk by chunk
-    "router.request.migrate": 5,  # a broken stream continued elsewhere
-    "router.request.account": 5,  # tokens, usage book, record, metrics at the end
-    "router.request.proxy": 6,  # the order of the steps
-    "router.web": 7,
-    "router.web.console": 7,  # the console page, its assets and its live view's route
-    "router.web.live_state": 7,  # the console's live view: admin rows, routing, queue, quotas
-    "router.registry.admin": 7,
-    "router.ops.status": 7,
-    "router.mock": 7,
-    "router.mock.apis": 0,  # the other APIs' shapes: pure formatting
-    "router.mock.handoff": 0,  # the mock's NIXL and SGLang handoff (stdlib only)
-    "router.enginefleet": 7,  # real vLLM engines for the engine tier and `sluicegate engines`
+    "router.request.lifecycle": 5,  # the steps and their order (proxy)
+    "router.web": 7,  # the HTTP face, admin routes, the console
     "router.app": 8,
-    "router.cli": 9,
-    "router.ops.probe": 9,  # the image's HEALTHCHECK entry point (stdlib only)
-    "bench.kit": 10,  # processes, loads, nginx, /proc, the page writer: no scenario
-    "bench.scenarios": 11,  # `make bench`'s scenarios
-    "bench.oneoff": 11,  # investigations run on their own
-    "bench.scenarios.registry": 12,  # the one registry: every scenario by name
-    "bench.run": 13,  # the entry point (`python -m bench.run`)
+    # Test doubles and tools: only the CLI imports them, no serving module.
+    "router.tools": 9,  # the mock engine, the engine fleet, status, probe, the settings doc
+    "router.cli": 10,
+    "bench.kit": 11,  # processes, loads, nginx, /proc, the page writer: no scenario
+    "bench.scenarios": 12,  # `make bench`'s scenarios
+    "bench.oneoff": 12,  # investigations run on their own
+    "bench.scenarios.registry": 13,  # the one registry: every scenario by name
+    "bench.run": 14,  # the entry point (`python -m bench.run`)
 }
 
 # Package markers (`__init__.py` holding only a docstring) sit in layer 0. They match their own
 # name only: a prefix here would place every unlisted module of the package silently.
 PACKAGE_MARKERS = frozenset({"router", "router.request", "router.registry", "router.ops"})
-PACKAGE_MARKERS |= {"bench", "bench.kit", "bench.scenarios", "bench.oneoff"}
+PACKAGE_MARKERS |= {f"router.request.{room}" for room in ROOMS}
+PACKAGE_MARKERS |= {"router.tools", "bench", "bench.kit", "bench.scenarios", "bench.oneoff"}
 
 
 def _modules() -> dict[str, Path]:

@@ -43,8 +43,8 @@ from starlette.types import Message
 from router.app import create_app
 from router.core.backend import Backend
 from router.core.settings import BackendConfig, HealthConfig, MigrationConfig, Settings
-from router.mock.wire import Chunks
-from router.request.proxy import Proxy
+from router.request.lifecycle.proxy import Proxy
+from router.tools.mock.wire import Chunks
 from router.upstream.transport import Answer, Outgoing
 from router.web.api import FastPath
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from router.core.settings import AdmissionConfig, ClientKeyConfig, DisaggregationConfig
-from router.request.call import Call as RequestCall
+from router.request.lifecycle.call import Call as RequestCall
 from tests.test_lifecycle_inprocess import (
     BACKENDS,
     CHAT,

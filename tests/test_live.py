@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from router.core.settings import AdmissionConfig, ConsoleConfig, Settings
 from router.ops.live import MAX_NAMES, MAX_SAMPLES, OTHER, SECONDS, WINDOW, Live
-from router.request.admission import Admission, Ticket
-from router.request.quota import KeyLimits, Quotas
+from router.request.admit.admission import Admission, Ticket
+from router.request.admit.quota import KeyLimits, Quotas
 
 
 class Clock:

@@ -28,8 +28,8 @@ from balancers.lora import Tier, tier
 from router.core.engine import EngineReading
 from router.engine.adapters import adapters_of, base_models
 from router.engine.parse import MAX_LORA_SERIES, parse
-from router.ops.status import run as status
-from router.request.prefix import block_hashes
+from router.request.placement.prefix import block_hashes
+from router.tools.status import run as status
 from tests.harness import Cluster, Proc, backend, stats
 from tests.picking import Bound
 

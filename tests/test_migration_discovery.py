@@ -7,7 +7,7 @@ real wire protocol) and routes to real mock engines on 127.0.0.2 and .3, one por
 behind a Service. What discovery does (router/discovery/reconcile.py): a terminating endpoint
 only drains (no new requests; its streams stay); an endpoint gone from the slice is removed once
 its streams end or `drain_grace` has passed, and removal moves the streams still on it
-(router/request/migration.py).
+(router/request/migration/policy.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from router.request.relayed import Relayed
+from router.request.migration.relay import Relayed
 from tests.harness import Cluster, Proc, backend, control, expected_text, stats
 
 LINE_ENDS = ["\n", "\r\n", "\r"]

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from router.core.settings import MigrationConfig
-from router.request.continuation import CannotContinue, build
-from router.request.migration import Migration, Plan
-from router.request.relayed import CHOICES_END, COMPACT_AT, Relayed
-from router.request.stitch import Stitch
-from router.request.usage import ResponseUsage
+from router.request.migration.continuation import CannotContinue, build
+from router.request.migration.policy import Migration, Plan
+from router.request.migration.relay import CHOICES_END, COMPACT_AT, Relayed
+from router.request.migration.stitch import Stitch
+from router.request.usage.parse import ResponseUsage
 
 
 def event(obj: dict[str, Any]) -> bytes:

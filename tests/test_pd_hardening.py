@@ -2,8 +2,8 @@
 that writes its own handoff fields, prefill engines whose answers are nested without end, drip,
 or name another host (tests/hostile_prefill.py), and a decode engine that fails everything.
 
-Real mock engines (router/mock/handoff.py) and a real router on loopback; the openai SDK as the
-client.
+Real mock engines (router/tools/mock/handoff.py) and a real router on loopback; the openai SDK as
+the client.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from router.core.settings import DisaggregationConfig
-from router.request.pd import (
+from router.request.placement.pd import (
     MAX_PARAMS_DEPTH,
     BadPrefillAnswer,
     check_remote,

@@ -15,8 +15,8 @@ from balancers.session_ring import Ring, point
 from router.core.backend import Backend
 from router.core.engine import EngineReading
 from router.core.settings import AffinityConfig
-from router.request.affinity import MAX_SESSION_KEY_CHARS, Affinity
-from router.request.prefix import block_hashes, prefix_hashes, prompt_text
+from router.request.placement.affinity import MAX_SESSION_KEY_CHARS, Affinity
+from router.request.placement.prefix import block_hashes, prefix_hashes, prompt_text
 from tests.picking import Bound
 
 SYSTEM = "You are a careful assistant. " * 40  # 1160 characters

@@ -10,8 +10,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from router.request.affinity import RequestAffinity
-from router.request.tokens import OTHER_PART, RouterTokenizer, prompt_chars, request_tokens
+from router.request.placement.affinity import RequestAffinity
+from router.request.placement.tokens import (
+    OTHER_PART,
+    RouterTokenizer,
+    prompt_chars,
+    request_tokens,
+)
 from tests.harness import Cluster
 from tests.kv_affinity import engine_affinity, engine_backend
 from tests.tiny_tokenizer import write_tokenizer

@@ -15,7 +15,7 @@ import yaml
 from starlette.responses import Response
 
 from router.core.settings import ConfigError, load_settings
-from router.request.quota import KeyLimits, Quotas, Reservation
+from router.request.admit.quota import KeyLimits, Quotas, Reservation
 from tests.harness import Cluster, Proc, backend, in_flight, sha, stats
 
 RPM = "sk-quota-rpm-0123456789"

@@ -14,14 +14,14 @@ import openai
 import pytest
 import redis
 
-from router.request.estimate import (
+from router.request.admit.estimate import (
     CHAT_LIMITS,
     COMPLETION_LIMITS,
     MAX_ESTIMATE,
     NO_COMPLETION,
     estimate_tokens,
 )
-from router.request.quota import KeyLimits, Quotas, Reservation
+from router.request.admit.quota import KeyLimits, Quotas, Reservation
 from tests.harness import Cluster, Proc, backend, sha, stats, wait_for
 
 BATCH = "sk-est-batch-0123456789"

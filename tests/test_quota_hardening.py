@@ -20,15 +20,15 @@ import pytest
 import redis
 from starlette.responses import Response
 
-from router.request.estimate import (
+from router.request.admit.estimate import (
     CHAT_LIMITS,
     COMPLETION_LIMITS,
     NO_COMPLETION,
     BadLimit,
     estimate_tokens,
 )
-from router.request.quota import KeyLimits, Quotas, Reservation
-from router.request.quota_shared import SharedQuotas
+from router.request.admit.quota import KeyLimits, Quotas, Reservation
+from router.request.admit.quota_shared import SharedQuotas
 from tests.harness import Cluster, Proc, backend, sha
 
 TPM_A = "sk-hard-attack-0123456789"

@@ -21,8 +21,8 @@ import redis
 from redis.cluster import RedisCluster
 
 from router.core.redis_client import RedisTarget
-from router.request.quota import KeyLimits, Reservation
-from router.request.quota_shared import SharedQuotas, SharedReservation, key_tag
+from router.request.admit.quota import KeyLimits, Reservation
+from router.request.admit.quota_shared import SharedQuotas, SharedReservation, key_tag
 from tests.harness import Cluster, Proc, backend, late_by, sha, wait_http
 
 pytestmark = pytest.mark.redis

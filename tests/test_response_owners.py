@@ -15,7 +15,7 @@ import openai
 import pytest
 import redis
 
-from router.request.response_ids import owner_of
+from router.request.placement.response_ids import owner_of
 from tests.harness import Cluster, Proc, backend, sha, stats
 
 A = "sk-owner-a-0123456789"

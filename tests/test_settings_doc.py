@@ -9,7 +9,7 @@ import typing
 from pydantic import BaseModel, Field
 
 from router.core import settings as s
-from router.core import settings_doc as doc
+from router.tools import settings_doc as doc
 
 
 def _paths(model: type[BaseModel], seen: set[type[BaseModel]]) -> list[tuple[str, str]]:

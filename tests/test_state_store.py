@@ -27,10 +27,10 @@ from balancers.least_inflight import LeastInflight
 from router.core.backend import Backend
 from router.core.errors import StoreUnavailable
 from router.core.runner import Runner
-from router.request.affinity_store import SharedPrefixIndex
-from router.request.prefix import block_hashes
-from router.request.quota import KeyLimits
-from router.request.quota_shared import SharedQuotas
+from router.request.admit.quota import KeyLimits
+from router.request.admit.quota_shared import SharedQuotas
+from router.request.placement.affinity_store import SharedPrefixIndex
+from router.request.placement.prefix import block_hashes
 from router.state.store import DEGRADE_AFTER, SharedStore
 from tests.harness import Cluster, Proc
 

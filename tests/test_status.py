@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.ops.status import ErrorRates, render_table
+from router.tools.status import ErrorRates, render_table
 from tests.harness import ROOT, Cluster, Proc, backend, control, free_port
 
 

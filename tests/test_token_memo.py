@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.request import token_memo
-from router.request.token_memo import (
+from router.request.placement import token_memo
+from router.request.placement.token_memo import (
     MARGIN,
     MIN_IDS,
     RELEARN,
@@ -119,7 +119,7 @@ def test_a_failed_request_leaves_no_question_running() -> None:
     fails (or the request is cancelled), the other is cancelled, not left to its timeout."""
     import asyncio
 
-    from router.request.affinity import RequestAffinity
+    from router.request.placement.affinity import RequestAffinity
     from tests.kv_affinity import engine_affinity, engine_backend
 
     up = engine_backend("up", "http://127.0.0.1:9")

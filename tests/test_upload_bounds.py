@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router.mock.upstream import _form as mock_form
-from router.request.multipart import MAX_PART_HEADER, MAX_PARTS, BadForm, form_fields
+from router.request.wire.multipart import MAX_PART_HEADER, MAX_PARTS, BadForm, form_fields
+from router.tools.mock.upstream import _form as mock_form
 from tests.harness import ROOT, Cluster, Proc, backend, metric, stats, wait_for
 
 BOUNDARY = "XyZzy"
@@ -243,7 +243,7 @@ def test_the_mock_parses_forms_with_its_own_parser() -> None:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            assert "router.request.multipart" not in names, path
+            assert "router.request.wire.multipart" not in names, path
 
 
 # -- defect 21: Anthropic's shape for the edge's and the app's own answers --------------------

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.request.usage import ResponseUsage
+from router.request.usage.parse import ResponseUsage
 
 
 def vllm_stream(texts: list[str], chat: bool, usage: int | None, empty_finish: bool) -> list[bytes]:

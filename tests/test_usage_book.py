@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from router.request import usage_book
-from router.request.usage_book import HOUR, UsageBook, parse_since
+from router.request.usage import book as usage_book
+from router.request.usage.book import HOUR, UsageBook, parse_since
 from tests.harness import free_port
 
 T0 = 1_796_043_600.0  # 2026-11-30T13:00:00Z

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from router.request.estimate import estimate_tokens
+from router.request.admit.estimate import estimate_tokens
 from tests.harness import (
     Cluster,
     Proc,

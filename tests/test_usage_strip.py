@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.request.usage_stream import (
+from router.request.usage.strip import (
     MAX_HELD,
     USAGE_OBJECT,
     UsageStrip,

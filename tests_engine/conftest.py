@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from router.enginefleet.fleet import Engine, EngineOptions, Fleet
-from router.enginefleet.install import engine_home, ensure_venv, nixl_dir
-from router.enginefleet.model import write_model
+from router.tools.enginefleet.fleet import Engine, EngineOptions, Fleet
+from router.tools.enginefleet.install import engine_home, ensure_venv, nixl_dir
+from router.tools.enginefleet.model import write_model
 from tests.harness import Cluster
 from tests_engine.support import ensure_healthy, wait_idle
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.enginefleet.fleet import Engine, Fleet
+from router.tools.enginefleet.fleet import Engine, Fleet
 from tests.harness import Cluster, Proc
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from router.enginefleet.fleet import Fleet
+from router.tools.enginefleet.fleet import Fleet
 from tests.harness import Cluster, in_flight
 from tests_engine.support import (
     DirectLoad,

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from router.enginefleet.fleet import Engine, Fleet
+from router.tools.enginefleet.fleet import Engine, Fleet
 from tests.harness import Cluster, Proc
 from tests_engine.support import metrics, start_router, wait_for
 

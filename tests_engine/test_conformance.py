@@ -28,7 +28,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.engine.parse import parse
-from router.enginefleet.fleet import Fleet
+from router.tools.enginefleet.fleet import Fleet
 from tests.harness import Cluster
 from tests_engine.support import ensure_healthy, wait_idle
 

@@ -31,7 +31,7 @@ import zmq
 from router.engine.calibrate import Calibration
 from router.engine.kv_wire import Stored, decode
 from router.engine.parse import parse
-from router.enginefleet.fleet import Fleet
+from router.tools.enginefleet.fleet import Fleet
 from tests.harness import Cluster
 from tests_engine.support import cache_config
 

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from router.enginefleet.fleet import Engine, Fleet
-from router.request.token_memo import MIN_IDS, earlier, memo_key, shared_ids
-from router.request.tokens import RouterTokenizer
+from router.request.placement.token_memo import MIN_IDS, earlier, memo_key, shared_ids
+from router.request.placement.tokens import RouterTokenizer
+from router.tools.enginefleet.fleet import Engine, Fleet
 from tests.harness import Cluster, Proc
 from tests_engine.support import kv_capacity_blocks, rows, start_router, wait_for
 
@@ -236,8 +236,8 @@ def test_router_tokens_of_prompts_sharing_a_long_prefix_equal_the_engines(fleet:
 
 
 def test_the_memos_ids_begin_every_later_prompt_of_their_conversation(fleet: Fleet) -> None:
-    """`via: engine`'s memo (router/request/token_memo.py) on the real chat template: what one
-    request's whole prompt and its earlier messages alone share (less the margin) begins the
+    """`via: engine`'s memo (router/request/placement/token_memo.py) on the real chat template: what
+    one request's whole prompt and its earlier messages alone share (less the margin) begins the
     engine's own ids of every later prompt with those earlier messages, whatever comes last."""
     e = fleet.engines[0]
 

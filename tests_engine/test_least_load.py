@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 
 from router.engine.parse import parse
-from router.enginefleet.fleet import Fleet
+from router.tools.enginefleet.fleet import Fleet
 from tests.harness import Cluster
 from tests_engine.support import (
     DirectLoad,

@@ -4,7 +4,7 @@ has the adapter, and an adapter unknown to the fleet loaded on demand and served
 The session's two engines run with `--enable-lora --max-loras 2 --max-lora-rank 8` and run-time
 adapter loading from the start (conftest.py), so this module restarts nothing; it unloads what
 it loaded when it ends. The adapters are random PEFT ones written locally
-(router/enginefleet/lora.py).
+(router/tools/enginefleet/lora.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 from openai import OpenAI
 
 from router.engine.parse import parse_lora
-from router.enginefleet.fleet import Engine, Fleet
-from router.enginefleet.lora import write_adapter
+from router.tools.enginefleet.fleet import Engine, Fleet
+from router.tools.enginefleet.lora import write_adapter
 from tests.harness import Cluster, Proc
 from tests_engine.conftest import LORA_ARGS
 from tests_engine.support import ensure_healthy, router_metrics, rows, start_router, wait_for

@@ -16,7 +16,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.enginefleet.fleet import Fleet
+from router.tools.enginefleet.fleet import Fleet
 from tests.harness import Cluster
 from tests_engine.support import start_router
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 
-from router.enginefleet.fleet import Engine, Fleet, free_port
+from router.tools.enginefleet.fleet import Engine, Fleet, free_port
 from tests.harness import Cluster, Proc, in_flight
 from tests_engine.support import (
     Words,

@@ -20,8 +20,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.enginefleet.fleet import Fleet
-from router.request.pd import PREFILL_PARAMS
+from router.request.placement.pd import PREFILL_PARAMS
+from router.tools.enginefleet.fleet import Fleet
 from tests.harness import Cluster
 from tests_engine.support import Words, ensure_healthy, metrics_of, wait_idle
 

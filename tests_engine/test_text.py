@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from router.enginefleet.fleet import Engine, Fleet
+from router.tools.enginefleet.fleet import Engine, Fleet
 from tests.harness import Cluster
 from tests_engine.support import start_router
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import openai
 
-from router.enginefleet.fleet import Fleet
+from router.tools.enginefleet.fleet import Fleet
 from tests.harness import Cluster
 from tests_engine.support import (
     Words,

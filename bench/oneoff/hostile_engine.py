@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from bench.kit.procstat import cpu_seconds
-from router.request.usage_stream import UsageStrip
+from router.request.usage.strip import UsageStrip
 from tests.harness import Cluster, Proc, control
 
 PAGE_BYTES = 4 * 1024 * 1024 - 4096  # just under the scraper's 4 MiB cap on a page

@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from router.enginefleet.fleet import EngineOptions, Fleet
-from router.enginefleet.install import engine_home, ensure_venv
-from router.enginefleet.model import write_model
+from router.tools.enginefleet.fleet import EngineOptions, Fleet
+from router.tools.enginefleet.install import engine_home, ensure_venv
+from router.tools.enginefleet.model import write_model
 
 MAX_TOKENS = 64
 CUTS = (1, 5, 13, 24, 40)

@@ -2,7 +2,7 @@
 
     python -m bench.oneoff.pd_engine [--requests 48] [--workers 4]    # ~4 minutes; one run
 
-The larger dummy model (router/enginefleet/model.py `larger`: hidden 1024, 4 layers, where a
+The larger dummy model (router/tools/enginefleet/model.py `larger`: hidden 1024, 4 layers, where a
 1500-token prefill costs ~0.85 s of a core) on two engines, one per core, with NixlConnector as
 `kv_both` (so both targets run on the very same engines, started once). Targets, one after the
 other, each with its own prompts (a salt per target, so neither finds the other's blocks):
@@ -111,9 +111,9 @@ def _load(url: str, model: str, prompts: list[tuple[str, str]], workers: int) ->
 
 
 def run(requests: int = REQUESTS, workers: int = WORKERS) -> dict[str, Any]:
-    from router.enginefleet.fleet import EngineOptions, Fleet
-    from router.enginefleet.install import engine_home, ensure_venv, nixl_dir
-    from router.enginefleet.model import write_model
+    from router.tools.enginefleet.fleet import EngineOptions, Fleet
+    from router.tools.enginefleet.install import engine_home, ensure_venv, nixl_dir
+    from router.tools.enginefleet.model import write_model
     from tests_engine.support import Words
 
     home = engine_home()

@@ -1,14 +1,14 @@
 """Cost of cache-aware routing's per-request work (`python -m bench.oneoff.prefix`, a few seconds).
 
 CPU per request, for a 32k-character chat prompt (a long system prompt and a few turns):
-hashing the prompt into its block chain (router/request/prefix.py), then the prefix index's
-lookup over 8 backends and its update (balancers/prefix_index.py), and the whole routing step;
-a session key's ring point and home, and building a ring of 8 (once per candidate set).
+hashing the prompt into its block chain (router/request/placement/prefix.py), then the prefix
+index's lookup over 8 backends and its update (balancers/prefix_index.py), and the whole routing
+step; a session key's ring point and home, and building a ring of 8 (once per candidate set).
 Then the whole per-request affinity step as the proxy runs it (`Affinity`: hash, lookup, bind,
-record), local against shared in a redis-server started here (router/request/affinity_store.py):
-router CPU per request and its ratio to the local path, wall time per request, Redis's own CPU
-per request, scripts and round trips per request (sequential and 32 at a time), and Redis's
-memory per (block, backend) entry.
+record), local against shared in a redis-server started here
+(router/request/placement/affinity_store.py): router CPU per request and its ratio to the local
+path, wall time per request, Redis's own CPU per request, scripts and round trips per request
+(sequential and 32 at a time), and Redis's memory per (block, backend) entry.
 Targets (issue 11): hashing <= 0.3 ms, hash + lookup + update <= 0.5 ms (also shared).
 """
 
@@ -28,9 +28,9 @@ from balancers.session_ring import Ring, point
 from bench.kit.procstat import cpu_seconds
 from router.core.backend import Backend
 from router.core.settings import AffinityConfig
-from router.request.affinity import Affinity
-from router.request.affinity_store import SharedPrefixIndex
-from router.request.prefix import prefix_hashes
+from router.request.placement.affinity import Affinity
+from router.request.placement.affinity_store import SharedPrefixIndex
+from router.request.placement.prefix import prefix_hashes
 from tests.harness import Cluster
 
 BLOCK = 256

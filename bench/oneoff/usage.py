@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
-from router.request.usage_stream import USAGE_OBJECT, UsageStrip
+from router.request.usage.strip import USAGE_OBJECT, UsageStrip
 from tests.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"

@@ -1,6 +1,6 @@
 """Engine-aware routing on a simulated fleet (`python -m bench.run --only engine`).
 
-1. hidden: 4 mock vLLM engines (router/mock/engine.py); one carries hidden background load
+1. hidden: 4 mock vLLM engines (router/tools/mock/engine.py); one carries hidden background load
    (sequences that never pass through the router), one has half the KV capacity. Poisson
    arrivals with long-tailed (log-normal) prompt lengths at about 80 % of the fleet's capacity;
    the same arrival trace for round_robin, least_inflight and least_load: TTFT p50/p90/p99,
@@ -287,7 +287,7 @@ def parse_cost(rounds: int = 300) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from router.engine.parse import parse
-    from router.mock.engine import Engine, EngineConfig
+    from router.tools.mock.engine import Engine, EngineConfig
 
     async def page() -> bytes:
         return Engine(EngineConfig()).metrics_text()

@@ -8,10 +8,10 @@
    on the engine's previous blocks, and 2 BlockRemoved, capacity 4096 blocks per engine. Also
    the floor under the same load: a subscriber that reads every socket and decodes nothing.
 2. Tokenizing on the critical path: an 8k-token chat prompt through the router's tokenizer
-   (router/request/tokens.py) cold (nothing cached) and warm (its system prompt seen before),
-   CPU per prompt, next to the `tokenizers` library's own encode of the same text (the floor),
-   the event loop thread's share (the rest runs in a worker thread), and the longest stall of
-   the event loop meanwhile. Budget: <= 1 ms per 8k-token prompt.
+   (router/request/placement/tokens.py) cold (nothing cached) and warm (its system prompt seen
+   before), CPU per prompt, next to the `tokenizers` library's own encode of the same text (the
+   floor), the event loop thread's share (the rest runs in a worker thread), and the longest stall
+   of the event loop meanwhile. Budget: <= 1 ms per 8k-token prompt.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _cpu() -> float:
 
 
 def _publish(run: str, seconds: float, start: float) -> None:
-    from router.mock.kv_publish import KvPublisher, removed, stored
+    from router.tools.mock.kv_publish import KvPublisher, removed, stored
 
     pubs = [KvPublisher(f"ipc://{run}/e{i}.sock") for i in range(ENGINES)]
     rng = random.Random(0)
@@ -141,7 +141,7 @@ async def _ingest(recv_only: bool = False) -> dict[str, float]:
 
 def _tokenizer() -> dict[str, float]:
     from router.core.settings import AffinityConfig
-    from router.request.tokens import RouterTokenizer, request_tokens
+    from router.request.placement.tokens import RouterTokenizer, request_tokens
     from tests.tiny_tokenizer import write_tokenizer
 
     with tempfile.TemporaryDirectory() as d:
@@ -201,8 +201,9 @@ def _tokenizer() -> dict[str, float]:
 
     out["loop_thread_ms"] = asyncio.run(on_loop()) * 1e3
 
-    # The prompt's block keys, which the KV-event index is asked for (router/request/affinity.py),
-    # also on the critical path: at vLLM's CPU block size and at the GPU default.
+    # The prompt's block keys, which the KV-event index is asked for
+    # (router/request/placement/affinity.py), also on the critical path: at vLLM's CPU block size
+    # and at the GPU default.
     from router.engine.kv_index import chain_keys
 
     ids = tk.tokens(chat) or []

@@ -172,9 +172,9 @@ def _one(
 
 
 def run(cluster: Cluster, quick: bool = False) -> dict[str, Any]:
-    from router.enginefleet.fleet import EngineOptions, Fleet
-    from router.enginefleet.install import engine_home, ensure_venv
-    from router.enginefleet.model import write_model
+    from router.tools.enginefleet.fleet import EngineOptions, Fleet
+    from router.tools.enginefleet.install import engine_home, ensure_venv
+    from router.tools.enginefleet.model import write_model
 
     rounds = 1 if quick else ROUNDS
     home = engine_home()

@@ -1,6 +1,6 @@
 """Routing on KV events against guessing, where the guess goes wrong (`--only kv`, ~5 minutes).
 
-4 mock vLLM engines (router/mock/engine.py: continuous batching, automatic prefix caching, KV
+4 mock vLLM engines (router/tools/mock/engine.py: continuous batching, automatic prefix caching, KV
 events in vLLM's wire format on ipc paths), prefill 60 ms per 1k uncached tokens (GPU-class:
 a prefix hit is worth most of a TTFT), each with room for about a third of the customers'
 system prompts. The trace: CUSTOMERS customers with a system prompt of ~1.5k tokens each, and

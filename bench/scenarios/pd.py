@@ -3,7 +3,7 @@
     python -m bench.run --only pd                 # its section of docs/benchmarks.md
     python -m bench.scenarios.pd [--rounds 3] [--seconds 4] [--baseline-src DIR]
 
-Mock engines speaking NIXL's handoff (router/mock/handoff.py): a prefill engine and a decode
+Mock engines speaking NIXL's handoff (router/tools/mock/handoff.py): a prefill engine and a decode
 engine, 64-token streams, no token delay, concurrency 16. Loads, in alternating rounds:
 - `disaggregated`: a ~600-token prompt to a router with both: every request is prefilled on P
   (one whole answer read and parsed), then streamed from D;

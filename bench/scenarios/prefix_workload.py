@@ -9,8 +9,8 @@ system prompt and all earlier user and assistant messages). A fixed number of co
 at once (closed loop: a turn is sent a short pause, `think_s`, after the last answer ended), each
 turn through one of two router replicas drawn at random (seeded): a follow-up often reaches a
 replica that did not route the turn before, and only a shared index knows where it lives.
-4 mock vLLM engines (router/mock/engine.py, automatic prefix caching) whose prefill costs 60 ms
-per 1k uncached tokens (GPU-class: prefill dominates TTFT for a long prompt) and whose KV
+4 mock vLLM engines (router/tools/mock/engine.py, automatic prefix caching) whose prefill costs 60
+ms per 1k uncached tokens (GPU-class: prefill dominates TTFT for a long prompt) and whose KV
 capacities together hold about the working set (every system prompt plus the live
 conversations), each about a quarter of it. Before each variant is measured, every customer's
 system prompt is sent once through that variant's own routing (warm-up, not counted): the run

@@ -1,7 +1,7 @@
 """sluicegate in front of 2 real vLLM engines (`python -m bench.run --only real`, ~3-5 minutes).
 
 Two real engines (vLLM's CPU build, the tiny random-weight Llama the project writes; see
-router/enginefleet/), one per core, each with 64 KV blocks of 128 tokens (8,192 tokens): less
+router/tools/enginefleet/), one per core, each with 64 KV blocks of 128 tokens (8,192 tokens): less
 than the workload's working set, so where a conversation's turns land decides what stays cached.
 Workload: CONVERSATIONS multi-turn chats at once, each with its own system prompt (~575 tokens),
 TURNS turns each resending the whole history (the engine's own answers included), MAX_TOKENS
@@ -136,9 +136,9 @@ def _warm(urls: list[str], model: str) -> None:
 
 
 def run(cluster: Cluster, quick: bool = False) -> dict[str, Any]:
-    from router.enginefleet.fleet import EngineOptions, Fleet
-    from router.enginefleet.install import engine_home, ensure_venv
-    from router.enginefleet.model import write_model
+    from router.tools.enginefleet.fleet import EngineOptions, Fleet
+    from router.tools.enginefleet.install import engine_home, ensure_venv
+    from router.tools.enginefleet.model import write_model
 
     home = engine_home()
     python = ensure_venv(home)

@@ -51,7 +51,7 @@ class Backend:
     header_names: tuple[str, ...] = ()  # extra headers' names; their values may be secrets
     metrics_path: str | None = None  # engine metrics to scrape; None for openai or when off
     kv_events: KvEventsConfig | None = None  # where its KV-cache events come from (vllm only)
-    role: str = "both"  # prefill | decode | both (router/request/pd.py)
+    role: str = "both"  # prefill | decode | both (router/request/placement/pd.py)
     bootstrap_port: int = 8998  # SGLang's bootstrap server, on a prefill engine
     tls: TlsConfig | None = None
     # The shared context of `tls` (None: the system default). Compared by identity, so a

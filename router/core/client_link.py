@@ -6,12 +6,12 @@ the lifecycle uses plain ASGI).
   with `more_body` chunks to come. It returns True when the chunk went to the connection (framed
   as `send` would frame it), False when it did not and the chunk must go through `send` (the
   client is gone, its writes are paused, the response is complete or not chunked). The pump
-  uses it from the upstream connection's read callback (router/request/pump.py): a streamed
-  token then costs no task wake-up, no future and no `send` coroutine.
+  uses it from the upstream connection's read callback (router/request/lifecycle/pump.py): a
+  streamed token then costs no task wake-up, no future and no `send` coroutine.
 - `scope["extensions"][ON_CLIENT_LOST]`: `(callback, watching)` registers `callback`, called
   once when the client's connection is lost, or on the loop's next turn if it is already
   (`watching` True), or unregisters it (False). The lifecycle registers one that cancels it
-  (router/request/watch.py): no watcher task waiting on `receive` per request.
+  (router/request/lifecycle/watch.py): no watcher task waiting on `receive` per request.
 """
 
 from __future__ import annotations

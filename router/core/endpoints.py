@@ -4,7 +4,7 @@ A row says what the request path needs to know about an endpoint, and nothing re
 elsewhere:
 - `body`: `json` (the model is the body's `model`), `multipart` (the `model` field of the form:
   audio uploads), `none` (no body: the response id in the path names the backend);
-- `usage`: how tokens are read from the answer (`router/request/usage.py`): `chat` (content
+- `usage`: how tokens are read from the answer (`router/request/usage/parse.py`): `chat` (content
   events, the final `usage`), `completion` (the same with `text`), `responses`
   (`response.*_text.delta` events; `input_tokens`/`output_tokens`/`cached_tokens` of
   `response.completed` or the body), `messages` (`content_block_delta` events; `message_start` /
@@ -23,7 +23,7 @@ elsewhere:
   it used at its end: the engine's usage, or the whole estimate while the usage is unknown) or
   `none` (neither charged nor refused by tokens: it generates nothing, or what it returns was
   charged to the request that made it);
-- `inject_usage`: streams get `stream_options.include_usage` (`router/request/usage_stream.py`);
+- `inject_usage`: streams get `stream_options.include_usage` (`router/request/usage/strip.py`);
 - `state`: `creates` (a stored response: its id is remembered with its backend, and
   `previous_response_id` routes to that backend), `follows` (`{response_id}` in the path routes
   to the backend holding it), or `none`;
@@ -112,7 +112,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         tpm="estimate",
     ),
     # What a GET returns was charged to the POST that made it: a background response's whole
-    # estimate (router/request/account.py), so polling for it costs requests, not tokens.
+    # estimate (router/request/lifecycle/account.py), so polling for it costs requests, not tokens.
     Endpoint(
         "/v1/responses/{response_id}",
         method="GET",

@@ -104,7 +104,7 @@ class RetryConfig(_Strict):
 
 class MigrationRule(_Strict):
     """Whether a generation whose engine dies mid-stream goes on on another backend
-    (router/request/migration.py). `enabled` unset: on, except from or to `kind: openai`
+    (router/request/migration/policy.py). `enabled` unset: on, except from or to `kind: openai`
     backends (a client may expect a provider's output to come from that provider alone)."""
 
     enabled: bool | None = None
@@ -121,7 +121,8 @@ class MigrationConfig(MigrationRule):
 
 
 class DisaggregationConfig(_Strict):
-    """How a model with prefill and decode backends splits a request (router/request/pd.py):
+    """How a model with prefill and decode backends splits a request
+    (router/request/placement/pd.py):
     `nixl`: vLLM's NixlConnector handoff (prefill first, then decode with its
     `kv_transfer_params`); `sglang`: SGLang's bootstrap (both at once, one `bootstrap_room`)."""
 
@@ -367,10 +368,11 @@ class LoraConfig(_Strict):
 
 
 class TokenizerConfig(_Strict):
-    """How the router gets a request's token ids for the KV-event index (router/request/tokens.py):
+    """How the router gets a request's token ids for the KV-event index
+    (router/request/placement/tokens.py):
     `router`: `tokenizer.json` + the chat template of `tokenizer_config.json` in `path` (a local
     directory, or a hub id already in the local cache); `engine`: the backend's own `/tokenize`,
-    once per chat until its earlier messages are known (router/request/token_memo.py)."""
+    once per chat until its earlier messages are known (router/request/placement/token_memo.py)."""
 
     via: Literal["router", "engine"] = "router"
     path: str | None = None
@@ -437,7 +439,7 @@ class SaturationConfig(_Strict):
 
 
 class AdmissionConfig(_Strict):
-    """The admission queue (router/request/admission.py); absent: a full fleet answers 503."""
+    """The admission queue (router/request/admit/admission.py); absent: a full fleet answers 503."""
 
     max_wait: float = Field(30.0, gt=0, le=3600)  # seconds a request may wait for a slot
     max_queue: int = Field(10000, ge=1, le=1_000_000)  # requests waiting, all models together
@@ -657,7 +659,7 @@ class ClientKeyConfig(_Strict):
     # Admission (only with `admission:` set): the key's band and its share within the band.
     priority: Literal["critical", "standard", "sheddable"] = "standard"
     weight: float = Field(1.0, gt=0, le=1000)
-    # Quotas (router/request/quota.py; shared through Redis: quota_shared.py); None: no limit.
+    # Quotas (router/request/admit/quota.py; shared through Redis: quota_shared.py); None: no limit.
     rpm: int | None = Field(None, ge=1, le=10_000_000)  # requests per minute
     tpm: int | None = Field(None, ge=1, le=10_000_000_000)  # prompt + completion tokens / minute
     max_parallel: int | None = Field(None, ge=1, le=1_000_000)  # requests in flight at once
@@ -728,9 +730,9 @@ class Settings(BaseSettings):
     admin: AdminConfig = AdminConfig()
     # The web console at `console.path` (docs/console.md); off unless `enabled: true`.
     console: ConsoleConfig = ConsoleConfig()
-    # Stamped on every upstream request (`x-sluicegate-hop`, router/request/hops.py) so a backend
-    # that points back at this router is refused, not looped. One per `serve` (its workers share
-    # it) unless set; replicas given the same id catch a loop through their Service at once.
+    # Stamped on every upstream request (`x-sluicegate-hop`, router/request/admit/hops.py) so a
+    # backend that points back at this router is refused, not looped. One per `serve` (its workers
+    # share it) unless set; replicas given the same id catch a loop through their Service at once.
     deployment_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -774,7 +776,7 @@ class Settings(BaseSettings):
     discovery: list[DiscoverySource] = Field(default_factory=list)
     tracing: TracingConfig = TracingConfig()
     admission: AdmissionConfig | None = None
-    # Token usage per request (router/request/usage_stream.py): `active` asks a stream's backend
+    # Token usage per request (router/request/usage/strip.py): `active` asks a stream's backend
     # for its usage when the client did not and hides that event; `passive` counts content events.
     usage_accounting: Literal["active", "passive"] = "active"
     usage_flush: float = Field(5.0, gt=0, le=3600)  # seconds between usage writes to Redis

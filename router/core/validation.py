@@ -43,7 +43,7 @@ RESERVED_HEADERS = frozenset(
         "trailer",
         "transfer-encoding",
         "upgrade",
-        "x-sluicegate-hop",  # the router's loop marker (router/request/hops.py)
+        "x-sluicegate-hop",  # the router's loop marker (router/request/admit/hops.py)
     }
 )
 

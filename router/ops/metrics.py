@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from balancers.inflight.base import InflightStore, Lease, Readings
     from router.core.backend import Backend
     from router.core.engine import EngineReading
-    from router.request.record import RequestRecord
+    from router.request.usage.record import RequestRecord
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -419,7 +419,7 @@ ROWS: tuple[Row, ...] = (
         "sluicegate_log_dropped_total",
         "Log lines dropped because the log writer fell behind (its queue was full).",
     ),
-    # Admission queue (router/request/admission.py): only moves while requests queue.
+    # Admission queue (router/request/admit/admission.py): only moves while requests queue.
     Row(
         "queue_depth_gauge",
         Gauge,

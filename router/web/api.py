@@ -18,8 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.core.endpoints import ENDPOINTS, FIXED, Endpoint, match_follow
 from router.core.errors import as_anthropic, error_response
 from router.registry.fleet import Registry
-from router.request.drain import Lifecycle
-from router.request.proxy import Proxy, ProxyCall
+from router.request.lifecycle.drain import Lifecycle
+from router.request.lifecycle.proxy import Proxy, ProxyCall
 from router.web.auth import ClientKeys
 
 PROXIED_PATHS = tuple(e.path for e in ENDPOINTS if e.method == "POST" and "{" not in e.path)

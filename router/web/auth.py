@@ -23,8 +23,8 @@ from starlette.responses import Response
 
 from router.core.errors import error_response
 from router.core.settings import ClientKeyConfig, read_api_keys_file
-from router.request.quota import KeyLimits
-from router.request.response_ids import ANONYMOUS, owner_of
+from router.request.admit.quota import KeyLimits
+from router.request.placement.response_ids import ANONYMOUS, owner_of
 
 log = logging.getLogger("sluicegate.auth")
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from router.ops.live import Live
-from router.registry.admin import BackendRows
-from router.request.admission import Admission
-from router.request.quota import QuotaBook
+from router.request.admit.admission import Admission
+from router.request.admit.quota import QuotaBook
+from router.web.admin import BackendRows
 from router.web.auth import ClientKeys
 
 MAX_ROWS = 500  # backends listed; a discovered fleet past it is counted, not listed

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from router.core.errors import STORE_FAILURES, error_response
-from router.request.usage_book import UsageBook, parse_since
+from router.request.usage.book import UsageBook, parse_since
 from router.web.auth import AdminAuth
 
 _MAX_FILTER = 256

@@ -333,7 +333,7 @@ class Run:
         # (`docker exec -e PYTHONPYCACHEPREFIX=/nonexistent ...`), not a check.
         missing = self.exec_py(
             name,
-            "import time; t = time.perf_counter(); import router.app, router.ops.probe\n"
+            "import time; t = time.perf_counter(); import router.app, router.tools.probe\n"
             "took = time.perf_counter() - t\n"
             "import sys, os, importlib.util as u\n"
             "miss = [m.__name__ for m in list(sys.modules.values())"
@@ -365,7 +365,7 @@ class Run:
             raise Failed("/metrics: no sluicegate_requests_total")
         self.ok("/metrics has the request counters")
         t0 = time.monotonic()
-        self.docker("exec", "sg-main", "python", "-m", "router.ops.probe")
+        self.docker("exec", "sg-main", "python", "-m", "router.tools.probe")
         self.figures["probe"] = f"{time.monotonic() - t0:.2f} s"
         self.rm("sg-main")
         # The port given on the command line instead: the probe reads it there.

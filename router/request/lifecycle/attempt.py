@@ -1,0 +1,505 @@
+"""One attempt: pick a backend, lease it, (prefill on another engine,) open the upstream request,
+relay its answer; and the request's attempts together, as `Failover.run` drives them.
+
+`Attempts` holds what the attempts of one request share: the balancer bound to the request's
+affinity (cached prefix, session, LoRA adapter), the backends excluded so far, the last failure.
+Its call is one attempt; the lease it takes is released in its `finally`, with the admission
+queue told a slot freed. `exchange` is that attempt on its backend; it owns what it takes in
+turn: the adapter's flight, the prefill leg, the adapter's use, the upstream answer, closed in
+its `finally`. A failure before the answer started raises `Retry`; a 5xx or 429 is read whole
+first (`_retryable_status`), so the client may still get it when no other backend is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Sequence, Set
+
+import httpx
+from starlette.types import Send
+
+from balancers import lora as adapters
+from balancers.base import Balancer, Candidate, Choice
+from balancers.context import AdapterWant, PickContext
+from balancers.disaggregation import decide
+from balancers.inflight.base import Lease, Readings
+from router.core.backend import Backend
+from router.core.errors import (
+    UPSTREAM_FAILURES,
+    FailureKind,
+    InvalidUpstreamResponse,
+    NoCapacity,
+    ProxyError,
+    upstream_failure,
+)
+from router.engine.lora_loads import LoadFailed
+from router.request.admit.hops import HOP_HEADER
+from router.request.lifecycle.call import Call
+from router.request.lifecycle.endings import Broken, NoneLeft, Retry
+from router.request.lifecycle.migrate import count_segment, outcome, spent, whole_again
+from router.request.lifecycle.parts import Parts
+from router.request.lifecycle.prefill_leg import Phase, first_phase
+from router.request.lifecycle.pump import pump
+from router.request.placement.affinity import RequestAffinity
+from router.request.placement.pd import with_members
+from router.request.wire.headers import downstream_response_headers, upstream_request_headers
+from router.upstream.transport import Answer
+
+# Failures after the request went out: the backend was working on it when it broke.
+_SENT = (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError)
+_NO_PHASE = Phase(None, None, None)
+# A lease whose store passed no choice on (a stand-in store): chosen by load, nothing held.
+_NO_CHOICE = Choice(Candidate("", 1.0, 0))
+
+
+async def attempts_for(parts: Parts, call: Call, send: Send) -> Attempts:
+    """The request's attempts, with its affinity looked up (the shared prefix index, the
+    engine's token ids: a round trip each, when configured)."""
+    balancer = parts.registry.balancer_for(call.model)
+    # A LoRA adapter routed by its base model: the balancer weighs who serves it.
+    adapter = call.model if call.model in parts.registry.snapshot.adapters else None
+    call.adapter = adapter
+    affinity = parts.affinity.prepare(
+        balancer,
+        call.client_headers,
+        call.parsed(),
+        call.endpoint.usage == "responses",
+        adapter,
+    )
+    if affinity is not None and parts.affinity.shared is not None:
+        affinity = await parts.affinity.look_up(affinity, call.backends)  # one round trip
+    if affinity is not None and parts.affinity.wants_tokens(call.model, call.backends):
+        affinity = await parts.affinity.with_tokens(
+            affinity, call.model, call.parsed(), parts.health.eligible(call.backends, call.model)
+        )
+    return Attempts(parts, call, send, balancer, affinity)
+
+
+class Attempts:
+    def __init__(
+        self,
+        parts: Parts,
+        call: Call,
+        send: Send,
+        balancer: Balancer,
+        affinity: RequestAffinity | None,
+    ) -> None:
+        self.parts = parts
+        self.call = call
+        self.send = send
+        self.balancer = balancer
+        self.affinity = affinity
+        self.exclude: set[str] = set()  # backends that failed this request
+        self.p_exclude: set[str] = set()  # prefill engines that failed this request
+        # A decode engine's 5xx to a handoff not yet charged: (prefill, decode, status).
+        self.refused: tuple[str, str, int] | None = None
+        self.last: Retry | None = None
+        self.engine_aware = balancer.needs_engine or call.adapter is not None
+        self.want: AdapterWant | None = None
+        self.readings: Readings | None = None
+
+    async def __call__(self, number: int, answered: Callable[[], None]) -> None:
+        """Attempt `number`; `answered()` once its answer started (the retry slot's end)."""
+        parts = self.parts
+        call = self.call
+        rec = call.record
+        if call.broke and spent(call):
+            raise NoneLeft  # it broke as many engines as it may reach
+        call.trace.queued()
+        lease = await self._lease(number)
+        try:
+            self._routed(lease, number)
+            prefill: Lease | None = None
+            if call.pools is not None and not call.started and call.continuation is None:
+                rec.prefill_backend = None  # this attempt's own, set when it has one
+                prefill = await self._prefill_lease(number, lease)
+            await exchange(parts, call, self.send, lease, answered, prefill)
+            self._settle(lease.backend, rec.prefill_backend is not None)
+        except Broken as broken:
+            call.working = False
+            if broken.why != "moved":  # a backend being removed broke nothing
+                call.broke += 1
+            self._settle(lease.backend, rec.prefill_backend is not None)
+            self.exclude.add(lease.backend)  # a continuation goes elsewhere
+            raise
+        except Retry as retry:
+            call.working = False  # that backend failed or refused before it answered
+            if retry.sent:  # it broke while working on it
+                call.broke += 1
+            self.last = retry
+            call.trace.attempt_failed(retry.kind, retry.response[0] if retry.response else None)
+            if retry.prefill is not None:  # phase 1 again elsewhere; the decode engine stays
+                self.p_exclude.add(retry.prefill)
+                if retry.response is None:  # the prefill leg's own failure
+                    parts.metrics.attempt_failed(retry.prefill, retry.kind)
+                else:  # the decode engine refused the handoff: charged once it is known whose
+                    self._settle(lease.backend, None)
+                    self.refused = (retry.prefill, lease.backend, retry.response[0])
+            else:
+                self._settle(lease.backend, None)
+                parts.metrics.attempt_failed(lease.backend, retry.kind)
+                self.exclude.add(lease.backend)  # the next attempt goes elsewhere
+            raise
+        finally:
+            parts.store.release(lease)
+            if parts.admission is not None:
+                parts.admission.released()
+            flight = call.kv_flight
+            if flight is not None:
+                call.kv_flight = None
+                kv = parts.affinity.kv
+                assert kv is not None  # a flight comes from it
+                kv.ended(flight)
+            call.trace.attempt_end(rec.error)
+
+    async def again(self, release: Callable[[], None]) -> None:
+        """The failover loop once more, for a migration: its retry slot is released as soon
+        as an answer starts."""
+
+        async def continued(number: int, answered: Callable[[], None]) -> None:
+            def both() -> None:
+                answered()
+                release()
+
+            await self(number, both)
+
+        await self.parts.failover.run(continued)
+
+    async def resend_whole(self) -> bool:
+        """A whole (non-streamed) answer lost while its engine worked on it: nothing reached
+        the client, so the original request migrates as it is. True when one was answered."""
+        parts = self.parts
+        call = self.call
+        while self.last is not None and whole_again(parts, call, self.last):
+            release = parts.failover.budget.slot(True)
+            try:
+                await self.again(release)
+                outcome(parts, call, "ok", "whole answer lost")
+                return True
+            except (Retry, NoneLeft):
+                outcome(parts, call, "failed", "whole answer lost")
+            finally:
+                release()
+        return False
+
+    def _settle(self, decode: str | None, handoff: bool | None) -> None:
+        """Charge a pending refused handoff (`refused`) now that `decode` answered again, taking
+        a handoff (`handoff` True) or serving the request whole (False); None: it failed, or no
+        answer came. vLLM's decode engine answers 500 when its pull fails, and a broken one to
+        everything: only the same decode engine taking another prefill engine's handoff shows
+        the first prefill engine at fault, and its serving the request whole shows neither."""
+        refused = self.refused
+        if refused is None:
+            return
+        self.refused = None
+        prefill, refuser, status = refused
+        if decode == refuser and handoff is not None:
+            if not handoff:
+                return  # it works; whether its pulls or that prefill engine failed, unknown
+            name = prefill
+        else:
+            name = refuser  # the engine that answered 500
+        self.parts.health.on_failure(name, FailureKind.STATUS, status)
+        self.parts.metrics.attempt_failed(name, FailureKind.STATUS)
+
+    async def give_up(self) -> None:
+        """No attempt is left: the last backend's own error answer, or the router's error."""
+        self._settle(None, None)  # no later answer tells: the engine that answered 500
+        last = self.last
+        call = self.call
+        if last is None:
+            raise NoCapacity(
+                f"Every backend serving `{call.model}` is busy or unavailable; retry later.",
+                retry_after=self.parts.health.retry_after(call.backends) or 1,
+            )
+        if last.response is None:
+            raise last.error
+        status, headers, body = last.response
+        call.record.status = status
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
+        call.record.bytes_out = len(body)
+
+    # -- picking ------------------------------------------------------------------------------
+
+    def _context(self, eligible: Sequence[Backend], exclude: Set[str]) -> PickContext:
+        """What this pick is told of the request: its exclusions, the prompt's hints for the
+        eligible backends, the adapter it wants."""
+        parts = self.parts
+        adapter = self.call.adapter
+        want = None
+        if adapter is not None:
+            want = parts.lora.want(adapter) if parts.lora is not None else AdapterWant(adapter)
+            want = dataclasses.replace(want, flights=parts.flights.on())
+        self.want = want
+        affinity = self.affinity
+        hints = parts.affinity.hints(affinity, eligible) if affinity else None
+        return PickContext(exclude, hints, want, parts.settings.affinity.load_factor)
+
+    async def _lease(self, number: int) -> Lease:
+        """The first attempt of a request with a ticket goes through admission (it may queue);
+        any other picks among the eligible backends at once, or raises `NoneLeft`."""
+        parts = self.parts
+        call = self.call
+        admission = parts.admission
+        if admission is not None and call.ticket is not None and number == 1:
+            if not call.record.attempts:  # not a migration's first attempt
+                return await admission.acquire(call.ticket, self._try_admit, call.parked)
+        eligible = parts.health.eligible(call.backends, call.model)
+        self.readings = parts.readings() if parts.readings and self.engine_aware else None
+        ctx = self._context(eligible, self.exclude)
+        lease = await parts.store.acquire(eligible, self.balancer, ctx, self.readings)
+        if lease is None:
+            raise NoneLeft
+        return lease
+
+    async def _try_admit(self) -> Lease | None:
+        """One pick-and-count among backends with room by max_inflight and engine readings;
+        None sends the request to (or back to) the queue."""
+        parts = self.parts
+        call = self.call
+        assert parts.admission is not None
+        eligible = parts.health.eligible(call.backends, call.model)
+        if not eligible:
+            raise NoneLeft  # nothing could take it however long it waited
+        all_readings = parts.readings() if parts.readings else None
+        if all_readings:
+            eligible = parts.admission.open_backends(eligible, all_readings)
+            if not eligible:
+                return None
+        self.readings = all_readings if self.engine_aware else None
+        ctx = self._context(eligible, self.exclude)
+        return await parts.store.acquire(eligible, self.balancer, ctx, self.readings)
+
+    def _routed(self, lease: Lease, number: int) -> None:
+        """What the pick chose and why, into the record, metrics, prefix index and trace."""
+        parts = self.parts
+        call = self.call
+        rec = call.record
+        choice = lease.choice or _NO_CHOICE
+        want = self.want
+        readings = self.readings
+        rec.reason = choice.reason
+        # Chosen where it is not served (load on demand): it is loaded there first.
+        call.load_adapter = (
+            want is not None
+            and want.on_demand
+            and not adapters.serves(
+                readings.get(lease.backend) if readings else None, want, lease.backend
+            )
+        )
+        parts.metrics.routed(call.model, self.balancer.name, lease.backend, rec.reason)
+        affinity = self.affinity
+        if affinity:
+            held = choice.held
+            rec.prefix_chars = held * parts.settings.affinity.block_chars
+            parts.affinity.dispatched(affinity.hashes, lease.backend, readings)
+            if affinity.tokens is not None:
+                call.kv_flight = parts.affinity.kv_dispatched(
+                    affinity, lease.backend, choice.cached
+                )
+            entries = parts.affinity.index.entries
+            parts.metrics.affinity(len(affinity.hashes), held, entries)
+        call.trace.picked(lease.backend, rec.reason)
+        call.trace.attempt(lease.backend, number)
+        rec.attempts += 1  # a migration's attempts count on from the first stream's
+
+    async def _prefill_lease(self, number: int, decode: Lease) -> Lease | None:
+        """The prefill engine for this attempt when the prompt should be split (after the
+        `decode` engine was chosen), else None: served whole on the decode engine. The last
+        attempt after prefill failures goes whole: the decode engine can still answer."""
+        parts = self.parts
+        call = self.call
+        pools = call.pools
+        assert pools is not None
+        affinity = self.affinity
+        choice = decode.choice or _NO_CHOICE
+        tokens = affinity.tokens if affinity else None
+        prompt = len(tokens) if tokens is not None else len(call.body) // 4
+        if tokens is not None:
+            cached = choice.cached
+        else:
+            cached = choice.held * parts.settings.affinity.block_chars // 4
+        # No panic mode here: with no healthy prefill engine the decode engine serves it.
+        p_exclude = self.p_exclude
+        candidates = [b for b in parts.health.healthy(pools.prefill) if b.name not in p_exclude]
+        if p_exclude and number >= parts.settings.retries.attempts:
+            candidates = []
+        split = decide(
+            prompt,
+            cached,
+            pools.rule.min_uncached_tokens,
+            bool(candidates),
+            "kv_transfer_params" in call.parsed(),
+        )
+        call.record.pd = split.reason
+        if not split.split:
+            return None
+        readings = parts.readings() if parts.readings and self.engine_aware else None
+        ctx = self._context(candidates, p_exclude)
+        chosen = await parts.store.acquire(candidates, self.balancer, ctx, readings)
+        if chosen is None:
+            call.record.pd = "no_prefill"  # all at their max_inflight
+            return None
+        if affinity:  # it computed the prompt: its own prefix cache holds it now
+            parts.affinity.dispatched(affinity.hashes, chosen.backend, readings)
+        return chosen
+
+
+async def exchange(
+    parts: Parts,
+    call: Call,
+    send: Send,
+    lease: Lease,
+    answered: Callable[[], None],
+    prefill: Lease | None,
+) -> None:
+    """One attempt on `lease`'s backend; with `prefill`, the split request's decode leg,
+    after its prefill leg on that lease's engine (released as soon as that leg is done)."""
+    rec = call.record
+    response: Answer | None = None
+    lora = parts.lora if call.adapter is not None else None
+    used = False
+    flying = False
+    phase = _NO_PHASE
+    try:
+        # The request routes within the snapshot it started with.
+        backend = next(b for b in call.backends if b.name == lease.backend)
+        rec.backend = backend.name
+        if call.adapter is not None:
+            parts.flights.start(backend.name, call.model)
+            flying = True
+        if prefill is not None:
+            taken, prefill = prefill, None  # phase 1 releases it
+            phase = await first_phase(parts, call, taken)
+            rec.prefill_backend = phase.split
+        if lora is not None:
+            if call.load_adapter or lora.pending(backend.name, call.model):
+                try:
+                    await lora.ensure(backend, call.model)
+                except LoadFailed as exc:
+                    err = ProxyError(
+                        f"Loading LoRA adapter `{call.model}` on `{backend.name}` failed: {exc}."
+                    )
+                    raise Retry(err, FailureKind.LORA_LOAD) from None
+            lora.using(backend.name, call.model)
+            used = True
+        own = list(backend.auth_headers)
+        if call.hop:
+            own.append((HOP_HEADER, call.hop))  # replaces the client's own, if it sent one
+        headers = upstream_request_headers(call.client_headers, rec.request_id, own)
+        if call.segment is not None:
+            await count_segment(parts, call, backend)
+        if call.inject or call.remembers:
+            # The usage event can only be taken out of bytes that are not compressed (nor
+            # a response id read).
+            headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
+            headers.append((b"accept-encoding", b"identity"))
+        body = call.body_for(backend)
+        if phase.handoff is not None:
+            body = with_members(body, phase.handoff)
+        transport, request = parts.pools.request(
+            backend,
+            call.path,
+            call.trace.upstream_headers(headers),
+            body,
+            call.method,
+            call.endpoint.state != "follows",  # a path with an id is not cached
+        )
+        call.working = True
+        try:
+            response = await transport.send(request)
+        except UPSTREAM_FAILURES as exc:
+            failure = upstream_failure(exc, backend.name)
+            parts.health.on_failure(backend.name, failure.kind)
+            sent = isinstance(exc, _SENT) and not isinstance(exc, InvalidUpstreamResponse)
+            raise Retry(failure.error, failure.kind, sent=sent) from exc
+
+        status = response.status_code
+        # A continuation's answer joins a stream that began with 200: it must be one too.
+        if status >= 500 or status == 429 or (call.started and status >= 300):
+            # The decode engine answered, but refused the handoff (vLLM's 500 when the
+            # transfer fails, or its own failure): phase 1 again, on another prefill engine,
+            # fresh params; whose failure it was, the next answer shows (Attempts._settle).
+            # A 429 is the decode engine's own: another one takes it.
+            refused = phase.split if status >= 500 else None
+            try:
+                await _retryable_status(parts, call, backend, response, refused is None)
+            except Retry as retry:
+                retry.prefill = refused
+                raise
+        streaming = call.stream and status < 400
+        if call.started:  # a migration: the client has its response head already
+            answered()
+            await pump(parts, call, send, response, backend, streaming)
+            return
+        headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
+        if parts.settings.expose_backend_header:
+            headers.append((b"x-sluicegate-backend", backend.name.encode()))
+        if call.reservation is not None:
+            headers.extend(call.reservation.headers)
+        rec.status = status
+        call.trace.answered(status)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        call.started = True
+        answered()
+        # Its success is counted when the answer has come whole (router/request/lifecycle/pump.py):
+        # one breaking mid-answer is a failure, not a success then a failure.
+        await pump(parts, call, send, response, backend, streaming)
+    finally:
+        # What was taken, given back: the synchronous releases first, so that a cancellation
+        # arriving while an answer closes cannot skip them.
+        if prefill is not None:  # never handed to phase 1
+            parts.store.release(prefill)
+        side = phase.side
+        if side is not None:
+            side.cancel()  # done when D answered; else the client left or D failed
+        if flying:
+            parts.flights.end(lease.backend, call.model)
+        if used and lora is not None:
+            lora.done(lease.backend, call.model)
+        if response is not None:
+            await response.aclose()
+        if side is not None:
+            await asyncio.wait((side,))  # its lease goes back in its done callback
+
+
+async def _retryable_status(
+    parts: Parts, call: Call, backend: Backend, response: Answer, charge: bool = True
+) -> None:
+    """Read the (small) error answer, note it, and hand it to the retry loop. `charge`
+    False: a refused handoff, charged to one engine or the other later."""
+    limit = parts.settings.max_error_body_bytes
+    body = b""
+    cut = False  # the backend's Content-Length no longer describes `body`
+    try:
+        async for chunk in response.aiter_raw():
+            body += chunk
+            if len(body) > limit:
+                body = body[:limit]
+                cut = True
+                break
+    except UPSTREAM_FAILURES:
+        cut = True  # what arrived of the error answer is enough
+    status = response.status_code
+    retry_after = _retry_after(response.headers.get("retry-after"))
+    if retry_after is not None and status in (429, 503):
+        parts.health.cool_down(backend.name, retry_after)
+    if status >= 500 and charge:
+        parts.health.on_failure(backend.name, FailureKind.STATUS, status)
+    headers = downstream_response_headers(response.headers.raw, call.record.request_id, False)
+    if cut or len(body) >= limit:
+        headers = [(k, v) for k, v in headers if k != b"content-length"]
+    err = ProxyError(f"Backend `{backend.name}` answered {status}.")
+    raise Retry(err, FailureKind.STATUS, (status, headers, body))
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # HTTP-date form: rare from model servers; not worth a parser
+    return seconds if 0 <= seconds <= 3600 else None

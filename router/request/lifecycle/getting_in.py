@@ -1,0 +1,277 @@
+"""Getting in: the checks and holds a request passes before any backend is picked.
+
+In order: not draining, not a loop (the hop marker), a valid request (or the stored response it
+follows), a token estimate, an admission ticket, a quota reservation. Each refusal is an answer
+(`Response`) in the client's error format; what passes is a `Call`. The reservation is taken
+last, so nothing after it can fail and leave it open; `let_go` closes it, and settles the
+ticket, with the tokens the request really used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Set
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.core.endpoints import Endpoint
+from router.core.errors import error_response
+from router.request.admit.admission import Ticket, make_ticket
+from router.request.admit.estimate import BadLimit, estimate_tokens
+from router.request.admit.quota import KeyLimits
+from router.request.admit.validate import ValidRequest, request_id_of, validate
+from router.request.lifecycle.call import Call
+from router.request.lifecycle.parts import Parts
+from router.request.placement.response_ids import ANONYMOUS, Holder
+from router.request.usage.record import RequestRecord
+
+
+async def get_in(
+    parts: Parts,
+    request: Request,
+    endpoint: Endpoint,
+    allowed_models: Set[str] | None,
+    key_name: str | None,
+    priority: str,
+    weight: float,
+    limits: KeyLimits | None,
+    response_id: str | None,
+    owner: str = ANONYMOUS,
+) -> Call | Response:
+    request_id = request_id_of(request.headers.get("x-request-id"))
+    if parts.lifecycle.draining:
+        return error_response(
+            503,
+            "The router is shutting down; retry.",
+            "service_unavailable",
+            "shutting_down",
+            {"x-request-id": request_id, "retry-after": "1"},
+        )
+    hop = parts.hops.outgoing(request.headers.raw)
+    if isinstance(hop, Response):
+        hop.headers["x-request-id"] = request_id
+        parts.metrics.loop_refused()
+        return hop
+    checked: ValidRequest | Response
+    if endpoint.state == "follows":
+        checked = await _follow(
+            parts, request, request_id, response_id or "", allowed_models, owner
+        )
+    else:
+        checked = await validate(
+            request,
+            request_id,
+            parts.settings.max_body_bytes,
+            allowed_models,
+            parts.registry.snapshot.by_model,
+            endpoint,
+            parts.settings.max_upload_bytes,
+            bodies=parts.bodies,
+        )
+    if isinstance(checked, Response):
+        return checked
+    # The body is held in the body budget from here: by the call until `let_go`, or given
+    # back at once on any other way out (a refusal, an error, a cancel).
+    held = len(checked.body)
+    try:
+        got = await _hold(
+            parts,
+            request,
+            endpoint,
+            checked,
+            request_id,
+            hop,
+            key_name,
+            priority,
+            weight,
+            limits,
+            owner,
+        )
+    except BaseException:
+        parts.bodies.give(held)
+        raise
+    if isinstance(got, Response):
+        parts.bodies.give(held)
+    return got
+
+
+async def _hold(
+    parts: Parts,
+    request: Request,
+    endpoint: Endpoint,
+    checked: ValidRequest,
+    request_id: str,
+    hop: bytes,
+    key_name: str | None,
+    priority: str,
+    weight: float,
+    limits: KeyLimits | None,
+    owner: str,
+) -> Call | Response:
+    """A valid request's estimate, admission ticket and quota reservation, as its `Call`."""
+    history = 0  # the stored conversation a request continues, in tokens (0: none, unknown)
+    if endpoint.state == "creates":
+        continued = await _continue(parts, checked, request_id, owner)
+        if isinstance(continued, Response):
+            return continued
+        checked, history = continued
+    try:
+        estimate = estimate_tokens(
+            checked.payload,
+            len(checked.body),
+            endpoint.limit_fields,
+            parts.default_max_tokens,
+            parts.max_model_len,
+            endpoint.prompt_from_body,
+            history,
+        )
+    except BadLimit as bad:
+        return error_response(
+            400,
+            str(bad),
+            "invalid_request_error",
+            bad.code,
+            {"x-request-id": request_id},
+            bad.param,
+        )
+    record = RequestRecord(
+        request_id, checked.model, endpoint.path, checked.stream, time.perf_counter()
+    )
+    record.key_name = key_name
+    ticket: Ticket | None = None
+    if parts.admission is not None:
+        made = make_ticket(
+            parts.admission.cfg,
+            request.headers,
+            request_id,
+            checked.model,
+            estimate,
+            len(checked.body),
+            record.started,
+            priority,
+            weight,
+            key_name or "",
+        )
+        if isinstance(made, Response):
+            return made
+        ticket = made
+    call = Call(
+        parts,
+        request,
+        endpoint.path,
+        checked.body,
+        checked.payload,
+        checked.model,
+        checked.backends,
+        checked.stream,
+        record,
+        ticket,
+        estimate,
+        hop,
+        endpoint,
+        checked.model_span,
+    )
+    call.owner = owner
+    if limits is not None and endpoint.limited:
+        held = await parts.quotas.admit(limits_for(endpoint, limits), estimate, request_id)
+        if isinstance(held, Response):
+            return held
+        call.reservation = held
+    return call
+
+
+def limits_for(endpoint: Endpoint, limits: KeyLimits) -> KeyLimits:
+    """The key's limits that apply to the endpoint (its row's `rpm`, `parallel`, `tpm`)."""
+    if endpoint.fully_limited:
+        return limits  # the common case: no copy
+    return dataclasses.replace(
+        limits,
+        rpm=limits.rpm if endpoint.rpm else None,
+        tpm=limits.tpm if endpoint.tpm != "none" else None,
+        max_parallel=limits.max_parallel if endpoint.parallel else None,
+    )
+
+
+def let_go(parts: Parts, call: Call, used: float) -> None:
+    """Close what getting in held, charged `used` tokens: the body's bytes in the body budget
+    (`call.body` is the body read, never replaced), the quota reservation, and the admission
+    ticket's fair-queue tag (only a request that queued has one to correct)."""
+    parts.bodies.give(len(call.body))
+    if call.reservation is not None:
+        call.reservation.close(used)
+    ticket = call.ticket
+    if ticket is not None and ticket.queue is not None and parts.admission is not None:
+        parts.admission.settle(ticket, used)
+
+
+async def _continue(
+    parts: Parts, checked: ValidRequest, request_id: str, owner: str
+) -> tuple[ValidRequest, int] | Response:
+    """A Responses request with `previous_response_id` goes to the backend holding it; with the
+    stored conversation's known size (tokens), which its estimate carries."""
+    previous = checked.payload.get("previous_response_id")
+    if not isinstance(previous, str) or not previous:
+        return checked, 0
+    holder = await parts.response_ids.find(previous, owner)
+    if holder is None:
+        if len(checked.backends) == 1:
+            return checked, 0  # made before this router knew it: only one engine can have it
+        return _response_gone(previous, request_id, "previous_response_id", None)
+    if not holder.owned_by(owner):  # another key's: as unknown, even with one engine
+        return _response_gone(previous, request_id, "previous_response_id", None)
+    backend = next((b for b in checked.backends if b.name == holder.backend), None)
+    if backend is None:
+        return _response_gone(previous, request_id, "previous_response_id", holder)
+    return dataclasses.replace(checked, backends=(backend,)), holder.tokens
+
+
+async def _follow(
+    parts: Parts,
+    request: Request,
+    request_id: str,
+    response_id: str,
+    allowed_models: Set[str] | None,
+    owner: str,
+) -> ValidRequest | Response:
+    """`GET /v1/responses/{id}` or `.../cancel`: the backend holding the response, for its
+    owner only."""
+    holder = await parts.response_ids.find(response_id, owner)
+    if (
+        holder is None
+        or not holder.owned_by(owner)
+        or (allowed_models is not None and holder.model not in allowed_models)
+    ):
+        return _response_gone(response_id, request_id, "response_id", None)
+    backends = parts.registry.snapshot.by_model.get(holder.model, ())
+    backend = next((b for b in backends if b.name == holder.backend), None)
+    if backend is None:
+        return _response_gone(response_id, request_id, "response_id", holder)
+    stream = request.method == "GET" and request.query_params.get("stream") == "true"
+    return ValidRequest(b"", {}, holder.model, (backend,), stream)
+
+
+def _response_gone(
+    response_id: str, request_id: str, param: str, holder: Holder | None
+) -> Response:
+    """OpenAI's 404 for a stored response this router cannot reach: never another engine's."""
+    shown = response_id[:256]
+    why = (
+        "the engine that stored it is no longer serving"
+        if holder is not None
+        else "the router does not know which engine stored it (unknown or expired)"
+    )
+    error = {
+        "message": f"Response with id '{shown}' not found: {why}.",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "response_not_found",
+    }
+    return Response(
+        json.dumps({"error": error}).encode(),
+        status_code=404,
+        media_type="application/json",
+        headers={"x-request-id": request_id},
+    )

@@ -1,0 +1,1 @@
+"""Bytes in and out: server-sent events, hop-by-hop headers, multipart forms (pure)."""
