@@ -13,6 +13,7 @@ the entry point, which nothing imports.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,3 +170,28 @@ def test_every_module_is_placed_and_markers_are_only_markers() -> None:
         assert "not placed in a layer" in str(exc)
     else:
         raise AssertionError("an unlisted module under a package marker was placed silently")
+
+
+def test_the_architecture_page_holds_the_layers_and_every_folder() -> None:
+    """docs/architecture.md's rooms table gives each folder the layer this test gives it, and
+    every folder of the code is named on the page."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rooms = page.split("## The rooms", 1)[1].split("From the bottom", 1)[0]
+    rows = [line for line in rooms.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert rows, "the rooms table is gone"
+    for row in rows:
+        layer = int(row.split("|")[1])
+        for path in re.findall(r"`([\w/.]+)`", row.split("|")[3]):
+            module = path.removesuffix(".py").replace("/", ".")
+            if path.endswith("/"):  # a folder: where a module of it sits (its marker is 0)
+                module += "any"
+            assert _layer(module) == layer, (
+                f"{path}: the page says {layer}, the test {_layer(module)}"
+            )
+    folders = {
+        str(p.parent.relative_to(ROOT))
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+    }
+    missing = sorted(f for f in folders if f"`{f}/`" not in page and f"{f}/" not in page)
+    assert missing == [], f"folders the architecture page does not name: {missing}"
