@@ -226,7 +226,7 @@ def test_long_prompts_sharing_a_prefix_encode_as_a_whole(tmp_path: Path, kind: s
     the start of every piece (SentencePiece's metaspace) not split at all."""
     import random
 
-    from router.request import tokens
+    from router.request.placement import tokens
     from tests.tiny_tokenizer import write_tokenizer
 
     rng = random.Random(kind)
