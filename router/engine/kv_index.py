@@ -30,9 +30,9 @@ MAX_BLOCKS_PER_ENGINE; nothing a client sends adds to it. No I/O, no clock.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
-from itertools import islice
 from typing import Any
 
 import msgspec
@@ -156,7 +156,10 @@ class _Engine:
         # The holders of a block only this engine holds (most blocks): one object shared by
         # all of them, not a set each (a set is ~200 bytes and an allocation per stored block).
         self.alone = frozenset((name,))
-        self.by_hash: dict[BlockHash, bytes] = {}  # engine hash -> key, oldest first
+        # engine hash -> key, oldest first. Ordered by a linked list, not a dict's insertion
+        # order: the trim past capacity takes the oldest in O(1), where a dict's first item is
+        # found by scanning the slots its earlier trims emptied (quadratic over a flood).
+        self.by_hash: OrderedDict[BlockHash, bytes] = OrderedDict()
         # key -> engine blocks naming it beyond the first (rare: the same tokens under two
         # engine hashes); a key in by_hash's values and not here is named once.
         self.dups: dict[bytes, int] = {}
@@ -293,12 +296,10 @@ class TokenIndex:
                     held.add(backend)  # type: ignore[union-attr]
             else:  # this engine holds the key already: under another hash, or this one again
                 e.dups[key] = e.dups.get(key, 0) + 1
-        if len(by_hash) > limit:
-            # Oldest first; one iterator for the whole trim (a fresh `next(iter(d))` per block
-            # rescans the slots already emptied at the dict's front).
-            excess = len(by_hash) - limit
-            for h in list(islice(by_hash, excess)):
-                self._unref(e, by_hash.pop(h), backend)
+        if len(by_hash) > limit:  # oldest first out
+            oldest = by_hash.popitem
+            for _ in range(len(by_hash) - limit):
+                self._unref(e, oldest(last=False)[1], backend)
         return len(keys)
 
     def removed(self, backend: str, hashes: Sequence[BlockHash]) -> int:
