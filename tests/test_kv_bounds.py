@@ -5,12 +5,20 @@ that are not finite never reach the admin API. Figures (stalls, memory) live in 
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import httpx
 import msgspec
+import pytest
 
 from router.engine.kv_index import TokenIndex
 from router.engine.kv_wire import Stored
+from tests.harness import Cluster, Proc, backend, wait_for
+from tests.kv_publisher import Publisher, stored
 
 BS = 4
 
@@ -48,3 +56,49 @@ def test_trimming_past_the_capacity_costs_what_filling_it_did() -> None:
     held = idx._engines["a"].by_hash
     assert idx.match([held[2 * cap]], ["a"]) == {"a": 1}  # the newest kept, the oldest gone
     assert (1 in held, cap in held, cap + 1 in held) == (False, False, True)
+
+
+@pytest.fixture(scope="module")
+def fed_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Publisher]]:
+    """A router whose backend `a` (a mock) publishes KV events on an ipc path this test owns."""
+    run = Path(tmp_path_factory.mktemp("kvb"))
+    endpoint = f"ipc://{run}/a.sock"
+    pub = Publisher(endpoint)
+    c = Cluster()
+    try:
+        mock = c.mock("a")
+        router = c.router(
+            {
+                "backends": [backend("a", mock, kv_events={"endpoint": endpoint, "topic": "kv"})],
+                "health": {"interval": 60},
+            },
+            env={"SLUICEGATE_LOG_LEVEL": "warning"},
+        )
+        assert pub.sock.poll(10_000), "the router never subscribed"
+        assert pub.sock.recv()[:1] == b"\x01"
+        yield router, pub
+    finally:
+        c.close()
+        pub.close()
+
+
+def _kv_row(router: Proc) -> dict[str, Any]:
+    r = httpx.get(router.url + "/admin/backends/a", timeout=5)
+    assert r.status_code == 200, r.text
+    return dict(r.json()["kv_events_state"])
+
+
+@pytest.mark.parametrize("ts", [-math.inf, math.inf, math.nan])
+def test_a_batch_stamped_with_no_finite_time_keeps_the_admin_api_answering(
+    fed_router: tuple[Proc, Publisher], ts: float
+) -> None:
+    """A batch whose timestamp is -inf made the feed's lag infinite, and `GET /admin/backends`
+    answered 500 (JSON has no infinity): such a time reads as none (0.0, long ago)."""
+    router, pub = fed_router
+    seq = pub.publish([stored([pub.seq + 1], None, [1, 2, 3, 4], BS)], ts=ts)
+    wait_for(lambda: _kv_row(router)["publishers"][0]["seq"] == seq, "the batch applied")
+    lag = _kv_row(router)["lag_seconds"]
+    assert isinstance(lag, float) and math.isfinite(lag) and lag > 0
+    r = httpx.get(router.url + "/admin/backends", timeout=5)
+    assert r.status_code == 200 and r.json()[0]["kv_events_state"]["lag_seconds"] == lag
+    assert httpx.get(router.url + "/metrics", timeout=5).status_code == 200

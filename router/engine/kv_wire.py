@@ -22,6 +22,7 @@ collections.
 
 from __future__ import annotations
 
+from math import isfinite
 from typing import Annotated, Any
 
 import msgspec
@@ -140,7 +141,7 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     """One message. A struct, not a frozen dataclass: its __init__ is C, not a setattr each."""
 
     seq: int
-    ts: float  # the engine's wall clock when it built the batch
+    ts: float  # the engine's wall clock when it built the batch (finite: 0.0 if not)
     events: list[Event]
     rank: int | None
     unknown: int  # events of a type this router does not know, skipped
@@ -222,4 +223,6 @@ def decode(frames: list[bytes]) -> Batch:
             else:
                 events.append(ev)
         ts, rank = raw.ts, raw.data_parallel_rank
+    if not isfinite(ts):  # msgpack floats include them: an infinite lag breaks the admin JSON
+        ts = 0.0  # as a publisher with no clock: long ago
     return Batch(seq, ts, events, rank, unknown)
