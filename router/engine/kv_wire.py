@@ -145,6 +145,7 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     events: list[Event]
     rank: int | None
     unknown: int  # events of a type this router does not know, skipped
+    size: int = 0  # its payload's bytes (what holding it and a loop turn's budget count)
 
 
 def norm(h: int | bytes) -> BlockHash:
@@ -225,4 +226,4 @@ def decode(frames: list[bytes]) -> Batch:
         ts, rank = raw.ts, raw.data_parallel_rank
     if not isfinite(ts):  # msgpack floats include them: an infinite lag breaks the admin JSON
         ts = 0.0  # as a publisher with no clock: long ago
-    return Batch(seq, ts, events, rank, unknown)
+    return Batch(seq, ts, events, rank, unknown, len(payload))
