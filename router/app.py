@@ -209,6 +209,7 @@ class AppParts:
             on_events=metrics.kv_events,
             pending_ttl=settings.affinity.pending_ttl,
             policy=policy,
+            local_sockets=settings.admin.kv_events_bind_and_ipc,
         )
         backends = [Backend.from_config(b) for b in settings.backends]
         # The registry's constructor swaps in its first snapshot before the proxy (and its

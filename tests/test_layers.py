@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "router.engine.kv_wire": 2,  # vLLM's KV-event messages decoded (pure)
     "router.engine.kv_index": 2,  # engine blocks keyed by the router's token-chain keys (pure)
     "router.engine.kv_events": 2,  # ZMQ subscription per engine feeding the index
+    "router.engine.kv_endpoints": 2,  # where a KV-event socket may point (the admin rules)
     "router.engine.calibrate": 2,  # prefill and decode rates from the engine's histograms
     "router.request.tokens": 3,  # the request's token ids: router tokenizer or engine /tokenize
     "router.request.token_memo": 3,  # `via: engine`: earlier messages' ids, remembered

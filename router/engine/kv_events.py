@@ -52,15 +52,21 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import zmq
 import zmq.asyncio
 
 from router.core.backend import Backend
-from router.core.netpolicy import NetPolicy
+from router.core.netpolicy import OPEN, NetPolicy
 from router.core.settings import KvEventsConfig
+from router.engine.kv_endpoints import (
+    EndpointRefused,
+    local_refusal,
+    path_refusal,
+    resolve,
+    vetted,
+)
 from router.engine.kv_index import TokenIndex
 from router.engine.kv_wire import Batch, WireError, decode
 from router.upstream.pools import ask
@@ -106,24 +112,6 @@ def _frames(recv: Callable[..., Any]) -> list[bytes]:
     return parts
 
 
-def vllm_binds(endpoint: str) -> bool:
-    """vLLM's own rule (`ZmqEventPublisher._is_bind_endpoint`)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def resolve(endpoint: str, backend_url: str, bind: bool | None = None) -> tuple[str, bool]:
-    """(the address this router uses, whether it binds it) for an engine's endpoint."""
-    binds = (not vllm_binds(endpoint)) if bind is None else bind
-    if binds or not endpoint.startswith("tcp://"):
-        return endpoint, binds
-    hostport = endpoint[len("tcp://") :]
-    host, _, port = hostport.rpartition(":")
-    if host in ("*", "0.0.0.0", "[::]", "::", "[::0]"):
-        target = urlsplit(backend_url).hostname or "127.0.0.1"
-        host = f"[{target}]" if ":" in target else target
-    return f"tcp://{host}:{port}", False
-
-
 @dataclass
 class Feed:
     """One publisher: an engine, or one data-parallel rank of it."""
@@ -134,6 +122,7 @@ class Feed:
     topic: bytes
     replay: str | None
     rank: int = 0
+    learned: bool = False  # from the engine's `GET /kv_event_sources`, not the config
     sock: zmq.Socket[bytes] | None = None
     # Where `sock` connects: its disconnections, to connect again (`KvEvents._reconnect`).
     monitor: zmq.Socket[bytes] | None = None
@@ -268,8 +257,11 @@ class KvEvents:
         on_events: Callable[[str, str, int], None] | None = None,
         pending_ttl: float = 2.0,
         policy: NetPolicy | None = None,
+        local_sockets: bool = False,
     ) -> None:
         self._policy = policy  # for backends not from the file, as their traffic
+        # Backends added at run time may bind and use ipc:// (admin.kv_events_bind_and_ipc).
+        self._local_sockets = local_sockets
         self.index = index or TokenIndex()
         self._capacity = capacity or (lambda _name: None)
         self._wall = wall
@@ -492,6 +484,53 @@ class KvEvents:
 
     def _attach(self, name: str, e: Engine, feed: Feed) -> None:
         e.feeds.append(feed)
+        b = self._backends.get(name)
+        if b is not None and b.source != "file":
+            self._spawn(self._vet(name, e, feed, b))
+        else:
+            self._open_socket(name, e, feed)
+
+    async def _vet(self, name: str, e: Engine, feed: Feed, b: Backend) -> None:
+        """A backend added at run time: its feed's endpoints held to the admin rules
+        (router/engine/kv_endpoints.py) before a socket opens. Refused, it stays `error`
+        until the backend changes; a name that does not resolve yet is tried again."""
+        try:
+            # A discovery template's own endpoints are the operator's; what the API or an
+            # engine names is not.
+            if not (self._local_sockets or (b.source != "api" and not feed.learned)):
+                reason = local_refusal(feed.endpoint, feed.bind)
+                if reason is None and feed.replay is not None:
+                    reason = local_refusal(feed.replay, False)
+                if reason is not None:
+                    raise EndpointRefused(reason)
+            policy = self._policy or OPEN
+            endpoint = feed.endpoint if feed.bind else await vetted(feed.endpoint, policy)
+            replay = None if feed.replay is None else await vetted(feed.replay, policy)
+        except EndpointRefused as exc:
+            self._failed(name, feed, f"refused: {exc}")
+            return
+        except (OSError, TimeoutError, UnicodeError) as exc:
+            self._failed(name, feed, f"{type(exc).__name__}: {exc}")
+            self._spawn(self._retry(name, feed))
+            return
+        if self._closed or self._engines.get(name) is not e or feed not in e.feeds:
+            return
+        feed.endpoint, feed.replay = endpoint, replay
+        self._open_socket(name, e, feed)
+
+    def _failed(self, name: str, feed: Feed, error: str) -> None:
+        feed.state, feed.error = "error", error[:200]
+        log.warning(
+            "kv events: cannot open socket",
+            extra={"fields": {"backend": name, "endpoint": feed.endpoint, "error": feed.error}},
+        )
+
+    def _open_socket(self, name: str, e: Engine, feed: Feed) -> None:
+        refusal = path_refusal(feed.endpoint) if feed.bind else None
+        if refusal is not None:  # never another file in its place, whoever asked
+            self._failed(name, feed, f"refused: {refusal}")
+            self._spawn(self._retry(name, feed))
+            return
         try:
             sock = self._sync.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
@@ -503,11 +542,7 @@ class KvEvents:
             else:
                 sock.connect(feed.endpoint)
         except zmq.ZMQError as exc:
-            feed.state, feed.error = "error", f"{type(exc).__name__}: {exc}"[:200]
-            log.warning(
-                "kv events: cannot open socket",
-                extra={"fields": {"backend": name, "endpoint": feed.endpoint, "error": feed.error}},
-            )
+            self._failed(name, feed, f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(Exception):
                 sock.close(0)
             self._spawn(self._retry(name, feed))
@@ -931,5 +966,5 @@ def _feeds_from(name: str, backend: Backend, sources: dict[str, Any]) -> list[Fe
             r = int(rank)
         except ValueError:
             r = 0
-        feeds.append(Feed(name, addr, bind, str(topic).encode(), replay_addr, r))
+        feeds.append(Feed(name, addr, bind, str(topic).encode(), replay_addr, r, learned=True))
     return feeds
