@@ -75,14 +75,15 @@ log = logging.getLogger("sluicegate.kv_events")
 
 DRAIN_MAX = 512  # messages per socket per round before the others' turn
 PUMP_INTERVAL = 0.02  # seconds between two rounds of reading every socket (lag added, at most)
-MAX_MESSAGE_BYTES = 4 << 20  # a frame larger drops the connection (ZMQ_MAXMSGSIZE)
+# A frame larger drops the connection (ZMQ_MAXMSGSIZE): a vLLM step of 200 k new tokens fits.
+MAX_MESSAGE_BYTES = 1 << 20
 # Messages ZMQ holds for one publisher on the router's side (RCVHWM): with the largest frames,
 # QUEUE_MAX x MAX_MESSAGE_BYTES. Past it ZMQ stops reading that connection, and the rest waits
 # in the publisher's own queue (vLLM's holds 100,000); 64 still takes thousands a second.
 QUEUE_MAX = 64
-TURN_BYTES = 1 << 20  # message bytes one loop turn handles before yielding the loop
+TURN_BYTES = 256 << 10  # message bytes one loop turn handles before yielding the loop
 TURN_SECONDS = 0.005  # work one loop turn does before yielding the loop
-HOLD_MAX_BYTES = 16 << 20  # batches held while a replay runs: payload + HOLD_OVERHEAD each
+HOLD_MAX_BYTES = 8 << 20  # batches held while a replay runs: payload + HOLD_OVERHEAD each
 HOLD_OVERHEAD = 512  # bytes a held batch counts beyond its payload (its objects)
 REPLAY_MAX_BYTES = 16 << 20  # a replay's answer read up to this, counted as held (the rest: unsure)
 RETRY = 5.0  # seconds between discovery or socket attempts

@@ -45,9 +45,9 @@ from router.engine.kv_wire import BlockHash, Event, Removed, Stored, token_list
 
 MAX_BLOCKS_PER_ENGINE = 1 << 20
 # Block hashes (stored and removed) applied from one batch, so that one message's work is
-# bounded whatever its block size: 512 k tokens at block size 16, where vLLM's steps hold a
-# few thousand (about 0.1 s of work at block size 1, the dearest per byte; bench/kv.py).
-MAX_BATCH_BLOCKS = 1 << 15
+# bounded whatever its block size (block size 1 is the dearest per byte; bench/kv.py): 256 k
+# tokens at block size 16, where a vLLM step stores a few hundred blocks.
+MAX_BATCH_BLOCKS = 1 << 14
 MAX_LORAS = 1024  # adapter names remembered per engine (vLLM serves a few dozen at most)
 MAX_LORA_NAME = 256  # characters: a longer adapter name is no model name a request can give
 BASE = b""
