@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -424,6 +425,10 @@ def _adapter_names() -> dict[str, float]:
     return {"adapter_names_kept": len(idx._engines["a"].loras), "adapter_names_mb": held / 2**20}
 
 
+def _feed() -> dict[str, float]:
+    return uvloop.run(_hostile_feed())
+
+
 def hostile() -> dict[str, Any]:
     """Section 3's figures, each in a fresh process of its own."""
     out: dict[str, Any] = {}
@@ -508,10 +513,10 @@ def main() -> None:
     if "--ingest-json" in sys.argv:
         print(json.dumps(uvloop.run(_ingest("--recv-only" in sys.argv))))
         return
-    parts = {
+    parts: dict[str, Callable[[], dict[str, float]]] = {
         "--hostile-trim": _trim,
         "--hostile-names": _adapter_names,
-        "--hostile-feed": lambda: uvloop.run(_hostile_feed()),
+        "--hostile-feed": _feed,
     }
     if sys.argv[1:2] and sys.argv[1] in parts:
         print(json.dumps(parts[sys.argv[1]]()))
