@@ -108,9 +108,9 @@ def _checked(endpoint: str, address: str) -> str:
 
 async def vetted(endpoint: str, policy: NetPolicy) -> str:
     """`endpoint`, to connect to for a backend not from the file: a tcp host resolved, every
-    address checked by `policy`, and spelled as the first of them. EndpointRefused (with
-    NetworkRefused's reason) when refused; OSError or TimeoutError when the name does not
-    resolve (yet)."""
+    address checked by `policy`, and spelled as the first of them (IPv4 first, as ZMQ itself
+    resolves). EndpointRefused (with NetworkRefused's reason) when refused; OSError or
+    TimeoutError when the name does not resolve (yet)."""
     host = host_of(endpoint)
     if host is None:
         return endpoint
@@ -119,7 +119,7 @@ async def vetted(endpoint: str, policy: NetPolicy) -> str:
             found = await policy.addresses(host)
     except NetworkRefused as exc:
         raise EndpointRefused(str(exc)) from None
-    return _checked(endpoint, found[0])
+    return _checked(endpoint, next((a for a in found if ":" not in a), found[0]))
 
 
 async def config_refusal(

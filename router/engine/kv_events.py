@@ -537,6 +537,7 @@ class KvEvents:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, QUEUE_MAX)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.IPV6, "[" in feed.endpoint)  # ZMQ's default: IPv4 only
             sock.setsockopt(zmq.SUBSCRIBE, feed.topic)
             if feed.bind:
                 sock.bind(feed.endpoint)
@@ -874,6 +875,7 @@ class KvEvents:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, QUEUE_MAX)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.IPV6, "[" in feed.replay)
         got: list[Batch] = []
         budget = REPLAY_MAX_BYTES
         turn = _Turn()
