@@ -260,6 +260,7 @@ class AppParts:
             on_events=metrics.kv_events,
             pending_ttl=settings.affinity.pending_ttl,
             policy=policy,
+            local_sockets=settings.admin.kv_events_bind_and_ipc,
         )
         # What follows the backend set (`_changed`); new or changed backends are probed at once.
         self._followers: tuple[_Follows, ...] = (

@@ -12,6 +12,14 @@
    before), CPU per prompt, next to the `tokenizers` library's own encode of the same text (the
    floor), the event loop thread's share (the rest runs in a worker thread), and the longest stall
    of the event loop meanwhile. Budget: <= 1 ms per 8k-token prompt.
+3. One hostile publisher (issue 46; `--hostile` runs this alone, ~25 s): the index trim past an
+   engine's capacity (per block, against filling it; it was quadratic), then a router process
+   (KvEvents on uvloop) subscribed to a publisher process that floods it for FLOOD_S: batches
+   just under the message bound (block size 16, then block size 1, the dearest per byte), one
+   frame of 32 MiB (dropped), and a replay socket that never answers (so batches are held
+   first, then applied). Figures: the longest event-loop stall (a 1 ms ticker; wall time, and
+   the loop thread's CPU time within it), the router's RSS growth, batches received,
+   connections dropped; and the memory 300,000 adapter names leave in the index.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +251,209 @@ def _tokenizer() -> dict[str, float]:
     return out
 
 
+FLOOD_S = 8.0  # seconds the hostile publisher floods (the replay gives up after 5)
+
+
+def _flood(endpoint: str, replay: str, seconds: float, start: float) -> None:
+    """The hostile publisher: big batches as fast as the subscriber takes them (ZMQ's queues
+    block it), one oversized frame, and a replay socket that never answers."""
+    import zmq
+
+    from tests.kv_publisher import frames, stored
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 64)
+    pub.bind(endpoint)
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind(replay)
+    rng = random.Random(2)
+
+    def batch(bs: int, blocks: int) -> list[bytes]:
+        """Events of `blocks` blocks of `bs` tokens, as many as stay under the 1 MiB bound."""
+        evs: list[Any] = []
+        size = 0
+        while size < 0.98 * 2**20 - 8 * bs * blocks:
+            first = len(evs) * blocks + 1
+            hashes: list[int | bytes] = list(range(first, first + blocks))
+            tokens = [rng.randrange(128_000) for _ in range(bs * blocks)]
+            evs.append(stored(hashes, None, tokens, bs))
+            size += len(frames(0, evs[-1:])[2])
+        return frames(0, evs, ts=time.time())
+
+    # Just under the bound: block size 16 (64 blocks an event), and block size 1.
+    kinds = [batch(16, 64), batch(1, 1024)]
+    sizes = [len(k[2]) for k in kinds]
+    while time.time() < start:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    seq = 1  # the first message is already past 0: the router asks the (silent) replay
+    big = False
+    while time.monotonic() - t0 < seconds:
+        if not big and time.monotonic() - t0 > seconds / 2:
+            big = True
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), b"\x00" * (32 << 20)])
+            seq += 1
+        f = kinds[seq % 2]
+        pub.send_multipart([f[0], seq.to_bytes(8, "big"), f[2]])
+        seq += 1
+        time.sleep(0.002)
+    print(json.dumps({"message_bytes": sizes, "sent": seq}), flush=True)
+    pub.close(0)
+    silent.close(0)
+    ctx.term()
+
+
+async def _hostile_feed() -> dict[str, float]:
+    from bench.kit.procstat import rss_mb
+    from router.core.backend import Backend
+    from router.core.settings import BackendConfig
+    from router.engine.kv_events import KvEvents
+    from router.ops.collector import tune_collector
+
+    with tempfile.TemporaryDirectory(prefix="kvh") as run:
+        endpoint, replay = f"ipc://{run}/h.sock", f"ipc://{run}/h-replay.sock"
+        start = time.time() + 1.5
+        proc = subprocess.Popen(  # noqa: ASYNC220 (started once, before the window)
+            [
+                sys.executable,
+                "-m",
+                "bench.scenarios.kv",
+                "--flood",
+                endpoint,
+                replay,
+                str(FLOOD_S),
+                str(start),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+        )
+        await asyncio.sleep(1.0)
+        kv = KvEvents(capacity=lambda _n: 1 << 16)  # the index's own size apart
+        cfg = {"endpoint": endpoint, "replay_endpoint": replay, "topic": "kv"}
+        kv.sync(
+            [
+                Backend.from_config(
+                    BackendConfig(name="h", url="http://127.0.0.1:9", models=["m"], kv_events=cfg)  # type: ignore[arg-type]
+                )
+            ]
+        )
+        await kv.start()
+        tune_collector()
+        before = rss_mb(os.getpid())
+        peak = before
+        # The longest gap between two ticks: in wall time (the machine's other load included)
+        # and in this thread's CPU time (the loop's own work between them).
+        longest = busiest = 0.0
+        last, last_cpu = time.perf_counter(), time.thread_time()
+        end = start + FLOOD_S + 1.0
+        while time.time() < end:
+            await asyncio.sleep(0.001)
+            now, cpu = time.perf_counter(), time.thread_time()
+            longest = max(longest, now - last)
+            busiest = max(busiest, cpu - last_cpu)
+            peak = max(peak, rss_mb(os.getpid()))
+            last, last_cpu = time.perf_counter(), time.thread_time()
+        applied = kv.batches
+        dropped = kv.dropped
+        await kv.aclose()
+        out, _ = proc.communicate(timeout=30)
+    sent = json.loads(out.decode().strip().splitlines()[-1])
+    return {
+        "message_bytes": max(sent["message_bytes"]),
+        "batches_sent": sent["sent"],
+        "batches_received": applied,
+        "connections_dropped": dropped,
+        "loop_stall_max_ms": longest * 1e3,
+        "loop_busy_max_ms": busiest * 1e3,
+        "rss_growth_mb": peak - before,
+    }
+
+
+def _trim() -> dict[str, float]:
+    """The index past an engine's capacity: each block stored evicts the oldest."""
+    import msgspec
+
+    from router.engine.kv_index import TokenIndex
+    from router.engine.kv_wire import Stored
+
+    cap, per = 1 << 18, 64
+    rng = random.Random(3)
+    pool = [rng.randrange(50_000) for _ in range(1 << 16)]
+
+    def ev(first: int) -> Stored:
+        at = rng.randrange(len(pool) - per * 16)
+        raw = msgspec.Raw(msgspec.msgpack.encode(pool[at : at + per * 16]))
+        return Stored(list(range(first, first + per)), None, raw, 16, None, None, "GPU", 0)
+
+    events = [ev(1 + i * per) for i in range(2 * cap // per)]
+    idx = TokenIndex()
+    c0 = time.thread_time()
+    for e in events[: cap // per]:
+        idx.apply("a", [e], cap)
+    fill = time.thread_time() - c0
+    longest = 0.0
+    c0 = time.thread_time()
+    for e in events[cap // per :]:
+        t = time.perf_counter()
+        idx.apply("a", [e], cap)
+        longest = max(longest, time.perf_counter() - t)
+    past = time.thread_time() - c0
+    return {
+        "trim_blocks": cap,
+        "trim_fill_us_per_block": fill / cap * 1e6,
+        "trim_past_cap_us_per_block": past / cap * 1e6,
+        "trim_longest_batch_ms": longest * 1e3,
+    }
+
+
+def _adapter_names() -> dict[str, float]:
+    """300,000 adapter names, one block each, into one engine's index (capacity 1,024)."""
+    import tracemalloc
+
+    import msgspec
+
+    from router.engine.kv_index import TokenIndex
+    from router.engine.kv_wire import Stored
+
+    raw = msgspec.Raw(msgspec.msgpack.encode(list(range(16))))
+    idx = TokenIndex()
+    tracemalloc.start()
+    for i in range(300_000):
+        name = f"adapter-{i:08d}"
+        idx.apply("a", [Stored([i + 1], None, raw, 16, name, [[name]], "GPU", 0)], 1024)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"adapter_names_kept": len(idx._engines["a"].loras), "adapter_names_mb": held / 2**20}
+
+
+def _feed() -> dict[str, float]:
+    return uvloop.run(_hostile_feed())
+
+
+def hostile() -> dict[str, Any]:
+    """Section 3's figures, each in a fresh process of its own."""
+    out: dict[str, Any] = {}
+    for part in ("trim", "names", "feed"):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.scenarios.kv",
+                f"--hostile-{part}",
+            ],  # bench/ not on the path
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
+        out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def run(quick: bool = False, baseline_src: str | None = None) -> dict[str, Any]:
     """Both costs, as `--only kv` reports them; with `baseline_src` (another checkout) its
     ingestion too, measured the same way in the same run, and the ratio."""
@@ -275,6 +487,7 @@ def run(quick: bool = False, baseline_src: str | None = None) -> dict[str, Any]:
         tokenizer_shared_prefix_ms=round(tok["shared_prefix_ms"], 3),
         tokenizer_shared_prefix_library_ms=round(tok["shared_prefix_library_ms"], 3),
     )
+    out.update(hostile())
     return out
 
 
@@ -302,12 +515,27 @@ def main() -> None:
     if sys.argv[1:2] == ["--publish"]:
         _publish(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))
         return
+    if sys.argv[1:2] == ["--flood"]:
+        _flood(sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]))
+        return
     if "--ingest-json" in sys.argv:
         print(json.dumps(uvloop.run(_ingest("--recv-only" in sys.argv))))
         return
+    parts: dict[str, Callable[[], dict[str, float]]] = {
+        "--hostile-trim": _trim,
+        "--hostile-names": _adapter_names,
+        "--hostile-feed": _feed,
+    }
+    if sys.argv[1:2] and sys.argv[1] in parts:
+        print(json.dumps(parts[sys.argv[1]]()))
+        return
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--baseline-src", help="also the ingestion of this checkout, and the ratio")
+    ap.add_argument("--hostile", action="store_true", help="only section 3 (~25 s)")
     args = ap.parse_args()
+    if args.hostile:
+        print(json.dumps(hostile()))
+        return
     res = run(baseline_src=args.baseline_src)
     print(
         f"ingestion: {res['ingest_events_per_s']} events/s from {ENGINES} engines: "
@@ -338,6 +566,15 @@ def main() -> None:
     print(
         f"block keys of that prompt: {res['keys_bs128_ms']:.3f} ms at block size 128, "
         f"{res['keys_bs16_ms']:.3f} ms at 16"
+    )
+    print(
+        f"hostile publisher: trim past the capacity {res['trim_past_cap_us_per_block']} us per "
+        f"block (filling: {res['trim_fill_us_per_block']}); a flood of "
+        f"{res['message_bytes']}-byte batches and a 32 MiB frame: longest loop stall "
+        f"{res['loop_stall_max_ms']} ms ({res['loop_busy_max_ms']} ms of its CPU), RSS "
+        f"+{res['rss_growth_mb']} MB, "
+        f"{res['connections_dropped']} connection(s) dropped; 300,000 adapter names: "
+        f"{res['adapter_names_kept']} kept, {res['adapter_names_mb']} MB"
     )
 
 

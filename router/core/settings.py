@@ -483,6 +483,11 @@ class AdminConfig(_Strict):
     denied_backend_networks: list[str] = Field(
         default_factory=lambda: list(DEFAULT_DENIED_NETWORKS), max_length=1024
     )
+    # KV events of backends added at run time (router/engine/kv_endpoints.py): true lets the
+    # admin API (and what such an engine's `GET /kv_event_sources` answers) have the router
+    # bind a socket (a listener) or use an `ipc://` path (a file on its machine). Off: only
+    # tcp endpoints the router connects to, in the networks above.
+    kv_events_bind_and_ipc: bool = False
 
     @field_validator("allowed_backend_networks", "denied_backend_networks")
     @classmethod

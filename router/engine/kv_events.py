@@ -15,9 +15,16 @@ Sequence numbers, per publisher:
 - a gap (or a first message past 0: the router joined late): with a `replay_endpoint` the
   missed batches are asked for (at once on joining, too: an idle engine sends nothing; ZMQ
   DEALER, vLLM answers `(seq, payload)` pairs, then seq -1) while new ones are held (at most
-  HOLD_MAX); without one, or when the replay no longer has them, the index is `unsure` until
-  the engine has stored a cache's worth of blocks since (every block it holds was then seen)
-  or restarts.
+  HOLD_MAX_BYTES); without one, or when the replay no longer has them, the index is `unsure`
+  until the engine has stored a cache's worth of blocks since (every block it holds was then
+  seen) or restarts.
+Bounds (a publisher is an engine, not a client, yet a flood from it must not freeze the
+router): a frame over MAX_MESSAGE_BYTES drops the publisher's connection (ZMQ_MAXMSGSIZE; the
+batch is a gap), at most QUEUE_MAX messages wait on the router's side (the rest in the
+publisher's own queue), a batch applies at most MAX_BATCH_BLOCKS block hashes (past them the
+feed is `unsure`), a replay's answer is read up to REPLAY_MAX_BYTES, and a loop turn handles
+TURN_BYTES of messages or TURN_SECONDS of work before the event loop's other tasks get their
+turn, the replay's catching up included. Each is O(1) per message.
 A backend is `live` (its index is the truth; `cache_aware` routes on it) when each of its
 publishers is; else `waiting` (nothing heard yet), `unsure`, `replaying` or `error` (a socket
 that could not be set up; retried every RETRY seconds). Each request this router sends an
@@ -45,15 +52,21 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import zmq
 import zmq.asyncio
 
 from router.core.backend import Backend
-from router.core.netpolicy import NetPolicy
+from router.core.netpolicy import OPEN, NetPolicy
 from router.core.settings import KvEventsConfig
+from router.engine.kv_endpoints import (
+    EndpointRefused,
+    local_refusal,
+    path_refusal,
+    resolve,
+    vetted,
+)
 from router.engine.kv_index import TokenIndex
 from router.engine.kv_wire import Batch, WireError, decode
 from router.upstream.pools import ask
@@ -62,7 +75,17 @@ log = logging.getLogger("sluicegate.kv_events")
 
 DRAIN_MAX = 512  # messages per socket per round before the others' turn
 PUMP_INTERVAL = 0.02  # seconds between two rounds of reading every socket (lag added, at most)
-HOLD_MAX = 10_000  # batches held while a replay runs
+# A frame larger drops the connection (ZMQ_MAXMSGSIZE): a vLLM step of 200 k new tokens fits.
+MAX_MESSAGE_BYTES = 1 << 20
+# Messages ZMQ holds for one publisher on the router's side (RCVHWM): with the largest frames,
+# QUEUE_MAX x MAX_MESSAGE_BYTES. Past it ZMQ stops reading that connection, and the rest waits
+# in the publisher's own queue (vLLM's holds 100,000); 64 still takes thousands a second.
+QUEUE_MAX = 64
+TURN_BYTES = 256 << 10  # message bytes one loop turn handles before yielding the loop
+TURN_SECONDS = 0.005  # work one loop turn does before yielding the loop
+HOLD_MAX_BYTES = 8 << 20  # batches held while a replay runs: payload + HOLD_OVERHEAD each
+HOLD_OVERHEAD = 512  # bytes a held batch counts beyond its payload (its objects)
+REPLAY_MAX_BYTES = 16 << 20  # a replay's answer read up to this, counted as held (the rest: unsure)
 RETRY = 5.0  # seconds between discovery or socket attempts
 REPLAY_TIMEOUT = 5.0
 DISCOVER_TIMEOUT = 2.0  # seconds for the whole /kv_event_sources answer
@@ -85,26 +108,9 @@ def _frames(recv: Callable[..., Any]) -> list[bytes]:
     parts = [frame.bytes]
     while frame.more:
         frame = recv(zmq.NOBLOCK, copy=False)
-        parts.append(frame.bytes)
+        if len(parts) < 4:  # a fourth makes it malformed already: the rest is not copied
+            parts.append(frame.bytes)
     return parts
-
-
-def vllm_binds(endpoint: str) -> bool:
-    """vLLM's own rule (`ZmqEventPublisher._is_bind_endpoint`)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def resolve(endpoint: str, backend_url: str, bind: bool | None = None) -> tuple[str, bool]:
-    """(the address this router uses, whether it binds it) for an engine's endpoint."""
-    binds = (not vllm_binds(endpoint)) if bind is None else bind
-    if binds or not endpoint.startswith("tcp://"):
-        return endpoint, binds
-    hostport = endpoint[len("tcp://") :]
-    host, _, port = hostport.rpartition(":")
-    if host in ("*", "0.0.0.0", "[::]", "::", "[::0]"):
-        target = urlsplit(backend_url).hostname or "127.0.0.1"
-        host = f"[{target}]" if ":" in target else target
-    return f"tcp://{host}:{port}", False
 
 
 @dataclass
@@ -117,13 +123,56 @@ class Feed:
     topic: bytes
     replay: str | None
     rank: int = 0
+    learned: bool = False  # from the engine's `GET /kv_event_sources`, not the config
     sock: zmq.Socket[bytes] | None = None
+    # Where `sock` connects: its disconnections, to connect again (`KvEvents._reconnect`).
+    monitor: zmq.Socket[bytes] | None = None
     last_seq: int | None = None
     last_ts: float = 0.0  # the engine's clock on the last batch applied
     state: str = "waiting"
     stored_since_gap: int = 0
     held: deque[Batch] = field(default_factory=deque)
+    held_bytes: int = 0  # what `held` counts against HOLD_MAX_BYTES
+    catching_up: bool = False  # a replay's batches are being applied: new ones wait behind
+    replays: int = 0  # replays started: a replay that is no longer the last one stops
     error: str | None = None
+
+    def hold(self, batch: Batch) -> None:
+        """Keep `batch` until the replay is applied; past HOLD_MAX_BYTES the oldest go (the
+        replay's answer then misses them: `unsure`)."""
+        held = self.held
+        held.append(batch)
+        self.held_bytes += batch.size + HOLD_OVERHEAD
+        while self.held_bytes > HOLD_MAX_BYTES and len(held) > 1:
+            self.held_bytes -= held.popleft().size + HOLD_OVERHEAD
+
+    def take_held(self) -> list[Batch]:
+        out = list(self.held)
+        self.held.clear()
+        self.held_bytes = 0
+        return out
+
+
+class _Turn:
+    """What one task may do with the event loop before yielding it: TURN_BYTES of messages
+    or TURN_SECONDS, whichever comes first (a message is handled whole)."""
+
+    __slots__ = ("end", "left", "over")
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.left = TURN_BYTES
+        self.end = time.perf_counter() + TURN_SECONDS
+        self.over = False
+
+    def spend(self, size: int) -> bool:
+        """`size` bytes handled; True (and `over`) when the turn is used up."""
+        self.left -= size
+        if self.left <= 0 or time.perf_counter() >= self.end:
+            self.over = True
+        return self.over
 
 
 @dataclass(slots=True, eq=False)
@@ -209,8 +258,11 @@ class KvEvents:
         on_events: Callable[[str, str, int], None] | None = None,
         pending_ttl: float = 2.0,
         policy: NetPolicy | None = None,
+        local_sockets: bool = False,
     ) -> None:
         self._policy = policy  # for backends not from the file, as their traffic
+        # Backends added at run time may bind and use ipc:// (admin.kv_events_bind_and_ipc).
+        self._local_sockets = local_sockets
         self.index = index or TokenIndex()
         self._capacity = capacity or (lambda _name: None)
         self._wall = wall
@@ -228,6 +280,8 @@ class KvEvents:
         self._tasks: set[asyncio.Task[None]] = set()
         self._poller = zmq.Poller()
         self._by_sock: dict[zmq.Socket[bytes], Feed] = {}
+        self._by_monitor: dict[zmq.Socket[bytes], Feed] = {}
+        self.dropped = 0  # connections to a publisher that ended (over MAX_MESSAGE_BYTES, ...)
         self._pumping = False
         self._started = False
         self._closed = False
@@ -431,21 +485,66 @@ class KvEvents:
 
     def _attach(self, name: str, e: Engine, feed: Feed) -> None:
         e.feeds.append(feed)
+        b = self._backends.get(name)
+        if b is not None and b.source != "file":
+            self._spawn(self._vet(name, e, feed, b))
+        else:
+            self._open_socket(name, e, feed)
+
+    async def _vet(self, name: str, e: Engine, feed: Feed, b: Backend) -> None:
+        """A backend added at run time: its feed's endpoints held to the admin rules
+        (router/engine/kv_endpoints.py) before a socket opens. Refused, it stays `error`
+        until the backend changes; a name that does not resolve yet is tried again."""
+        try:
+            # A discovery template's own endpoints are the operator's; what the API or an
+            # engine names is not.
+            if not (self._local_sockets or (b.source != "api" and not feed.learned)):
+                reason = local_refusal(feed.endpoint, feed.bind)
+                if reason is None and feed.replay is not None:
+                    reason = local_refusal(feed.replay, False)
+                if reason is not None:
+                    raise EndpointRefused(reason)
+            policy = self._policy or OPEN
+            endpoint = feed.endpoint if feed.bind else await vetted(feed.endpoint, policy)
+            replay = None if feed.replay is None else await vetted(feed.replay, policy)
+        except EndpointRefused as exc:
+            self._failed(name, feed, f"refused: {exc}")
+            return
+        except (OSError, TimeoutError, UnicodeError) as exc:
+            self._failed(name, feed, f"{type(exc).__name__}: {exc}")
+            self._spawn(self._retry(name, feed))
+            return
+        if self._closed or self._engines.get(name) is not e or feed not in e.feeds:
+            return
+        feed.endpoint, feed.replay = endpoint, replay
+        self._open_socket(name, e, feed)
+
+    def _failed(self, name: str, feed: Feed, error: str) -> None:
+        feed.state, feed.error = "error", error[:200]
+        log.warning(
+            "kv events: cannot open socket",
+            extra={"fields": {"backend": name, "endpoint": feed.endpoint, "error": feed.error}},
+        )
+
+    def _open_socket(self, name: str, e: Engine, feed: Feed) -> None:
+        refusal = path_refusal(feed.endpoint) if feed.bind else None
+        if refusal is not None:  # never another file in its place, whoever asked
+            self._failed(name, feed, f"refused: {refusal}")
+            self._spawn(self._retry(name, feed))
+            return
         try:
             sock = self._sync.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.RCVHWM, QUEUE_MAX)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.IPV6, "[" in feed.endpoint)  # ZMQ's default: IPv4 only
             sock.setsockopt(zmq.SUBSCRIBE, feed.topic)
             if feed.bind:
                 sock.bind(feed.endpoint)
             else:
                 sock.connect(feed.endpoint)
         except zmq.ZMQError as exc:
-            feed.state, feed.error = "error", f"{type(exc).__name__}: {exc}"[:200]
-            log.warning(
-                "kv events: cannot open socket",
-                extra={"fields": {"backend": name, "endpoint": feed.endpoint, "error": feed.error}},
-            )
+            self._failed(name, feed, f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(Exception):
                 sock.close(0)
             self._spawn(self._retry(name, feed))
@@ -454,14 +553,18 @@ class KvEvents:
         feed.error = None
         self._poller.register(sock, zmq.POLLIN)
         self._by_sock[sock] = feed
+        if not feed.bind:
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            feed.monitor = monitor
+            self._poller.register(monitor, zmq.POLLIN)
+            self._by_monitor[monitor] = feed
         if not self._pumping:  # only a router with events configured runs the timer
             self._pumping = True
             self._spawn(self._pump())
         if feed.replay is not None and feed.last_seq is None:
             # Joining an engine that may have published already (and may stay idle): ask for
             # its history now rather than wait for its next batch to show the hole.
-            feed.state = "replaying"
-            self._spawn(self._replay(feed, 0))
+            self._start_replay(feed, 0)
 
     async def _retry(self, name: str, feed: Feed) -> None:
         await asyncio.sleep(RETRY)
@@ -514,13 +617,12 @@ class KvEvents:
         e.pending.clear()
         for f in e.feeds:
             f.last_seq = None
-            f.held.clear()
+            f.take_held()
             if f.sock is None:
                 continue
             if f.replay is not None:
                 if f.state != "replaying":
-                    f.state = "replaying"
-                    self._spawn(self._replay(f, 0))
+                    self._start_replay(f, 0)
             else:
                 f.state = "waiting"
 
@@ -536,6 +638,7 @@ class KvEvents:
         poller = self._poller
         feeds = self._by_sock
         flushed = self._mono()
+        turn = _Turn()
         while not self._closed:
             await asyncio.sleep(PUMP_INTERVAL)
             if self._mono() - flushed >= FLUSH_INTERVAL:
@@ -547,24 +650,61 @@ class KvEvents:
                 ready = poller.poll(0)
             except zmq.ZMQError:
                 continue
+            turn.start()
             for sock, _ in ready:
-                feed = feeds.get(sock)
-                if feed is not None:
-                    self._drain(feed)
+                if sock in self._by_monitor:
+                    self._reconnect(self._by_monitor[sock])
+                    continue
+                quota = DRAIN_MAX  # the rest at the next round: others get their turn
+                while quota > 0 and (feed := feeds.get(sock)) is not None:
+                    quota = self._drain(feed, turn, quota)
+                    if turn.over:  # the loop's other tasks first, then the same socket on
+                        await asyncio.sleep(0)
+                        if self._closed:
+                            return
+                        turn.start()
 
-    def _drain(self, feed: Feed) -> None:
+    def _drain(self, feed: Feed, turn: _Turn, quota: int) -> int:
+        """Up to `quota` of `feed`'s messages, until none is queued or `turn` is over: what is
+        left of the quota when the turn ran out first, else 0."""
         sock = feed.sock
         if sock is None or sock.closed:
-            return
+            return 0
         recv = sock.recv
         message = self._message
         try:
-            for _ in range(DRAIN_MAX):  # the rest at the next round: others get their turn
-                message(feed, _frames(recv))
+            while quota > 0:
+                frames = _frames(recv)
+                quota -= 1
+                message(feed, frames)
+                if turn.spend(len(frames[-1])):
+                    return quota
         except zmq.Again:
             pass
         except zmq.ZMQError:
+            pass
+        return 0
+
+    def _reconnect(self, feed: Feed) -> None:
+        """The connection to `feed`'s publisher ended. ZMQ connects again by itself after a
+        network error, never after a protocol error, which a frame over MAX_MESSAGE_BYTES is:
+        connect anew either way (what was lost meanwhile is a gap, as ever)."""
+        monitor, sock = feed.monitor, feed.sock
+        if monitor is None or sock is None or sock.closed:
             return
+        with contextlib.suppress(zmq.ZMQError):
+            while True:
+                monitor.recv_multipart(zmq.NOBLOCK)  # only disconnections are watched
+        self.dropped += 1
+        if self.dropped <= 3 or self.dropped % 1000 == 0:
+            log.warning(
+                "kv events: publisher connection ended; connecting again",
+                extra={"fields": {"backend": feed.backend, "endpoint": feed.endpoint}},
+            )
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disconnect(feed.endpoint)
+        with contextlib.suppress(zmq.ZMQError):
+            sock.connect(feed.endpoint)
 
     def _message(self, feed: Feed, frames: list[bytes]) -> None:
         try:
@@ -578,10 +718,8 @@ class KvEvents:
                 )
             return
         self.batches += 1
-        if feed.state == "replaying":
-            if len(feed.held) >= HOLD_MAX:
-                feed.held.popleft()
-            feed.held.append(batch)
+        if feed.state == "replaying" or feed.catching_up:
+            feed.hold(batch)
             return
         self._in_order(feed, batch)
 
@@ -606,9 +744,8 @@ class KvEvents:
             start = 0 if last is None else last + 1
             e.gaps += 1 if last is not None else 0
             if feed.replay is not None:
-                feed.state = "replaying"
-                feed.held.append(batch)
-                self._spawn(self._replay(feed, start))
+                self._start_replay(feed, start)
+                feed.hold(batch)
                 return
             self._unsure(feed)
         self._apply(feed, e, batch)
@@ -627,8 +764,10 @@ class KvEvents:
             e.last_event = now
         e.pending.clear()  # what was sent before it is in it, or will not store a block
         cap = self._capacity(name) or DEFAULT_BLOCKS
-        stored, removed, cleared, blocks = self.index.apply(name, batch.events, cap)
-        if cleared and feed.state == "unsure":
+        stored, removed, cleared, blocks, whole = self.index.apply(name, batch.events, cap)
+        if not whole:  # past MAX_BATCH_BLOCKS: the rest of the batch was not applied
+            self._unsure(feed)
+        elif cleared and feed.state == "unsure":
             feed.state = "live"  # nothing held: the index is exact again
         if feed.state == "unsure":
             feed.stored_since_gap += blocks
@@ -663,38 +802,31 @@ class KvEvents:
                     on(name, kind, delta)
             e.reported = dict(e.counts)
 
-    async def _replay(self, feed: Feed, start: int) -> None:
-        """Ask the engine's replay socket for batches from `start`, then apply what was held."""
-        assert feed.replay is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        got: list[Batch] = []
-        ok = False
-        try:
-            sock.connect(feed.replay)
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            async with asyncio.timeout(REPLAY_TIMEOUT):
-                while True:
-                    frames = await sock.recv_multipart()
-                    # [b"", topic, seq, payload]; the end: [b"", b"", seq -1, b""]
-                    frames = frames[1:] if frames and frames[0] == b"" else frames
-                    if len(frames) == 3 and int.from_bytes(frames[1], "big", signed=True) < 0:
-                        ok = True
-                        break
-                    with contextlib.suppress(WireError):
-                        got.append(decode(frames))
-        except (TimeoutError, zmq.ZMQError) as exc:
-            log.warning(
-                "kv events: replay failed",
-                extra={"fields": {"backend": feed.backend, "error": type(exc).__name__}},
-            )
-        finally:
-            sock.close(0)
+    def _start_replay(self, feed: Feed, start: int) -> None:
+        """Ask for the batches from `start` on; new ones are held meanwhile."""
+        feed.state = "replaying"
+        feed.replays += 1
+        self._spawn(self._replay(feed, start, feed.replays))
+
+    async def _replay(self, feed: Feed, start: int, mine: int) -> None:
+        """Ask the engine's replay socket for batches from `start`, then apply them and what
+        was held, a turn's budget at a time (`catching_up`: what arrives meanwhile is held
+        too, and applied after them)."""
+        got, ok = await self._ask_replay(feed, start)
         e = self._engines.get(feed.backend)
-        if e is None or feed.state != "replaying":
+        if e is None or feed.state != "replaying" or feed.replays != mine:
             return
-        held = list(feed.held)
-        feed.held.clear()
+        feed.catching_up = True
+        try:
+            await self._catch_up(feed, e, start, got, ok, mine)
+        finally:
+            if feed.replays == mine:
+                feed.catching_up = False
+
+    async def _catch_up(
+        self, feed: Feed, e: Engine, start: int, got: list[Batch], ok: bool, mine: int
+    ) -> None:
+        held = feed.take_held()
         merged: dict[int, Batch] = {b.seq: b for b in got}
         for b in held:
             merged.setdefault(b.seq, b)
@@ -706,14 +838,92 @@ class KvEvents:
         else:
             self._unsure(feed)
         replayed = {id(b) for b in got}
+        turn = _Turn()
         for batch in batches:
             self._apply(feed, e, batch, replayed=id(batch) in replayed)
+            if turn.spend(batch.size) and not await self._next_turn(feed, e, mine, turn):
+                return
+        # What arrived meanwhile, after them and in order.
+        while feed.held:
+            todo = feed.take_held()
+            for i, batch in enumerate(todo):
+                self._in_order(feed, batch)
+                if feed.replays != mine:  # a gap in them began the next replay: theirs
+                    for later in todo[i + 1 :]:
+                        feed.hold(later)
+                    return
+                if turn.spend(batch.size) and not await self._next_turn(feed, e, mine, turn):
+                    return
+
+    async def _next_turn(self, feed: Feed, e: Engine, mine: int, turn: _Turn) -> bool:
+        """The event loop's other tasks first; False when this replay no longer applies (the
+        feed was dropped or reset, or another replay began)."""
+        await asyncio.sleep(0)
+        turn.start()
+        return (
+            not self._closed
+            and feed.replays == mine
+            and self._engines.get(feed.backend) is e
+            and feed in e.feeds
+        )
+
+    async def _ask_replay(self, feed: Feed, start: int) -> tuple[list[Batch], bool]:
+        """The replay socket's batches from `start`, and whether it said it sent them all
+        (within REPLAY_TIMEOUT and REPLAY_MAX_BYTES)."""
+        assert feed.replay is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, QUEUE_MAX)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.IPV6, "[" in feed.replay)
+        got: list[Batch] = []
+        budget = REPLAY_MAX_BYTES
+        turn = _Turn()
+        try:
+            sock.connect(feed.replay)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(REPLAY_TIMEOUT):
+                while True:
+                    frames = await sock.recv_multipart()
+                    # [b"", topic, seq, payload]; the end: [b"", b"", seq -1, b""]
+                    frames = frames[1:] if frames and frames[0] == b"" else frames
+                    if len(frames) == 3 and int.from_bytes(frames[1], "big", signed=True) < 0:
+                        return got, True
+                    size = sum(map(len, frames))
+                    budget -= size + HOLD_OVERHEAD
+                    if budget < 0:
+                        log.warning(
+                            "kv events: replay answer too large",
+                            extra={"fields": {"backend": feed.backend, "bytes": REPLAY_MAX_BYTES}},
+                        )
+                        return got, False
+                    with contextlib.suppress(WireError):
+                        got.append(decode(frames))
+                    if turn.spend(size):  # a ready message is awaited without yielding
+                        await asyncio.sleep(0)
+                        turn.start()
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning(
+                "kv events: replay failed",
+                extra={"fields": {"backend": feed.backend, "error": type(exc).__name__}},
+            )
+        finally:
+            sock.close(0)
+        return got, False
 
     # --- shutdown -------------------------------------------------------------------------------
 
     def _close_feed(self, feed: Feed) -> None:
-        sock = feed.sock
-        feed.sock = None
+        sock, monitor = feed.sock, feed.monitor
+        feed.sock = feed.monitor = None
+        if monitor is not None:
+            if self._by_monitor.pop(monitor, None) is not None:
+                with contextlib.suppress(KeyError, zmq.ZMQError):
+                    self._poller.unregister(monitor)
+            if sock is not None and not sock.closed:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+            monitor.close(0)
         if sock is not None:
             if self._by_sock.pop(sock, None) is not None:
                 with contextlib.suppress(KeyError, zmq.ZMQError):
@@ -759,5 +969,5 @@ def _feeds_from(name: str, backend: Backend, sources: dict[str, Any]) -> list[Fe
             r = int(rank)
         except ValueError:
             r = 0
-        feeds.append(Feed(name, addr, bind, str(topic).encode(), replay_addr, r))
+        feeds.append(Feed(name, addr, bind, str(topic).encode(), replay_addr, r, learned=True))
     return feeds

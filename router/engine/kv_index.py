@@ -24,15 +24,18 @@ Only the `GPU` medium (what vLLM reports on CPU too) and KV-cache group 0 are in
 offload tier's copies and a hybrid model's other groups are not a prefix hit on that engine.
 Bounds: each engine's share is at most its own capacity in blocks (`max_blocks`, from
 `vllm:cache_config_info`; oldest first out, as a missed removal must not grow it), capped at
-MAX_BLOCKS_PER_ENGINE; nothing a client sends adds to it. No I/O, no clock.
+MAX_BLOCKS_PER_ENGINE; nothing a client sends adds to it. A batch's work is bounded too
+(MAX_BATCH_BLOCKS block hashes; the rest is not applied and `apply` says so), and so are the
+adapter names an engine is known to hold (MAX_LORAS, most recently seen kept; a name longer
+than MAX_LORA_NAME is not indexed). No I/O, no clock.
 """
 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
-from itertools import islice
 from typing import Any
 
 import msgspec
@@ -41,6 +44,12 @@ from balancers.prefix_index import held_prefix
 from router.engine.kv_wire import BlockHash, Event, Removed, Stored, token_list
 
 MAX_BLOCKS_PER_ENGINE = 1 << 20
+# Block hashes (stored and removed) applied from one batch, so that one message's work is
+# bounded whatever its block size (block size 1 is the dearest per byte; bench/scenarios/kv.py): 256
+# k tokens at block size 16, where a vLLM step stores a few hundred blocks.
+MAX_BATCH_BLOCKS = 1 << 14
+MAX_LORAS = 1024  # adapter names remembered per engine (vLLM serves a few dozen at most)
+MAX_LORA_NAME = 256  # characters: a longer adapter name is no model name a request can give
 BASE = b""
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -156,12 +165,16 @@ class _Engine:
         # The holders of a block only this engine holds (most blocks): one object shared by
         # all of them, not a set each (a set is ~200 bytes and an allocation per stored block).
         self.alone = frozenset((name,))
-        self.by_hash: dict[BlockHash, bytes] = {}  # engine hash -> key, oldest first
+        # engine hash -> key, oldest first. Ordered by a linked list, not a dict's insertion
+        # order: the trim past capacity takes the oldest in O(1), where a dict's first item is
+        # found by scanning the slots its earlier trims emptied (quadratic over a flood).
+        self.by_hash: OrderedDict[BlockHash, bytes] = OrderedDict()
         # key -> engine blocks naming it beyond the first (rare: the same tokens under two
         # engine hashes); a key in by_hash's values and not here is named once.
         self.dups: dict[bytes, int] = {}
         self.block_size: int | None = None
-        self.loras: set[str] = set()
+        # Adapter names seen in its events, least recently seen first (MAX_LORAS of them).
+        self.loras: OrderedDict[str, None] = OrderedDict()
         self.raw_ok: bool | None = None  # its encoded tokens are msgspec's (None: not seen yet)
 
 
@@ -199,23 +212,30 @@ class TokenIndex:
 
     def apply(
         self, backend: str, events: Sequence[Event], max_blocks: int
-    ) -> tuple[int, int, int, int]:
+    ) -> tuple[int, int, int, int, bool]:
         """One batch's events on `backend`, in order: (BlockStored, BlockRemoved and
-        AllBlocksCleared events, blocks added). One call per batch, the engine's state looked
-        up once: per event, a call and its lookups were a fifth of the ingestion's cost."""
+        AllBlocksCleared events, blocks added, whether all were applied: not past
+        MAX_BATCH_BLOCKS). One call per batch, the engine's state looked up once: per event, a
+        call and its lookups were a fifth of the ingestion's cost."""
         e = self._engine(backend)
         limit = _limit(max_blocks)
-        stored = removed = cleared = blocks = 0
+        stored = removed = cleared = blocks = work = 0
         gone: list[BlockHash] = []  # vLLM sends one BlockRemoved per block: removed together
         for ev in events:
             kind = type(ev)
             if kind is Stored:
+                work += len(ev.hashes)  # type: ignore[union-attr]
+                if work > MAX_BATCH_BLOCKS:
+                    break
                 if gone:
                     self._removed(e, backend, gone)
                     gone = []
                 stored += 1
                 blocks += self._stored(e, backend, ev, limit)  # type: ignore[arg-type]
             elif kind is Removed:
+                work += len(ev.hashes)  # type: ignore[union-attr]
+                if work > MAX_BATCH_BLOCKS:
+                    break
                 removed += 1
                 gone += ev.hashes  # type: ignore[union-attr]
             else:
@@ -224,7 +244,7 @@ class TokenIndex:
                 self.cleared(backend)
         if gone:
             self._removed(e, backend, gone)
-        return stored, removed, cleared, blocks
+        return stored, removed, cleared, blocks, work <= MAX_BATCH_BLOCKS
 
     def stored(self, backend: str, ev: Stored, max_blocks: int) -> int:
         """Index `ev`'s blocks on `backend`; returns how many were added."""
@@ -247,9 +267,19 @@ class TokenIndex:
                 return 0
             parent = found
         lora = ev.lora_name
-        ns = BASE if not lora else namespace(lora)
+        ns = BASE
         if lora:
-            e.loras.add(lora)
+            if len(lora) > MAX_LORA_NAME:
+                self.skipped += len(hashes)
+                return 0
+            ns = namespace(lora)
+            loras = e.loras
+            if lora in loras:
+                loras.move_to_end(lora)
+            else:
+                loras[lora] = None
+                if len(loras) > MAX_LORAS:
+                    loras.popitem(last=False)
         extra = ev.extra_keys
         plain = not extra or extra.count(None) == len(extra) or _lora_only(extra, lora)
         raw = ev.token_ids
@@ -293,12 +323,10 @@ class TokenIndex:
                     held.add(backend)  # type: ignore[union-attr]
             else:  # this engine holds the key already: under another hash, or this one again
                 e.dups[key] = e.dups.get(key, 0) + 1
-        if len(by_hash) > limit:
-            # Oldest first; one iterator for the whole trim (a fresh `next(iter(d))` per block
-            # rescans the slots already emptied at the dict's front).
-            excess = len(by_hash) - limit
-            for h in list(islice(by_hash, excess)):
-                self._unref(e, by_hash.pop(h), backend)
+        if len(by_hash) > limit:  # oldest first out
+            oldest = by_hash.popitem
+            for _ in range(len(by_hash) - limit):
+                self._unref(e, oldest(last=False)[1], backend)
         return len(keys)
 
     def removed(self, backend: str, hashes: Sequence[BlockHash]) -> int:

@@ -22,6 +22,7 @@ collections.
 
 from __future__ import annotations
 
+from math import isfinite
 from typing import Annotated, Any
 
 import msgspec
@@ -140,10 +141,11 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     """One message. A struct, not a frozen dataclass: its __init__ is C, not a setattr each."""
 
     seq: int
-    ts: float  # the engine's wall clock when it built the batch
+    ts: float  # the engine's wall clock when it built the batch (finite: 0.0 if not)
     events: list[Event]
     rank: int | None
     unknown: int  # events of a type this router does not know, skipped
+    size: int = 0  # its payload's bytes (what holding it and a loop turn's budget count)
 
 
 def norm(h: int | bytes) -> BlockHash:
@@ -222,4 +224,6 @@ def decode(frames: list[bytes]) -> Batch:
             else:
                 events.append(ev)
         ts, rank = raw.ts, raw.data_parallel_rank
-    return Batch(seq, ts, events, rank, unknown)
+    if not isfinite(ts):  # msgpack floats include them: an infinite lag breaks the admin JSON
+        ts = 0.0  # as a publisher with no clock: long ago
+    return Batch(seq, ts, events, rank, unknown, len(payload))

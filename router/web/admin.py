@@ -34,6 +34,7 @@ from router.core.errors import (
 )
 from router.core.netpolicy import NetPolicy
 from router.core.settings import AdminConfig, BackendConfig, describe_validation
+from router.engine.kv_endpoints import config_refusal
 from router.registry.fleet import Fleet
 from router.web.auth import AdminAuth
 
@@ -83,6 +84,10 @@ async def _registration(
     reason = await policy.check_host(host)
     if reason is not None:
         raise Invalid(f"url: {reason} (admin.allowed_backend_networks / denied_backend_networks)")
+    if cfg.kv_events is not None:  # its sockets are held to the same networks (and more)
+        refusal = await config_refusal(cfg.kv_events, cfg.url, policy, admin.kv_events_bind_and_ipc)
+        if refusal is not None:
+            raise Invalid(refusal)
     return cfg
 
 
