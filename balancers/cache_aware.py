@@ -230,17 +230,18 @@ class CacheAware:
     ) -> Choice | None:
         """The expected time to first token on each candidate (module docstring)."""
         prompt = max(1, kv.tokens)
+        p_untaught, q_untaught = _peers_rates(live)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
         for s, c in live:
             cached = min(prompt, kv.cached.get(c.name, 0))
             r = c.engine
             if r is None:  # not scraped: in-flight requests stand for the batch
-                p, q = DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S_PER_SEQ
+                p, q = p_untaught, q_untaught
                 ahead, batch = self._ahead(ctx, c), float(c.inflight)
             else:
-                p = r.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN
-                q = r.step_s_per_seq or DEFAULT_STEP_S_PER_SEQ
+                p = r.prefill_s_per_token or p_untaught
+                q = r.step_s_per_seq or q_untaught
                 ahead, batch = self._ahead_and_batch(ctx, c, r, prompt)
             if cached and (ahead or r is None) and over(c):
                 passed_over = True
@@ -265,3 +266,16 @@ class CacheAware:
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._rng.random())
         held = hints.held.get(chosen.name, 0)
         return Choice(chosen, "prefix" if held else ("spill" if passed_over else "load"), held)
+
+
+def _peers_rates(live: Sequence[tuple[float, Candidate]]) -> tuple[float, float]:
+    """The rates for an engine whose histograms have taught none yet: its peers' (the median of
+    those taught), else the defaults. A fleet is mostly alike; the defaults are a small GPU's,
+    and a CPU engine's learned prefill rate can be 10x them: against the default an engine never
+    used looked that much faster than a holder of the prompt, and took it (on 2 real CPU
+    engines, a prefix cached on one went to the other)."""
+    ps = sorted(r.prefill_s_per_token for _, c in live if (r := c.engine) and r.prefill_s_per_token)
+    qs = sorted(r.step_s_per_seq for _, c in live if (r := c.engine) and r.step_s_per_seq)
+    p = ps[len(ps) // 2] if ps else DEFAULT_PREFILL_S_PER_TOKEN
+    q = qs[len(qs) // 2] if qs else DEFAULT_STEP_S_PER_SEQ
+    return p, q

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from balancers.base import Candidate
-from balancers.cache_aware import CacheAware, Hints, KvHints
+from balancers.cache_aware import DEFAULT_PREFILL_S_PER_TOKEN, CacheAware, Hints, KvHints
 from balancers.context import PickContext
 from router.core.engine import EngineReading
 from router.engine.calibrate import ALPHA, Calibration
@@ -314,3 +314,22 @@ def test_the_mocks_histograms_teach_its_own_rates() -> None:
     # 3 prompts of 1000 tokens prefilled in one step: each waited for all 3000 tokens' prefill
     assert cal.prefill_s_per_token >= 3 * prefill_ms_per_1k / 1000 / 1000
     assert cal.step_s_per_seq >= decode_ms / 1000 / 3  # a step's time over the 3 running
+
+
+def test_an_engine_never_taught_takes_its_peers_rates_not_the_default() -> None:
+    """On 2 real CPU engines a prompt one of them held went to the other: the holder had learned
+    a prefill rate ~10x the default (a small GPU's), the other had served nothing and was costed
+    at the default, so its full prefill looked cheaper than the holder's short one. An engine
+    with no rate of its own takes its peers'."""
+    slow_p = 40 * DEFAULT_PREFILL_S_PER_TOKEN
+    kv = KvHints(1300, {"holder": 1152}, frozenset({"holder", "fresh"}))
+    cands = [
+        Candidate("fresh", 1.0, 0, reading(0)),  # nothing learned yet
+        Candidate("holder", 1.0, 0, reading(0, p=slow_p, q=5e-3)),
+    ]
+    assert pick(cands, kv) == ("holder", "prefix_exact")
+    # Taught alike, the holder wins as well; taught faster by far, the fresh engine may win.
+    cands[0] = Candidate("fresh", 1.0, 0, reading(0, p=slow_p, q=5e-3))
+    assert pick(cands, kv) == ("holder", "prefix_exact")
+    cands[0] = Candidate("fresh", 1.0, 0, reading(0, p=slow_p / 100, q=5e-3))
+    assert pick(cands, kv) == ("fresh", "load")
