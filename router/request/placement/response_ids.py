@@ -82,7 +82,7 @@ class ResponseIdStore(Protocol):
 
 
 class ResponseIds:
-    kind = "local"
+    """This process's map: always written, and read first."""
 
     def __init__(
         self,

@@ -104,8 +104,6 @@ class HourlyCounts:
 class UsageBook(HourlyCounts):
     """This process's own buckets, 7 days of them."""
 
-    kind = "local"
-
     def __init__(
         self,
         clock: Callable[[], float] = time.time,
