@@ -13,7 +13,6 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from balancers.inflight.base import InflightStore
 from balancers.inflight.local import LocalInflight
 from health.monitor import HealthMonitor
 from health.state import HealthBook
@@ -27,7 +26,7 @@ from router.core.errors import (
     type_for_status,
 )
 from router.core.netpolicy import NetPolicy
-from router.core.redis_client import Client, RedisConfig
+from router.core.redis_client import RedisConfig
 from router.core.runner import Runner
 from router.core.settings import Settings
 from router.discovery.runner import Discovery
@@ -41,23 +40,14 @@ from router.ops.logs import stop as stop_logging
 from router.ops.memory import Trimmer, pin_mmap_threshold
 from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.ops.tracing import make_tracing
-from router.registry.fleet import (
-    Change,
-    Fleet,
-    LocalRecords,
-    RecordStore,
-    Registry,
-    Snapshot,
-)
+from router.registry.fleet import Change, Fleet, Registry, Snapshot
 from router.request.admit.admission import Admission
 from router.request.admit.hops import HopMarker
-from router.request.admit.quota import QuotaBook, Quotas
 from router.request.lifecycle.drain import Lifecycle
 from router.request.lifecycle.proxy import Proxy
 from router.request.migration.policy import Migration
 from router.request.placement.affinity import Affinity
-from router.request.placement.response_ids import ResponseIds
-from router.request.usage.book import UsageBook
+from router.stores import STORES, Wiring, build
 from router.upstream.pools import Pools, Sender
 from router.web.admin import BackendRows, admin_routes
 from router.web.api import FastPath, Handler, openai_routes, proxy_endpoints
@@ -78,106 +68,6 @@ class _Follows(Protocol):
 
 
 Step = Callable[[], Awaitable[None]]
-
-
-def make_store(redis: RedisConfig | None, client: Client | None, runner: Runner) -> InflightStore:
-    """Local counts unless Redis is configured; then one count shared by every replica."""
-    if redis is None or client is None:
-        return LocalInflight()
-    from balancers.inflight.redis import RedisInflight
-
-    return RedisInflight(
-        client,
-        timeout=redis.timeout,
-        lease_ttl=redis.lease_ttl,
-        prefix=redis.prefix,
-        runner=runner,
-    )
-
-
-def make_quotas(
-    redis: RedisConfig | None, client: Client | None, metrics: Metrics, runner: Runner
-) -> QuotaBook:
-    """Per-key quotas in this process, or shared by every replica when Redis is configured."""
-    if redis is None or client is None:
-        return Quotas(on_refused=metrics.ratelimited)
-    from router.request.admit.quota_shared import SharedQuotas
-
-    return SharedQuotas(
-        client,
-        timeout=redis.timeout,
-        slot_ttl=redis.lease_ttl,
-        prefix=redis.prefix,
-        on_refused=metrics.ratelimited,
-        on_degraded=metrics.quota_degraded,
-        runner=runner,
-    )
-
-
-def make_affinity(
-    settings: Settings,
-    client: Client | None,
-    metrics: Metrics,
-    runner: Runner,
-    kv: KvEvents | None = None,
-    pools: Pools | None = None,
-) -> Affinity:
-    """The prefix index: this process's own, plus the one shared in Redis when configured."""
-    shared = None
-    if client is not None:
-        from router.request.placement.affinity_store import SharedPrefixIndex
-
-        shared = SharedPrefixIndex(
-            client,
-            timeout=settings.redis_timeout,
-            ttl=settings.affinity.ttl,
-            prefix=settings.redis_prefix,
-            runner=runner,
-        )
-    return Affinity(
-        settings.affinity,
-        shared=shared,
-        on_fallback=metrics.affinity_fallbacks.inc,
-        kv=kv,
-        pools=pools,
-    )
-
-
-def _record_store(
-    settings: Settings, redis: RedisConfig | None, client: Client | None = None
-) -> RecordStore:
-    """The registry's records: shared through `client` (the app's), or through a client of the
-    store's own when none is given (tools, tests)."""
-    if redis is None:
-        return LocalRecords()
-    from router.registry.sync import RedisRecords
-
-    return RedisRecords(
-        client or redis.target,
-        prefix=f"{settings.redis_prefix}:registry",
-        resync=settings.registry_resync,
-    )
-
-
-def _usage_book(settings: Settings, client: Client | None, metrics: Metrics) -> UsageBook:
-    """Hourly usage in this process, or written to Redis in batches when it is configured."""
-    return UsageBook(
-        client, settings.redis_prefix, on_dropped=metrics.usage_dropped.inc, owns_client=False
-    )
-
-
-def _response_ids(settings: Settings, client: Client | None) -> ResponseIds:
-    """Response id -> backend: shared through Redis when it is configured, else this process's."""
-    cfg = settings.response_ids
-    return ResponseIds(
-        cfg.ttl,
-        cfg.max_local,
-        client,
-        settings.redis_prefix,
-        timeout=settings.redis_timeout * 4,
-        owns_client=False,
-        max_per_key=cfg.max_per_key,
-    )
 
 
 def create_app(
@@ -244,6 +134,8 @@ class AppParts:
         self.redis_client = redis_client = redis.client() if redis is not None else None
         # Every background chore of this process runs on it (and is counted per chore).
         self.runner = runner = Runner(on_run=metrics.background_run, clock=clock)
+        # Each store this process's own, or shared through Redis: chosen from one table.
+        wiring = Wiring(settings, metrics, runner, redis, redis_client)
         self.health = HealthBook(
             settings.health, settings.outlier, clock=clock, on_change=self._health_changed
         )
@@ -286,13 +178,13 @@ class AppParts:
         self.fleet = Fleet(
             registry,
             settings.backends,
-            _record_store(settings, redis, redis_client),
+            build(STORES.registry, wiring),
             on_invalid=lambda _name: metrics.invalid_records.inc(),
         )
         self.admin_auth = AdminAuth(settings.admin_token)
         self.client_keys = ClientKeys(settings.api_keys, settings.api_keys_file)
         metrics.backends_known([b.name for b in backends])
-        self.store = store = MeteredInflight(make_store(redis, redis_client, runner), metrics)
+        self.store = store = MeteredInflight(build(STORES.inflight, wiring), metrics)
         if isinstance(store.inner, LocalInflight):
             # A reading pairs with our count when its scrape was sent only where that count is
             # the one balancers see (a shared store's is every replica's, read at the pick).
@@ -302,10 +194,14 @@ class AppParts:
         self.admission = Admission(settings.admission, metrics) if settings.admission else None
         if self.admission is not None:
             engine.on_change = self.admission.changed
-        self.affinity = make_affinity(
-            settings, redis_client, metrics, runner, self.kv_events, pools
+        self.affinity = Affinity(
+            settings.affinity,
+            shared=build(STORES.prefix_index, wiring),
+            on_fallback=metrics.affinity_fallbacks.inc,
+            kv=self.kv_events,
+            pools=pools,
         )
-        self.quotas = make_quotas(redis, redis_client, metrics, runner)
+        self.quotas = build(STORES.quotas, wiring)
         self.proxy = Proxy(
             settings,
             registry,
@@ -319,8 +215,8 @@ class AppParts:
             admission=self.admission,
             quotas=self.quotas,
             affinity=self.affinity,
-            usage=_usage_book(settings, redis_client, metrics),
-            response_ids=_response_ids(settings, redis_client),
+            usage=build(STORES.usage, wiring),
+            response_ids=build(STORES.response_ids, wiring),
             hops=HopMarker(settings.deployment_id),
             lora=self.lora if settings.lora.load_on_demand else None,
         )
@@ -406,11 +302,12 @@ class AppParts:
         `stop` closes them in the reverse order: the runner first (no chore runs on a closed
         part), the Redis client last (every part before it shares it)."""
         admission, shared = self.admission, self.affinity.shared
+        ids, usage = self.proxy.response_ids, self.proxy.usage
         return [
             ("redis", None, self.redis_client.aclose if self.redis_client else None),
-            ("response_ids", None, self.proxy.response_ids.aclose),
+            ("response_ids", ids.start, ids.aclose),
             ("admission", None, admission.aclose if admission else None),
-            ("usage", None, self.proxy.usage.aclose),
+            ("usage", usage.start, usage.aclose),
             ("tracing", None, self.tracing.aclose),
             ("prefix_index", shared.start if shared else None, shared.aclose if shared else None),
             ("quotas", self.quotas.start, self.quotas.aclose),
@@ -456,8 +353,6 @@ class AppParts:
         runner.every("memory_trim", Trimmer().step, 5.0)
         if settings.lora.load_on_demand:
             runner.every("lora_sweep", self.lora_sweep, 1.0)
-        if self.proxy.usage.shared:
-            runner.every("usage_flush", self.proxy.usage.flush_round, settings.usage_flush)
         if settings.api_keys_file:
             runner.every("client_keys_reload", self.reload_keys, settings.api_keys_reload)
         runner.start()

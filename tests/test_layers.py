@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "router.request.lifecycle": 5,  # the steps and their order (proxy)
     "router.web": 7,  # the HTTP face, admin routes, the console
     "router.app": 8,
+    "router.stores": 8,  # each concern's store, the process's own or shared: the one table
     # Test doubles and tools: only the CLI imports them, no serving module.
     "router.tools": 9,  # the mock engine, the engine fleet, status, probe, the settings doc
     "router.cli": 10,

@@ -428,9 +428,11 @@ def test_redis_prefix_keeps_two_deployments_registries_apart(module_procs: Clust
     """Two deployments sharing one Redis under different `redis_prefix` values see only their own
     admin changes; one upgraded from a version that kept every prefix's records under the default
     keys finds its records there, once."""
-    from router.app import _record_store
     from router.core.redis_client import RedisConfig
+    from router.core.runner import Runner
     from router.core.settings import Settings
+    from router.ops.metrics import Metrics
+    from router.stores import STORES, Wiring, build
 
     server = module_procs.redis()
     before = {"config": {"name": "old", "url": "http://127.0.0.1:9", "models": ["m"]}}
@@ -442,7 +444,10 @@ def test_redis_prefix_keeps_two_deployments_registries_apart(module_procs: Clust
     default = Settings(redis_url=server.url)
 
     async def main() -> tuple[dict[str, Any], ...]:
-        stores = [_record_store(s, RedisConfig.from_settings(s)) for s in (blue, green, default)]
+        stores = [
+            build(STORES.registry, Wiring(s, Metrics(), Runner(), RedisConfig.from_settings(s)))
+            for s in (blue, green, default)
+        ]
         try:
             b, g, d = stores
             adopted = await b.load()

@@ -1,14 +1,17 @@
 """The shared-store base (router/state/store.py) against a real redis-server: a store degrades
 after DEGRADE_AFTER failed round trips in a row (a success in between starts the count over),
-recovers only when Redis takes a write (the one rule, the same for all three stores), keeps its
-owed work within its cap, reloads its scripts after SCRIPT FLUSH, and settles owed work when it
-closes. And the prefix index's old drift: lookups that waited on one slow round trip are one
-failure, not one each.
+recovers only when Redis takes a write (the one rule, the same for every store: in-flight
+counts, quotas, the prefix index, usage, Responses ids), keeps its owed work within its cap,
+reloads its scripts after SCRIPT FLUSH, and settles owed work when it closes. The usage book and
+the Responses ids, once they answered on their own rules, do without Redis while degraded and
+catch up once it takes a write. And the prefix index's old drift: lookups that waited on one
+slow round trip are one failure, not one each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -31,6 +34,9 @@ from router.request.admit.quota import KeyLimits
 from router.request.admit.quota_shared import SharedQuotas
 from router.request.placement.affinity_store import SharedPrefixIndex
 from router.request.placement.prefix import block_hashes
+from router.request.placement.response_ids import Holder
+from router.request.placement.response_ids_shared import SharedResponseIds
+from router.request.usage.book_shared import SharedUsageBook
 from router.state.store import DEGRADE_AFTER, SharedStore
 from tests.harness import Cluster, Proc
 
@@ -247,6 +253,33 @@ async def _affinity_call(store: Any) -> Callable[[], None]:
     return lambda: None
 
 
+async def _usage_call(store: Any) -> Callable[[], None]:
+    store.record("k", "m", 1, 1, 0, False)
+    with contextlib.suppress(StoreUnavailable):  # a read writes what is pending first
+        await store.query()
+    return lambda: None
+
+
+async def _response_ids_call(store: Any) -> Callable[[], None]:
+    await store.remember(uuid.uuid4().hex, Holder("a", "m"))
+    return lambda: None
+
+
+def _usage_book(url: str, timeout: float = 0.1) -> SharedUsageBook:
+    return SharedUsageBook(url, prefix=uuid.uuid4().hex, timeout=timeout, runner=Runner())
+
+
+def _response_ids(url: str, prefix: str | None = None, timeout: float = 0.1) -> SharedResponseIds:
+    return SharedResponseIds(
+        url,
+        ttl=60,
+        max_local=100,
+        prefix=prefix or uuid.uuid4().hex,
+        timeout=timeout,
+        runner=Runner(),
+    )
+
+
 # A runner that is never started: no chore probes behind the test's back.
 STORES: dict[str, tuple[Callable[[str], Any], Callable[[Any], Awaitable[Callable[[], None]]]]] = {
     "inflight": (
@@ -261,6 +294,8 @@ STORES: dict[str, tuple[Callable[[str], Any], Callable[[Any], Awaitable[Callable
         lambda url: SharedPrefixIndex(url, prefix=uuid.uuid4().hex, timeout=0.1, runner=Runner()),
         _affinity_call,
     ),
+    "usage": (_usage_book, _usage_call),
+    "response_ids": (_response_ids, _response_ids_call),
 }
 
 
@@ -321,5 +356,84 @@ def test_lookups_behind_one_slow_round_trip_are_one_failure(procs: Cluster) -> N
         assert not shared.degraded
         assert await shared.match(hashes, ["a"]) == {}  # shared lookups go on
         await shared.aclose()
+
+    run(body)
+
+
+def test_usage_degraded_answers_at_once_and_writes_what_it_kept_on_recovery(
+    procs: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Usage writes refused DEGRADE_AFTER times in a row degrade the book (one warning): reads
+    then fail without a round trip, records go on in memory, and the first heartbeat Redis takes
+    writes all of them: nothing counted during the outage is lost or counted twice."""
+    rd = procs.redis()
+
+    async def body() -> None:
+        book = _usage_book(rd.url, timeout=1.0)
+        book.record("k", "m", 10, 1, 0, False)
+        assert [r["requests"] for r in await book.query()] == [1]
+        with refusing_writes(rd.url):
+            for _ in range(DEGRADE_AFTER - 1):
+                book.record("k", "m", 10, 1, 0, False)
+                with pytest.raises(StoreUnavailable):
+                    await book.query()
+                assert not book.degraded
+            book.record("k", "m", 10, 1, 0, False)
+            with pytest.raises(StoreUnavailable):
+                await book.query()
+            assert book.degraded
+            trips = book.round_trips
+            book.record("k", "m", 10, 1, 0, False)
+            with pytest.raises(StoreUnavailable):
+                await book.query()
+            assert book.round_trips == trips  # degraded: Redis is not asked
+            assert not await book.heartbeat()
+            assert book.degraded
+        assert await book.heartbeat()
+        assert not book.degraded
+        [row] = await book.query()
+        assert (row["requests"], row["prompt_tokens"]) == (
+            DEGRADE_AFTER + 2,
+            10 * (DEGRADE_AFTER + 2),
+        )
+        await book.aclose()
+
+    with caplog.at_level(logging.INFO, logger="sluicegate.usage"):
+        run(body)
+    assert [r.getMessage() for r in caplog.records] == [
+        "usage not written to Redis; kept in memory until it answers",
+        "usage written to Redis again",
+    ]
+
+
+def test_response_ids_degraded_answer_from_this_process_until_redis_takes_a_write(
+    procs: Cluster,
+) -> None:
+    """Responses ids whose writes Redis refused DEGRADE_AFTER times in a row are degraded: ids
+    are kept in this process only and lookups answer from it without a round trip (another
+    replica's id is unknown meanwhile); once Redis takes a write they are shared again."""
+    rd = procs.redis()
+    prefix = uuid.uuid4().hex
+
+    async def body() -> None:
+        ids, other = _response_ids(rd.url, prefix, 1.0), _response_ids(rd.url, prefix, 1.0)
+        assert await other.remember("theirs", Holder("b", "m"))
+        with refusing_writes(rd.url):
+            for i in range(DEGRADE_AFTER):
+                assert await ids.remember(f"mine-{i}", Holder("a", "m"))  # kept here
+            assert ids.degraded and ids.fallbacks == DEGRADE_AFTER
+            trips = ids.round_trips
+            assert await ids.remember("while-away", Holder("a", "m"))
+            assert await ids.find("while-away") == Holder("a", "m")
+            assert await ids.find("theirs") is None  # not asked: unknown here meanwhile
+            assert ids.round_trips == trips
+            assert not await ids.heartbeat()
+        assert await ids.heartbeat()
+        assert not ids.degraded
+        assert await ids.find("theirs") == Holder("b", "m")
+        assert await ids.remember("after", Holder("a", "m"))
+        assert await other.find("after") == Holder("a", "m")  # shared again
+        await ids.aclose()
+        await other.aclose()
 
     run(body)

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from router.request.usage import book as usage_book
 from router.request.usage.book import HOUR, UsageBook, parse_since
+from router.request.usage.book_shared import SharedUsageBook
 from tests.harness import free_port
 
 T0 = 1_796_043_600.0  # 2026-11-30T13:00:00Z
@@ -89,7 +90,7 @@ def test_counts_redis_will_not_take_at_shutdown_are_logged_as_lost(
 ) -> None:
     # Nothing listens on the port: the shutdown write fails at once.
     redis = Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
-    book = UsageBook(redis, clock=lambda: T0, timeout=1.0)
+    book = SharedUsageBook(redis, clock=lambda: T0, timeout=1.0)
     book.record("alpha", "m", 10, 5, 0, False)
     book.record("beta", "m", 10, 5, 0, False)
     with caplog.at_level("WARNING", logger="sluicegate.usage"):

@@ -1,10 +1,12 @@
 """A store shared through Redis that may degrade to this process's own state: the one skeleton.
 
-What every shared store (in-flight counts, quotas, the prefix index) needs around its own keys,
-scripts and logic, written once:
+What every shared store (in-flight counts, quotas, the prefix index, usage, Responses ids) needs
+around its own keys, scripts and logic, written once:
 - calls: commands go pipelined through a `Batcher` (one per server: one, or on Cluster one per
   hash tag the store writes), each bounded by `timeout`. A failure is `StoreUnavailable`; a
-  script's own runtime error (its request's arguments) is `ScriptFailed`.
+  script's own runtime error (its request's arguments) is `ScriptFailed`. A store whose calls
+  the client must make itself (a MULTI/EXEC transaction; keys spread over every Cluster slot)
+  sends them through `_direct`: bounded and judged the same way, one round trip each.
 - round trips: each one Redis took resets the failure count. DEGRADE_AFTER failed in a row (no
   answer in time, a lost connection, a redirect, a server refusing work: OOM, READONLY) and the
   store is `degraded`: one warning, `on_degraded(True)`, and the heartbeat is woken to probe.
@@ -31,7 +33,7 @@ import contextlib
 import hashlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ClassVar, Generic, TypeVar
 
 from redis.asyncio import Redis
@@ -48,6 +50,7 @@ _IDLE = 3600.0  # s between rounds of a store with no beat of its own (woken whe
 _PROBE_TTL_MS = 1000
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class ScriptFailed(StoreUnavailable):
@@ -167,6 +170,24 @@ class SharedStore(Generic[T]):
             raise store_unavailable(exc) from exc
         except STORE_FAILURES as exc:
             raise store_unavailable(exc) from exc
+
+    async def _direct(self, work: Awaitable[R]) -> R:
+        """`work` (calls made through the client itself) within `timeout`, as one round trip:
+        judged by the same rule as a pipeline's."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                out = await work
+        except ResponseError as exc:
+            if script_failed(exc):  # Redis answered: the request's arguments failed
+                self._round_trip(None)
+                raise ScriptFailed(type(exc).__name__) from exc
+            self._round_trip(exc)
+            raise store_unavailable(exc) from exc
+        except STORE_FAILURES as exc:
+            self._round_trip(exc)
+            raise store_unavailable(exc) from exc
+        self._round_trip(None)
+        return out
 
     def _post(self, tag: str, command: tuple[Any, ...], lost: Callable[[], None]) -> None:
         """`command` on the next pipeline, not waited for; `lost` runs if it does not land."""

@@ -12,14 +12,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from router.core.errors import STORE_FAILURES, error_response
-from router.request.usage.book import UsageBook, parse_since
+from router.core.errors import StoreUnavailable, error_response
+from router.request.usage.book import UsageStore, parse_since
 from router.web.auth import AdminAuth
 
 _MAX_FILTER = 256
 
 
-def usage_routes(book: UsageBook, auth: AdminAuth) -> APIRouter:
+def usage_routes(book: UsageStore, auth: AdminAuth) -> APIRouter:
     router = APIRouter(prefix="/admin")
 
     @router.get("/usage")
@@ -50,10 +50,11 @@ def usage_routes(book: UsageBook, auth: AdminAuth) -> APIRouter:
                 )
         try:
             rows = await book.query(key, model, since)
-        except STORE_FAILURES as exc:
+        except StoreUnavailable as exc:
+            why = type(exc.__cause__ or exc).__name__  # what Redis failed with, if it was asked
             return error_response(
                 503,
-                f"The shared store (Redis) is unavailable ({type(exc).__name__}); usage is "
+                f"The shared store (Redis) is unavailable ({why}); usage is "
                 "kept in memory and written when it answers.",
                 "service_unavailable",
                 "usage_unavailable",

@@ -26,8 +26,8 @@ from router.request.migration.policy import Migration
 from router.request.placement.adapter_flights import AdapterFlights
 from router.request.placement.affinity import Affinity
 from router.request.placement.pd import Disaggregation
-from router.request.placement.response_ids import ResponseIds
-from router.request.usage.book import UsageBook
+from router.request.placement.response_ids import ResponseIds, ResponseIdStore
+from router.request.usage.book import UsageBook, UsageStore
 from router.upstream.pools import Pools
 
 
@@ -46,8 +46,8 @@ class Parts:
         admission: Admission | None = None,
         affinity: Affinity | None = None,
         quotas: QuotaBook | None = None,
-        usage: UsageBook | None = None,
-        response_ids: ResponseIds | None = None,
+        usage: UsageStore | None = None,
+        response_ids: ResponseIdStore | None = None,
         hops: HopMarker | None = None,
         lora: LoraLoads | None = None,
     ) -> None:
@@ -56,7 +56,7 @@ class Parts:
         self.lora = lora
         self.flights = AdapterFlights()  # adapters in flight per engine, for the balancer
         # Response id -> the backend holding it (Responses API follow-ups).
-        self.response_ids = (
+        self.response_ids: ResponseIdStore = (
             response_ids
             if response_ids is not None
             else ResponseIds(
@@ -68,7 +68,7 @@ class Parts:
         # This deployment's mark on upstream requests; a request bearing it already is a loop.
         self.hops = hops or HopMarker(settings.deployment_id)
         # Hourly token usage per key and model (/admin/usage); written at each request's end.
-        self.usage = usage or UsageBook()
+        self.usage: UsageStore = usage or UsageBook()
         # Ask streams' backends for usage the client did not ask for (and hide it from them).
         self.inject_usage = settings.usage_accounting == "active"
         # The prefix index and prompt hashing, for balancers that route on cached prefixes.
