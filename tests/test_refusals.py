@@ -74,7 +74,8 @@ async def _bodies_full(r: Router) -> None:
 
 
 async def _slot_taken(r: Router) -> None:
-    await r.proxy.quotas.admit(KeyLimits("par", max_parallel=1, label="par"), 1, "other")
+    if r.proxy.quotas.in_use("par")[2] == 0:  # held by the first of the two walks
+        await r.proxy.quotas.admit(KeyLimits("par", max_parallel=1, label="par"), 1, "other")
 
 
 async def _cooled(r: Router) -> None:
