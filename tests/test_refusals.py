@@ -26,7 +26,7 @@ ANTHROPIC = "/v1/messages"
 DEPLOYMENT = "dep-refusals"
 RID = "rid-1"
 
-KEYS = {  # key -> its entry
+KEYS: dict[bytes, dict[str, Any]] = {  # key -> its entry
     b"key-any": {"name": "any"},
     b"key-few": {"name": "few", "models": ["other"]},
     b"key-tpm": {"name": "tpm", "tpm": 10},
