@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from starlette.types import Message
 
+from router.core import errors
 from router.core.settings import AdmissionConfig, ClientKeyConfig
 from router.request.admit.quota import KeyLimits
 from tests.test_lifecycle_inprocess import BACKENDS, Router, serve
@@ -416,3 +417,40 @@ def test_a_stored_response_not_found(method: str, path: str, sent: bytes, param:
         _check(await _ask(r, kind, path), kind, False)
 
     serve(scenario, **CONFIG)
+
+
+RAISED: dict[str, type[errors.SluicegateError]] = {  # each kind's error (router/core/errors.py)
+    "shutting_down": errors.ShuttingDown,
+    "loop_detected": errors.Loop,
+    "too_many_hops": errors.Loop,
+    "body_too_large": errors.TooLarge,
+    "bodies_over_budget": errors.OverBudget,
+    "client_disconnected": errors.BadRequest,
+    "invalid_json": errors.BadRequest,
+    "invalid_body": errors.BadRequest,
+    "missing_model": errors.BadRequest,
+    "model_not_allowed": errors.Forbidden,
+    "model_not_found": errors.Unknown,
+    "invalid_limit": errors.BadRequest,
+    "invalid_priority": errors.BadRequest,
+    "invalid_timeout": errors.BadRequest,
+    "missing_api_key": errors.Unauthorized,
+    "invalid_api_key": errors.Unauthorized,
+    "request_too_large_for_key": errors.RateLimited,
+    "rate_limited": errors.RateLimited,
+    "method_not_allowed": errors.Refused,
+    "no_capacity": errors.NoCapacity,
+}
+
+
+def test_every_kind_of_refusal_is_walked() -> None:
+    """A refusal added to the tree gets a walk above (its class's status is the one answered)."""
+    assert sorted(RAISED) == sorted(k.name for k in KINDS)
+    for kind in KINDS:
+        assert RAISED[kind.name].status == kind.status or RAISED[kind.name] is errors.Refused
+
+    def leaves(cls: type[errors.Refused]) -> set[type[errors.Refused]]:
+        below = cls.__subclasses__()
+        return set().union(*(leaves(c) for c in below)) if below else {cls}
+
+    assert leaves(errors.Refused) <= set(RAISED.values())
