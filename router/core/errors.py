@@ -38,7 +38,9 @@ admin change's error: OpenAI's `{"error": {message, type, code, param}}`, or Ant
 `{"type": "error", "error": {type, message}}` (`ANTHROPIC_TYPES`) on the Messages API's paths; the
 same status and headers either way.
 
-Raised in a foreign tree, for the code that speaks it; mapped into ours here:
+Raised in a foreign tree, for the code that speaks it; they reach ours through the maps below
+(`upstream_failure()`, after the transport turns NetworkRefused into an httpx.ConnectError;
+`store_unavailable()`):
   httpx.RemoteProtocolError
     └── InvalidUpstreamResponse  an answer the upstream transport refuses to relay
   httpx.ConnectError
