@@ -19,11 +19,11 @@ from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.endpoints import ANTHROPIC_PATHS, Endpoint
 from router.core.errors import (
+    Refused,
     RegistryError,
     StoreUnavailable,
-    as_anthropic,
+    answer,
     error_response,
-    type_for_status,
 )
 from router.core.netpolicy import NetPolicy
 from router.core.redis_client import RedisConfig
@@ -475,15 +475,11 @@ def _routes(app: FastAPI, p: AppParts) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        answer = error_response(
-            exc.status_code,
-            str(exc.detail),
-            type_for_status(exc.status_code),
-            None,
-            dict(exc.headers or {}),
-        )
+        given = (exc.headers or {}).items()
+        headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in given]
+        refused = Refused(str(exc.detail), status=exc.status_code, headers=headers)
         # A method the Messages API's paths do not take (405) is still their client's error.
-        return as_anthropic(answer) if request.scope["path"] in ANTHROPIC_PATHS else answer
+        return answer(refused, request.scope["path"] in ANTHROPIC_PATHS)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

@@ -12,7 +12,7 @@ import pytest
 from starlette.responses import Response
 
 from router.core.endpoints import BY_ROUTE, ENDPOINTS, match_follow
-from router.core.errors import as_anthropic, error_response
+from router.core.errors import NoCapacity, answer
 from router.core.fastjson import with_member
 from router.request.admit.estimate import estimate_tokens
 from router.request.placement.prefix import prefix_hashes
@@ -158,14 +158,9 @@ def test_endpoint_table() -> None:
 
 
 def test_anthropic_error_keeps_status_headers_and_message() -> None:
-    ours = error_response(
-        503,
-        "Every backend is busy.",
-        "service_unavailable",
-        "no_capacity",
-        {"retry-after": "2", "x-request-id": "r"},
-    )
-    theirs: Response = as_anthropic(ours)
+    ours = NoCapacity("Every backend is busy.", retry_after=2)
+    ours.request_id = "r"
+    theirs: Response = answer(ours, anthropic=True)
     assert theirs.status_code == 503
     assert theirs.headers["retry-after"] == "2" and theirs.headers["x-request-id"] == "r"
     assert json.loads(bytes(theirs.body)) == {

@@ -3,8 +3,13 @@ failure kind; anything else (a bug) is raised again rather than blamed on a back
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import importlib
+import json
+import re
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from router.core import errors
 from router.core.backend import Backend
 from router.core.errors import (
     STORE_FAILURES,
@@ -132,3 +138,74 @@ def test_one_status_to_error_type_table() -> None:
     assert type_for_status(409) == "conflict_error"
     assert type_for_status(418) == "invalid_request_error"
     assert type_for_status(503) == "api_error"
+
+
+def _exception_classes() -> list[tuple[str, str]]:
+    """(module, class) of every exception class defined in router/, balancers/ and health/:
+    each module imported, and its classes that subclass BaseException kept; a class defined
+    inside a function (not importable) is found by name in the module's syntax tree."""
+    root = Path(__file__).resolve().parent.parent
+    found: list[tuple[str, str]] = []
+    for package in ("router", "balancers", "health"):
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            module = importlib.import_module(name)
+            top = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+            for cls_name in top:
+                cls = getattr(module, cls_name)
+                if isinstance(cls, type) and issubclass(cls, BaseException):
+                    found.append((name, cls_name))
+            nested = {
+                n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)
+            } - top
+            found += [(name, n) for n in nested if n.endswith(("Error", "Exception"))]
+    return found
+
+
+def test_the_tree_names_every_exception_class() -> None:
+    """router/core/errors.py's docstring is the one map of the project's exceptions: a new one
+    must be placed in it (in the tree, under a foreign base, or among those never answered)."""
+    classes = _exception_classes()
+    assert len(classes) >= 40  # the walk found the packages
+    tree = errors.__doc__ or ""
+    missing = [f"{m}.{c}" for m, c in classes if not re.search(rf"(?<![\w.-]){c}(?![\w-])", tree)]
+    assert missing == []
+
+
+def test_every_refusal_renders_in_both_formats_from_its_own_fields() -> None:
+    """One `answer()` for every error: the class's defaults, a keyword's replacement, the
+    request id first among the headers, and no re-parse (the message is the error's own)."""
+    refused = errors.RateLimited(
+        "slow down", request_id="r-9", headers=((b"retry-after", b"3"),), param="n"
+    )
+    openai_answer = errors.answer(refused)
+    assert openai_answer.status_code == 429
+    assert openai_answer.raw_headers[:2] == [(b"x-request-id", b"r-9"), (b"retry-after", b"3")]
+    assert json.loads(bytes(openai_answer.body)) == {
+        "error": {
+            "message": "slow down",
+            "type": "rate_limit_exceeded",
+            "param": "n",
+            "code": "rate_limit_exceeded",
+        }
+    }
+    anthropic_answer = errors.answer(refused, anthropic=True)
+    assert anthropic_answer.raw_headers[:2] == openai_answer.raw_headers[:2]
+    assert json.loads(bytes(anthropic_answer.body)) == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "slow down"},
+    }
+    # A subclass's default type (not its status's), and a status given for one refusal.
+    unknown = json.loads(bytes(errors.answer(errors.Unknown("gone")).body))["error"]
+    assert unknown["type"] == "invalid_request_error" and unknown["code"] is None
+    teapot = errors.answer(errors.Refused("no", status=418))
+    assert teapot.status_code == 418
+    assert json.loads(bytes(teapot.body))["error"]["type"] == "invalid_request_error"
+    # Admin changes and upstream failures share it: no request id, no headers of their own.
+    conflict = errors.answer(errors.Conflict("taken"))
+    assert conflict.status_code == 409 and b"x-request-id" not in dict(conflict.raw_headers)
+    assert json.loads(bytes(conflict.body))["error"] == {
+        "message": "taken",
+        "type": "conflict_error",
+        "code": "backend_exists",
+    }

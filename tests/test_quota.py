@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from router.core.settings import ConfigError, load_settings
 from router.request.admit.quota import KeyLimits, Quotas, Reservation
+from tests.answers import answered
 from tests.harness import Cluster, Proc, backend, in_flight, sha, stats
 
 RPM = "sk-quota-rpm-0123456789"
@@ -138,19 +139,19 @@ def test_local_window_slides_by_the_second_and_a_refund_leaves_with_its_estimate
     limits = KeyLimits("k", rpm=2, tpm=1000)
     first = quotas.admit_now(limits, 600, "a")
     assert isinstance(first, Reservation)
-    assert isinstance(quotas.admit_now(limits, 500, "b"), Response)  # 600 + 500 > 1000
+    assert isinstance(answered(quotas.admit_now, limits, 500, "b"), Response)  # 600 + 500 > 1000
     clock[0] += 30
     first.close(100)  # 500 back, into the bucket of 30 s ago
     held = quotas.admit_now(limits, 500, "c")
     assert isinstance(held, Reservation)
     held.close(500)
     assert dict(held.headers)[b"x-ratelimit-remaining-requests"] == b"0"
-    refused = quotas.admit_now(limits, 1, "d")  # rpm 2 reached
+    refused = answered(quotas.admit_now, limits, 1, "d")  # rpm 2 reached
     assert isinstance(refused, Response)
     # The first request's second leaves 61 s after it began: 31 s from now, not 30.
     assert dict(refused.raw_headers)[b"retry-after"] == b"31"
     clock[0] += 30.5
-    assert isinstance(quotas.admit_now(limits, 1, "e"), Response)
+    assert isinstance(answered(quotas.admit_now, limits, 1, "e"), Response)
     clock[0] += 0.5
     third = quotas.admit_now(limits, 500, "f")  # the first one's tokens and refund are gone
     assert isinstance(third, Reservation)

@@ -22,6 +22,7 @@ from router.request.admit.estimate import (
     estimate_tokens,
 )
 from router.request.admit.quota import KeyLimits, Quotas, Reservation
+from tests.answers import answered
 from tests.harness import Cluster, Proc, backend, sha, stats, wait_for
 
 BATCH = "sk-est-batch-0123456789"
@@ -114,7 +115,7 @@ def test_the_estimate_counts_each_prompt_of_a_batch_n_for_each_and_a_stored_hist
 def test_a_request_over_the_whole_limit_is_refused_and_a_share_still_waits() -> None:
     quotas = Quotas(clock=lambda: 1000.0)
     limits = KeyLimits("k", tpm=2000)
-    refused = quotas.admit_now(limits, 2001, "r1")
+    refused = answered(quotas.admit_now, limits, 2001, "r1")
     assert not isinstance(refused, Reservation) and refused.status_code == 429
     assert quotas.in_use("k") == (0, 0, 0)  # nothing reserved
     assert isinstance(quotas.admit_now(limits, 2000, "r2"), Reservation)  # exactly the limit
@@ -122,7 +123,7 @@ def test_a_request_over_the_whole_limit_is_refused_and_a_share_still_waits() -> 
     # its window is empty.
     share = KeyLimits("s", tpm=1000)
     assert isinstance(quotas.admit_now(share, 1500, "r3", whole_tpm=2000), Reservation)
-    refused = quotas.admit_now(share, 2500, "r4", whole_tpm=2000)
+    refused = answered(quotas.admit_now, share, 2500, "r4", whole_tpm=2000)
     assert not isinstance(refused, Reservation) and b"request_too_large" in refused.body
 
 

@@ -29,6 +29,7 @@ from router.request.admit.estimate import (
 )
 from router.request.admit.quota import KeyLimits, Quotas, Reservation
 from router.request.admit.quota_shared import SharedQuotas
+from tests.answers import answered, answered_async
 from tests.harness import Cluster, Proc, backend, sha
 
 TPM_A = "sk-hard-attack-0123456789"
@@ -200,7 +201,7 @@ def test_a_quota_script_error_refuses_the_request_and_is_no_outage(module_procs:
             # An estimate Redis cannot add (past int64): no caller sends one any more, but
             # if one came, the key must not fall to the (fresh, smaller) local share.
             for _ in range(4):
-                out = await book.admit(KeyLimits("big", tpm=10**10), 10**19, "r")
+                out = await answered_async(book.admit(KeyLimits("big", tpm=10**10), 10**19, "r"))
                 assert isinstance(out, Response) and out.status_code == 429
             assert book.fallbacks == 0 and not book.degraded
             ok = await book.admit(KeyLimits("big", tpm=10**10), 10, "r")
@@ -215,7 +216,7 @@ def test_a_quota_script_error_refuses_the_request_and_is_no_outage(module_procs:
 async def _admit_many(books: list[SharedQuotas], limits: KeyLimits, count: int) -> int:
     admitted = 0
     for i in range(count):
-        out = await books[i % len(books)].admit(limits, 1, "r")
+        out = await answered_async(books[i % len(books)].admit(limits, 1, "r"))
         if isinstance(out, Reservation) or not isinstance(out, Response):
             out.close(1)
             admitted += 1
@@ -306,7 +307,7 @@ def test_the_local_windows_count_what_was_admitted_elsewhere() -> None:
     local = Quotas(clock=clock)
     limits = KeyLimits("k", rpm=10, tpm=1000, max_parallel=2)
     held = [local.take(limits, 300) for _ in range(2)]
-    out = local.admit_now(limits, 300, "r")
+    out = answered(local.admit_now, limits, 300, "r")
     assert isinstance(out, Response)  # two in flight: max_parallel 2
     held[0].close(100)  # 200 back
     out = local.admit_now(limits, 500, "r")

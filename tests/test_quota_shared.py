@@ -23,6 +23,7 @@ from redis.cluster import RedisCluster
 from router.core.redis_client import RedisTarget
 from router.request.admit.quota import KeyLimits, Reservation
 from router.request.admit.quota_shared import SharedQuotas, SharedReservation, key_tag
+from tests.answers import answered_async
 from tests.harness import Cluster, Proc, backend, late_by, sha, wait_http
 
 pytestmark = pytest.mark.redis
@@ -67,7 +68,7 @@ def test_window_slides_and_corrections_land_in_the_reservations_bucket(rds: Proc
         first = await a.admit(limits, 600, "r1")
         assert isinstance(first, SharedReservation)
         # The other replica sees the 600 reserved: 500 more does not fit.
-        refused = await b.admit(limits, 500, "r2")
+        refused = await answered_async(b.admit(limits, 500, "r2"))
         assert not isinstance(refused, SharedReservation | Reservation)
         assert refused.status_code == 429
         headers = dict(refused.raw_headers)
@@ -105,7 +106,8 @@ def test_parallel_slots_of_a_crashed_replica_expire_and_live_ones_are_kept(rds: 
         mine = await alive.admit(limits, 10, "a")
         lost = await crashed.admit(limits, 10, "b")
         assert isinstance(mine, SharedReservation) and isinstance(lost, SharedReservation)
-        assert (await alive.admit(limits, 10, "c")).status_code == 429  # type: ignore[union-attr]
+        refused = await answered_async(alive.admit(limits, 10, "c"))
+        assert refused.status_code == 429  # type: ignore[union-attr]
         # `crashed` never beats again; `alive` re-stamps its slot every ttl/3.
         for _ in range(4):
             clock.t += 3
@@ -134,7 +136,8 @@ def test_a_stopping_replica_gives_back_the_slots_of_requests_still_running(rds: 
         await other.start()
         held = await stopping.admit(limits, 10, "a")  # a stream longer than the drain
         assert isinstance(held, SharedReservation)
-        assert (await other.admit(limits, 10, "b")).status_code == 429  # type: ignore[union-attr]
+        refused = await answered_async(other.admit(limits, 10, "b"))
+        assert refused.status_code == 429  # type: ignore[union-attr]
         await stopping.aclose()
         assert slots(rds.url, prefix, "stopping") == 0  # free now, not a slot ttl later
         mine = await other.admit(limits, 10, "c")
@@ -169,11 +172,11 @@ def test_redis_slower_than_the_timeout_costs_at_most_the_timeout_then_shares_loc
             while not q.degraded and len(answers) < 30:
                 # Never a hang: each admission is done within a timeout of a timer of one timeout
                 # started with it, whose own lateness is the machine's.
-                answer, lateness = await late_by(q.admit(limits, 1, "x"), 0.1)
+                answer, lateness = await late_by(answered_async(q.admit(limits, 1, "x")), 0.1)
                 answers.append(answer)
                 late.append(lateness)
             assert max(late) < 0.1
-            answers += [await q.admit(limits, 1, "x") for _ in range(6)]
+            answers += [await answered_async(q.admit(limits, 1, "x")) for _ in range(6)]
             assert q.degraded and changes == [True]
             admitted = [a for a in answers if isinstance(a, Reservation)]
             assert len(admitted) == 5  # this process's share: rpm 10 / 2 processes
@@ -205,13 +208,13 @@ def test_keys_spread_over_a_redis_cluster_and_each_key_is_enforced_on_its_shard(
         assert b.processes == 2 and await a.heartbeat() and a.processes == 2
         for name in names:
             limits = KeyLimits(name, rpm=3, max_parallel=2)
-            held = [await q.admit(limits, 1, "r") for q in (a, b, a)]
+            held = [await answered_async(q.admit(limits, 1, "r")) for q in (a, b, a)]
             assert [isinstance(h, SharedReservation) for h in held] == [True, True, False]
             assert "parallel" in bytes(held[2].body).decode()  # type: ignore[union-attr]
             held[0].close(None)  # type: ignore[union-attr]
             await a.flush()
             assert isinstance(await b.admit(limits, 1, "r"), SharedReservation)
-            refused = await a.admit(limits, 1, "r")  # the third request: rpm 3 reached
+            refused = await answered_async(a.admit(limits, 1, "r"))  # the third: rpm 3 reached
             assert "requests per minute" in bytes(refused.body).decode()  # type: ignore[union-attr]
         await a.aclose()
         await b.aclose()

@@ -1,28 +1,88 @@
-"""The project's own errors, the one map from foreign exceptions to them, and OpenAI's error shape.
+"""The project's own errors, the one map from foreign exceptions to them, and the one rendering
+of an error a client is answered with.
 
-SluicegateError
-  ├── ProxyError                 an error answered before any byte went to the client (502)
+SluicegateError                  every error raised on purpose; str() is safe to show
+  ├── Refused                    the router refuses the request itself, before any backend
+  │     ├── BadRequest           (400, the body, a limit field or a header is wrong; the client
+  │     │                        left before its body was read)
+  │     ├── Unauthorized         (401, no client key, or an unknown one)
+  │     ├── Forbidden            (403, the key may not use the model)
+  │     ├── Unknown              (404, no such model, or a stored response out of reach)
+  │     ├── TooLarge             (413, a body over max_body_bytes / max_upload_bytes)
+  │     ├── RateLimited          (429, a key's rpm, tpm or max_parallel; an estimate over its
+  │     │                        whole tpm, which never fits)
+  │     ├── Unavailable          (503, retry shortly)
+  │     │     ├── ShuttingDown   (the router drains)
+  │     │     └── OverBudget     (max_held_body_bytes of bodies are held already)
+  │     └── Loop                 (508, the request passed here before, or through MAX_HOPS routers)
+  ├── ProxyError                 it got in, but no backend's answer reached the client (502)
   │     ├── UpstreamConnectError (502, a backend could not be reached or closed before answering)
   │     ├── UpstreamTimeout      (504, a backend did not answer in time)
   │     └── NoCapacity           (503, every candidate is full, ejected or cooling down)
+  │           ├── QueueTimeout   (request/admit/admission.py: it waited past its deadline)
+  │           └── QueueFull      (request/admit/admission.py: shed from a full queue)
   ├── StoreUnavailable           a shared store (Redis) did not answer; callers fall back or 503
+  │     └── ScriptFailed         (state/store.py: a store's script failed on its arguments: no
+  │                              outage; a quota check answers it 429)
   └── RegistryError              an admin change that cannot be made (400)
         ├── Invalid              (400, a field is wrong)
         ├── NotFound             (404)
         └── Conflict             (409)
 
+Each carries what its answer needs: `status`, `code`, `message`, and where they apply the
+`request_id`, the `param` at fault, more `headers` (Retry-After, x-ratelimit-*), and OpenAI's
+error `type_` where it is not its status's own (`STATUS_TYPES`). Getting in raises a `Refused`;
+the web face (router/web/api.py) catches it and renders it once with `answer(error, anthropic)`,
+which also renders a `ProxyError` (the lifecycle's, router/request/lifecycle/proxy.py) and an
+admin change's error: OpenAI's `{"error": {message, type, code, param}}`, or Anthropic's
+`{"type": "error", "error": {type, message}}` (`ANTHROPIC_TYPES`) on the Messages API's paths; the
+same status and headers either way.
+
+Raised in a foreign tree, for the code that speaks it; they reach ours through the maps below
+(`upstream_failure()`, after the transport turns NetworkRefused into an httpx.ConnectError;
+`store_unavailable()`):
+  httpx.RemoteProtocolError
+    └── InvalidUpstreamResponse  an answer the upstream transport refuses to relay
+  httpx.ConnectError
+    └── UpstreamTlsError         the TLS handshake with a backend failed
+  redis.exceptions.ClusterDownError
+    └── SlotNotCovered           (core/redis_client.py: no primary serves the slot)
+  OSError
+    └── NetworkRefused           (core/netpolicy.py: a backend address the policy refuses; a
+                                 connect failure to the attempt, a refused KV endpoint)
+
+Never reaching a client as they are: each is caught by its module's caller, which says what
+happens (an error of the tree above, a reading or event dropped, a log line, a CLI message):
+  request/lifecycle/endings.py   Retry, Broken, NoneLeft: the attempt loop's control flow (another
+                                 backend, a migration, or the last ProxyError answered)
+  request/admit/estimate.py      BadLimit: a limit field refused; answered as a BadRequest
+  request/wire/multipart.py      BadForm: a form refused; answered as a BadRequest
+  request/placement/pd.py        BadPrefillAnswer: a prefill answer unusable; a ProxyError
+  request/migration/continuation.py  CannotContinue: a broken stream ends with an error event
+  request/placement/tokens.py    TokenizerError: a tokenizer that cannot be loaded (startup)
+  engine/lora_loads.py           LoadFailed: an adapter load failed; a failure kind, a retry
+  engine/parse.py                MetricsError: an engine's /metrics text refused
+  engine/scraper.py              _BadStatus: an engine's /metrics answered other than 200
+  engine/adapters.py             AdaptersError: an engine's model list refused
+  engine/kv_wire.py              WireError: a KV-event message refused
+  engine/kv_endpoints.py         EndpointRefused: a KV-event endpoint refused
+  core/settings.py               ConfigError: a configuration that cannot start the router
+  core/tls.py                    TlsError: a TLS setting that cannot make a context
+  tools/status.py                StatusError: `sluicegate status` could not ask the router
+  tools/mock/wire.py             RequestError: the mock engine's refusal of a request
+tests/test_errors.py checks that every exception class of router/, balancers/ and health/ is
+named here.
+
 Foreign exceptions (httpx's tree, which the upstream transport speaks; OSError, TimeoutError;
 redis-py) are mapped here and nowhere else: `upstream_failure()` for an attempt at a backend,
 `store_unavailable()` for Redis. `FailureKind` names what went wrong with an attempt, for health,
-metrics and logs alike. `STATUS_TYPES` is the one status -> OpenAI error type table;
-`ANTHROPIC_TYPES` the same for Anthropic's format (`{"type":"error","error":{"type","message"}}`),
-which endpoints of the Messages API answer in (`as_anthropic()`: the same status, headers and
-message).
+metrics and logs alike.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -35,13 +95,17 @@ from starlette.responses import Response
 # Upstream or our own message text never carries secrets: messages are built here from fixed
 # strings plus model/backend names, never from exception reprs that may hold URLs with keys.
 
+Headers = Sequence[tuple[bytes, bytes]]
+RETRY_SOON: Headers = ((b"retry-after", b"1"),)
+
 
 def error_payload(
     message: str, type_: str, code: str | int | None = None, param: str | None = None
 ) -> bytes:
-    error: dict[str, str | int | None] = {"message": message, "type": type_, "code": code}
+    error: dict[str, str | int | None] = {"message": message, "type": type_}
     if param is not None:
-        error["param"] = param  # the request field at fault, as OpenAI names it
+        error["param"] = param  # the request field at fault, where OpenAI puts it
+    error["code"] = code
     return json.dumps({"error": error}).encode()
 
 
@@ -105,28 +169,117 @@ def anthropic_payload(message: str, type_: str) -> bytes:
     return json.dumps({"type": "error", "error": {"type": type_, "message": message}}).encode()
 
 
-def as_anthropic(response: Response) -> Response:
-    """One of the router's own OpenAI-format error answers in Anthropic's format: the same
-    status, headers (request id, Retry-After, rate limits) and message."""
-    status = response.status_code
-    try:
-        message = str(json.loads(bytes(response.body))["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        message = "The request failed."
-    type_ = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    headers = {
-        k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")
-    }
-    return Response(
-        anthropic_payload(message, type_),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
+def answer(error: SluicegateError, anthropic: bool = False) -> Response:
+    """The one rendering of an error a client is answered with: its status; `x-request-id`, then
+    its own headers; its message in the endpoint's format (Anthropic's for the Messages API)."""
+    status = error.status
+    if anthropic:
+        fallback = "invalid_request_error" if status < 500 else "api_error"
+        body = anthropic_payload(error.message, ANTHROPIC_TYPES.get(status, fallback))
+    else:
+        type_ = error.type_ or type_for_status(status)
+        body = error_payload(error.message, type_, error.code, error.param)
+    out = Response(body, status_code=status, media_type="application/json")
+    head = list(error.headers)
+    if error.request_id is not None:
+        head.insert(0, (b"x-request-id", error.request_id.encode()))
+    out.raw_headers[:0] = head  # before content-length and content-type
+    return out
 
 
 class SluicegateError(Exception):
-    """Every error the project raises on purpose; str() is safe to show (never holds a secret)."""
+    """Every error the project raises on purpose; str() is safe to show (never holds a secret).
+    The class attributes are its answer's defaults (`answer()`)."""
+
+    status = 500
+    code: str | None = "internal_error"
+    type_: str | None = None  # OpenAI's error type, where it is not `type_for_status(status)`'s
+    param: str | None = None  # the request field at fault
+    request_id: str | None = None
+    headers: Headers = ()  # more headers of its answer, after x-request-id
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Refused(SluicegateError):
+    """A request the router refuses itself, before any backend is picked: raised by getting in
+    (router/request/admit/, router/request/lifecycle/getting_in.py) and the client-key check,
+    answered once by the web face. Keywords given replace the class's defaults."""
+
+    status = 400
+    code = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        request_id: str | None = None,
+        param: str | None = None,
+        headers: Headers | None = None,
+        status: int | None = None,
+        type_: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        if code is not None:
+            self.code = code
+        if param is not None:
+            self.param = param
+        if headers is not None:
+            self.headers = headers
+        if status is not None:
+            self.status = status
+        if type_ is not None:
+            self.type_ = type_
+
+
+class BadRequest(Refused):
+    status = 400
+
+
+class Unauthorized(Refused):
+    status = 401
+    type_ = "invalid_request_error"  # OpenAI's for a missing or unknown key
+
+
+class Forbidden(Refused):
+    status = 403
+
+
+class Unknown(Refused):
+    status = 404
+    type_ = "invalid_request_error"  # OpenAI's for an unknown model or stored response
+
+
+class TooLarge(Refused):
+    status = 413
+    code = "request_too_large"
+
+
+class RateLimited(Refused):
+    status = 429
+    code = "rate_limit_exceeded"
+
+
+class Unavailable(Refused):
+    status = 503
+    type_ = "service_unavailable"
+    headers = RETRY_SOON
+
+
+class ShuttingDown(Unavailable):
+    code = "shutting_down"
+
+
+class OverBudget(Unavailable):
+    code = "bodies_over_budget"
+
+
+class Loop(Refused):
+    status = 508
 
 
 class ProxyError(SluicegateError):
@@ -136,15 +289,9 @@ class ProxyError(SluicegateError):
 
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.message = message
         self.retry_after = retry_after
-
-    def response(self, request_id: str, anthropic: bool = False) -> Response:
-        headers = {"x-request-id": request_id}
-        if self.retry_after is not None:
-            headers["retry-after"] = str(max(1, round(self.retry_after)))
-        answer = error_response(self.status, self.message, self.type_, self.code, headers)
-        return as_anthropic(answer) if anthropic else answer
+        if retry_after is not None:
+            self.headers = ((b"retry-after", b"%d" % max(1, round(retry_after))),)
 
 
 class UpstreamConnectError(ProxyError):

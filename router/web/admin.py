@@ -29,8 +29,8 @@ from router.core.errors import (
     Invalid,
     RegistryError,
     StoreUnavailable,
+    answer,
     error_response,
-    type_for_status,
 )
 from router.core.netpolicy import NetPolicy
 from router.core.settings import AdminConfig, BackendConfig, describe_validation
@@ -39,10 +39,6 @@ from router.registry.fleet import Fleet
 from router.web.auth import AdminAuth
 
 _MAX_ADMIN_BODY = 64 * 1024
-
-
-def _fail(exc: RegistryError | StoreUnavailable) -> Response:
-    return error_response(exc.status, str(exc), type_for_status(exc.status), exc.code)
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -174,7 +170,7 @@ def admin_routes(
             cfg = await _registration(await _json_object(request), admin, policy)
             b = await fleet.register(cfg)
         except (RegistryError, StoreUnavailable) as exc:
-            return _fail(exc)
+            return answer(exc)
         return JSONResponse((await describe((b,)))[0], status_code=201)
 
     @router.patch("/backends/{name}")
@@ -184,7 +180,7 @@ def admin_routes(
         try:
             b = await fleet.update(name, await _json_object(request))
         except (RegistryError, StoreUnavailable) as exc:
-            return _fail(exc)
+            return answer(exc)
         return JSONResponse((await describe((b,)))[0])
 
     @router.delete("/backends/{name}")
@@ -194,7 +190,7 @@ def admin_routes(
         try:
             result = await fleet.remove(name, lambda: in_flight(name), drain_grace)
         except (RegistryError, StoreUnavailable) as exc:
-            return _fail(exc)
+            return answer(exc)
         return JSONResponse(result)
 
     return router

@@ -3,7 +3,9 @@
 
 With client keys configured every route here needs a key (`Authorization: Bearer <key>` or
 `x-api-key`, checked before the body is read), and a key limited to some models sees and reaches
-only those. The router's own errors come in the endpoint's format (Anthropic's for Messages).
+only those. A request refused on its way in (the key check, getting in: a `Refused` of
+router/core/errors.py) is answered here, once, in the endpoint's error format (Anthropic's for
+the Messages API) by `answer()`.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.core.endpoints import ENDPOINTS, FIXED, Endpoint, match_follow
-from router.core.errors import as_anthropic, error_response
+from router.core.errors import Refused, answer, error_response
 from router.registry.fleet import Registry
 from router.request.lifecycle.drain import Lifecycle
-from router.request.lifecycle.proxy import Proxy, ProxyCall
+from router.request.lifecycle.proxy import Proxy
 from router.web.auth import ClientKeys
 
 PROXIED_PATHS = tuple(e.path for e in ENDPOINTS if e.method == "POST" and "{" not in e.path)
@@ -34,40 +36,35 @@ def proxy_endpoints(proxy: Proxy, keys: ClientKeys | None = None) -> dict[Endpoi
 
     def handler_for(row: Endpoint) -> Handler:
         follows = row.state == "follows"
+        anthropic = row.errors == "anthropic"
 
         async def handler(request: Request) -> Response:
-            response_id = None
-            if follows:
-                matched = match_follow(request.method, request.scope["path"])
-                if matched is None:
-                    return error_response(404, "Not Found", "not_found_error")
-                response_id = matched[1]
-            if check is None:
-                return await proxy.prepare(request, row, response_id=response_id)
-            key = check(request)
-            if isinstance(key, Response):
-                return key
-            return await proxy.prepare(
-                request,
-                row,
-                key.models,
-                key.name,
-                key.priority,
-                key.weight,
-                key.limits,
-                response_id,
-                key.owner,
-            )
+            try:
+                response_id = None
+                if follows:
+                    matched = match_follow(request.method, request.scope["path"])
+                    if matched is None:
+                        raise Refused("Not Found", status=404)
+                    response_id = matched[1]
+                if check is None:
+                    return await proxy.prepare(request, row, response_id=response_id)
+                key = check(request)
+                return await proxy.prepare(
+                    request,
+                    row,
+                    key.models,
+                    key.name,
+                    key.priority,
+                    key.weight,
+                    key.limits,
+                    response_id,
+                    key.owner,
+                )
+            except Refused as refused:
+                return answer(refused, anthropic)
 
-        async def anthropic_handler(request: Request) -> Response:
-            answer = await handler(request)
-            if isinstance(answer, ProxyCall) or answer.status_code < 400:
-                return answer
-            return as_anthropic(answer)
-
-        chosen = anthropic_handler if row.errors == "anthropic" else handler
-        chosen.__name__ = row.method.lower() + "_" + row.path.strip("/").replace("/", "_")
-        return chosen
+        handler.__name__ = row.method.lower() + "_" + row.path.strip("/").replace("/", "_")
+        return handler
 
     return {row: handler_for(row) for row in ENDPOINTS}
 
@@ -123,9 +120,10 @@ def openai_routes(proxy: Proxy, registry: Registry, keys: ClientKeys | None = No
     async def list_models(request: Request) -> Response:
         models: tuple[str, ...] = registry.snapshot.models
         if check is not None:
-            key = check(request)
-            if isinstance(key, Response):
-                return key
+            try:
+                key = check(request)
+            except Refused as refused:
+                return answer(refused)
             if key.models is not None:
                 models = tuple(m for m in models if m in key.models)
         data = [

@@ -21,7 +21,7 @@ from pydantic import SecretStr, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.core.errors import error_response
+from router.core.errors import Unauthorized, error_response
 from router.core.settings import ClientKeyConfig, read_api_keys_file
 from router.request.admit.quota import KeyLimits
 from router.request.placement.response_ids import ANONYMOUS, owner_of
@@ -181,20 +181,17 @@ class ClientKeys:
         log.info("client keys reloaded", extra={"fields": {"keys": len(self._keys)}})
         return True
 
-    def check(self, request: Request) -> ClientKey | Response:
+    def check(self, request: Request) -> ClientKey:
+        """The request's key; raises `Unauthorized` (401) when it has none or an unknown one."""
         given = client_key_of(request)
         if given is None:
-            return error_response(
-                401,
+            raise Unauthorized(
                 "You didn't provide an API key. Send `Authorization: Bearer <key>` or "
                 "`x-api-key: <key>`.",
-                "invalid_request_error",
-                "missing_api_key",
+                code="missing_api_key",
             )
         # A lookup by sha256: timing depends on the digest, which a caller cannot steer.
         key = self._keys.get(hashlib.sha256(given.encode("utf-8", "surrogatepass")).hexdigest())
         if key is None:
-            return error_response(
-                401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key"
-            )
+            raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
         return key

@@ -66,7 +66,7 @@ SLOW_BODY = _closing_answer(
     b"408 Request Timeout",
     error_payload(_SLOW_MESSAGE, "invalid_request_error", "request_timeout"),
 )
-# The Messages API's clients read Anthropic's error shape (`as_anthropic`'s type for a 4xx).
+# The Messages API's clients read Anthropic's error shape (`answer()`'s type for a 4xx).
 SLOW_BODY_ANTHROPIC = _closing_answer(
     b"408 Request Timeout", anthropic_payload(_SLOW_MESSAGE, "invalid_request_error")
 )

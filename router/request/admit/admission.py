@@ -33,11 +33,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from starlette.datastructures import Headers
-from starlette.responses import Response
 
 from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
-from router.core.errors import NoCapacity, error_response
+from router.core.errors import BadRequest, NoCapacity
 from router.core.settings import AdmissionConfig
 from router.request.admit.byte_budget import ByteBudget
 
@@ -92,22 +91,19 @@ def make_ticket(
     priority: str,
     weight: float,
     tenant: str,
-) -> Ticket | Response:
-    """The ticket for a request, or a 400 for a bad priority or timeout header. `cost`: its
-    token estimate; `size`: its body's bytes. `started` is the request's `time.perf_counter()` at
-    arrival; deadlines are on that clock."""
-    rid = {"x-request-id": request_id}
+) -> Ticket:
+    """The ticket for a request; a bad priority or timeout header is a `BadRequest`. `cost`:
+    its token estimate; `size`: its body's bytes. `started` is the request's
+    `time.perf_counter()` at arrival; deadlines are on that clock."""
     band = _RANK.get(priority, 1)
     asked = headers.get(PRIORITY_HEADER)
     if asked is not None:
         rank = _RANK.get(asked.strip().lower())
         if rank is None:
-            return error_response(
-                400,
+            raise BadRequest(
                 f"Header `{PRIORITY_HEADER}` must be one of: {', '.join(BANDS)}.",
-                "invalid_request_error",
-                "invalid_priority",
-                rid,
+                code="invalid_priority",
+                request_id=request_id,
             )
         band = max(band, rank)  # a request may lower its band, never raise it
     deadline, reason = started + cfg.max_wait, "max_wait"
@@ -118,12 +114,10 @@ def make_ticket(
         except ValueError:
             seconds = math.nan
         if not (seconds > 0 and math.isfinite(seconds)):
-            return error_response(
-                400,
+            raise BadRequest(
                 f"Header `{TIMEOUT_HEADER}` must be a positive number of seconds.",
-                "invalid_request_error",
-                "invalid_timeout",
-                rid,
+                code="invalid_timeout",
+                request_id=request_id,
             )
         if started + seconds < deadline:
             deadline, reason = started + seconds, "deadline"

@@ -17,9 +17,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from starlette.responses import Response
-
-from router.core.errors import error_response
+from router.core.errors import Loop
 
 HOP_HEADER = b"x-sluicegate-hop"
 MAX_HOPS = 8
@@ -37,8 +35,8 @@ class HopMarker:
         self._own = self.id.encode("ascii")
         self._id = self._own.lower()
 
-    def outgoing(self, headers: Sequence[tuple[bytes, bytes]]) -> bytes | Response:
-        """The marker to send upstream for a request with these headers, or the 508 answer."""
+    def outgoing(self, headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+        """The marker to send upstream for a request with these headers; raises `Loop` (508)."""
         prior: list[bytes] | None = None
         for name, value in headers:
             if name == HOP_HEADER or (len(name) == 16 and name.lower() == HOP_HEADER):
@@ -48,17 +46,13 @@ class HopMarker:
         if prior is None:
             return self._own
         if any(p.lower() == self._id for p in prior):
-            return _refused(
+            raise Loop(
                 "This request already passed through this router: a backend points back at it.",
-                "loop_detected",
+                code="loop_detected",
             )
         if len(prior) >= MAX_HOPS:
-            return _refused(
+            raise Loop(
                 f"This request passed through {len(prior)} routers already: a routing loop.",
-                "too_many_hops",
+                code="too_many_hops",
             )
         return b", ".join((*prior, self._own))
-
-
-def _refused(message: str, code: str) -> Response:
-    return error_response(508, message, "api_error", code)

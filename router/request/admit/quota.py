@@ -1,9 +1,9 @@
 """Per-key quotas, enforced in this process: `rpm`, `tpm` and `max_parallel` from a key's entry.
 
-`Quotas.admit(limits, estimate)` is called once per request before it is proxied: it refuses with
-429 in OpenAI's shape (`rate_limit_exceeded`, `Retry-After`, `x-ratelimit-*`; a request whose
-estimate alone exceeds the key's whole `tpm` is `request_too_large`, without `Retry-After`: no
-window ever admits it) or reserves one request, `estimate` tokens and one parallel slot, and
+`Quotas.admit(limits, estimate)` is called once per request before it is proxied: it refuses
+(raises `RateLimited`, a 429: `rate_limit_exceeded`, `Retry-After`, `x-ratelimit-*`; a request
+whose estimate alone exceeds the key's whole `tpm` is `request_too_large`, without `Retry-After`:
+no window ever admits it) or reserves one request, `estimate` tokens and one parallel slot, and
 returns a `Reservation` whose `close(used)` (called in the lifecycle's `finally`) frees the slot
 and corrects the token count with the tokens the response really used. Windows slide over 1 s
 sub-buckets, the same as the shared form in Redis (`quota_shared.py`, which says why): a use stops
@@ -23,9 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from starlette.responses import Response
-
-from router.core.errors import error_response
+from router.core.errors import RateLimited
 
 BUCKETS = 61  # 1 s sub-buckets a use counts in: 60 s plus the one it began in
 
@@ -52,8 +50,8 @@ class QuotaBook(Protocol):
 
     kind: str
 
-    async def admit(self, limits: KeyLimits, estimate: int, request_id: str) -> Hold | Response:
-        """A hold on one request, its estimate and a slot; or the 429 to send."""
+    async def admit(self, limits: KeyLimits, estimate: int, request_id: str) -> Hold:
+        """A hold on one request, its estimate and a slot; raises `RateLimited` (429)."""
         ...
 
     async def start(self) -> None: ...
@@ -158,39 +156,32 @@ def rate_headers(kind: bytes, limit: int, used: float, reset: float) -> list[tup
 
 def refusal(
     what: str, reset: float, headers: list[tuple[bytes, bytes]], request_id: str
-) -> Response:
-    """The 429: OpenAI's shape, `Retry-After`, the limits' headers."""
+) -> RateLimited:
+    """The 429 of a full window: `Retry-After`, the limits' headers."""
     headers.append((b"retry-after", b"%d" % max(1, math.ceil(reset))))
-    headers.append((b"x-request-id", request_id.encode()))
-    out = error_response(
-        429,
+    return RateLimited(
         f"Rate limit reached for {what} on this key; retry after {_duration(reset)}.",
-        "rate_limit_exceeded",
-        "rate_limit_exceeded",
+        request_id=request_id,
+        headers=headers,
     )
-    out.raw_headers.extend(headers)
-    return out
 
 
-def too_large(limits: KeyLimits, estimate: int, request_id: str) -> Response | None:
+def too_large(limits: KeyLimits, estimate: int, request_id: str) -> RateLimited | None:
     """The 429 for a request whose estimate alone exceeds the key's whole tpm (None: it does
     not). Waiting cannot help it, so it gets no Retry-After, and `x-should-retry: false` keeps
     the OpenAI SDKs from retrying it."""
     tpm = limits.tpm
     if tpm is None or estimate <= tpm:
         return None
-    out = error_response(
-        429,
+    return RateLimited(
         f"Request too large for this key: its estimated {estimate} tokens (prompt, stored "
         f"conversation, and max tokens x n for each prompt) exceed the key's whole limit of "
         f"{tpm} tokens per minute, so it can never be admitted. Reduce the input, the max "
         "tokens, n or the number of prompts.",
-        "rate_limit_exceeded",
-        "request_too_large",
-        {"x-request-id": request_id, "x-should-retry": "false"},
+        code="request_too_large",
+        request_id=request_id,
+        headers=((b"x-should-retry", b"false"), (b"x-ratelimit-limit-tokens", b"%d" % tpm)),
     )
-    out.raw_headers.append((b"x-ratelimit-limit-tokens", b"%d" % tpm))
-    return out
 
 
 class Reservation:
@@ -241,9 +232,7 @@ class Quotas:
         self._on_refused = on_refused  # (key label, limit): counts refusals
         self._keys: dict[str, _KeyState] = {}
 
-    async def admit(
-        self, limits: KeyLimits, estimate: int, request_id: str
-    ) -> Reservation | Response:
+    async def admit(self, limits: KeyLimits, estimate: int, request_id: str) -> Reservation:
         return self.admit_now(limits, estimate, request_id)
 
     async def start(self) -> None:
@@ -290,9 +279,9 @@ class Quotas:
 
     def admit_now(
         self, limits: KeyLimits, estimate: int, request_id: str, whole_tpm: int | None = None
-    ) -> Reservation | Response:
+    ) -> Reservation:
         """`whole_tpm`: the key's whole tpm when `limits` is only this process's share of it
-        (None: `limits` is the whole)."""
+        (None: `limits` is the whole). Raises `RateLimited`."""
         big = too_large(
             limits if whole_tpm is None else KeyLimits(limits.key_id, tpm=whole_tpm),
             estimate,
@@ -301,7 +290,7 @@ class Quotas:
         if big is not None:
             if self._on_refused is not None:
                 self._on_refused(limits.label, "tpm")
-            return big
+            raise big
         now = self.clock()
         sec = int(now)
         st = self._keys.get(limits.key_id)
@@ -344,7 +333,7 @@ class Quotas:
         if refused is not None:
             if self._on_refused is not None:
                 self._on_refused(limits.label, limit)
-            return refusal(refused[0], refused[1], headers, request_id)
+            raise refusal(refused[0], refused[1], headers, request_id)
         if limits.rpm is not None:
             st.requests.add(sec, 1)
         if limits.tpm is not None:

@@ -48,9 +48,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from starlette.responses import Response
-
-from router.core.errors import StoreUnavailable, error_response
+from router.core.errors import RETRY_SOON, RateLimited, StoreUnavailable
 from router.core.redis_client import Client, RedisTarget
 from router.core.runner import Runner
 from router.request.admit.quota import (
@@ -484,12 +482,12 @@ class SharedQuotas(SharedStore[_Owed]):
 
     async def admit(
         self, limits: KeyLimits, estimate: int, request_id: str
-    ) -> SharedReservation | Reservation | Response:
+    ) -> SharedReservation | Reservation:
         big = too_large(limits, estimate, request_id)
         if big is not None:  # no window of the key ever admits it: Redis need not be asked
             if self._on_refused is not None:
                 self._on_refused(limits.label, "tpm")
-            return big
+            raise big
         if self.degraded:
             return self._admit_local(limits, estimate, request_id)
         tag = self._tag(limits.key_id)
@@ -512,13 +510,11 @@ class SharedQuotas(SharedStore[_Owed]):
             )
         except ScriptFailed:
             self._script_error(limits)
-            return error_response(
-                429,
+            raise RateLimited(
                 "The quota of this key could not be checked for this request; retry later.",
-                "rate_limit_exceeded",
-                "rate_limit_exceeded",
-                {"retry-after": "1", "x-request-id": request_id},
-            )
+                request_id=request_id,
+                headers=RETRY_SOON,
+            ) from None
         except StoreUnavailable:
             if slot:  # the script may have run after we stopped waiting
                 self.owed.add((tag, 0, 0, slot))
@@ -541,7 +537,7 @@ class SharedQuotas(SharedStore[_Owed]):
             )[refused - 1]
             if self._on_refused is not None:
                 self._on_refused(limits.label, limit)
-            return refusal(what, reset, headers, request_id)
+            raise refusal(what, reset, headers, request_id)
         if slot:
             self._live[slot] = tag
         mirror = self.local.take(limits, est)
@@ -559,20 +555,17 @@ class SharedQuotas(SharedStore[_Owed]):
                 extra={"fields": {"key": limits.label, "errors": self._script_errors}},
             )
 
-    def _admit_local(
-        self, limits: KeyLimits, estimate: int, request_id: str
-    ) -> Reservation | Response:
+    def _admit_local(self, limits: KeyLimits, estimate: int, request_id: str) -> Reservation:
         self.fallbacks += 1
         share = self._shares.get(limits)
         if share is None:
             share = self._shares[limits] = _share(limits, self.processes)
         held = self.local.admit_now(share, estimate, request_id, limits.tpm)
-        if isinstance(held, Reservation):
-            tag = self._tag(limits.key_id)
-            sec = int(self.local.clock())
-            self._note(tag, sec, 1 if limits.rpm is not None else 0, estimate if limits.tpm else 0)
-            if limits.tpm is not None:
-                held.on_correct = lambda bucket, delta: self._note(tag, bucket, 0, delta)
+        tag = self._tag(limits.key_id)
+        sec = int(self.local.clock())
+        self._note(tag, sec, 1 if limits.rpm is not None else 0, estimate if limits.tpm else 0)
+        if limits.tpm is not None:
+            held.on_correct = lambda bucket, delta: self._note(tag, bucket, 0, delta)
         return held
 
     # --- releases ----------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Getting in: the checks and holds a request passes before any backend is picked.
 
 In order: not draining, not a loop (the hop marker), a valid request (or the stored response it
-follows), a token estimate, an admission ticket, a quota reservation. Each refusal is an answer
-(`Response`) in the client's error format; what passes is a `Call`. The reservation is taken
+follows), a token estimate, an admission ticket, a quota reservation. Each refusal is raised, a
+`Refused` of router/core/errors.py that the web face answers in the client's error format; what
+passes is a `Call`. Nothing is built for a request that passes. The reservation is taken
 last, so nothing after it can fail and leave it open; `let_go` closes it, and settles the
 ticket, with the tokens the request really used.
 """
@@ -10,15 +11,13 @@ ticket, with the tokens the request really used.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Set
 
 from starlette.requests import Request
-from starlette.responses import Response
 
 from router.core.endpoints import Endpoint
-from router.core.errors import error_response
+from router.core.errors import BadRequest, Loop, ShuttingDown, Unknown
 from router.request.admit.admission import Ticket, make_ticket
 from router.request.admit.estimate import BadLimit, estimate_tokens
 from router.request.admit.quota import KeyLimits
@@ -40,22 +39,18 @@ async def get_in(
     limits: KeyLimits | None,
     response_id: str | None,
     owner: str = ANONYMOUS,
-) -> Call | Response:
+) -> Call:
+    """The request's `Call`; raises a `Refused` (with the request's id) when it may not get in."""
     request_id = request_id_of(request.headers.get("x-request-id"))
     if parts.lifecycle.draining:
-        return error_response(
-            503,
-            "The router is shutting down; retry.",
-            "service_unavailable",
-            "shutting_down",
-            {"x-request-id": request_id, "retry-after": "1"},
-        )
-    hop = parts.hops.outgoing(request.headers.raw)
-    if isinstance(hop, Response):
-        hop.headers["x-request-id"] = request_id
+        raise ShuttingDown("The router is shutting down; retry.", request_id=request_id)
+    try:
+        hop = parts.hops.outgoing(request.headers.raw)
+    except Loop as loop:
+        loop.request_id = request_id
         parts.metrics.loop_refused()
-        return hop
-    checked: ValidRequest | Response
+        raise
+    checked: ValidRequest
     if endpoint.state == "follows":
         checked = await _follow(
             parts, request, request_id, response_id or "", allowed_models, owner
@@ -71,13 +66,11 @@ async def get_in(
             parts.settings.max_upload_bytes,
             bodies=parts.bodies,
         )
-    if isinstance(checked, Response):
-        return checked
     # The body is held in the body budget from here: by the call until `let_go`, or given
     # back at once on any other way out (a refusal, an error, a cancel).
     held = len(checked.body)
     try:
-        got = await _hold(
+        return await _hold(
             parts,
             request,
             endpoint,
@@ -93,9 +86,6 @@ async def get_in(
     except BaseException:
         parts.bodies.give(held)
         raise
-    if isinstance(got, Response):
-        parts.bodies.give(held)
-    return got
 
 
 async def _hold(
@@ -110,14 +100,11 @@ async def _hold(
     weight: float,
     limits: KeyLimits | None,
     owner: str,
-) -> Call | Response:
+) -> Call:
     """A valid request's estimate, admission ticket and quota reservation, as its `Call`."""
     history = 0  # the stored conversation a request continues, in tokens (0: none, unknown)
     if endpoint.state == "creates":
-        continued = await _continue(parts, checked, request_id, owner)
-        if isinstance(continued, Response):
-            return continued
-        checked, history = continued
+        checked, history = await _continue(parts, checked, request_id, owner)
     try:
         estimate = estimate_tokens(
             checked.payload,
@@ -129,21 +116,14 @@ async def _hold(
             history,
         )
     except BadLimit as bad:
-        return error_response(
-            400,
-            str(bad),
-            "invalid_request_error",
-            bad.code,
-            {"x-request-id": request_id},
-            bad.param,
-        )
+        raise BadRequest(str(bad), code=bad.code, request_id=request_id, param=bad.param) from None
     record = RequestRecord(
         request_id, checked.model, endpoint.path, checked.stream, time.perf_counter()
     )
     record.key_name = key_name
     ticket: Ticket | None = None
     if parts.admission is not None:
-        made = make_ticket(
+        ticket = make_ticket(
             parts.admission.cfg,
             request.headers,
             request_id,
@@ -155,9 +135,6 @@ async def _hold(
             weight,
             key_name or "",
         )
-        if isinstance(made, Response):
-            return made
-        ticket = made
     call = Call(
         parts,
         request,
@@ -176,10 +153,9 @@ async def _hold(
     )
     call.owner = owner
     if limits is not None and endpoint.limited:
-        held = await parts.quotas.admit(limits_for(endpoint, limits), estimate, request_id)
-        if isinstance(held, Response):
-            return held
-        call.reservation = held
+        call.reservation = await parts.quotas.admit(
+            limits_for(endpoint, limits), estimate, request_id
+        )
     return call
 
 
@@ -209,7 +185,7 @@ def let_go(parts: Parts, call: Call, used: float) -> None:
 
 async def _continue(
     parts: Parts, checked: ValidRequest, request_id: str, owner: str
-) -> tuple[ValidRequest, int] | Response:
+) -> tuple[ValidRequest, int]:
     """A Responses request with `previous_response_id` goes to the backend holding it; with the
     stored conversation's known size (tokens), which its estimate carries."""
     previous = checked.payload.get("previous_response_id")
@@ -219,12 +195,12 @@ async def _continue(
     if holder is None:
         if len(checked.backends) == 1:
             return checked, 0  # made before this router knew it: only one engine can have it
-        return _response_gone(previous, request_id, "previous_response_id", None)
+        raise _response_gone(previous, request_id, "previous_response_id", None)
     if not holder.owned_by(owner):  # another key's: as unknown, even with one engine
-        return _response_gone(previous, request_id, "previous_response_id", None)
+        raise _response_gone(previous, request_id, "previous_response_id", None)
     backend = next((b for b in checked.backends if b.name == holder.backend), None)
     if backend is None:
-        return _response_gone(previous, request_id, "previous_response_id", holder)
+        raise _response_gone(previous, request_id, "previous_response_id", holder)
     return dataclasses.replace(checked, backends=(backend,)), holder.tokens
 
 
@@ -235,7 +211,7 @@ async def _follow(
     response_id: str,
     allowed_models: Set[str] | None,
     owner: str,
-) -> ValidRequest | Response:
+) -> ValidRequest:
     """`GET /v1/responses/{id}` or `.../cancel`: the backend holding the response, for its
     owner only."""
     holder = await parts.response_ids.find(response_id, owner)
@@ -244,18 +220,16 @@ async def _follow(
         or not holder.owned_by(owner)
         or (allowed_models is not None and holder.model not in allowed_models)
     ):
-        return _response_gone(response_id, request_id, "response_id", None)
+        raise _response_gone(response_id, request_id, "response_id", None)
     backends = parts.registry.snapshot.by_model.get(holder.model, ())
     backend = next((b for b in backends if b.name == holder.backend), None)
     if backend is None:
-        return _response_gone(response_id, request_id, "response_id", holder)
+        raise _response_gone(response_id, request_id, "response_id", holder)
     stream = request.method == "GET" and request.query_params.get("stream") == "true"
     return ValidRequest(b"", {}, holder.model, (backend,), stream)
 
 
-def _response_gone(
-    response_id: str, request_id: str, param: str, holder: Holder | None
-) -> Response:
+def _response_gone(response_id: str, request_id: str, param: str, holder: Holder | None) -> Unknown:
     """OpenAI's 404 for a stored response this router cannot reach: never another engine's."""
     shown = response_id[:256]
     why = (
@@ -263,15 +237,9 @@ def _response_gone(
         if holder is not None
         else "the router does not know which engine stored it (unknown or expired)"
     )
-    error = {
-        "message": f"Response with id '{shown}' not found: {why}.",
-        "type": "invalid_request_error",
-        "param": param,
-        "code": "response_not_found",
-    }
-    return Response(
-        json.dumps({"error": error}).encode(),
-        status_code=404,
-        media_type="application/json",
-        headers={"x-request-id": request_id},
+    return Unknown(
+        f"Response with id '{shown}' not found: {why}.",
+        code="response_not_found",
+        request_id=request_id,
+        param=param,
     )

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router.core.endpoints import BY_ROUTE, Endpoint
-from router.core.errors import ProxyError
+from router.core.errors import ProxyError, answer
 from router.request.admit.quota import KeyLimits
 from router.request.lifecycle import account
 from router.request.lifecycle.attempt import attempts_for
@@ -51,14 +51,14 @@ class Proxy(Parts):
         limits: KeyLimits | None = None,
         response_id: str | None = None,
         owner: str = ANONYMOUS,
-    ) -> Response:
+    ) -> ProxyCall:
         """`endpoint`: its row (`router/core/endpoints.py`); `allowed_models`: the public names
         the client's key may use (None: any); `priority`, `weight`: the key's admission band
         and share; `response_id`: the id in the path of an endpoint that follows a stored
         response; `owner`: the key's tag on the stored responses it makes and may reach
-        (router/request/placement/response_ids.py). The router's own errors come OpenAI-shaped (the
-        web layer turns them into Anthropic's for the Messages API; a `ProxyCall` does that
-        itself)."""
+        (router/request/placement/response_ids.py). A request that may not get in raises a
+        `Refused`, which the web face answers in the endpoint's format; a `ProxyCall` answers
+        its own `ProxyError` with the same `answer()`."""
         call = await get_in(
             self,
             request,
@@ -71,7 +71,7 @@ class Proxy(Parts):
             response_id,
             owner,
         )
-        return call if isinstance(call, Response) else ProxyCall(self, call)
+        return ProxyCall(self, call)
 
 
 class ProxyCall(Response):
@@ -118,8 +118,8 @@ class ProxyCall(Response):
             rec = call.record
             rec.status = exc.status
             rec.error = exc.code
-            answer = exc.response(rec.request_id, call.anthropic)
-            await answer({"type": "http"}, _no_receive, send)
+            exc.request_id = rec.request_id
+            await answer(exc, call.anthropic)({"type": "http"}, _no_receive, send)
 
 
 async def _no_receive() -> dict[str, Any]:
