@@ -160,9 +160,7 @@ class HealthMonitor:
         due = self._due.get(name)
         if due is None:
             return  # not probed, or its probe starts or runs: it reschedules by what it finds
-        soon = self._clock() + self.next_delay(
-            self._book.health_config(name).unhealthy_interval
-        )
+        soon = self._clock() + self.next_delay(self._book.health_config(name).unhealthy_interval)
         if soon < due:
             self._push(name, soon)
 
