@@ -482,6 +482,9 @@ class Admission:
         now = self._clock()
         while heap:
             due, _, t = heap[0]
+            if not (t.queued or t.woken):  # it left (served, shed, gone): nothing to end
+                heapq.heappop(heap)
+                continue
             if due > now:
                 return due - now
             heapq.heappop(heap)
