@@ -12,8 +12,8 @@ import asyncio
 from health.monitor import HealthMonitor
 from health.state import HealthBook, ProbeResult
 from router.core.backend import Backend
-from router.core.settings import BackendConfig, EngineMetricsConfig, HealthConfig
 from router.core.runner import Runner
+from router.core.settings import BackendConfig, EngineMetricsConfig, HealthConfig
 from router.engine.scraper import EngineScraper
 from tests.harness import free_port
 from tests.support.clock import ManualClock, settle, until
