@@ -15,7 +15,8 @@ Results go to the HealthBook. Two chores on the runner (the app's, or one of the
 `health_probes`, a timer that starts the probes due and sleeps until the heap's next entry
 (woken sooner by an earlier one: a new backend, an ejection), and `health_tick`, which calls
 `HealthBook.advance()` every `tick` seconds (ejections and cooldowns ending, panic mode), since
-reading health never changes it. Time is the injected clock's, the book's and the runner's.
+reading health never changes it. Its time is the injected `clock` (in the app, the book's and
+the runner's too: a manual clock moves probes and ejections alike).
 """
 
 from __future__ import annotations

@@ -374,7 +374,8 @@ class Admission:
         self._metrics.queue_depth(t.model, BANDS[t.band], 1)
         if not self._rechecking:  # the first to wait: the re-check starts its period
             self._rechecking, self._recheck_due = True, False
-            self._timers().set()
+            self._ensure_chores()
+            self._recheck_wake.set()
 
     def _remove(self, q: _ModelQueue, t: Ticket) -> None:
         """Out of the heap, lazily: the heap drops dead entries as they reach its top."""
@@ -454,13 +455,11 @@ class Admission:
         runner.timer("admission_recheck", self._recheck, self._recheck_wake)
         self._chores = True
 
-    def _timers(self) -> Wake:
-        """The re-check's wake, with the chores registered first (on a runner of the queue's
-        own, when it was given none)."""
+    def _ensure_chores(self) -> None:
+        """Given no runner, the chores go on one of the queue's own once something queues."""
         if not self._chores:
             self._own_runner = runner = shared_or_own(None)[0]
             self._add_chores(runner)
-        return self._recheck_wake
 
     def _expire_later(self, due: float, t: Ticket) -> None:
         """`t` queued: its wait ends at `due` unless it has left by then."""
@@ -470,7 +469,7 @@ class Admission:
             heapq.heapify(heap)
         heapq.heappush(heap, (due, t.seq, t))
         if heap[0][2] is t:
-            self._timers()
+            self._ensure_chores()
             self._deadline_wake.set()
 
     async def _expire_due(self) -> float | None:
