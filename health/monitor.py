@@ -11,8 +11,12 @@ how many probes run at once, and a budget how many start a second
 (`health.max_probes_per_second`): a large fleet's intervals stretch, its cost stays flat, and
 a backend costs a heap entry, not a task that wakes (50,000 of those woke ~50,000 times a
 second between them).
-Results go to the HealthBook. One more task calls `HealthBook.advance()` every `tick` seconds
-(ejections and cooldowns ending, panic mode), since reading health never changes it.
+Results go to the HealthBook. Two chores on the runner (the app's, or one of the monitor's own):
+`health_probes`, a timer that starts the probes due and sleeps until the heap's next entry
+(woken sooner by an earlier one: a new backend, an ejection), and `health_tick`, which calls
+`HealthBook.advance()` every `tick` seconds (ejections and cooldowns ending, panic mode), since
+reading health never changes it. Its time is the injected `clock` (in the app, the book's and
+the runner's too: a manual clock moves probes and ejections alike).
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import asyncio
 import heapq
 import logging
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from health.probes import probe, probe_transport
 from health.state import HealthBook
 from router.core.backend import Backend
 from router.core.netpolicy import NetPolicy
-from router.core.runner import Runner, shared_or_own
+from router.core.runner import Runner, Wake, shared_or_own
 
 log = logging.getLogger("sluicegate.health")
 
@@ -43,12 +48,16 @@ class HealthMonitor:
         tick: float = 0.25,
         policy: NetPolicy | None = None,
         runner: Runner | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._book = book
         self._policy = policy  # for backends not from the file, as their traffic
         self._tick = tick
-        self._runner = runner  # the app's; None: one of its own at start
+        # The app's runner and clock (its `sleep` and `now`); None: a runner of its own at
+        # start, on real time.
+        self._runner = runner
         self._own_runner: Runner | None = None
+        self._clock = clock
         self._rng = rng or random.Random()
         self._sem = asyncio.Semaphore(concurrency)
         # The global section (no backend has the empty name): the budget is the process's.
@@ -60,9 +69,9 @@ class HealthMonitor:
         self._due: dict[str, float] = {}
         self._heap: list[tuple[float, str]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # probes under way
-        self._wake = asyncio.Event()
-        self._scheduler: asyncio.Task[None] | None = None
+        self._wake = Wake()  # an entry sooner than the one the schedule sleeps for
         self._started = False
+        self._chores = False  # registered on the runner (once: a runner keeps its chores)
         book.on_ejected = self._ejected
 
     def sync(self, backends: Sequence[Backend]) -> None:
@@ -89,23 +98,26 @@ class HealthMonitor:
             return
         self._started = True
         self._reconcile()
-        self._scheduler = asyncio.get_running_loop().create_task(self._run())
-        runner, self._own_runner = shared_or_own(self._runner)
+        if not self._chores:  # a runner keeps its chores: started again, the app's has them
+            runner, self._own_runner = shared_or_own(self._runner)
+            runner.timer("health_probes", self._start_due, self._wake)
+            runner.every("health_tick", self._advance, self._tick)
+            self._chores = True
 
-        async def advance() -> None:
-            self._book.advance()
-
-        runner.every("health_tick", advance, self._tick)
+    async def _advance(self) -> None:
+        self._book.advance()
 
     def probing(self) -> set[str]:
         """The backends that are probed (scheduled, or with a probe under way)."""
         return set(self._scheduled)
 
     async def aclose(self) -> None:
+        # Its own runner first: no probe starts while those under way are cancelled.
+        if self._own_runner is not None:
+            await self._own_runner.stop()
+            self._own_runner = None
+            self._chores = False
         tasks = list(self._running.values())
-        if self._scheduler is not None:
-            tasks.append(self._scheduler)
-            self._scheduler = None
         self._running.clear()
         self._scheduled.clear()
         self._heap.clear()
@@ -114,9 +126,6 @@ class HealthMonitor:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks)
-        if self._own_runner is not None:
-            await self._own_runner.stop()
-            self._own_runner = None
         self._started = False
 
     # -- the schedule -------------------------------------------------------------------------
@@ -132,7 +141,7 @@ class HealthMonitor:
         if backend.name in self._scheduled or not self._book.health_config(backend.name).enabled:
             return
         self._scheduled[backend.name] = backend
-        self._push(backend.name, asyncio.get_running_loop().time())
+        self._push(backend.name, self._clock())
 
     def _unschedule(self, name: str) -> None:
         self._scheduled.pop(name, None)
@@ -145,55 +154,41 @@ class HealthMonitor:
         self._due[name] = at
         heapq.heappush(self._heap, (at, name))
         if self._heap[0][1] == name:
-            self._wake.set()  # sooner than what the scheduler sleeps for
+            self._wake.set()  # sooner than what the schedule sleeps for
 
     def _ejected(self, name: str) -> None:
         """Traffic ejected `name`: its next probe comes within `unhealthy_interval`."""
         due = self._due.get(name)
         if due is None:
             return  # not probed, or its probe starts or runs: it reschedules by what it finds
-        soon = asyncio.get_running_loop().time() + self.next_delay(
-            self._book.health_config(name).unhealthy_interval
-        )
+        soon = self._clock() + self.next_delay(self._book.health_config(name).unhealthy_interval)
         if soon < due:
             self._push(name, soon)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _start_due(self) -> float | None:
+        """The `health_probes` round: start every probe that is due, within the budget and the
+        semaphore; the seconds until the next one (None: no backend is probed)."""
         heap = self._heap
-        while True:
-            try:
-                if not heap:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                at, name = heap[0]
-                if self._due.get(name) != at:
-                    heapq.heappop(heap)  # stale
-                    continue
-                wait = at - loop.time()
-                if wait > 0:
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), wait)
-                    except TimeoutError:
-                        pass
-                    continue
-                heapq.heappop(heap)
-                del self._due[name]
-                backend = self._scheduled[name]
-                await self._budget.take()
-                await self._sem.acquire()
-                if self._scheduled.get(name) is not backend:  # left or changed meanwhile
-                    self._sem.release()
-                    continue
-                self._running[name] = loop.create_task(self._probe(backend))
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                # A bug here must not stop every probe for good.
-                log.exception("probe scheduler error")
-                await asyncio.sleep(1.0)
+        while heap:
+            at, name = heap[0]
+            if self._due.get(name) != at:
+                heapq.heappop(heap)  # stale
+                continue
+            now = self._clock()
+            if at > now:
+                return at - now
+            wait = self._budget.wait(now)
+            if wait > 0:
+                return wait
+            heapq.heappop(heap)
+            del self._due[name]
+            backend = self._scheduled[name]
+            await self._sem.acquire()
+            if self._scheduled.get(name) is not backend:  # left or changed meanwhile
+                self._sem.release()
+                continue
+            self._running[name] = asyncio.get_running_loop().create_task(self._probe(backend))
+        return None
 
     async def _probe(self, backend: Backend) -> None:
         name = backend.name
@@ -216,7 +211,7 @@ class HealthMonitor:
         if self._scheduled.get(name) is backend and name not in self._due:
             out = self._book.out_of_rotation(name)
             every = cfg.unhealthy_interval if out else cfg.interval
-            self._push(name, asyncio.get_running_loop().time() + self.next_delay(every))
+            self._push(name, self._clock() + self.next_delay(every))
 
     def next_delay(self, interval: float) -> float:
         return interval * self._rng.uniform(1 - JITTER, 1 + JITTER)
@@ -225,24 +220,20 @@ class HealthMonitor:
 class _Budget:
     """At most `rate` probe starts a second across every backend (a burst of up to a tenth of
     a second's worth: a second's worth, 200 connects in one loop turn, held the loop ~30 ms).
-    Takers queue on a lock, so only the first of them sleeps."""
+    The schedule asks it before each start and, when it says wait, sleeps that long."""
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self._burst = max(1.0, rate / 10)
         self._tokens = self._burst
         self._last: float | None = None
-        self._lock = asyncio.Lock()
 
-    async def take(self) -> None:
-        loop = asyncio.get_running_loop()
-        async with self._lock:
-            while True:
-                now = loop.time()
-                if self._last is not None:
-                    self._tokens = min(self._burst, self._tokens + (now - self._last) * self.rate)
-                self._last = now
-                if self._tokens >= 1:
-                    self._tokens -= 1
-                    return
-                await asyncio.sleep((1 - self._tokens) / self.rate)
+    def wait(self, now: float) -> float:
+        """0 (and one start taken) when a start may come at `now`, else the seconds until one."""
+        if self._last is not None:
+            self._tokens = min(self._burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return 0.0
+        return (1 - self._tokens) / self.rate

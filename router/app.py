@@ -17,6 +17,7 @@ from balancers.inflight.local import LocalInflight
 from health.monitor import HealthMonitor
 from health.state import HealthBook
 from router.core.backend import Backend
+from router.core.clock import SYSTEM, Clock
 from router.core.endpoints import ANTHROPIC_PATHS, Endpoint
 from router.core.errors import (
     Refused,
@@ -74,15 +75,16 @@ def create_app(
     settings: Settings,
     *,
     transport: Callable[[Backend], Sender] | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Clock = SYSTEM,
     tune_gc: bool = True,
 ) -> App:
     """The router: its parts built once (`AppParts`), started and closed by the lifespan in that
     order and its reverse (`_lifespan`), reached through the routes (`_routes`) and as the
     returned app's `parts`. The seams: `transport` sends every request to a backend in place
-    of the pools' own connections (backend -> its sender); `clock` is the monotonic time of the
-    runner's chores and of health (ejections, probes); `tune_gc` False leaves the process's
-    garbage collector as it is (`sluicegate serve` freezes the startup heap)."""
+    of the pools' own connections (backend -> its sender); `clock` (router/core/clock.py) is the
+    time every chore of the runner waits on, and the time of health (ejections, probes),
+    admission (deadlines, re-checks) and KV events (retries, flights); `tune_gc` False leaves
+    the process's garbage collector as it is (`sluicegate serve` freezes the startup heap)."""
     parts = AppParts(settings, transport=transport, clock=clock, tune_gc=tune_gc)
     app = FastAPI(
         title="sluicegate",
@@ -118,7 +120,7 @@ class AppParts:
         settings: Settings,
         *,
         transport: Callable[[Backend], Sender] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM,
         tune_gc: bool = True,
     ) -> None:
         self.settings = settings
@@ -133,13 +135,14 @@ class AppParts:
         redis = RedisConfig.from_settings(settings)
         self.redis_client = redis_client = redis.client() if redis is not None else None
         # Every background chore of this process runs on it (and is counted per chore).
-        self.runner = runner = Runner(on_run=metrics.background_run, clock=clock)
+        now = clock.now
+        self.runner = runner = Runner(sleep=clock.sleep, clock=now, on_run=metrics.background_run)
         # Each store this process's own, or shared through Redis: chosen from one table.
         wiring = Wiring(settings, metrics, runner, redis, redis_client)
         self.health = HealthBook(
-            settings.health, settings.outlier, clock=clock, on_change=self._health_changed
+            settings.health, settings.outlier, clock=now, on_change=self._health_changed
         )
-        self.monitor = HealthMonitor(self.health, policy=policy, runner=runner)
+        self.monitor = HealthMonitor(self.health, policy=policy, runner=runner, clock=now)
         self.engine = engine = EngineScraper(
             settings.engine_metrics,
             on_error=metrics.engine_scrape_failed,
@@ -153,6 +156,8 @@ class AppParts:
             pending_ttl=settings.affinity.pending_ttl,
             policy=policy,
             local_sockets=settings.admin.kv_events_bind_and_ipc,
+            monotonic=now,
+            runner=runner,
         )
         # What follows the backend set (`_changed`); new or changed backends are probed at once.
         self._followers: tuple[_Follows, ...] = (
@@ -191,7 +196,11 @@ class AppParts:
             engine.inflight = store.inner.count
         self.lifecycle = Lifecycle()
         self.tracing = make_tracing(settings.tracing, metrics.tracing_header_dropped)
-        self.admission = Admission(settings.admission, metrics) if settings.admission else None
+        self.admission = (
+            Admission(settings.admission, metrics, clock=now, runner=runner)
+            if settings.admission
+            else None
+        )
         if self.admission is not None:
             engine.on_change = self.admission.changed
         self.affinity = Affinity(

@@ -12,9 +12,11 @@ import asyncio
 from health.monitor import HealthMonitor
 from health.state import HealthBook, ProbeResult
 from router.core.backend import Backend
+from router.core.runner import Runner
 from router.core.settings import BackendConfig, EngineMetricsConfig, HealthConfig
 from router.engine.scraper import EngineScraper
 from tests.harness import free_port
+from tests.support.clock import ManualClock, settle, until
 
 
 def fleet(n: int) -> list[Backend]:
@@ -61,8 +63,8 @@ def test_scrapes_keep_to_the_budget_and_take_every_engine_in_turn() -> None:
 
 
 class CountingBook(HealthBook):
-    def __init__(self, cfg: HealthConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: HealthConfig, clock: ManualClock) -> None:
+        super().__init__(cfg, clock=clock.now)
         self.probes = 0
 
     def on_probe(self, name: str, result: ProbeResult) -> None:
@@ -76,16 +78,24 @@ def test_probes_keep_to_the_budget_however_many_backends() -> None:
 
     async def run() -> int:
         # Every 0.05 s for 200 backends would be 4,000 probes a second.
-        book = CountingBook(HealthConfig(interval=0.05, max_probes_per_second=rate))
+        clock = ManualClock()
+        runner = Runner(sleep=clock.sleep, clock=clock.now)
+        runner.start()
+        book = CountingBook(HealthConfig(interval=0.05, max_probes_per_second=rate), clock)
         backends = fleet(200)
         book.sync(backends)
-        monitor = HealthMonitor(book)
+        monitor = HealthMonitor(book, runner=runner, clock=clock.now)
         monitor.sync(backends)
         await monitor.start()
         try:
-            await asyncio.sleep(seconds)
+            for _ in range(100):  # a second of the monitor's clock, a hundredth at a time
+                clock.advance(seconds / 100)
+                await settle(5)
+            # Those started finish (each fails at once); no more start while the clock stands.
+            await until(lambda: not monitor._running, "the probes started have ended")
         finally:
             await monitor.aclose()
+            await runner.stop()
         return book.probes
 
     probes = asyncio.run(run())

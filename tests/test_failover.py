@@ -132,7 +132,8 @@ def test_hanging_backend_times_out_moves_on_and_is_ejected(procs: Cluster) -> No
     # Its /health still answers, as a restarted backend's would: good probes readmit it once,
     # requests find it hung again (each moves on to b), and the doubled ejection that follows is
     # not undone by probes alone.
-    time.sleep(1.0)  # healthy_threshold probes at unhealthy_interval
+    # healthy_threshold probes at unhealthy_interval
+    wait_for(lambda: rows(router)["a"]["healthy"] is True, timeout=2 * 0.25 * 1.1 + 4)
     for _ in range(6):
         r = client.chat.completions.create(model="m", messages=MSG)
         assert r.choices[0].message.content == expected_text(4)
@@ -140,7 +141,10 @@ def test_hanging_backend_times_out_moves_on_and_is_ejected(procs: Cluster) -> No
     assert row["healthy"] is False and row["times_ejected"] == 2
     hung = stats(a)["requests"]
     assert hung == 4
-    time.sleep(1.0)  # four probe rounds, all good
+    # Four probe rounds of a, all good: eight probes of its mock (a-solo's, every `interval`,
+    # among them) hold at least four of a's, every `unhealthy_interval`.
+    probes = stats(a)["probes"]
+    wait_for(lambda: stats(a)["probes"] >= probes + 8, timeout=10)
     for _ in range(3):
         client.chat.completions.create(model="m", messages=MSG)
     assert stats(a)["requests"] == hung
@@ -243,17 +247,22 @@ def test_probes_take_a_loading_backend_out_and_back(procs: Cluster) -> None:
 
 
 def test_new_backend_is_probed_at_once_with_its_key(procs: Cluster) -> None:
-    a = procs.mock("a")
+    a, pace = procs.mock("a"), procs.mock("pace")
     control(a, reset_stats=True)  # the harness's own readiness check hit /health
     router = procs.router(
         {
-            "backends": [backend("a", a, kind="openai", api_key="sk-probe-secret")],
+            "backends": [
+                backend("a", a, kind="openai", api_key="sk-probe-secret"),
+                # The router's own probe schedule as the test's clock.
+                backend("pace", pace, health={"interval": 0.1}),
+            ],
             "health": {"interval": 60},
         }
     )
     wait_for(lambda: stats(a)["probes"] >= 1, timeout=5)
     assert stats(a)["last_probe_authorization"] == "Bearer sk-probe-secret"
-    time.sleep(0.5)
+    paced = stats(pace)["probes"]
+    wait_for(lambda: stats(pace)["probes"] >= paced + 5, timeout=10)  # 0.5 s of its schedule
     assert stats(a)["probes"] == 1  # the next one is a minute away
     assert "sk-probe-secret" not in httpx.get(router.url + "/admin/backends").text
     assert "sk-probe-secret" not in router.log()
@@ -304,18 +313,26 @@ def test_kill9_under_load_ejects_and_restart_readmits(procs: Cluster) -> None:
         stop = asyncio.Event()
         load = asyncio.ensure_future(_load(router.url, stop, outcomes, workers, tokens))
         try:
-            await asyncio.sleep(1.0)  # steady state over three backends
+            # Steady state over three backends: every worker has finished a stream.
+            await asyncio.to_thread(
+                wait_for,
+                lambda: outcomes["ok"] >= workers and stats(mocks["c"])["requests"] > 0,
+                10,
+            )
             assert stats(mocks["c"])["requests"] > 0
             await asyncio.to_thread(mocks["c"].kill9)
             figures["ejected_s"] = await asyncio.to_thread(
                 wait_for, lambda: rows(router)["c"]["healthy"] is False, 10
             )
-            await asyncio.sleep(1.0)  # keep the load on while c is gone
+            # Keep the load on while c is gone: every worker finishes two more streams.
+            ok = outcomes["ok"]
+            await asyncio.to_thread(wait_for, lambda: outcomes["ok"] >= ok + 2 * workers, 10)
             c2 = await asyncio.to_thread(procs.mock, "c", c_port, 0, itl_ms, tokens)
             figures["back_s"] = await asyncio.to_thread(
                 wait_for, lambda: stats(c2)["requests"] > 0, 10
             )
-            await asyncio.sleep(0.5)
+            ok = outcomes["ok"]  # and one more stream each once it is back
+            await asyncio.to_thread(wait_for, lambda: outcomes["ok"] >= ok + workers, 10)
         finally:
             stop.set()
             await asyncio.wait_for(load, 30)

@@ -275,62 +275,76 @@ def test_out_of_rotation_backends_are_probed_every_unhealthy_interval(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """New backends are probed at once; one ejected by traffic within `unhealthy_interval`,
-    and again every `unhealthy_interval` while out of rotation; the others wait `interval`."""
+    and again every `unhealthy_interval` while out of rotation; the others wait `interval`.
+    On the monitor's clock and runner (a manual clock, moved a step at a time)."""
     import random
 
     import health.monitor
     from health.monitor import HealthMonitor
+    from router.core.runner import Runner
+    from tests.support.clock import ManualClock, settle, until
 
-    unhealthy = 0.05
+    unhealthy = 1.0
+    step = unhealthy / 100
     cfg = HealthConfig(interval=30.0, unhealthy_interval=unhealthy, unhealthy_threshold=1)
-    clock = Clock()
-    hb = book([make("a"), make("b"), make("c")], clock, cfg)
+    clock = ManualClock()
+    backends = [make("a"), make("b"), make("c")]
+    hb = HealthBook(cfg, clock=clock.now)
+    hb.sync(backends)
     probed: list[tuple[str, float]] = []
     failing: set[str] = set()
 
     async def fake_probe(transport: Any, backend: Backend, cfg: HealthConfig) -> ProbeResult:
-        probed.append((backend.name, asyncio.get_running_loop().time()))
+        probed.append((backend.name, clock.now()))
         if backend.name in failing:
             return ProbeResult(False, None, "connect")
         return ProbeResult(True, 1.0)
 
     monkeypatch.setattr(health.monitor, "probe", fake_probe)
 
-    def count(name: str, since: float = 0.0) -> int:
-        return sum(1 for n, t in probed if n == name and t >= since)
+    def count(name: str) -> int:
+        return sum(1 for n, _ in probed if n == name)
 
-    async def until(what: Callable[[], bool], seconds: float) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + seconds
+    async def run_until(what: Callable[[], bool], seconds: float) -> float:
+        """The clock moved a step at a time until `what()` holds: the seconds it took."""
+        began = clock.now()
         while not what():
-            assert loop.time() < end, probed
-            await asyncio.sleep(unhealthy / 5)
+            assert clock.now() - began < seconds, probed
+            clock.advance(step)
+            await settle()
+        return clock.now() - began
 
     async def main() -> None:
-        mon = HealthMonitor(hb, rng=random.Random(1))
-        backends = [make("a"), make("b"), make("c")]
+        runner = Runner(sleep=clock.sleep, clock=clock.now)
+        runner.start()
+        mon = HealthMonitor(hb, rng=random.Random(1), runner=runner, clock=clock.now)
         mon.sync(backends)
         await mon.start()
-        loop = asyncio.get_running_loop()
         try:
-            await until(lambda: all(count(n) == 1 for n in "abc"), 40 * unhealthy)
+            await until(lambda: all(count(n) == 1 for n in "abc"))
+            assert {t for _, t in probed} == {clock.now()}  # at once: no time has passed
             assert mon.probing() == {"a", "b", "c"}
             for _ in range(5):
                 hb.on_failure("a", FailureKind.CONNECT)  # ejected by traffic
             assert hb.out_of_rotation("a")
-            ejected = loop.time()
-            # Within unhealthy_interval (+10 % jitter), with a loaded machine's margin.
-            await until(lambda: count("a", ejected) >= 1, 40 * unhealthy)
+            # Within unhealthy_interval (+-10 % jitter), not its 30 s interval.
+            took = await run_until(lambda: count("a") == 2, 40 * unhealthy)
+            assert 0.9 * unhealthy <= took <= 1.1 * unhealthy + step
             failing.add("c")
             mon.update([dataclasses.replace(backends[2], url="http://127.0.0.1:9/c2")], [])
-            await until(lambda: count("c") >= 4, 80 * unhealthy)  # failing: every interval
+            await until(lambda: count("c") == 2)  # changed: probed at once, and fails
+            took = await run_until(lambda: count("c") >= 4, 80 * unhealthy)
+            assert 2 * 0.9 * unhealthy <= took <= 2 * 1.1 * unhealthy + step  # every interval
             assert count("b") == 1  # in rotation: its 30 s are not up
             mon.update([], ["c"])
             gone = len(probed)
-            await asyncio.sleep(4 * unhealthy)
+            for _ in range(400):  # four unhealthy intervals
+                clock.advance(step)
+                await settle(5)
             assert all(n != "c" for n, _ in probed[gone:]) and mon.probing() == {"a", "b"}
         finally:
             await mon.aclose()
+            await runner.stop()
 
     asyncio.run(main())
 

@@ -16,8 +16,9 @@ import pytest
 import zmq
 
 from router.core.backend import Backend
+from router.core.runner import Runner
 from router.core.settings import BackendConfig
-from router.engine.kv_events import CHURN_TAU, Feed, KvEvents, _feeds_from, resolve
+from router.engine.kv_events import CHURN_TAU, RETRY, Feed, KvEvents, _feeds_from, resolve
 from router.engine.kv_index import TokenIndex, chain_keys, namespace
 from router.engine.kv_wire import (
     MASK64,
@@ -29,6 +30,7 @@ from router.engine.kv_wire import (
     token_list,
 )
 from tests.kv_publisher import Publisher, cleared, frames, removed, stored
+from tests.support.clock import ManualClock, settle, until
 
 BS = 4
 
@@ -447,6 +449,53 @@ async def test_discovery_from_kv_event_sources(ipc: Callable[[str], str]) -> Non
         pub.close()
         server.should_exit = True
         await serving
+
+
+@run
+async def test_an_engine_is_asked_where_it_publishes_again_every_retry_of_the_clock(
+    ipc: Callable[[str], str],
+) -> None:
+    """Until the engine answers `/kv_event_sources` (it may still be starting), it is asked
+    again every RETRY seconds of the injected clock, by the runner's `kv_events_retry` chore;
+    a router with no events configured runs no chore at all."""
+    clock = ManualClock()
+    runner = Runner(sleep=clock.sleep, clock=clock.now)
+    runner.start()
+    kv = KvEvents(capacity=lambda _n: 100, monotonic=clock.now, runner=runner)
+    await kv.start()
+    assert runner.stats() == []
+    asked: list[float] = []
+    answer: dict[str, Any] | None = None
+
+    async def sources(_b: Backend) -> Any:
+        asked.append(clock.now())
+        return answer
+
+    kv._ask_sources = sources  # type: ignore[method-assign]
+    pub = Publisher(ipc("late"))
+    try:
+        kv.sync([_backend("a", {})])
+        await until(lambda: len(asked) == 1, "asked at once")
+        clock.advance(RETRY - 0.1)
+        await settle()
+        assert len(asked) == 1 and kv.state("a") == "waiting"
+        clock.advance(0.1)
+        await until(lambda: len(asked) == 2, "asked again")
+        answer = {
+            "0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ipc("late")}
+        }
+        clock.advance(RETRY)
+        await until(lambda: bool(kv.status("a")["publishers"]), "its feed")  # type: ignore[index]
+        assert asked == [1000.0, 1000.0 + RETRY, 1000.0 + 2 * RETRY]
+        assert {s.name for s in runner.stats()} == {
+            "kv_events_retry",
+            "kv_events_pump",
+            "kv_events_flush",
+        }
+    finally:
+        await kv.aclose()
+        await runner.stop()
+        pub.close()
 
 
 @run

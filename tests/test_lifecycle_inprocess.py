@@ -42,11 +42,19 @@ from starlette.types import Message
 
 from router.app import create_app
 from router.core.backend import Backend
-from router.core.settings import BackendConfig, HealthConfig, MigrationConfig, Settings
+from router.core.clock import SYSTEM, Clock
+from router.core.settings import (
+    BackendConfig,
+    HealthConfig,
+    MigrationConfig,
+    OutlierConfig,
+    Settings,
+)
 from router.request.lifecycle.proxy import Proxy
 from router.tools.mock.wire import Chunks
 from router.upstream.transport import Answer, Outgoing
 from router.web.api import FastPath
+from tests.support.clock import ManualClock, settle
 
 GUARD = 10.0  # seconds a scenario may take before it counts as hung
 Headers = list[tuple[bytes, bytes]]
@@ -376,10 +384,12 @@ async def lifespan(app: FastPath) -> AsyncIterator[None]:
 def serve(
     scenario: Scenario,
     backends: Iterable[BackendConfig] | None = None,
+    clock: Clock = SYSTEM,
     **config: Any,
 ) -> None:
     """Run `scenario` against a fresh app (by default two backends, `a` and `b`, serving model
-    `m`), then check that nothing is left, then shut the app down."""
+    `m`), then check that nothing is left, then shut the app down. `clock`: the app's (a
+    `ManualClock` moves its chores, health and admission only when the scenario says)."""
     if backends is None:
         backends = [backend(n) for n in BACKENDS]
     backends = list(backends)
@@ -393,7 +403,7 @@ def serve(
     async def main() -> None:
         upstreams = Upstreams()
         # The startup's collector tuning (gc.freeze) would stay on for every later test here.
-        app = create_app(settings, transport=upstreams.transport, tune_gc=False)
+        app = create_app(settings, transport=upstreams.transport, clock=clock, tune_gc=False)
         async with lifespan(app):
             r = Router(app, app.parts.proxy, upstreams, (b.name for b in backends))
             r.baseline = set(asyncio.all_tasks())
@@ -554,6 +564,51 @@ def test_when_every_backend_fails_before_the_head_the_client_gets_a_502() -> Non
         assert len(r.upstreams.exchanges) == 2  # one each: a failed backend is not tried again
 
     serve(scenario)
+
+
+def test_an_ejection_ends_when_the_apps_clock_says_and_the_backend_gets_traffic_again() -> None:
+    """Traffic ejects `a` (one connect failure, `consecutive_failures: 1`) for `base_ejection`
+    seconds of the app's clock: the health tick ends it when that clock has moved past them,
+    not before, and not on real time."""
+    clock = ManualClock()
+    outlier = OutlierConfig(consecutive_failures=1, base_ejection=30.0)
+
+    async def served_by(r: Router, fail: str | None = None) -> list[str]:
+        """One whole chat; the backends its attempts went to (`fail`'s attempt fails)."""
+        call = r.chat(stream=False)
+        seen = []
+        while True:
+            ex = await r.upstreams.next()
+            seen.append(ex.backend)
+            if ex.backend == fail:
+                ex.fail(httpx.ConnectError("refused"))
+                continue
+            ex.answer(200, [(b"content-type", b"application/json")])
+            ex.end(b'{"choices":[]}')
+            break
+        await call.done()
+        assert call.status == 200
+        return seen
+
+    async def healthy(r: Router) -> float:
+        return await r.metric("sluicegate_backend_healthy", backend="a")
+
+    async def scenario(r: Router) -> None:
+        while "a" not in await served_by(r, fail="a"):  # round robin: a within two
+            pass
+        assert (await r.backends())["a"]["healthy"] is False and await healthy(r) == 0
+        for _ in range(3):
+            assert await served_by(r) == ["b"]
+        clock.advance(29.0)
+        await settle()
+        assert await healthy(r) == 0 and await served_by(r) == ["b"]
+        clock.advance(1.0)  # its 30 s are up: the next tick readmits it
+        await settle()
+        assert await healthy(r) == 1
+        assert (await r.backends())["a"]["reason"] is None
+        assert "a" in [*await served_by(r), *await served_by(r)]
+
+    serve(scenario, clock=clock, balancer="round_robin", outlier=outlier)
 
 
 # 3. The client leaves, at each step.

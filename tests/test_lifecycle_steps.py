@@ -17,7 +17,9 @@ import httpx
 import pytest
 
 from router.core.settings import AdmissionConfig, ClientKeyConfig, DisaggregationConfig
+from router.request.admit.admission import TIMEOUT_HEADER
 from router.request.lifecycle.call import Call as RequestCall
+from tests.support.clock import ManualClock, settle
 from tests.test_lifecycle_inprocess import (
     BACKENDS,
     CHAT,
@@ -30,6 +32,7 @@ from tests.test_lifecycle_inprocess import (
 )
 
 KEY = b"client-key"
+TIMEOUT = TIMEOUT_HEADER.encode()
 # One client key, named `k`, with a quota: its requests hold a reservation from getting in on.
 QUOTA: dict[str, Any] = {
     "api_keys": [
@@ -55,16 +58,6 @@ def in_flight_of_key(r: Router) -> int:
 
 def tokens_of_key(r: Router) -> float:
     return r.proxy.quotas.in_use("k")[1]
-
-
-def the_apps_recheck_is_no_leak(r: Router) -> None:
-    """The admission queue's re-check ticker is the app's (it ends at its next tick once the
-    queue is empty, or at shutdown): not a task a request left behind."""
-    r.baseline.update(
-        t
-        for t in asyncio.all_tasks()
-        if getattr(t.get_coro(), "__qualname__", "") == "Admission._recheck"
-    )
 
 
 def parking(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
@@ -179,18 +172,20 @@ def _one_slot_each() -> list[Any]:
     return [backend(n, max_inflight=1) for n in BACKENDS]
 
 
-async def _two_running_one_queued(r: Router, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
-    """Both one-slot backends busy with a request each, a third waiting in admission's queue:
-    (admission, the two calls, their upstream exchanges, the third call)."""
+async def _two_running_one_queued(
+    r: Router, monkeypatch: pytest.MonkeyPatch, headers: list[tuple[bytes, bytes]] | None = None
+) -> tuple[Any, ...]:
+    """Both one-slot backends busy with a request each, a third (with `headers`) waiting in
+    admission's queue: (admission, the two calls, their upstream exchanges, the third call)."""
     admission = r.proxy.admission
     assert admission is not None
     parked = parking(monkeypatch)
     first, second = r.chat(stream=True), r.chat(stream=True)
     held = (await r.upstreams.next(), await r.upstreams.next())
-    third = r.chat(stream=True)
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+    third = r.post(CHAT, body, headers)
     await parked.wait()
-    assert admission.depth == 1
-    the_apps_recheck_is_no_leak(r)
+    assert admission.depth == 1  # its timers are the app runner's chores: no task of its own
     return admission, (first, second), held, third
 
 
@@ -216,6 +211,40 @@ def test_a_request_that_leaves_the_admission_queue_leaves_nothing_behind(
         assert len(r.upstreams.exchanges) == 2  # the third never reached a backend
 
     serve(scenario, _one_slot_each(), **FULL_AT_ONE)
+
+
+@pytest.mark.parametrize("timeout_header", [None, "4"], ids=["max_wait", "client_deadline"])
+def test_a_queued_request_gets_503_when_the_apps_clock_passes_its_deadline(
+    monkeypatch: pytest.MonkeyPatch, timeout_header: str | None
+) -> None:
+    """The queue's deadlines are on the app's clock: a request queued behind a full fleet waits
+    while that clock stands (however long it really takes), and leaves with a 503 and
+    Retry-After once the clock passes `max_wait` (10 s here) or its own shorter timeout."""
+    clock = ManualClock()
+    limit = 10.0 if timeout_header is None else float(timeout_header)
+
+    async def scenario(r: Router) -> None:
+        admission, (first, second), held, third = await _two_running_one_queued(
+            r, monkeypatch, [] if timeout_header is None else [(TIMEOUT, timeout_header.encode())]
+        )
+        clock.advance(limit - 1.0)
+        await settle()
+        assert admission.depth == 1 and not third.task.done()
+        clock.advance(1.0)
+        await third.done()
+        assert third.status == 503 and third.json()["error"]["code"] == "queue_timeout"
+        assert int(third.header("retry-after") or 0) >= 1
+        reason = "max_wait" if timeout_header is None else "deadline"
+        assert await r.metric("sluicegate_shed_total", reason=reason) == 1
+        assert admission.depth == 0
+        for ex, call in zip(held, (first, second), strict=True):
+            ex.answer(200, SSE)
+            ex.end(*vllm_stream(2, usage=True))
+            await call.done()
+        assert len(r.upstreams.exchanges) == 2  # the third never reached a backend
+
+    config = {"admission": AdmissionConfig(max_wait=10.0, recheck=60)}
+    serve(scenario, _one_slot_each(), clock=clock, **config)
 
 
 @pytest.mark.parametrize("failure", ["bug", "connect_error"])

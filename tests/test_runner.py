@@ -1,6 +1,7 @@
 """The background runner, in process, on an injected sleep (no real waits): chores keep their
 pace, a failing chore is counted, logged once a streak and backs off, a body that ends is started
-again, a wake cuts a wait short, and stop leaves no task behind."""
+again, a wake cuts a wait short, a timer keeps the schedule its step gives, and stop leaves no task
+behind."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import logging
 
 import pytest
 
-from router.core.runner import Runner
+from router.core.runner import Runner, Wake
+from tests.support.clock import ManualClock, settle
 
 
 class FakeTime:
@@ -211,5 +213,114 @@ def test_stop_cancels_every_chore_and_late_ones_start_at_once() -> None:
         assert "late" in before
         await runner.stop()
         assert "late" not in {t.get_name() for t in asyncio.all_tasks()}
+
+    asyncio.run(main())
+
+
+def test_a_timer_waits_as_long_as_its_step_says_and_none_until_woken() -> None:
+    async def main() -> tuple[list[float], int]:
+        t = FakeTime()
+        runner = Runner(sleep=t.sleep, clock=t.clock)
+        wake = Wake()
+        dues = iter([1.0, 2.5, None, 4.0, None])
+        rounds = 0
+
+        async def step() -> float | None:
+            nonlocal rounds
+            rounds += 1
+            return next(dues)
+
+        runner.timer("schedule", step, wake)
+        runner.start()
+        await settle()
+        assert rounds == 3  # at once, after 1.0, after 2.5; then nothing is due
+        wake.set()
+        await settle()
+        await runner.stop()
+        return t.waits, rounds
+
+    waits, rounds = asyncio.run(main())
+    assert waits == [1.0, 2.5, 4.0] and rounds == 5
+
+
+def test_a_wake_cuts_a_timers_wait_short_and_one_set_while_it_works_is_kept() -> None:
+    async def main() -> None:
+        clock = ManualClock()
+        runner = Runner(sleep=clock.sleep, clock=clock.now)
+        wake = Wake()
+        rounds: list[float] = []
+
+        async def step() -> float | None:
+            rounds.append(clock.now())
+            if len(rounds) == 2:
+                wake.set()  # something became due while it worked
+            return 60.0
+
+        wake.set()  # before the chore exists: remembered, harmless
+        runner.timer("schedule", step, wake)
+        runner.start()
+        await settle()
+        assert len(rounds) == 1 and clock.sleeping == 1
+        wake.set()  # the 60 s wait is cut short: no time passes
+        await settle()
+        assert rounds == [1000.0, 1000.0, 1000.0] and clock.sleeping == 1
+        clock.advance(60.0)
+        await settle()
+        assert rounds[-1] == 1060.0 and len(rounds) == 4
+        (stats,) = runner.stats()
+        assert (stats.runs, stats.failures) == (4, 0)
+        await runner.stop()
+
+    asyncio.run(main())
+
+
+def test_a_failing_timer_backs_off_whatever_wakes_it() -> None:
+    async def main() -> list[float]:
+        t = FakeTime()
+        runner = Runner(sleep=t.sleep, clock=t.clock)
+        wake = Wake()
+        outcomes = iter([False, False, False, True])
+        done = asyncio.Event()
+
+        async def step() -> float | None:
+            wake.set()  # a busy schedule: woken all the time
+            ok = next(outcomes, None)
+            if ok is None:
+                done.set()
+                return None
+            if not ok:
+                raise ValueError("boom")
+            return 5.0
+
+        runner.timer("schedule", step, wake, backoff=0.5, backoff_max=1.5)
+        runner.start()
+        await until(done)
+        await runner.stop()
+        return t.waits
+
+    assert asyncio.run(main()) == [0.5, 1.0, 1.5]
+
+
+@pytest.mark.parametrize("woken_too", [False, True])
+def test_stop_ends_a_waiting_timer_even_as_a_wake_comes(woken_too: bool) -> None:
+    async def main() -> None:
+        clock = ManualClock()
+        runner = Runner(sleep=clock.sleep, clock=clock.now)
+        wake = Wake()
+
+        async def step() -> float | None:
+            return None if woken_too else 30.0
+
+        runner.timer("schedule", step, wake)
+        runner.start()
+        await settle()
+        (task,) = (t for t in asyncio.all_tasks() if t.get_name() == "schedule")
+        stopping = asyncio.ensure_future(runner.stop())
+        await asyncio.sleep(0)  # the stop's cancel is on its way
+        if woken_too:
+            wake.set()  # a wake racing the stop must not swallow it
+        async with asyncio.timeout(5):
+            await stopping
+        assert task.done()
 
     asyncio.run(main())

@@ -1,19 +1,25 @@
 """The background chores of a process in one place: each named, started, paced, logged, stopped.
 
-Two shapes cover every loop the router runs beside requests:
+Three shapes cover every loop the router runs beside requests:
 - `every(name, step, interval)`: call `step` every `interval` seconds (a number, or a function
   read before each wait, so a store can probe faster while degraded). A `wake` event cuts a wait
   short (a store with owed work).
+- `timer(name, step, wake)`: a step that says when it is due next (a schedule: health's probes,
+  admission's deadlines). `step` returns the seconds until its next round, or None for none
+  until `wake.set()`; a set `wake` makes the next round come at once, also one set while the
+  step runs. The wake interrupts the wait as `asyncio.timeout` does (a cancel taken back), so
+  a wait costs no task beside the chore's own.
 - `forever(name, body)`: a body that runs until it fails (a watch, a subscription); it is started
   again after a backoff that doubles from `backoff` up to `backoff_max` and resets once a run has
   lasted `backoff_max`. A body that returns has done its work: it is not started again.
 
 A chore that raises is counted and logged (the first failure of a streak as a warning with its
 exception's type; later ones at debug, so a dead dependency does not flood the log), and it keeps
-its schedule: one bad round never ends a chore. A failing `every` chore backs off the same way.
+its schedule: one bad round never ends a chore. A failing `every` chore backs off the same way;
+a failing `timer` waits `backoff` doubling up to `backoff_max`, wakes or not.
 `on_run(name, ok)` reports each round (the metrics count them); `stats()` has the streaks.
-`stop()` cancels every chore and waits for it, bounded. Waits go through an injected `sleep`, so
-tests drive the pacing without real time.
+`stop()` cancels every chore and waits for it, bounded. Waits go through an injected `sleep` (the
+app's clock, router/core/clock.py), so tests drive the pacing without real time.
 """
 
 from __future__ import annotations
@@ -88,6 +94,49 @@ class Runner:
                 streak = self._chores[name].stats.streak
                 await self._wait(min(base * 2**streak, max(cap, base)) if streak else base, wake)
                 await self._round(name, step)
+
+        self._add(name, loop)
+
+    def timer(
+        self,
+        name: str,
+        step: Callable[[], Awaitable[float | None]],
+        wake: Wake,
+        *,
+        backoff: float = 1.0,
+        backoff_max: float = 30.0,
+    ) -> None:
+        """`step` at once, then whenever it said it is due next or `wake` is set."""
+        due: list[float | None] = [None]
+
+        async def call() -> None:
+            due[0] = await step()
+
+        async def loop() -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            while True:
+                wake.pending = False
+                if not await self._round(name, call):
+                    streak = self._chores[name].stats.streak
+                    await self._sleep(min(backoff * 2 ** (streak - 1), backoff_max))
+                    continue
+                delay = due[0]
+                if wake.pending or (delay is not None and delay <= 0):
+                    await asyncio.sleep(0)  # due again at once: the loop's others first
+                    continue
+                wake.sleeper = task
+                try:
+                    if delay is None:
+                        await asyncio.get_running_loop().create_future()
+                    else:
+                        await self._sleep(delay)
+                except asyncio.CancelledError:
+                    # The wake's cancel is taken back; a stop's (alone or beside it) is not.
+                    if wake.sleeper is task or task.uncancel() > 0:
+                        raise
+                finally:
+                    wake.sleeper = None
 
         self._add(name, loop)
 
@@ -194,6 +243,23 @@ class Runner:
         for chore in self._chores.values():
             chore.task = None
         self._started = False
+
+
+class Wake:
+    """Makes a `timer` chore's next round come at once: its wait is cut short, or, set while
+    the chore works, the next wait is skipped. Set before the chore exists, it is remembered."""
+
+    __slots__ = ("pending", "sleeper")
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.sleeper: asyncio.Task[None] | None = None  # the chore's task while it waits
+
+    def set(self) -> None:
+        self.pending = True
+        task, self.sleeper = self.sleeper, None
+        if task is not None:
+            task.cancel()
 
 
 def shared_or_own(shared: Runner | None) -> tuple[Runner, Runner | None]:

@@ -37,6 +37,12 @@ no full block and sends no event, so a holder's pending grew with every hit (doc
 Cost: per message one decode (msgspec), and per stored block a scan for its end and one hash
 (router/engine/kv_index.py); the event counts reach the metrics once per FLUSH_INTERVAL, not per
 message (bench/scenarios/kv.py).
+The loops are chores on the runner (the app's, or one of its own), started once a socket opens
+or a retry is owed, so a router without events runs none: `kv_events_pump` (every
+PUMP_INTERVAL), `kv_events_flush` (every FLUSH_INTERVAL) and `kv_events_retry`, a timer that
+opens again what failed (a socket, an engine's `/kv_event_sources`) once its RETRY seconds
+on the injected clock (`monotonic`) are up. A replay, a discovery question and a run-time
+endpoint's vetting are one-shot tasks of their own, cancelled at close.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import zmq.asyncio
 
 from router.core.backend import Backend
 from router.core.netpolicy import OPEN, NetPolicy
+from router.core.runner import Runner, Wake, shared_or_own
 from router.core.settings import KvEventsConfig
 from router.engine.kv_endpoints import (
     EndpointRefused,
@@ -136,6 +143,7 @@ class Feed:
     catching_up: bool = False  # a replay's batches are being applied: new ones wait behind
     replays: int = 0  # replays started: a replay that is no longer the last one stops
     error: str | None = None
+    retry_at: float | None = None  # its socket (or vetting) tried again then (`kv_events_retry`)
 
     def hold(self, batch: Batch) -> None:
         """Keep `batch` until the replay is applied; past HOLD_MAX_BYTES the oldest go (the
@@ -236,6 +244,7 @@ class Engine:
 
     feeds: list[Feed] = field(default_factory=list)
     discovering: bool = False
+    retry_at: float | None = None  # its `/kv_event_sources` asked again then
     lag: float | None = None  # seconds between the engine building the last batch and us
     last_event: float = 0.0  # wall clock of the last batch received
     counts: dict[str, int] = field(default_factory=dict)  # event type -> received
@@ -259,8 +268,15 @@ class KvEvents:
         pending_ttl: float = 2.0,
         policy: NetPolicy | None = None,
         local_sockets: bool = False,
+        runner: Runner | None = None,
     ) -> None:
         self._policy = policy  # for backends not from the file, as their traffic
+        # The app's runner, whose `sleep` is `monotonic`'s clock; None: one of its own, on
+        # real time, made when the first chore is (`_chores`).
+        self._runner = runner
+        self._own_runner: Runner | None = None
+        self._retry_wake = Wake()  # a retry owed sooner than the one the chore sleeps for
+        self._retrying = False  # `kv_events_retry` registered
         # Backends added at run time may bind and use ipc:// (admin.kv_events_bind_and_ipc).
         self._local_sockets = local_sockets
         self.index = index or TokenIndex()
@@ -282,7 +298,8 @@ class KvEvents:
         self._by_sock: dict[zmq.Socket[bytes], Feed] = {}
         self._by_monitor: dict[zmq.Socket[bytes], Feed] = {}
         self.dropped = 0  # connections to a publisher that ended (over MAX_MESSAGE_BYTES, ...)
-        self._pumping = False
+        self._turn = _Turn()  # the pump's
+        self._pumping = False  # `kv_events_pump` and `kv_events_flush` registered
         self._started = False
         self._closed = False
         self.batches = 0
@@ -512,7 +529,7 @@ class KvEvents:
             return
         except (OSError, TimeoutError, UnicodeError) as exc:
             self._failed(name, feed, f"{type(exc).__name__}: {exc}")
-            self._spawn(self._retry(name, feed))
+            self._retry_later(name, feed)
             return
         if self._closed or self._engines.get(name) is not e or feed not in e.feeds:
             return
@@ -530,7 +547,7 @@ class KvEvents:
         refusal = path_refusal(feed.endpoint) if feed.bind else None
         if refusal is not None:  # never another file in its place, whoever asked
             self._failed(name, feed, f"refused: {refusal}")
-            self._spawn(self._retry(name, feed))
+            self._retry_later(name, feed)
             return
         try:
             sock = self._sync.socket(zmq.SUB)
@@ -547,7 +564,7 @@ class KvEvents:
             self._failed(name, feed, f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(Exception):
                 sock.close(0)
-            self._spawn(self._retry(name, feed))
+            self._retry_later(name, feed)
             return
         feed.sock = sock
         feed.error = None
@@ -560,40 +577,81 @@ class KvEvents:
             self._by_monitor[monitor] = feed
         if not self._pumping:  # only a router with events configured runs the timer
             self._pumping = True
-            self._spawn(self._pump())
+            runner = self._chores()
+            runner.every("kv_events_pump", self._pump, PUMP_INTERVAL)
+            runner.every("kv_events_flush", self._flush, FLUSH_INTERVAL)
         if feed.replay is not None and feed.last_seq is None:
             # Joining an engine that may have published already (and may stay idle): ask for
             # its history now rather than wait for its next batch to show the hole.
             self._start_replay(feed, 0)
 
-    async def _retry(self, name: str, feed: Feed) -> None:
-        await asyncio.sleep(RETRY)
-        e = self._engines.get(name)
-        if e is None or feed not in e.feeds or self._closed:
-            return
-        e.feeds.remove(feed)
-        feed.state = "waiting"
-        self._attach(name, e, feed)
+    def _chores(self) -> Runner:
+        if self._own_runner is None and self._runner is None:
+            self._own_runner = shared_or_own(None)[0]
+        runner = self._runner or self._own_runner
+        assert runner is not None
+        return runner
+
+    def _retry_later(self, name: str, feed: Feed | None) -> None:
+        """`feed`'s socket (None: `name`'s discovery) is tried again in RETRY seconds."""
+        at = self._mono() + RETRY
+        if feed is not None:
+            feed.retry_at = at
+        else:
+            self._engines[name].retry_at = at
+        if not self._retrying:
+            self._retrying = True
+            self._chores().timer("kv_events_retry", self._retry_due, self._retry_wake)
+        self._retry_wake.set()
+
+    async def _retry_due(self) -> float | None:
+        """The `kv_events_retry` round: what is due is tried again (a discovery question, a
+        socket or its vetting); the seconds until the next (None: none owed)."""
+        if self._closed:
+            return None
+        now = self._mono()
+        soonest = math.inf
+        for name, e in list(self._engines.items()):
+            if e.retry_at is not None:
+                if e.retry_at <= now:
+                    e.retry_at = None
+                    self._spawn(self._discover(name))
+                else:
+                    soonest = min(soonest, e.retry_at)
+            for feed in list(e.feeds):
+                at = feed.retry_at
+                if at is None:
+                    continue
+                if at > now:
+                    soonest = min(soonest, at)
+                    continue
+                feed.retry_at = None
+                e.feeds.remove(feed)
+                feed.state = "waiting"
+                self._attach(name, e, feed)
+        return None if soonest == math.inf else soonest - now
 
     async def _discover(self, name: str) -> None:
-        """Ask the engine where it publishes, until it answers (it may still be starting)."""
-        while not self._closed and name in self._engines:
-            b = self._backends.get(name)
-            if b is None:
-                return
-            try:
-                async with asyncio.timeout(DISCOVER_TIMEOUT):
-                    sources = await self._ask_sources(b)
-            except (TimeoutError, httpx.HTTPError, ValueError):
-                sources = None
-            feeds = _feeds_from(name, b, sources) if isinstance(sources, dict) else []
-            e = self._engines.get(name)
-            if feeds and e is not None and self._backends.get(name) is b:
-                e.discovering = False
-                for f in feeds:
-                    self._attach(name, e, f)
-                return
-            await asyncio.sleep(RETRY)
+        """Ask the engine where it publishes; without an answer (it may still be starting),
+        again in RETRY seconds."""
+        b = self._backends.get(name)
+        if self._closed or name not in self._engines or b is None:
+            return
+        try:
+            async with asyncio.timeout(DISCOVER_TIMEOUT):
+                sources = await self._ask_sources(b)
+        except (TimeoutError, httpx.HTTPError, ValueError):
+            sources = None
+        feeds = _feeds_from(name, b, sources) if isinstance(sources, dict) else []
+        e = self._engines.get(name)
+        if self._closed or e is None:
+            return
+        if feeds and self._backends.get(name) is b:
+            e.discovering = False
+            for f in feeds:
+                self._attach(name, e, f)
+            return
+        self._retry_later(name, None)
 
     async def _ask_sources(self, b: Backend) -> Any:
         """`GET /kv_event_sources` through a transport made as traffic's (its TLS policy and
@@ -629,40 +687,38 @@ class KvEvents:
     # --- receiving ------------------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        """Every PUMP_INTERVAL: one poll over every SUB socket, then each ready one drained.
+        """The `kv_events_pump` round, every PUMP_INTERVAL: one poll over every SUB socket, then
+        each ready one drained.
 
         A timer, not a reader per descriptor: at a busy fleet's rates (thousands of batches a
         second) a wake-up per batch, with its epoll round and callback, cost as much as
         decoding it; here a wake-up reads everything that arrived in the interval (the lag
         it adds is at most PUMP_INTERVAL), and an idle fleet costs one poll per interval."""
-        poller = self._poller
         feeds = self._by_sock
-        flushed = self._mono()
-        turn = _Turn()
-        while not self._closed:
-            await asyncio.sleep(PUMP_INTERVAL)
-            if self._mono() - flushed >= FLUSH_INTERVAL:
-                flushed = self._mono()
-                self.flush()
-            if not feeds:
+        if self._closed or not feeds:
+            return
+        try:
+            ready = self._poller.poll(0)
+        except zmq.ZMQError:
+            return
+        turn = self._turn
+        turn.start()
+        for sock, _ in ready:
+            if sock in self._by_monitor:
+                self._reconnect(self._by_monitor[sock])
                 continue
-            try:
-                ready = poller.poll(0)
-            except zmq.ZMQError:
-                continue
-            turn.start()
-            for sock, _ in ready:
-                if sock in self._by_monitor:
-                    self._reconnect(self._by_monitor[sock])
-                    continue
-                quota = DRAIN_MAX  # the rest at the next round: others get their turn
-                while quota > 0 and (feed := feeds.get(sock)) is not None:
-                    quota = self._drain(feed, turn, quota)
-                    if turn.over:  # the loop's other tasks first, then the same socket on
-                        await asyncio.sleep(0)
-                        if self._closed:
-                            return
-                        turn.start()
+            quota = DRAIN_MAX  # the rest at the next round: others get their turn
+            while quota > 0 and (feed := feeds.get(sock)) is not None:
+                quota = self._drain(feed, turn, quota)
+                if turn.over:  # the loop's other tasks first, then the same socket on
+                    await asyncio.sleep(0)
+                    if self._closed:
+                        return
+                    turn.start()
+
+    async def _flush(self) -> None:
+        """The `kv_events_flush` round, every FLUSH_INTERVAL."""
+        self.flush()
 
     def _drain(self, feed: Feed, turn: _Turn, quota: int) -> int:
         """Up to `quota` of `feed`'s messages, until none is queued or `turn` is over: what is
@@ -788,7 +844,7 @@ class KvEvents:
 
     def flush(self) -> None:
         """Hand the counts received since the last flush to `on_events` (the Prometheus
-        counters): every FLUSH_INTERVAL from the pump, and at each scrape. Per batch, the
+        counters): every FLUSH_INTERVAL (`kv_events_flush`), and at each scrape. Per batch, the
         counters' two increments cost a tenth of the ingestion (bench/scenarios/kv.py)."""
         on = self._on_events
         if on is None:
@@ -933,6 +989,9 @@ class KvEvents:
 
     async def aclose(self) -> None:
         self._closed = True
+        runner, self._own_runner = self._own_runner, None
+        if runner is not None:  # the app's stops before its parts close
+            await runner.stop()
         self.flush()
         for task in list(self._tasks):
             task.cancel()

@@ -479,9 +479,10 @@ ROWS: tuple[Row, ...] = (
         "background_runs",
         Counter,
         "sluicegate_background_runs_total",
-        "Rounds of the background chores (heartbeats, registry sync, usage writer, probes, "
-        "scrapes, discovery), by chore and result: ok, or error (an exception, logged once a "
-        "streak).",
+        "Rounds of the background chores (heartbeats, registry sync, usage writer, scrapes, "
+        "discovery, health_probes and health_tick, admission_deadlines and admission_recheck, "
+        "kv_events_pump, kv_events_flush and kv_events_retry), by chore and result: ok, or "
+        "error (an exception, logged once a streak).",
         ("task", "result"),
     ),
     # Hostile or broken input refused or cut (issue 22's hardening): counted, not logged

@@ -20,6 +20,13 @@ bodies, all models) sheds its lowest entries (lowest band, latest in the fair or
 be the newcomer. Every exit, a cancelled one (the client left) included, takes the entry out in
 `finally`. A request that queues is told so (`parked`), so that it can let go of what it need
 not hold while it waits (the proxy drops its parsed body: the raw body is held once).
+
+Time: two chores on the runner (the app's, or one of the queue's own), on the injected clock:
+`admission_deadlines`, a timer over a heap of the queued tickets' deadlines that ends each
+wait when it passes (no timer per request), and `admission_recheck`, the re-check, which
+sleeps until something queues. A ticket's deadline is made on the request's clock
+(`time.perf_counter`, `make_ticket`'s `started`); it is read on the queue's clock once, when
+the ticket queues.
 """
 
 from __future__ import annotations
@@ -37,11 +44,13 @@ from starlette.datastructures import Headers
 from balancers.inflight.base import Lease, Readings
 from router.core.backend import Backend
 from router.core.errors import BadRequest, NoCapacity
+from router.core.runner import Runner, Wake, shared_or_own
 from router.core.settings import AdmissionConfig
 from router.request.admit.byte_budget import ByteBudget
 
 BANDS = ("critical", "standard", "sheddable")
 _RANK = {name: i for i, name in enumerate(BANDS)}
+_REQUEST_CLOCK = time.perf_counter  # the clock of a ticket's `deadline` (make_ticket's `started`)
 PRIORITY_HEADER = "x-sluicegate-priority"
 TIMEOUT_HEADER = "x-sluicegate-timeout"
 
@@ -170,17 +179,30 @@ class Admission:
         cfg: AdmissionConfig,
         metrics: AdmissionMetrics | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        runner: Runner | None = None,
     ) -> None:
         self.cfg = cfg
         self._metrics: AdmissionMetrics = metrics or _NoMetrics()
+        # The app's clock and runner (whose `sleep` is that clock's); no runner: one of its
+        # own, on real time, once something queues.
         self._clock = clock
+        self._own_runner: Runner | None = None
         self._queues: dict[str, _ModelQueue] = {}
         self._busy: set[_ModelQueue] = set()  # queues with someone in the heaps
         self._size = 0  # queued, all models
         self._bytes = ByteBudget(cfg.max_queue_bytes)  # their bodies' bytes
         self._seq = 0
-        self._ticker: asyncio.Task[None] | None = None
         self._mean_wait = 1.0  # seconds, a moving average: the Retry-After of a refusal
+        # Queued tickets by deadline (on `clock`); an entry whose ticket left is dropped when
+        # it comes up, or when they outnumber the queue (`_expire_later`).
+        self._deadlines: list[tuple[float, int, Ticket]] = []
+        self._deadline_wake = Wake()  # a deadline sooner than the one the chore sleeps for
+        self._rechecking = False  # something waits: the re-check keeps its period
+        self._recheck_due = False  # a period has passed since it began
+        self._recheck_wake = Wake()
+        self._chores = False
+        if runner is not None:
+            self._add_chores(runner)
 
     @property
     def depth(self) -> int:
@@ -235,21 +257,18 @@ class Admission:
             q = self._queues.setdefault(t.model, _ModelQueue())
         # Someone waits already (it goes first, unless this one ranks before it) or no room.
         entered = t.entered = self._clock()
+        due = entered + (t.deadline - _REQUEST_CLOCK())  # the deadline on the queue's clock
         self._tag(t)
         try:
             self._enter(q, t)
+            self._expire_later(due, t)
             if parked is not None:
                 parked()
             while True:
-                remaining = t.deadline - self._clock()
-                if remaining <= 0:
+                if due <= self._clock():
                     raise self._expired(t)
                 assert t.waiter is not None  # each push gives it a fresh one
-                try:
-                    async with asyncio.timeout(remaining):
-                        await t.waiter
-                except TimeoutError:
-                    raise self._expired(t) from None
+                await t.waiter  # a result: try; QueueFull: shed; QueueTimeout: its deadline
                 # Still counted as waking while it tries: a newcomer must not take its slot.
                 lease = await try_once()
                 q.waking -= 1
@@ -268,6 +287,9 @@ class Admission:
                 if again:  # a slot freed while it tried: the head (maybe itself) tries again
                     self._wake(q)
         finally:
+            waiter = t.waiter
+            if waiter is not None and waiter.done() and not waiter.cancelled():
+                waiter.exception()  # told to leave as it was cancelled: read, not left unread
             if t.queued:
                 self._remove(q, t)
             if t.woken:  # woken but leaving (cancelled, expired): hand the wake on
@@ -344,8 +366,10 @@ class Admission:
         self._bytes.add(t.size)
         self._busy.add(q)
         self._metrics.queue_depth(t.model, BANDS[t.band], 1)
-        if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._recheck())
+        if not self._rechecking:  # the first to wait: the re-check starts its period
+            self._rechecking, self._recheck_due = True, False
+            self._ensure_chores()
+            self._recheck_wake.set()
 
     def _remove(self, q: _ModelQueue, t: Ticket) -> None:
         """Out of the heap, lazily: the heap drops dead entries as they reach its top."""
@@ -418,15 +442,66 @@ class Admission:
         """Engine readings changed: a saturated backend may have room now."""
         self.released()
 
-    async def _recheck(self) -> None:
-        while self._busy:
-            await asyncio.sleep(self.cfg.recheck)
+    # -- time -------------------------------------------------------------------------------
+
+    def _add_chores(self, runner: Runner) -> None:
+        runner.timer("admission_deadlines", self._expire_due, self._deadline_wake)
+        runner.timer("admission_recheck", self._recheck, self._recheck_wake)
+        self._chores = True
+
+    def _ensure_chores(self) -> None:
+        """Given no runner, the chores go on one of the queue's own once something queues."""
+        if not self._chores:
+            self._own_runner = runner = shared_or_own(None)[0]
+            self._add_chores(runner)
+
+    def _expire_later(self, due: float, t: Ticket) -> None:
+        """`t` queued: its wait ends at `due` unless it has left by then."""
+        heap = self._deadlines
+        if len(heap) > 2 * self._size + 64:  # mostly tickets that left: keep those waiting
+            heap[:] = [e for e in heap if e[2].queued or e[2].woken]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (due, t.seq, t))
+        if heap[0][2] is t:
+            self._ensure_chores()
+            self._deadline_wake.set()
+
+    async def _expire_due(self) -> float | None:
+        """The `admission_deadlines` round: each queued ticket whose deadline passed is told
+        (its waiter fails with QueueTimeout: it leaves, in its own `finally`); the seconds until
+        the next deadline (None: nothing waits). A ticket trying for a lease at its deadline
+        is not interrupted: it checks its deadline once it is back in its place."""
+        heap = self._deadlines
+        now = self._clock()
+        while heap:
+            due, _, t = heap[0]
+            if not (t.queued or t.woken):  # it left (served, shed, gone): nothing to end
+                heapq.heappop(heap)
+                continue
+            if due > now:
+                return due - now
+            heapq.heappop(heap)
+            waiter = t.waiter
+            if t.queued and waiter is not None and not waiter.done():
+                waiter.set_exception(self._expired(t))
+        return None
+
+    async def _recheck(self) -> float | None:
+        """The `admission_recheck` round: while anything waits, every `admission.recheck`
+        seconds each queue that is idle-waiting has its head try (slots freed by other
+        replicas); nothing waiting, it sleeps until something queues."""
+        if not self._busy:
+            self._rechecking = self._recheck_due = False
+            return None
+        if self._recheck_due:
             for q in list(self._busy):
                 if q.waking == 0:
                     self._wake(q)  # nothing else to do: the queue is idle-waiting
+        self._recheck_due = True
+        return self.cfg.recheck
 
     async def aclose(self) -> None:
-        task, self._ticker = self._ticker, None
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait((task,))
+        runner, self._own_runner = self._own_runner, None
+        if runner is not None:
+            await runner.stop()
+            self._chores = False

@@ -1,0 +1,1 @@
+"""What tests share beside the harness: the manual clock (`clock.py`)."""
