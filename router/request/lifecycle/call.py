@@ -176,7 +176,7 @@ class Call:
         return payload
 
     def body_for(self, backend: Backend) -> bytes:
-        target = backend.models.get(self.model, self.model)
+        target = backend.target(self.model)
         if self.continuation is not None:
             payload = {**self.continuation, "model": target}
             return json.dumps(with_usage(payload) if self.inject else payload).encode()

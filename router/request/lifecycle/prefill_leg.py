@@ -90,7 +90,7 @@ async def _prefill(parts: Parts, call: Call, backend: Backend) -> bytes | None:
     ended between the phases leaves them to that lease."""
     trace = call.trace
     name = backend.name
-    target = backend.models.get(call.model, call.model)
+    target = backend.target(call.model)
     body = prefill_body(call.parsed(), target)
     trace.prefill(name)
     transport, request = parts.pools.request(
@@ -152,7 +152,7 @@ async def _bootstrap(parts: Parts, call: Call, backend: Backend, fields: bytes) 
     """SGLang: the prefill engine's copy of the request (same room), sent while the decode
     engine's runs; its answer is read and dropped. Cancelled when the decode leg ends."""
     trace = call.trace
-    target = backend.models.get(call.model, call.model)
+    target = backend.target(call.model)
     payload = {**call.parsed(), "model": target}
     body = with_members(json.dumps(payload, ensure_ascii=False).encode(), fields)
     trace.prefill(backend.name)
