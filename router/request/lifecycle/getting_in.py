@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from router.core.endpoints import Endpoint
 from router.core.errors import error_response
+from router.registry.fleet import Snapshot
 from router.request.admit.admission import Ticket, make_ticket
 from router.request.admit.estimate import BadLimit, estimate_tokens
 from router.request.admit.quota import KeyLimits
@@ -55,10 +56,12 @@ async def get_in(
         hop.headers["x-request-id"] = request_id
         parts.metrics.loop_refused()
         return hop
+    # The request routes within this snapshot of the backend set, from here to its end.
+    snapshot = parts.registry.snapshot
     checked: ValidRequest | Response
     if endpoint.state == "follows":
         checked = await _follow(
-            parts, request, request_id, response_id or "", allowed_models, owner
+            parts, snapshot, request, request_id, response_id or "", allowed_models, owner
         )
     else:
         checked = await validate(
@@ -66,7 +69,7 @@ async def get_in(
             request_id,
             parts.settings.max_body_bytes,
             allowed_models,
-            parts.registry.snapshot.by_model,
+            snapshot.by_model,
             endpoint,
             parts.settings.max_upload_bytes,
             bodies=parts.bodies,
@@ -79,6 +82,7 @@ async def get_in(
     try:
         got = await _hold(
             parts,
+            snapshot,
             request,
             endpoint,
             checked,
@@ -100,6 +104,7 @@ async def get_in(
 
 async def _hold(
     parts: Parts,
+    snapshot: Snapshot,
     request: Request,
     endpoint: Endpoint,
     checked: ValidRequest,
@@ -114,7 +119,7 @@ async def _hold(
     """A valid request's estimate, admission ticket and quota reservation, as its `Call`."""
     history = 0  # the stored conversation a request continues, in tokens (0: none, unknown)
     if endpoint.state == "creates":
-        continued = await _continue(parts, checked, request_id, owner)
+        continued = await _continue(parts, snapshot, checked, request_id, owner)
         if isinstance(continued, Response):
             return continued
         checked, history = continued
@@ -160,6 +165,7 @@ async def _hold(
         ticket = made
     call = Call(
         parts,
+        snapshot,
         request,
         endpoint.path,
         checked.body,
@@ -208,7 +214,7 @@ def let_go(parts: Parts, call: Call, used: float) -> None:
 
 
 async def _continue(
-    parts: Parts, checked: ValidRequest, request_id: str, owner: str
+    parts: Parts, snapshot: Snapshot, checked: ValidRequest, request_id: str, owner: str
 ) -> tuple[ValidRequest, int] | Response:
     """A Responses request with `previous_response_id` goes to the backend holding it; with the
     stored conversation's known size (tokens), which its estimate carries."""
@@ -222,7 +228,7 @@ async def _continue(
         return _response_gone(previous, request_id, "previous_response_id", None)
     if not holder.owned_by(owner):  # another key's: as unknown, even with one engine
         return _response_gone(previous, request_id, "previous_response_id", None)
-    backend = next((b for b in checked.backends if b.name == holder.backend), None)
+    backend = snapshot.serving(checked.model).get(holder.backend)
     if backend is None:
         return _response_gone(previous, request_id, "previous_response_id", holder)
     return dataclasses.replace(checked, backends=(backend,)), holder.tokens
@@ -230,6 +236,7 @@ async def _continue(
 
 async def _follow(
     parts: Parts,
+    snapshot: Snapshot,
     request: Request,
     request_id: str,
     response_id: str,
@@ -245,8 +252,7 @@ async def _follow(
         or (allowed_models is not None and holder.model not in allowed_models)
     ):
         return _response_gone(response_id, request_id, "response_id", None)
-    backends = parts.registry.snapshot.by_model.get(holder.model, ())
-    backend = next((b for b in backends if b.name == holder.backend), None)
+    backend = snapshot.serving(holder.model).get(holder.backend)
     if backend is None:
         return _response_gone(response_id, request_id, "response_id", holder)
     stream = request.method == "GET" and request.query_params.get("stream") == "true"
