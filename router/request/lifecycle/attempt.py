@@ -14,7 +14,7 @@ still get it when no other backend is left.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Awaitable, Callable, Sequence, Set
 
 import httpx
 from starlette.types import Send
@@ -40,7 +40,7 @@ from router.request.lifecycle.endings import Broken, NoneLeft, Retry
 from router.request.lifecycle.lease import AttemptLease
 from router.request.lifecycle.migrate import count_segment, outcome, spent, whole_again
 from router.request.lifecycle.parts import Parts
-from router.request.lifecycle.prefill_leg import Phase, first_phase
+from router.request.lifecycle.prefill_leg import first_phase
 from router.request.lifecycle.pump import pump
 from router.request.placement.affinity import RequestAffinity
 from router.request.placement.pd import with_members
@@ -49,10 +49,13 @@ from router.upstream.transport import Answer
 
 # Failures after the request went out: the backend was working on it when it broke.
 _SENT = (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError)
-_NO_PHASE = Phase(None, None)
 # A lease whose store passed no choice on (a stand-in store): chosen by load, nothing held.
 _NO_CHOICE = Choice(Candidate("", 1.0, 0))
 _NONE: frozenset[str] = frozenset()
+
+
+async def _no_lease() -> None:
+    return None
 
 
 async def attempts_for(parts: Parts, call: Call, send: Send) -> Attempts:
@@ -75,6 +78,22 @@ async def attempts_for(parts: Parts, call: Call, send: Send) -> Attempts:
 
 
 class Attempts:
+    __slots__ = (
+        "affinity",
+        "balancer",
+        "call",
+        "engine_aware",
+        "exclude",
+        "held",
+        "last",
+        "p_exclude",
+        "parts",
+        "readings",
+        "refused",
+        "send",
+        "want",
+    )
+
     def __init__(
         self, parts: Parts, call: Call, send: Send, affinity: RequestAffinity | None
     ) -> None:
@@ -84,7 +103,8 @@ class Attempts:
         self.balancer = balancer = call.balancer
         self.affinity = affinity
         self.exclude: set[str] = set()  # backends that failed this request
-        # Prefill engines that failed this request: a split request's only, so made then.
+        # Prefill engines that failed this request (a split request's; a set is made only
+        # when one fails).
         self.p_exclude = _NONE
         # A decode engine's 5xx to a handoff not yet charged: (prefill, decode, status).
         self.refused: tuple[str, str, int] | None = None
@@ -103,6 +123,8 @@ class Attempts:
             raise NoneLeft  # it broke as many engines as it may reach
         call.trace.queued()
         lease = await self._take(number)
+        if lease is None:
+            raise NoneLeft
         name = lease.backend
         try:
             self._routed(lease, number)
@@ -226,25 +248,25 @@ class Attempts:
         hints = parts.affinity.hints(affinity, eligible) if affinity else None
         return PickContext(exclude, hints, want, parts.settings.affinity.load_factor)
 
-    async def _take(self, number: int) -> Lease:
-        """The attempt's lease. The first attempt of a request with a ticket goes through
-        admission (it may queue); any other picks among the eligible backends at once, or
-        raises `NoneLeft`."""
+    # `_take` and `_try_admit` hand back the lease's own awaitable, not a coroutine of their
+    # own: a frame less per attempt.
+
+    def _take(self, number: int) -> Awaitable[Lease | None]:
+        """The attempt's lease (None: every eligible backend is full or excluded). The first
+        attempt of a request with a ticket goes through admission (it may queue); any other
+        picks among the eligible backends at once."""
         parts = self.parts
         call = self.call
         admission = parts.admission
         if admission is not None and call.ticket is not None and number == 1:
             if not call.record.attempts:  # not a migration's first attempt
-                return await admission.acquire(call.ticket, self._try_admit, call.parked)
+                return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
         self.readings = parts.readings() if parts.readings and self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
-        lease = await self.held.take(eligible, self.balancer, ctx, self.readings)
-        if lease is None:
-            raise NoneLeft
-        return lease
+        return self.held.take(eligible, self.balancer, ctx, self.readings)
 
-    async def _try_admit(self) -> Lease | None:
+    def _try_admit(self) -> Awaitable[Lease | None]:
         """One pick-and-count among backends with room by max_inflight and engine readings;
         None sends the request to (or back to) the queue."""
         parts = self.parts
@@ -257,10 +279,10 @@ class Attempts:
         if all_readings:
             eligible = parts.admission.open_backends(eligible, all_readings)
             if not eligible:
-                return None
+                return _no_lease()
         self.readings = all_readings if self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
-        return await self.held.take(eligible, self.balancer, ctx, self.readings)
+        return self.held.take(eligible, self.balancer, ctx, self.readings)
 
     def _routed(self, lease: Lease, number: int) -> None:
         """What the pick chose and why, into the record, metrics, prefix index and trace."""
@@ -349,10 +371,10 @@ async def exchange(
     lora = parts.lora if call.adapter is not None else None
     if call.adapter is not None:
         held.adapter_flying()
-    phase = _NO_PHASE
+    handoff = split = None
     if held.prefill is not None:
-        phase = await first_phase(parts, call, held)
-        rec.prefill_backend = phase.split
+        handoff = await first_phase(parts, call, held)
+        split = rec.prefill_backend  # this attempt's own: None when it is served whole
     if lora is not None:
         if held.load_adapter or lora.pending(backend.name, call.model):
             try:
@@ -375,8 +397,8 @@ async def exchange(
         headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
         headers.append((b"accept-encoding", b"identity"))
     body = call.body_for(backend)
-    if phase.handoff is not None:
-        body = with_members(body, phase.handoff)
+    if handoff is not None:
+        body = with_members(body, handoff)
     transport, request = parts.pools.request(
         backend,
         call.path,
@@ -401,7 +423,7 @@ async def exchange(
         # transfer fails, or its own failure): phase 1 again, on another prefill engine,
         # fresh params; whose failure it was, the next answer shows (Attempts._settle).
         # A 429 is the decode engine's own: another one takes it.
-        refused = phase.split if status >= 500 else None
+        refused = split if status >= 500 else None
         try:
             await _retryable_status(parts, call, backend, response, refused is None)
         except Retry as retry:

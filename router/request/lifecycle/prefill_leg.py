@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import NamedTuple
 
 from router.core.backend import Backend
 from router.core.errors import UPSTREAM_FAILURES, FailureKind, ProxyError, upstream_failure
@@ -36,14 +35,12 @@ from router.request.wire.headers import upstream_request_headers
 from router.upstream.transport import Answer
 
 
-class Phase(NamedTuple):
-    handoff: bytes | None  # phase 2's members: P's kv_transfer_params, or SGLang's bootstrap
-    split: str | None  # the prefill engine the decode leg follows (None: served whole)
-
-
-async def first_phase(parts: Parts, call: Call, held: AttemptLease) -> Phase:
-    """Phase 1 on the prefill engine `held` leased; that lease goes back when the phase ends,
-    however (a failure before it began: when the attempt ends)."""
+async def first_phase(parts: Parts, call: Call, held: AttemptLease) -> bytes | None:
+    """Phase 1 on the prefill engine `held` leased: phase 2's members (P's
+    `kv_transfer_params`, or SGLang's bootstrap), with that engine as the record's
+    `prefill_backend`; None when the decode engine serves the request whole. The prefill lease
+    goes back when the phase ends, however (a failure before it began: when the attempt
+    ends)."""
     lease = held.prefill
     assert lease is not None and call.pools is not None
     name = lease.backend
@@ -51,15 +48,17 @@ async def first_phase(parts: Parts, call: Call, held: AttemptLease) -> Phase:
     if call.pools.rule.connector == "sglang":
         handoff = bootstrap_fields(backend)
         held.aside(asyncio.ensure_future(_bootstrap(parts, call, backend, handoff)))
-        return Phase(handoff, name)
+        call.record.prefill_backend = name
+        return handoff
     try:
         params = await _prefill(parts, call, backend)
     finally:
         held.prefill_done()
     if params is None:
         call.record.pd = "prefill_refused"
-        return Phase(None, None)
-    return Phase(b'"kv_transfer_params":' + params, name)
+        return None
+    call.record.prefill_backend = name
+    return b'"kv_transfer_params":' + params
 
 
 def _headers(call: Call, backend: Backend) -> list[tuple[bytes, bytes]]:
