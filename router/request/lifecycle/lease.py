@@ -52,14 +52,14 @@ class AttemptLease:
         self._parts = parts
         self._by_name: Mapping[str, Backend] = call.snapshot.by_name
         self._model = call.model
-        self.lease: Lease | None = None  # the backend's, and its value in the call's snapshot
-        self.backend: Backend | None = None
+        self.lease: Lease | None = None
+        self.backend: Backend | None = None  # the lease's, as the call's snapshot has it
         self.flight: Flight | None = None  # its prompt on an engine with KV events
-        self.prefill: Lease | None = None  # until phase 1 has it (`prefill_done`, `aside`)
+        self.prefill: Lease | None = None  # until its leg is done (`prefill_done`, `aside`)
         self.load_adapter = False  # the adapter must be loaded on the backend first
-        self._flying = False  # counted in the adapter flights (router/request/placement)
-        self._using = False  # counted as a use of the adapter loaded there
-        self._side: asyncio.Task[None] | None = None
+        self._flying = False  # counted in the adapter flights (placement/adapter_flights.py)
+        self._using = False  # counted as a use of the adapter the router loaded there
+        self._side: asyncio.Task[None] | None = None  # SGLang's prefill call, holding `prefill`
         self.answer: Answer | None = None
 
     async def take(
