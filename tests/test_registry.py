@@ -118,6 +118,30 @@ def test_the_snapshot_is_swapped_whole_and_old_ones_stay_intact() -> None:
     assert f.registry.snapshot is after
 
 
+def test_a_models_backends_by_name_follow_its_snapshot_and_adapter_routes() -> None:
+    """`serving(model)`: the backends of `by_model[model]` by name, for the snapshot asked
+    (a request keeps its own), an adapter's those of its base model."""
+    a = Backend.from_config(cfg("a", kind="vllm"))
+    b = Backend.from_config(cfg("b", models=["other"]))
+    registry = Registry([a, b], "round_robin")
+    registry.set_adapters({"sql": "m"})
+    before = registry.snapshot
+    assert dict(before.serving("m")) == {"a": a}
+    assert dict(before.serving("sql")) == {"a": a}  # routed by its base model
+    assert dict(before.serving("other")) == {"b": b}
+    assert before.serving("unknown") == {}
+    a2 = Backend.from_config(cfg("a", kind="vllm", weight=2))
+    c = Backend.from_config(cfg("c"))
+    after = registry.patch([a2, c], ["b"])
+    assert dict(after.serving("m")) == {"a": a2, "c": c}
+    assert dict(after.serving("sql")) == {"a": a2, "c": c}
+    assert after.serving("other") == {}
+    assert dict(before.serving("m")) == {"a": a}  # the old snapshot's view is its own
+    for snap in (before, after):
+        for model, backends in snap.by_model.items():
+            assert list(snap.serving(model).values()) == list(backends)
+
+
 def test_delete_waits_for_streams_until_the_grace_runs_out() -> None:
     now = [0.0]
     calls: list[float] = []

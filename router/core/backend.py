@@ -58,6 +58,11 @@ class Backend:
     # backend rebuilt after its files changed is a changed backend and reconnects.
     ssl_context: ssl.SSLContext | None = field(default=None, repr=False)
 
+    def target(self, model: str) -> str:
+        """The backend's own id of the public model name `model` (unchanged when it has none:
+        a LoRA adapter routed by its base model goes by its own name)."""
+        return self.models.get(model, model)
+
     @property
     def server_name(self) -> str | None:
         """SNI and the certificate's expected name, when not the URL's host."""

@@ -90,6 +90,9 @@ class Change:
     removed: tuple[str, ...]
 
 
+_NONE_SERVING: Mapping[str, Backend] = MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     backends: tuple[Backend, ...]
@@ -101,6 +104,22 @@ class Snapshot:
     adapters: MappingProxyType[str, str | None] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    # model -> its backends by name, made the first time a request asks (`serving`): a swap
+    # of a large fleet does not pay for maps of models no request looks into.
+    _serving: dict[str, Mapping[str, Backend]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def serving(self, model: str) -> Mapping[str, Backend]:
+        """`model`'s backends in this snapshot by name (those of `by_model`, an adapter's by
+        its base model): whether a named backend serves it, without a scan."""
+        named = self._serving.get(model)
+        if named is None:
+            backends = self.by_model.get(model)
+            if backends is None:
+                return _NONE_SERVING
+            named = self._serving[model] = MappingProxyType({b.name: b for b in backends})
+        return named
 
     @classmethod
     def build(

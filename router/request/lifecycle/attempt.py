@@ -1,26 +1,26 @@
 """One attempt: pick a backend, lease it, (prefill on another engine,) open the upstream request,
 relay its answer; and the request's attempts together, as `Failover.run` drives them.
 
-`Attempts` holds what the attempts of one request share: the balancer bound to the request's
-affinity (cached prefix, session, LoRA adapter), the backends excluded so far, the last failure.
-Its call is one attempt; the lease it takes is released in its `finally`, with the admission
-queue told a slot freed. `exchange` is that attempt on its backend; it owns what it takes in
-turn: the adapter's flight, the prefill leg, the adapter's use, the upstream answer, closed in
-its `finally`. A failure before the answer started raises `Retry`; a 5xx or 429 is read whole
-first (`_retryable_status`), so the client may still get it when no other backend is left.
+`Attempts` holds what the attempts of one request share: the request's affinity (cached
+prefix, session, LoRA adapter), the backends excluded so far, the last failure, and the
+attempt's lease (router/request/lifecycle/lease.py). Its call is one attempt: it picks and
+takes the lease, and closes it in its `finally`. `exchange` is that attempt on its backend;
+what it takes in turn (the adapter's flight, the prefill leg, the adapter's use, the upstream
+answer) it hands to the lease, which gives it all back. A failure before the answer started
+raises `Retry`; a 5xx or 429 is read whole first (`_retryable_status`), so the client may
+still get it when no other backend is left.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Awaitable, Callable, Sequence, Set
 
 import httpx
 from starlette.types import Send
 
 from balancers import lora as adapters
-from balancers.base import Balancer, Candidate, Choice
+from balancers.base import Candidate, Choice
 from balancers.context import AdapterWant, PickContext
 from balancers.disaggregation import decide
 from balancers.inflight.base import Lease, Readings
@@ -37,9 +37,10 @@ from router.engine.lora_loads import LoadFailed
 from router.request.admit.hops import HOP_HEADER
 from router.request.lifecycle.call import Call
 from router.request.lifecycle.endings import Broken, NoneLeft, Retry
+from router.request.lifecycle.lease import AttemptLease
 from router.request.lifecycle.migrate import count_segment, outcome, spent, whole_again
 from router.request.lifecycle.parts import Parts
-from router.request.lifecycle.prefill_leg import Phase, first_phase
+from router.request.lifecycle.prefill_leg import first_phase
 from router.request.lifecycle.pump import pump
 from router.request.placement.affinity import RequestAffinity
 from router.request.placement.pd import with_members
@@ -48,24 +49,24 @@ from router.upstream.transport import Answer
 
 # Failures after the request went out: the backend was working on it when it broke.
 _SENT = (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError)
-_NO_PHASE = Phase(None, None, None)
 # A lease whose store passed no choice on (a stand-in store): chosen by load, nothing held.
 _NO_CHOICE = Choice(Candidate("", 1.0, 0))
+_NONE: frozenset[str] = frozenset()
+
+
+async def _no_lease() -> None:
+    return None
 
 
 async def attempts_for(parts: Parts, call: Call, send: Send) -> Attempts:
     """The request's attempts, with its affinity looked up (the shared prefix index, the
     engine's token ids: a round trip each, when configured)."""
-    balancer = parts.registry.balancer_for(call.model)
-    # A LoRA adapter routed by its base model: the balancer weighs who serves it.
-    adapter = call.model if call.model in parts.registry.snapshot.adapters else None
-    call.adapter = adapter
     affinity = parts.affinity.prepare(
-        balancer,
+        call.balancer,
         call.client_headers,
         call.parsed(),
         call.endpoint.usage == "responses",
-        adapter,
+        call.adapter,
     )
     if affinity is not None and parts.affinity.shared is not None:
         affinity = await parts.affinity.look_up(affinity, call.backends)  # one round trip
@@ -73,31 +74,45 @@ async def attempts_for(parts: Parts, call: Call, send: Send) -> Attempts:
         affinity = await parts.affinity.with_tokens(
             affinity, call.model, call.parsed(), parts.health.eligible(call.backends, call.model)
         )
-    return Attempts(parts, call, send, balancer, affinity)
+    return Attempts(parts, call, send, affinity)
 
 
 class Attempts:
+    __slots__ = (
+        "affinity",
+        "balancer",
+        "call",
+        "engine_aware",
+        "exclude",
+        "held",
+        "last",
+        "p_exclude",
+        "parts",
+        "readings",
+        "refused",
+        "send",
+        "want",
+    )
+
     def __init__(
-        self,
-        parts: Parts,
-        call: Call,
-        send: Send,
-        balancer: Balancer,
-        affinity: RequestAffinity | None,
+        self, parts: Parts, call: Call, send: Send, affinity: RequestAffinity | None
     ) -> None:
         self.parts = parts
         self.call = call
         self.send = send
-        self.balancer = balancer
+        self.balancer = balancer = call.balancer
         self.affinity = affinity
         self.exclude: set[str] = set()  # backends that failed this request
-        self.p_exclude: set[str] = set()  # prefill engines that failed this request
+        # Prefill engines that failed this request (a split request's; a set is made only
+        # when one fails).
+        self.p_exclude = _NONE
         # A decode engine's 5xx to a handoff not yet charged: (prefill, decode, status).
         self.refused: tuple[str, str, int] | None = None
         self.last: Retry | None = None
         self.engine_aware = balancer.needs_engine or call.adapter is not None
         self.want: AdapterWant | None = None
         self.readings: Readings | None = None
+        self.held = AttemptLease(parts, call)  # the attempt's, one at a time
 
     async def __call__(self, number: int, answered: Callable[[], None]) -> None:
         """Attempt `number`; `answered()` once its answer started (the retry slot's end)."""
@@ -107,21 +122,23 @@ class Attempts:
         if call.broke and spent(call):
             raise NoneLeft  # it broke as many engines as it may reach
         call.trace.queued()
-        lease = await self._lease(number)
+        lease = await self._take(number)
+        if lease is None:
+            raise NoneLeft
+        name = lease.backend
         try:
             self._routed(lease, number)
-            prefill: Lease | None = None
             if call.pools is not None and not call.started and call.continuation is None:
                 rec.prefill_backend = None  # this attempt's own, set when it has one
-                prefill = await self._prefill_lease(number, lease)
-            await exchange(parts, call, self.send, lease, answered, prefill)
-            self._settle(lease.backend, rec.prefill_backend is not None)
+                await self._take_prefill(number, lease)
+            await exchange(parts, call, self.send, self.held, answered)
+            self._settle(name, rec.prefill_backend is not None)
         except Broken as broken:
             call.working = False
             if broken.why != "moved":  # a backend being removed broke nothing
                 call.broke += 1
-            self._settle(lease.backend, rec.prefill_backend is not None)
-            self.exclude.add(lease.backend)  # a continuation goes elsewhere
+            self._settle(name, rec.prefill_backend is not None)
+            self.exclude.add(name)  # a continuation goes elsewhere
             raise
         except Retry as retry:
             call.working = False  # that backend failed or refused before it answered
@@ -130,28 +147,22 @@ class Attempts:
             self.last = retry
             call.trace.attempt_failed(retry.kind, retry.response[0] if retry.response else None)
             if retry.prefill is not None:  # phase 1 again elsewhere; the decode engine stays
-                self.p_exclude.add(retry.prefill)
+                self.p_exclude = self.p_exclude | {retry.prefill}
                 if retry.response is None:  # the prefill leg's own failure
                     parts.metrics.attempt_failed(retry.prefill, retry.kind)
                 else:  # the decode engine refused the handoff: charged once it is known whose
-                    self._settle(lease.backend, None)
-                    self.refused = (retry.prefill, lease.backend, retry.response[0])
+                    self._settle(name, None)
+                    self.refused = (retry.prefill, name, retry.response[0])
             else:
-                self._settle(lease.backend, None)
-                parts.metrics.attempt_failed(lease.backend, retry.kind)
-                self.exclude.add(lease.backend)  # the next attempt goes elsewhere
+                self._settle(name, None)
+                parts.metrics.attempt_failed(name, retry.kind)
+                self.exclude.add(name)  # the next attempt goes elsewhere
             raise
         finally:
-            parts.store.release(lease)
-            if parts.admission is not None:
-                parts.admission.released()
-            flight = call.kv_flight
-            if flight is not None:
-                call.kv_flight = None
-                kv = parts.affinity.kv
-                assert kv is not None  # a flight comes from it
-                kv.ended(flight)
-            call.trace.attempt_end(rec.error)
+            try:
+                await self.held.close()  # all the attempt took, back in reverse order
+            finally:
+                call.trace.attempt_end(rec.error)
 
     async def again(self, release: Callable[[], None]) -> None:
         """The failover loop once more, for a migration: its retry slot is released as soon
@@ -237,24 +248,25 @@ class Attempts:
         hints = parts.affinity.hints(affinity, eligible) if affinity else None
         return PickContext(exclude, hints, want, parts.settings.affinity.load_factor)
 
-    async def _lease(self, number: int) -> Lease:
-        """The first attempt of a request with a ticket goes through admission (it may queue);
-        any other picks among the eligible backends at once, or raises `NoneLeft`."""
+    # `_take` and `_try_admit` hand back the lease's own awaitable, not a coroutine of their
+    # own: a frame less per attempt.
+
+    def _take(self, number: int) -> Awaitable[Lease | None]:
+        """The attempt's lease (None: every eligible backend is full or excluded). The first
+        attempt of a request with a ticket goes through admission (it may queue); any other
+        picks among the eligible backends at once."""
         parts = self.parts
         call = self.call
         admission = parts.admission
         if admission is not None and call.ticket is not None and number == 1:
             if not call.record.attempts:  # not a migration's first attempt
-                return await admission.acquire(call.ticket, self._try_admit, call.parked)
+                return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
         self.readings = parts.readings() if parts.readings and self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
-        lease = await parts.store.acquire(eligible, self.balancer, ctx, self.readings)
-        if lease is None:
-            raise NoneLeft
-        return lease
+        return self.held.take(eligible, self.balancer, ctx, self.readings)
 
-    async def _try_admit(self) -> Lease | None:
+    def _try_admit(self) -> Awaitable[Lease | None]:
         """One pick-and-count among backends with room by max_inflight and engine readings;
         None sends the request to (or back to) the queue."""
         parts = self.parts
@@ -267,10 +279,10 @@ class Attempts:
         if all_readings:
             eligible = parts.admission.open_backends(eligible, all_readings)
             if not eligible:
-                return None
+                return _no_lease()
         self.readings = all_readings if self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
-        return await parts.store.acquire(eligible, self.balancer, ctx, self.readings)
+        return self.held.take(eligible, self.balancer, ctx, self.readings)
 
     def _routed(self, lease: Lease, number: int) -> None:
         """What the pick chose and why, into the record, metrics, prefix index and trace."""
@@ -282,7 +294,7 @@ class Attempts:
         readings = self.readings
         rec.reason = choice.reason
         # Chosen where it is not served (load on demand): it is loaded there first.
-        call.load_adapter = (
+        self.held.load_adapter = (
             want is not None
             and want.on_demand
             and not adapters.serves(
@@ -296,7 +308,7 @@ class Attempts:
             rec.prefix_chars = held * parts.settings.affinity.block_chars
             parts.affinity.dispatched(affinity.hashes, lease.backend, readings)
             if affinity.tokens is not None:
-                call.kv_flight = parts.affinity.kv_dispatched(
+                self.held.flight = parts.affinity.kv_dispatched(
                     affinity, lease.backend, choice.cached
                 )
             entries = parts.affinity.index.entries
@@ -305,10 +317,11 @@ class Attempts:
         call.trace.attempt(lease.backend, number)
         rec.attempts += 1  # a migration's attempts count on from the first stream's
 
-    async def _prefill_lease(self, number: int, decode: Lease) -> Lease | None:
-        """The prefill engine for this attempt when the prompt should be split (after the
-        `decode` engine was chosen), else None: served whole on the decode engine. The last
-        attempt after prefill failures goes whole: the decode engine can still answer."""
+    async def _take_prefill(self, number: int, decode: Lease) -> None:
+        """A lease on the prefill engine for this attempt when the prompt should be split
+        (after the `decode` engine was chosen), else none: served whole on the decode engine.
+        The last attempt after prefill failures goes whole: the decode engine can still
+        answer."""
         parts = self.parts
         call = self.call
         pools = call.pools
@@ -335,134 +348,105 @@ class Attempts:
         )
         call.record.pd = split.reason
         if not split.split:
-            return None
+            return
         readings = parts.readings() if parts.readings and self.engine_aware else None
         ctx = self._context(candidates, p_exclude)
-        chosen = await parts.store.acquire(candidates, self.balancer, ctx, readings)
+        chosen = await self.held.take_prefill(candidates, self.balancer, ctx, readings)
         if chosen is None:
             call.record.pd = "no_prefill"  # all at their max_inflight
-            return None
-        if affinity:  # it computed the prompt: its own prefix cache holds it now
+        elif affinity:  # it computed the prompt: its own prefix cache holds it now
             parts.affinity.dispatched(affinity.hashes, chosen.backend, readings)
-        return chosen
 
 
 async def exchange(
-    parts: Parts,
-    call: Call,
-    send: Send,
-    lease: Lease,
-    answered: Callable[[], None],
-    prefill: Lease | None,
+    parts: Parts, call: Call, send: Send, held: AttemptLease, answered: Callable[[], None]
 ) -> None:
-    """One attempt on `lease`'s backend; with `prefill`, the split request's decode leg,
-    after its prefill leg on that lease's engine (released as soon as that leg is done)."""
+    """One attempt on the backend `held` leased; a split request's decode leg, after its
+    prefill leg on the prefill engine `held` leased. What it takes it hands to `held`, which
+    gives it back when the attempt ends."""
     rec = call.record
-    response: Answer | None = None
+    backend = held.backend  # the request routes within the snapshot it started with
+    assert backend is not None
+    rec.backend = backend.name
     lora = parts.lora if call.adapter is not None else None
-    used = False
-    flying = False
-    phase = _NO_PHASE
-    try:
-        # The request routes within the snapshot it started with.
-        backend = next(b for b in call.backends if b.name == lease.backend)
-        rec.backend = backend.name
-        if call.adapter is not None:
-            parts.flights.start(backend.name, call.model)
-            flying = True
-        if prefill is not None:
-            taken, prefill = prefill, None  # phase 1 releases it
-            phase = await first_phase(parts, call, taken)
-            rec.prefill_backend = phase.split
-        if lora is not None:
-            if call.load_adapter or lora.pending(backend.name, call.model):
-                try:
-                    await lora.ensure(backend, call.model)
-                except LoadFailed as exc:
-                    err = ProxyError(
-                        f"Loading LoRA adapter `{call.model}` on `{backend.name}` failed: {exc}."
-                    )
-                    raise Retry(err, FailureKind.LORA_LOAD) from None
-            lora.using(backend.name, call.model)
-            used = True
-        own = list(backend.auth_headers)
-        if call.hop:
-            own.append((HOP_HEADER, call.hop))  # replaces the client's own, if it sent one
-        headers = upstream_request_headers(call.client_headers, rec.request_id, own)
-        if call.segment is not None:
-            await count_segment(parts, call, backend)
-        if call.inject or call.remembers:
-            # The usage event can only be taken out of bytes that are not compressed (nor
-            # a response id read).
-            headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
-            headers.append((b"accept-encoding", b"identity"))
-        body = call.body_for(backend)
-        if phase.handoff is not None:
-            body = with_members(body, phase.handoff)
-        transport, request = parts.pools.request(
-            backend,
-            call.path,
-            call.trace.upstream_headers(headers),
-            body,
-            call.method,
-            call.endpoint.state != "follows",  # a path with an id is not cached
-        )
-        call.working = True
-        try:
-            response = await transport.send(request)
-        except UPSTREAM_FAILURES as exc:
-            failure = upstream_failure(exc, backend.name)
-            parts.health.on_failure(backend.name, failure.kind)
-            sent = isinstance(exc, _SENT) and not isinstance(exc, InvalidUpstreamResponse)
-            raise Retry(failure.error, failure.kind, sent=sent) from exc
-
-        status = response.status_code
-        # A continuation's answer joins a stream that began with 200: it must be one too.
-        if status >= 500 or status == 429 or (call.started and status >= 300):
-            # The decode engine answered, but refused the handoff (vLLM's 500 when the
-            # transfer fails, or its own failure): phase 1 again, on another prefill engine,
-            # fresh params; whose failure it was, the next answer shows (Attempts._settle).
-            # A 429 is the decode engine's own: another one takes it.
-            refused = phase.split if status >= 500 else None
+    if call.adapter is not None:
+        held.adapter_flying()
+    handoff = split = None
+    if held.prefill is not None:
+        handoff = await first_phase(parts, call, held)
+        split = rec.prefill_backend  # this attempt's own: None when it is served whole
+    if lora is not None:
+        if held.load_adapter or lora.pending(backend.name, call.model):
             try:
-                await _retryable_status(parts, call, backend, response, refused is None)
-            except Retry as retry:
-                retry.prefill = refused
-                raise
-        streaming = call.stream and status < 400
-        if call.started:  # a migration: the client has its response head already
-            answered()
-            await pump(parts, call, send, response, backend, streaming)
-            return
-        headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
-        if parts.settings.expose_backend_header:
-            headers.append((b"x-sluicegate-backend", backend.name.encode()))
-        if call.reservation is not None:
-            headers.extend(call.reservation.headers)
-        rec.status = status
-        call.trace.answered(status)
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        call.started = True
+                await lora.ensure(backend, call.model)
+            except LoadFailed as exc:
+                err = ProxyError(
+                    f"Loading LoRA adapter `{call.model}` on `{backend.name}` failed: {exc}."
+                )
+                raise Retry(err, FailureKind.LORA_LOAD) from None
+        held.using_adapter(lora)
+    own = list(backend.auth_headers)
+    if call.hop:
+        own.append((HOP_HEADER, call.hop))  # replaces the client's own, if it sent one
+    headers = upstream_request_headers(call.client_headers, rec.request_id, own)
+    if call.segment is not None:
+        await count_segment(parts, call, backend)
+    if call.inject or call.remembers:
+        # The usage event can only be taken out of bytes that are not compressed (nor
+        # a response id read).
+        headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
+        headers.append((b"accept-encoding", b"identity"))
+    body = call.body_for(backend)
+    if handoff is not None:
+        body = with_members(body, handoff)
+    transport, request = parts.pools.request(
+        backend,
+        call.path,
+        call.trace.upstream_headers(headers),
+        body,
+        call.method,
+        call.endpoint.state != "follows",  # a path with an id is not cached
+    )
+    call.working = True
+    try:
+        response = held.answer = await transport.send(request)
+    except UPSTREAM_FAILURES as exc:
+        failure = upstream_failure(exc, backend.name)
+        parts.health.on_failure(backend.name, failure.kind)
+        sent = isinstance(exc, _SENT) and not isinstance(exc, InvalidUpstreamResponse)
+        raise Retry(failure.error, failure.kind, sent=sent) from exc
+
+    status = response.status_code
+    # A continuation's answer joins a stream that began with 200: it must be one too.
+    if status >= 500 or status == 429 or (call.started and status >= 300):
+        # The decode engine answered, but refused the handoff (vLLM's 500 when the
+        # transfer fails, or its own failure): phase 1 again, on another prefill engine,
+        # fresh params; whose failure it was, the next answer shows (Attempts._settle).
+        # A 429 is the decode engine's own: another one takes it.
+        refused = split if status >= 500 else None
+        try:
+            await _retryable_status(parts, call, backend, response, refused is None)
+        except Retry as retry:
+            retry.prefill = refused
+            raise
+    streaming = call.stream and status < 400
+    if call.started:  # a migration: the client has its response head already
         answered()
-        # Its success is counted when the answer has come whole (router/request/lifecycle/pump.py):
-        # one breaking mid-answer is a failure, not a success then a failure.
-        await pump(parts, call, send, response, backend, streaming)
-    finally:
-        # What was taken, given back: the synchronous releases first, so that a cancellation
-        # arriving while an answer closes cannot skip them.
-        if prefill is not None:  # never handed to phase 1
-            parts.store.release(prefill)
-        side = phase.side
-        if side is not None:
-            side.cancel()  # done when D answered; else the client left or D failed
-        if flying:
-            parts.flights.end(lease.backend, call.model)
-        if used and lora is not None:
-            lora.done(lease.backend, call.model)
-        if response is not None:
-            await response.aclose()
-        if side is not None:
-            await asyncio.wait((side,))  # its lease goes back in its done callback
+        await pump(parts, call, send, response, backend, streaming, held.flight)
+        return
+    headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
+    if parts.settings.expose_backend_header:
+        headers.append((b"x-sluicegate-backend", backend.name.encode()))
+    if call.reservation is not None:
+        headers.extend(call.reservation.headers)
+    rec.status = status
+    call.trace.answered(status)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    call.started = True
+    answered()
+    # Its success is counted when the answer has come whole (router/request/lifecycle/pump.py):
+    # one breaking mid-answer is a failure, not a success then a failure.
+    await pump(parts, call, send, response, backend, streaming, held.flight)
 
 
 async def _retryable_status(

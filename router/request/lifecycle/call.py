@@ -2,14 +2,16 @@
 got in, and how far it got (answer started, backend working, migrations, text relayed).
 
 Built by router/request/lifecycle/getting_in.py; each later step reads it and records its progress
-here, so no step reaches into another's locals.
+here, so no step reaches into another's locals. What the request's model routes to is decided
+here, once, on the one registry snapshot the request keeps: its backends (a split model's
+decode pool), the P/D pools, the LoRA adapter routed by base, the balancer, the migration plan.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 
@@ -18,6 +20,7 @@ from router.core.client_link import body_write
 from router.core.endpoints import Endpoint
 from router.core.fastjson import with_member
 from router.ops.tracing import NO_TRACE, RequestTrace
+from router.registry.fleet import Snapshot
 from router.request.admit.admission import Ticket
 from router.request.admit.quota import Hold
 from router.request.lifecycle.parts import Parts
@@ -29,9 +32,6 @@ from router.request.usage.record import RequestRecord
 from router.request.usage.strip import inject, needs_injection, with_usage
 from router.request.wire.multipart import replace_span
 
-if TYPE_CHECKING:
-    from router.engine.kv_events import Flight
-
 
 class Call:
     __slots__ = (
@@ -39,6 +39,7 @@ class Call:
         "adapter",
         "anthropic",
         "backends",
+        "balancer",
         "body",
         "body_write",
         "broke",
@@ -50,8 +51,6 @@ class Call:
         "head",
         "hop",
         "inject",
-        "kv_flight",
-        "load_adapter",
         "method",
         "migrations",
         "model",
@@ -65,6 +64,7 @@ class Call:
         "remembers",
         "reservation",
         "segment",
+        "snapshot",
         "started",
         "stitch",
         "stored_id",
@@ -79,6 +79,7 @@ class Call:
     def __init__(
         self,
         parts: Parts,
+        snapshot: Snapshot,
         request: Request,
         path: str,
         body: bytes,
@@ -125,10 +126,10 @@ class Call:
         self._injected: bytes | None = None  # the body with include_usage, made once
         self.started = False  # the response head reached the client
         self.trace: RequestTrace = NO_TRACE
-        self.load_adapter = False  # this attempt's engine must load the adapter first
-        # This attempt's prompt on an engine with KV events, until the attempt ends.
-        self.kv_flight: Flight | None = None
-        self.adapter: str | None = None  # the LoRA adapter the request names, if routed so
+        self.snapshot = snapshot  # the backend set it routes within, to its end
+        # The LoRA adapter the request names, when it is routed by its base model.
+        self.adapter = model if model in snapshot.adapters else None
+        self.balancer = parts.registry.balancer_for(model)
         # Migration: the plan (None: off, or a reason it may not), and the state of a stream
         # continued elsewhere: text relayed so far, tokens before the current attempt's, the
         # continuation's body and its stitch.
@@ -176,7 +177,7 @@ class Call:
         return payload
 
     def body_for(self, backend: Backend) -> bytes:
-        target = backend.models.get(self.model, self.model)
+        target = backend.target(self.model)
         if self.continuation is not None:
             payload = {**self.continuation, "model": target}
             return json.dumps(with_usage(payload) if self.inject else payload).encode()

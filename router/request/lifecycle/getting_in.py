@@ -18,6 +18,7 @@ from starlette.requests import Request
 
 from router.core.endpoints import Endpoint
 from router.core.errors import BadRequest, Loop, ShuttingDown, Unknown
+from router.registry.fleet import Snapshot
 from router.request.admit.admission import Ticket, make_ticket
 from router.request.admit.estimate import BadLimit, estimate_tokens
 from router.request.admit.quota import KeyLimits
@@ -50,10 +51,12 @@ async def get_in(
         loop.request_id = request_id
         parts.metrics.loop_refused()
         raise
+    # The request routes within this snapshot of the backend set, from here to its end.
+    snapshot = parts.registry.snapshot
     checked: ValidRequest
     if endpoint.state == "follows":
         checked = await _follow(
-            parts, request, request_id, response_id or "", allowed_models, owner
+            parts, snapshot, request, request_id, response_id or "", allowed_models, owner
         )
     else:
         checked = await validate(
@@ -61,7 +64,7 @@ async def get_in(
             request_id,
             parts.settings.max_body_bytes,
             allowed_models,
-            parts.registry.snapshot.by_model,
+            snapshot.by_model,
             endpoint,
             parts.settings.max_upload_bytes,
             bodies=parts.bodies,
@@ -72,6 +75,7 @@ async def get_in(
     try:
         return await _hold(
             parts,
+            snapshot,
             request,
             endpoint,
             checked,
@@ -90,6 +94,7 @@ async def get_in(
 
 async def _hold(
     parts: Parts,
+    snapshot: Snapshot,
     request: Request,
     endpoint: Endpoint,
     checked: ValidRequest,
@@ -104,7 +109,7 @@ async def _hold(
     """A valid request's estimate, admission ticket and quota reservation, as its `Call`."""
     history = 0  # the stored conversation a request continues, in tokens (0: none, unknown)
     if endpoint.state == "creates":
-        checked, history = await _continue(parts, checked, request_id, owner)
+        checked, history = await _continue(parts, snapshot, checked, request_id, owner)
     try:
         estimate = estimate_tokens(
             checked.payload,
@@ -137,6 +142,7 @@ async def _hold(
         )
     call = Call(
         parts,
+        snapshot,
         request,
         endpoint.path,
         checked.body,
@@ -184,7 +190,7 @@ def let_go(parts: Parts, call: Call, used: float) -> None:
 
 
 async def _continue(
-    parts: Parts, checked: ValidRequest, request_id: str, owner: str
+    parts: Parts, snapshot: Snapshot, checked: ValidRequest, request_id: str, owner: str
 ) -> tuple[ValidRequest, int]:
     """A Responses request with `previous_response_id` goes to the backend holding it; with the
     stored conversation's known size (tokens), which its estimate carries."""
@@ -198,7 +204,7 @@ async def _continue(
         raise _response_gone(previous, request_id, "previous_response_id", None)
     if not holder.owned_by(owner):  # another key's: as unknown, even with one engine
         raise _response_gone(previous, request_id, "previous_response_id", None)
-    backend = next((b for b in checked.backends if b.name == holder.backend), None)
+    backend = snapshot.serving(checked.model).get(holder.backend)
     if backend is None:
         raise _response_gone(previous, request_id, "previous_response_id", holder)
     return dataclasses.replace(checked, backends=(backend,)), holder.tokens
@@ -206,6 +212,7 @@ async def _continue(
 
 async def _follow(
     parts: Parts,
+    snapshot: Snapshot,
     request: Request,
     request_id: str,
     response_id: str,
@@ -221,8 +228,7 @@ async def _follow(
         or (allowed_models is not None and holder.model not in allowed_models)
     ):
         raise _response_gone(response_id, request_id, "response_id", None)
-    backends = parts.registry.snapshot.by_model.get(holder.model, ())
-    backend = next((b for b in backends if b.name == holder.backend), None)
+    backend = snapshot.serving(holder.model).get(holder.backend)
     if backend is None:
         raise _response_gone(response_id, request_id, "response_id", holder)
     stream = request.method == "GET" and request.query_params.get("stream") == "true"

@@ -178,7 +178,7 @@ async def _tokens_of(parts: Parts, call: Call, backend: Backend, text: str) -> i
     charged to the client's key: a byte-level tokenizer makes at most one token of each byte, so
     an honest count is never cut, while a lying engine's (a key was charged a billion tokens
     for a few words) is bounded by the size of the text it was shown."""
-    target = backend.models.get(call.model, call.model)
+    target = backend.target(call.model)
     body = json.dumps({"model": target, "prompt": text, "add_special_tokens": False})
     headers = [(b"content-type", b"application/json"), *backend.auth_headers]
     if call.hop:

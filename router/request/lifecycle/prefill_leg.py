@@ -1,8 +1,9 @@
 """Prefill/decode: the prefill leg of one attempt, on the prefill engine picked for it.
 
-`first_phase` takes over the prefill engine's lease and gives it back when phase 1 ends: NIXL's
-call is awaited (its `kv_transfer_params` go into the decode leg's body), SGLang's runs aside
-while the decode engine's request runs (the caller cancels it when its decode leg ends).
+`first_phase` runs phase 1 on the prefill engine the attempt's lease holds, and has that lease
+given back when phase 1 ends (router/request/lifecycle/lease.py): NIXL's call is awaited (its
+`kv_transfer_params` go into the decode leg's body), SGLang's runs aside while the decode
+engine's request runs (the attempt's lease cancels it when the attempt ends).
 Which pools and bodies: router/request/placement/pd.py; whether to split:
 balancers/disaggregation.py.
 """
@@ -12,15 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
-from typing import NamedTuple
 
-from balancers.inflight.base import Lease
 from router.core.backend import Backend
 from router.core.errors import UPSTREAM_FAILURES, FailureKind, ProxyError, upstream_failure
 from router.request.admit.hops import HOP_HEADER
 from router.request.lifecycle.call import Call
 from router.request.lifecycle.endings import Retry
+from router.request.lifecycle.lease import AttemptLease
 from router.request.lifecycle.parts import Parts
 from router.request.placement.pd import (
     MAX_PREFILL_ANSWER,
@@ -36,35 +35,30 @@ from router.request.wire.headers import upstream_request_headers
 from router.upstream.transport import Answer
 
 
-class Phase(NamedTuple):
-    handoff: bytes | None  # phase 2's members: P's kv_transfer_params, or SGLang's bootstrap
-    side: asyncio.Task[None] | None  # SGLang: the prefill engine's call, running aside
-    split: str | None  # the prefill engine the decode leg follows (None: served whole)
-
-
-async def first_phase(parts: Parts, call: Call, lease: Lease) -> Phase:
-    """Phase 1 on `lease`'s engine; the lease is released when that phase ends, however."""
-    aside = False
+async def first_phase(parts: Parts, call: Call, held: AttemptLease) -> bytes | None:
+    """Phase 1 on the prefill engine `held` leased: phase 2's members (P's
+    `kv_transfer_params`, or SGLang's bootstrap), with that engine as the record's
+    `prefill_backend`; None when the decode engine serves the request whole. The prefill lease
+    goes back when the phase ends, however (a failure before it began: when the attempt
+    ends)."""
+    lease = held.prefill
+    assert lease is not None and call.pools is not None
+    name = lease.backend
+    backend = call.snapshot.by_name[name]  # the request routes within its snapshot
+    if call.pools.rule.connector == "sglang":
+        handoff = bootstrap_fields(backend)
+        held.aside(asyncio.ensure_future(_bootstrap(parts, call, backend, handoff)))
+        call.record.prefill_backend = name
+        return handoff
     try:
-        assert call.pools is not None
-        name = lease.backend
-        backend = next(b for b in call.pools.prefill if b.name == name)
-        if call.pools.rule.connector == "sglang":
-            handoff = bootstrap_fields(backend)
-            side = asyncio.ensure_future(_bootstrap(parts, call, backend, handoff))
-            # Released when P's call ends, however (a task cancelled before it ran never runs
-            # its own `finally`).
-            side.add_done_callback(_releasing(parts.store.release, lease))
-            aside = True
-            return Phase(handoff, side, name)
         params = await _prefill(parts, call, backend)
     finally:
-        if not aside:
-            parts.store.release(lease)
+        held.prefill_done()
     if params is None:
         call.record.pd = "prefill_refused"
-        return Phase(None, None, None)
-    return Phase(b'"kv_transfer_params":' + params, None, name)
+        return None
+    call.record.prefill_backend = name
+    return b'"kv_transfer_params":' + params
 
 
 def _headers(call: Call, backend: Backend) -> list[tuple[bytes, bytes]]:
@@ -90,7 +84,7 @@ async def _prefill(parts: Parts, call: Call, backend: Backend) -> bytes | None:
     ended between the phases leaves them to that lease."""
     trace = call.trace
     name = backend.name
-    target = backend.models.get(call.model, call.model)
+    target = backend.target(call.model)
     body = prefill_body(call.parsed(), target)
     trace.prefill(name)
     transport, request = parts.pools.request(
@@ -152,7 +146,7 @@ async def _bootstrap(parts: Parts, call: Call, backend: Backend, fields: bytes) 
     """SGLang: the prefill engine's copy of the request (same room), sent while the decode
     engine's runs; its answer is read and dropped. Cancelled when the decode leg ends."""
     trace = call.trace
-    target = backend.models.get(call.model, call.model)
+    target = backend.target(call.model)
     payload = {**call.parsed(), "model": target}
     body = with_members(json.dumps(payload, ensure_ascii=False).encode(), fields)
     trace.prefill(backend.name)
@@ -177,14 +171,3 @@ async def _bootstrap(parts: Parts, call: Call, backend: Backend, fields: bytes) 
         trace.prefill_end("cancelled")  # a no-op unless the decode leg ended first
         if response is not None:
             await response.aclose()
-
-
-def _releasing(
-    release: Callable[[Lease], None], lease: Lease
-) -> Callable[[asyncio.Task[None]], None]:
-    def done(task: asyncio.Task[None]) -> None:
-        release(lease)
-        if not task.cancelled():
-            task.exception()  # retrieved (the expected failures are caught in the task)
-
-    return done

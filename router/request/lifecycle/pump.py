@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starlette.types import Send
 
@@ -33,6 +34,9 @@ from router.request.usage.parse import ResponseUsage
 from router.request.usage.strip import FINISHED, USAGE_OBJECT, UsageStrip
 from router.upstream.transport import Answer
 
+if TYPE_CHECKING:
+    from router.engine.kv_events import Flight
+
 _DONE = b"data: [DONE]\n\n"
 _DONE_TAIL = _DONE[-4:]
 # A new response's id: the first `"id"` of the body or of the `response.created` event.
@@ -41,8 +45,16 @@ _ID_WINDOW = 65536  # the id comes in the first event: bytes looked at for it, a
 
 
 async def pump(
-    parts: Parts, call: Call, send: Send, response: Answer, backend: Backend, streaming: bool
+    parts: Parts,
+    call: Call,
+    send: Send,
+    response: Answer,
+    backend: Backend,
+    streaming: bool,
+    flight: Flight | None,
 ) -> None:
+    """Relay `response` from `backend` to the client; `flight`: the attempt's KV flight there,
+    told when the prompt is computed (the first chunk)."""
     rec = call.record
     tail = b"\n\n"
     usage = rec.usage = ResponseUsage(call.endpoint.usage)
@@ -92,8 +104,8 @@ async def pump(
         async for chunk in response.stream:
             if rec.ttfb_ms is None:
                 rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
-                if call.kv_flight is not None:
-                    call.kv_flight.prefilled()
+                if flight is not None:
+                    flight.prefilled()
                 if sink is not None:  # after the first chunk: it times the first byte
                     response.stream.divert(sink)
             # Four bytes: the end of a choices event (CHOICES_END), of [DONE], or of neither,

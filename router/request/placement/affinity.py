@@ -216,8 +216,8 @@ class Affinity:
         async def ask(body: dict[str, Any]) -> list[int] | None:
             ids = None
             for i in range(min(2, len(able))):  # one other when the first does not answer
-                target = able[(self._turn + i) % len(able)]
-                ids = await tk.tokens(body, target, target.models.get(model, model), limit)
+                engine = able[(self._turn + i) % len(able)]
+                ids = await tk.tokens(body, engine, engine.target(model), limit)
                 if ids is not None:
                     break
             return ids
@@ -260,7 +260,7 @@ class Affinity:
                     stored[name] = 0
                     continue  # it never stored a block: holds nothing of it
                 stored[name] = index.blocks(name) * bs
-                target = b.models.get(request.model, request.model)
+                target = b.target(request.model)
                 ns = namespace(target) if index.has_lora(name, target) else BASE
                 groups.setdefault((bs, ns), []).append(name)
                 request.groups[name] = (bs, ns)
