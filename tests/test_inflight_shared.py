@@ -5,6 +5,7 @@ away and coming back under load without a failed request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -265,11 +266,17 @@ def test_redis_stopped_and_restarted_under_load(procs: Cluster, mocks: dict[str,
             asyncio.ensure_future(stream_text(c, long_tokens)) for c in clients for _ in range(8)
         ]
         results: list[tuple[float, str | Exception]] = []
+        started: list[float] = []
         stop = asyncio.Event()
+        outage: list[float] = []  # when Redis went down
+        enough = asyncio.Event()  # 24 requests have started during the outage
 
         async def worker(c: openai.AsyncOpenAI) -> None:
             while not stop.is_set():
                 t0 = time.monotonic()
+                started.append(t0)
+                if outage and sum(t > outage[0] + 0.2 for t in started) >= 24:
+                    enough.set()
                 try:
                     results.append((t0, await stream_text(c, short_tokens)))
                 except Exception as exc:
@@ -278,8 +285,13 @@ def test_redis_stopped_and_restarted_under_load(procs: Cluster, mocks: dict[str,
         workers = [asyncio.ensure_future(worker(c)) for c in clients for _ in range(8)]
         await asyncio.sleep(1.5)
         down_at = time.monotonic()
+        outage.append(down_at)
         rd.kill9()
         await asyncio.sleep(2)
+        # A loaded machine starts fewer requests in 2 s: Redis stays down until 24 have started
+        # during the outage, 3 s more at most (the long streams still outlive it by 4 s).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(enough.wait(), 3)
         up_at = time.monotonic()
         procs.redis(port)
         await asyncio.sleep(2)
