@@ -21,7 +21,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 
 def metrics(engine: Engine) -> dict[str, float]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster, in_flight
+from tests.support.harness import Cluster, in_flight
 from tests_engine.support import (
     DirectLoad,
     Words,

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 from tests_engine.support import metrics, start_router, wait_for
 
 

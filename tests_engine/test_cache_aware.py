@@ -21,7 +21,7 @@ from typing import Any
 import openai
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster, Proc, in_flight
+from tests.support.harness import Cluster, Proc, in_flight
 from tests_engine.support import Words, kv_capacity_blocks, router_metrics, start_router, wait_for
 
 TURNS = 3

@@ -16,7 +16,7 @@ import time
 import openai
 
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster, in_flight
+from tests.support.harness import Cluster, in_flight
 from tests_engine.support import metrics, start_router, wait_for, wait_idle
 
 READ_CHUNKS = 20

@@ -16,7 +16,7 @@ from collections import Counter
 import httpx
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import rows, start_router, wait_for
 
 HEALTH = {

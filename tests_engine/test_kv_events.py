@@ -14,7 +14,7 @@ import pytest
 from router.request.placement.token_memo import MIN_IDS, earlier, memo_key, shared_ids
 from router.request.placement.tokens import RouterTokenizer
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 from tests_engine.support import kv_capacity_blocks, rows, start_router, wait_for
 
 

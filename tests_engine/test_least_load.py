@@ -10,7 +10,7 @@ import httpx
 
 from router.engine.parse import parse
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import (
     DirectLoad,
     Words,

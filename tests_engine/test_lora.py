@@ -23,7 +23,7 @@ from openai import OpenAI
 from router.engine.parse import parse_lora
 from router.tools.enginefleet.fleet import Engine, Fleet
 from router.tools.enginefleet.lora import write_adapter
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 from tests_engine.conftest import LORA_ARGS
 from tests_engine.support import ensure_healthy, router_metrics, rows, start_router, wait_for
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 
 from router.tools.enginefleet.fleet import Engine, Fleet, free_port
-from tests.harness import Cluster, Proc, in_flight
+from tests.support.harness import Cluster, Proc, in_flight
 from tests_engine.support import (
     Words,
     metrics,

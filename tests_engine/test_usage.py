@@ -14,7 +14,7 @@ from typing import Any
 import openai
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import (
     Words,
     kv_capacity_blocks,
