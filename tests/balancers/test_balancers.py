@@ -24,6 +24,7 @@ from balancers.plugin import adapted
 from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
 from tests.support.harness import Cluster, Proc, backend, control, stats
+from tests.support.wait import wait_for
 
 N = 10_000
 
@@ -324,16 +325,7 @@ def test_router_least_inflight_spreads_held_streams_and_overrides_per_model(
     finally:
         for h in held:
             h.close()
-    assert _eventually_zero(router)
-
-
-def _eventually_zero(router: Proc) -> bool:
-    end = time.monotonic() + 5
-    while time.monotonic() < end:
-        if set(admin_counts(router).values()) == {0}:
-            return True
-        time.sleep(0.05)
-    return False
+    wait_for(lambda: set(admin_counts(router).values()) == {0}, "every count back to 0", 5)
 
 
 def test_router_capacity_full_answers_503_with_retry_after(
@@ -362,7 +354,7 @@ def test_router_capacity_full_answers_503_with_retry_after(
     finally:
         for h in held:
             h.close()
-    assert _eventually_zero(router)
+    wait_for(lambda: set(admin_counts(router).values()) == {0}, "every count back to 0", 5)
     assert chat(router) == "tok0 tok1 "
 
 

@@ -18,6 +18,7 @@ import pytest
 from tests.discovery.test_hostile import PORTS, source
 from tests.support.fake_kube import FakeKube, endpoint
 from tests.support.harness import free_port
+from tests.support.wait import wait_for_async
 
 FIRST = "vllm-10.0.0.1-8000"
 SECOND = "vllm-10.0.0.2-8000"
@@ -45,12 +46,12 @@ def test_a_change_behind_a_bookmark_flood_is_applied_within_the_idle_timeout(
 
     async def run() -> None:
         async with source(flooding, tmp_path, watch_idle_timeout=idle, backoff_max=0.5) as r:
-            await r.until(lambda: r.names == {FIRST}, 10, "the first endpoint")
+            await wait_for_async(lambda: r.names == {FIRST}, "the first endpoint")
             applied = r.events.seen.count("bookmark")
             flooding.bookmark_flood = flood
             flooding.drop_watches()  # the next watch: the flood, then the change
             flooding.put_slice("s2", [endpoint("10.0.0.2")], PORTS)
-            await r.until(lambda: r.names == {FIRST, SECOND}, idle, "the change behind")
+            await wait_for_async(lambda: r.names == {FIRST, SECOND}, "the change behind", idle)
             superseded = r.events.seen.count("bookmark_superseded")
             # Skipped: none of them marked the source in sync, or counted as a bookmark.
             assert r.events.seen.count("bookmark") - applied < flood / 100
@@ -73,14 +74,16 @@ def test_a_backlog_of_bookmarks_that_does_not_end_shows_stale(
 
     async def run() -> None:
         async with source(flooding, tmp_path, watch_idle_timeout=idle, backoff_max=0.5) as r:
-            await r.until(lambda: r.names == {FIRST}, 10, "the first endpoint")
+            await wait_for_async(lambda: r.names == {FIRST}, "the first endpoint")
             assert not r.src.rec.stale
             flooding.bookmark_flood = 200_000
             flooding.drop_watches()
-            await r.until(lambda: r.src.rec.error == f"no watch event for {idle:g}s", 30, "stale")
+            await wait_for_async(
+                lambda: r.src.rec.error == f"no watch event for {idle:g}s", "stale", 30
+            )
             assert r.src.rec.stale
             assert r.names == {FIRST}  # the last set stays
             flooding.bookmark_flood = 0
-            await r.until(lambda: not r.src.rec.stale, 30, "fresh after the flood")
+            await wait_for_async(lambda: not r.src.rec.stale, "fresh after the flood", 30)
 
     asyncio.run(run())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -25,6 +25,7 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from tests.support.fake_kube import FakeKube, endpoint, kube_source, mock_host, put_mock
 from tests.support.harness import Cluster, Proc, admin_backends, control, free_port, stats
+from tests.support.wait import wait_for
 
 MODEL = "mock-model"
 
@@ -94,15 +95,6 @@ def backends(router: Proc) -> dict[str, dict[str, Any]]:
     return admin_backends(router, AUTH)
 
 
-def wait_for(check: Callable[[], bool], deadline: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < deadline:
-        if check():
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"not within {deadline}s: {what}")
-
-
 _CLIENTS: dict[str, openai.OpenAI] = {}
 
 
@@ -157,7 +149,7 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
     a, b = mocks["a"], mocks["b"]
     put_mock(kube, a, "vllm-a")
     removed = metric(router, "sluicegate_discovery_events_total", event="removed")
-    wait_for(lambda: a.url in backends(router), 10, "the first endpoint is discovered")
+    wait_for(lambda: a.url in backends(router), "the first endpoint is discovered")
     assert backends(router)[a.url]["source"] == "kubernetes"
     assert backends(router)[a.url]["models"] == {MODEL: MODEL}  # models: auto asked it
 
@@ -172,12 +164,12 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
     for m in (a, b):
         control(m, itl_ms=100, tokens=30, reset_stats=True)
     threads, done, errors = streams(router, 40)
-    wait_for(lambda: stats(a)["requests"] + stats(b)["requests"] == 40, 5, "40 streams started")
+    wait_for(lambda: stats(a)["requests"] + stats(b)["requests"] == 40, "40 streams started", 5)
     on_b = stats(b)["requests"]
     assert on_b >= 15, (backends(router), stats(a)["requests"])  # about 20 on b
     control(a, itl_ms=0, tokens=4)  # the checks below need quick answers from a
     put_mock(kube, b, "vllm-b", ready=False, serving=True, terminating=True)
-    wait_for(lambda: backends(router)[b.url]["draining"], 2, "b draining")
+    wait_for(lambda: backends(router)[b.url]["draining"], "b draining", 2)
     for _ in range(10):
         chat(router)
     assert stats(b)["requests"] == on_b, "a terminating endpoint got a new request"
@@ -190,7 +182,7 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
         t.join(30)
     assert errors == [] and len(done) == 40
     assert stats(b)["completed"] == on_b and stats(b)["aborted"] == 0
-    wait_for(lambda: b.url not in backends(router), 3, "b removed after its streams ended")
+    wait_for(lambda: b.url not in backends(router), "b removed after its streams ended", 3)
     assert list(backends(router)) == [a.url]
     assert metric(router, "sluicegate_discovery_events_total", event="removed") == removed + 1
     assert metric(router, "sluicegate_discovery_backends", source="kubernetes") == 1
@@ -205,12 +197,12 @@ def test_410_gone_relists_without_duplicates_or_losses(
     a, b, c = mocks["a"], mocks["b"], mocks["c"]
     put_mock(kube, a, "vllm-a")
     put_mock(kube, b, "vllm-b")
-    wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
+    wait_for(lambda: set(backends(router)) == {a.url, b.url}, "both discovered")
     lists = kube.requests.count("list")
     put_mock(kube, c, "vllm-c", silent=True)  # only a re-list can show it
     kube.expire()  # the history is compacted: resuming the watch gets 410 Gone
     kube.drop_watches()
-    wait_for(lambda: set(backends(router)) == {a.url, b.url, c.url}, 5, "c after the re-list")
+    wait_for(lambda: set(backends(router)) == {a.url, b.url, c.url}, "c after the re-list", 5)
     assert "410" in kube.requests and kube.requests.count("list") > lists
     r = httpx.get(router.url + "/admin/backends", timeout=5, headers=AUTH).json()
     assert len(r) == 3 and len({x["name"] for x in r}) == 3
@@ -224,7 +216,7 @@ def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
     put_mock(kube, a, "vllm-a")
     put_mock(kube, b, "vllm-b")
     errors_before = metric(router, "sluicegate_discovery_events_total", event="error")
-    wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
+    wait_for(lambda: set(backends(router)) == {a.url, b.url}, "both discovered")
     stop = threading.Event()
     results: list[str] = []
     errors: list[BaseException] = []
@@ -258,8 +250,8 @@ def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
         kube.up()
         wait_for(
             lambda: not httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"],
-            5,
             "fresh again once the API server is back",
+            5,
         )
     finally:
         stop.set()
@@ -275,13 +267,13 @@ def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_
     a, b = mocks["a"], mocks["b"]
     put_mock(kube, a, "vllm-a")
     put_mock(kube, b, "vllm-b")
-    wait_for(lambda: set(backends(router)) == {a.url, b.url}, 10, "both discovered")
+    wait_for(lambda: set(backends(router)) == {a.url, b.url}, "both discovered")
     name_b = backends(router)[b.url]["name"]
     patch = {"draining": True, "weight": 3}
     r = httpx.patch(router.url + f"/admin/backends/{name_b}", json=patch, headers=AUTH)
     assert r.status_code == 200, r.text
     lists = kube.requests.count("list")
-    wait_for(lambda: kube.requests.count("list") >= lists + 2, 5, "two more re-lists")
+    wait_for(lambda: kube.requests.count("list") >= lists + 2, "two more re-lists", 5)
     again = httpx.get(router.url + f"/admin/backends/{name_b}", headers=AUTH).json()
     assert again["draining"] is True and again["weight"] == 3 and again["source"] == "kubernetes"
     # Redis holds the admin change only; discovered backends are never written there.
@@ -302,11 +294,11 @@ def test_admin_patch_on_a_discovered_backend_survives_relists_and_a_lost_delete_
     # A DELETE lost while the watch was down: gone at the next full re-list.
     c = mocks["c"]
     put_mock(kube, c, "vllm-c")
-    wait_for(lambda: c.url in backends(router), 3, "c discovered")
+    wait_for(lambda: c.url in backends(router), "c discovered", 3)
     lists = kube.requests.count("list")
     kube.drop_watches()
     kube.delete_slice("vllm-c", silent=True)  # the DELETE event is lost
-    wait_for(lambda: c.url not in backends(router), 3, "gone after the next full re-list")
+    wait_for(lambda: c.url not in backends(router), "gone after the next full re-list", 3)
     assert kube.requests.count("list") > lists  # a re-list, not the watch, removed it
     assert set(backends(router)) == {a.url, b.url}
 
@@ -316,13 +308,13 @@ def test_a_slice_without_the_named_port_keeps_its_last_endpoints(
 ) -> None:
     a = mocks["a"]
     put_mock(kube, a, "vllm-a")
-    wait_for(lambda: set(backends(router)) == {a.url}, 5, "a discovered")
+    wait_for(lambda: set(backends(router)) == {a.url}, "a discovered", 5)
     before = metric(router, "sluicegate_discovery_events_total", event="bad_port")
     kube.put_slice("vllm-a", [endpoint(mock_host(a))], [{"name": "grpc", "port": 9}])
     wait_for(
         lambda: metric(router, "sluicegate_discovery_events_total", event="bad_port") > before,
-        3,
         "the bad answer counted",
+        3,
     )
     assert set(backends(router)) == {a.url}  # one bad answer never empties the fleet
     assert chat(router)
@@ -389,13 +381,13 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
             "health": {"interval": 1, "timeout": 1},
         }
     )
-    wait_for(lambda: set(backends(router)) == {m2.url}, 10, "the first answer's backend")
+    wait_for(lambda: set(backends(router)) == {m2.url}, "the first answer's backend")
     b = backends(router)[m2.url]
     assert b["source"] == "dns" and b["models"] == {"mock-model": "mock-model"}
 
     # A new address joins and takes traffic.
     answers.records = {"vllm.test": ["127.0.0.2", "127.0.0.3", "127.0.0.5"]}
-    wait_for(lambda: m3.url in backends(router), 3, "the new address joins")
+    wait_for(lambda: m3.url in backends(router), "the new address joins", 3)
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     # Ties go to either at random: 8 requests all went to one in a CI run (p = 2^-7); 24: 2^-23.
     for _ in range(24):
@@ -406,8 +398,8 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
     # 127.0.0.5: /v1/models fails there, so it is left out, warned about and counted.
     wait_for(
         lambda: metric(router, "sluicegate_discovery_events_total", event="models_failed") > 0,
-        3,
         "models: auto failure counted",
+        3,
     )
     assert f"http://127.0.0.5:{port}" not in backends(router)
     assert "models: auto" in router.log()
@@ -416,13 +408,13 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
     answers.failing = True
     wait_for(
         lambda: httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"],
-        3,
         "stale after a failed lookup",
+        3,
     )
     wait_for(  # a few more failed rounds
         lambda: metric(router, "sluicegate_discovery_events_total", event="lookup_failed") >= 4,
-        3,
         "failed lookups counted",
+        3,
     )
     assert set(backends(router)) == {m2.url, m3.url}
     ready = httpx.get(router.url + "/readyz")
@@ -433,7 +425,7 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
     # An address vanishes: it drains (nothing in flight here) and goes.
     answers.failing = False
     answers.records = {"vllm.test": ["127.0.0.3"]}
-    wait_for(lambda: set(backends(router)) == {m3.url}, 3, "the vanished address removed")
+    wait_for(lambda: set(backends(router)) == {m3.url}, "the vanished address removed", 3)
     assert metric(router, "sluicegate_discovery_backends", source="dns") == 1
     assert not httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"]
 
@@ -462,7 +454,7 @@ def test_a_discovered_endpoint_pointing_at_the_router_is_refused_not_looped(
         },
         port=port,
     )
-    wait_for(lambda: len(backends(router)) == 1, 10, "the discovered self-endpoint")
+    wait_for(lambda: len(backends(router)) == 1, "the discovered self-endpoint")
     r = httpx.post(
         router.url + "/v1/chat/completions",
         json={"model": "loop", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},

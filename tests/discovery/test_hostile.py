@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from router.discovery.reconcile import Endpoint, Reconciler
 from router.registry.fleet import Fleet, LocalRecords, Registry
 from tests.support.fake_kube import FakeKube, endpoint
 from tests.support.harness import free_port
+from tests.support.wait import wait_for_async
 
 PORTS = [{"name": "http", "port": 8000}]
 
@@ -57,13 +58,6 @@ class Running:
     @property
     def names(self) -> set[str]:
         return set(self.fleet.registry.snapshot.by_name)
-
-    async def until(self, check: Callable[[], bool], seconds: float, what: str) -> None:
-        end = time.monotonic() + seconds
-        while not check():
-            if time.monotonic() > end:
-                raise AssertionError(f"not within {seconds}s: {what}")
-            await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
@@ -104,16 +98,16 @@ def test_an_error_answer_to_the_list_keeps_the_fleet_and_marks_the_source_stale(
 
     async def run() -> None:
         async with source(kube, tmp_path, backoff_max=0.5) as r:
-            await r.until(lambda: r.names == TWO, 10, "both endpoints found")
+            await wait_for_async(lambda: r.names == TWO, "both endpoints found")
             kube.list_error = status
             kube.expire()  # the watch resumes with 410: a re-list, which now fails
             kube.drop_watches()
             lists = kube.requests.count("list")
-            await r.until(lambda: kube.requests.count("list") >= lists + 2, 10, "re-lists")
+            await wait_for_async(lambda: kube.requests.count("list") >= lists + 2, "re-lists")
             assert r.names == TWO  # never emptied
             assert r.src.rec.stale and r.src.rec.error == f"HTTP {status}"
             kube.list_error = None
-            await r.until(lambda: not r.src.rec.stale, 10, "fresh again")
+            await wait_for_async(lambda: not r.src.rec.stale, "fresh again")
             assert r.names == TWO
 
     asyncio.run(run())
@@ -150,21 +144,23 @@ def test_a_silent_watch_is_restarted_within_the_idle_timeout_and_shows_stale(
 
     async def run() -> None:
         async with source(kube, tmp_path, watch_idle_timeout=idle) as r:
-            await r.until(lambda: bool(r.names), 10, "endpoint found")
+            await wait_for_async(lambda: bool(r.names), "endpoint found")
             await asyncio.sleep(3 * idle)  # bookmarks flowing: never idle
             assert not r.src.rec.stale
             kube.silent = True  # the open watch goes quiet: no more bookmarks
             t0 = time.monotonic()
-            await r.until(lambda: r.src.rec.stale, 10 * idle, "stale")
+            await wait_for_async(lambda: r.src.rec.stale, "stale", 10 * idle)
             # Noticed after `idle` from the last bookmark (sent at most 0.2 s before the
             # silence), and well within the 310 s of before.
             assert time.monotonic() - t0 >= idle - 0.25
             assert "no watch event" in (r.src.rec.error or "")
             watches = kube.requests.count("watch")
-            await r.until(lambda: kube.requests.count("watch") > watches, 10 * idle, "restart")
+            await wait_for_async(
+                lambda: kube.requests.count("watch") > watches, "restart", 10 * idle
+            )
             assert r.names == {"vllm-10.0.0.1-8000"}  # kept meanwhile
             kube.silent = False
-            await r.until(lambda: not r.src.rec.stale, 20 * idle, "fresh after bookmarks")
+            await wait_for_async(lambda: not r.src.rec.stale, "fresh after bookmarks", 20 * idle)
 
     asyncio.run(run())
 
@@ -188,9 +184,9 @@ def test_bad_endpoints_and_slices_are_skipped_and_counted_while_good_ones_apply(
 
     async def run() -> None:
         async with source(kube, tmp_path) as r:
-            await r.until(lambda: r.names == {"vllm-10.0.0.1-8000"}, 10, "the good endpoint")
+            await wait_for_async(lambda: r.names == {"vllm-10.0.0.1-8000"}, "the good endpoint")
             kube.put_slice("good", [endpoint("10.0.0.2")], PORTS)  # later changes still apply
-            await r.until(lambda: "vllm-10.0.0.2-8000" in r.names, 10, "a later good slice")
+            await wait_for_async(lambda: "vllm-10.0.0.2-8000" in r.names, "a later good slice")
             assert r.names == {"vllm-10.0.0.1-8000", "vllm-10.0.0.2-8000"}
             assert r.events.seen.count("bad_endpoint") >= 2
 
@@ -204,7 +200,7 @@ def test_max_endpoints_refuses_the_excess_counts_and_shows_it(
 
     async def run() -> None:
         async with source(kube, tmp_path, max_endpoints=3) as r:
-            await r.until(lambda: len(r.names) == 3, 10, "three backends")
+            await wait_for_async(lambda: len(r.names) == 3, "three backends")
             await asyncio.sleep(0.5)
             assert len(r.names) == 3 and r.src.rec.refused == 2
             assert "refused" in r.events.seen
@@ -252,7 +248,9 @@ def test_a_slow_models_answer_delays_only_its_own_endpoint(kube: FakeKube, tmp_p
             async with source(kube, tmp_path, models="auto") as r:
                 await asyncio.sleep(0.5)  # the slow endpoint's question is under way
                 kube.put_slice("s2", [endpoint("127.0.0.3")], ports)
-                await r.until(lambda: f"vllm-127.0.0.3-{port}" in r.names, 3, "fast endpoint")
+                await wait_for_async(
+                    lambda: f"vllm-127.0.0.3-{port}" in r.names, "fast endpoint", 3
+                )
                 assert f"vllm-127.0.0.2-{port}" not in r.names
         finally:
             for s in (slow, fast):
@@ -273,8 +271,10 @@ def test_an_endless_models_answer_is_cut_at_the_size_cap_and_delays_no_other(
         fast = await _models_server("127.0.0.3", port, drip=False)
         try:
             async with source(kube, tmp_path, models="auto") as r:
-                await r.until(lambda: f"vllm-127.0.0.3-{port}" in r.names, 5, "fast endpoint")
-                await r.until(lambda: "models_failed" in r.events.seen, 10, "the cap")
+                await wait_for_async(
+                    lambda: f"vllm-127.0.0.3-{port}" in r.names, "fast endpoint", 5
+                )
+                await wait_for_async(lambda: "models_failed" in r.events.seen, "the cap")
                 assert f"vllm-127.0.0.2-{port}" not in r.names
         finally:
             for s in (endless, fast):
@@ -417,7 +417,7 @@ def test_a_bookmark_flood_is_paced_and_leaves_the_loop_free(kube: FakeKube, tmp_
 
     async def run() -> None:
         async with source(kube, tmp_path) as r:
-            await r.until(lambda: bool(r.names), 10, "endpoint found")
+            await wait_for_async(lambda: bool(r.names), "endpoint found")
             loop = asyncio.get_running_loop()
             turns = 0
             worst = 0.0

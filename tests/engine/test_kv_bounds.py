@@ -25,8 +25,9 @@ from router.engine import kv_events, kv_index
 from router.engine.kv_events import KvEvents
 from router.engine.kv_index import TokenIndex
 from router.engine.kv_wire import Stored
-from tests.support.harness import Cluster, Proc, backend, wait_for
+from tests.support.harness import Cluster, Proc, backend
 from tests.support.kv_publisher import Publisher, frames, removed, stored
+from tests.support.wait import wait_for, wait_for_async
 
 BS = 4
 
@@ -125,15 +126,6 @@ def run(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
     return wrapper
 
 
-async def _until(cond: Callable[[], bool], what: str) -> None:
-    try:
-        async with asyncio.timeout(10.0):
-            while not cond():  # noqa: ASYNC110 (state another socket's reader changes)
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        pytest.fail(f"not within 10 s: {what}")
-
-
 def _kv(endpoint: str, replay: str | None = None) -> KvEvents:
     kv = KvEvents(capacity=lambda _n: 1 << 16)
     cfg: dict[str, object] = {"endpoint": endpoint, "topic": "kv"}
@@ -195,7 +187,7 @@ async def test_a_frame_over_the_message_bound_is_not_read(
         await kv.start()
         await pub.subscribed()
         pub.publish([_blocks(1, 2)])  # seq 0
-        await _until(lambda: kv.index.blocks("a") == 2, "a batch of the usual size")
+        await wait_for_async(lambda: kv.index.blocks("a") == 2, "a batch of the usual size")
         pub.publish([_blocks(100, 8000)])  # seq 1: about 200 KB
         # The router's socket dropped the connection, and connects again (ZMQ would not, after
         # a protocol error): the batches after it arrive.
@@ -228,7 +220,7 @@ async def test_a_backlog_is_applied_a_turn_at_a_time(
         await pub.subscribed()
         for i in range(30):
             pub.publish([_blocks(1 + 10 * i, 2)])
-        await _until(lambda: kv.index.blocks("a") == 60, "every batch")
+        await wait_for_async(lambda: kv.index.blocks("a") == 60, "every batch")
         turns = [t for t, _ in ticks.at]
         assert len(turns) == 30 and turns == sorted(set(turns)), turns
         assert kv.live("a") and kv.status("a")["publishers"][0]["seq"] == 29  # type: ignore[index]
@@ -304,7 +296,7 @@ async def test_a_replay_is_applied_a_turn_at_a_time_and_new_batches_wait_behind_
     try:
         await kv.start()
         await pub.subscribed()
-        await _until(lambda: kv.index.blocks("a") == 42, "the replay and the two after it")
+        await wait_for_async(lambda: kv.index.blocks("a") == 42, "the replay and the two after it")
         turns = [t for t, _ in ticks.at]
         assert len(turns) == 22 and turns == sorted(set(turns)), turns
         assert [n for _, n in ticks.at] == [2] * 20 + [1, 1]
@@ -332,10 +324,10 @@ async def test_batches_held_during_a_replay_are_bounded_in_bytes(
     try:
         await kv.start()
         await pub.subscribed()
-        await _until(lambda: replay.asked == 1, "the replay asked for")
+        await wait_for_async(lambda: replay.asked == 1, "the replay asked for")
         for i in range(40):  # each about 1.7 KB
             pub.publish([_blocks(1 + 100 * i, 40)])
-        await _until(lambda: kv.batches == 40, "every batch received")
+        await wait_for_async(lambda: kv.batches == 40, "every batch received")
         feed = kv._engines["a"].feeds[0]
         assert kv.state("a") == "replaying"
         held = len(feed.held)
@@ -343,7 +335,7 @@ async def test_batches_held_during_a_replay_are_bounded_in_bytes(
         assert feed.held_bytes == sum(b.size + kv_events.HOLD_OVERHEAD for b in feed.held)
         assert [b.seq for b in feed.held] == list(range(40 - held, 40))  # the newest kept
         replay.silent = False
-        await _until(lambda: kv.state("a") == "unsure", "the replay over")
+        await wait_for_async(lambda: kv.state("a") == "unsure", "the replay over")
         assert kv.index.blocks("a") == 40 * held and not feed.held
     finally:
         replay.close()
@@ -367,7 +359,7 @@ async def test_a_replays_answer_is_read_up_to_its_bound(
     try:
         await kv.start()
         await pub.subscribed()
-        await _until(lambda: kv.state("a") == "unsure", "the replay read in part")
+        await wait_for_async(lambda: kv.state("a") == "unsure", "the replay read in part")
         applied = kv.index.blocks("a") // 40
         assert 0 < applied < 40 and kv.index.blocks("a") == 40 * applied
         read = sum(len(p) + 10 + kv_events.HOLD_OVERHEAD for _, p in replay.batches[: applied + 1])

@@ -21,8 +21,9 @@ from router.core.backend import Backend
 from router.core.settings import DEFAULT_DENIED_NETWORKS, BackendConfig
 from router.engine.kv_endpoints import EndpointRefused, host_of, path_refusal
 from router.engine.kv_events import KvEvents
-from tests.support.harness import Cluster, Proc, backend, free_port, wait_for
+from tests.support.harness import Cluster, Proc, backend, free_port
 from tests.support.kv_publisher import Publisher, stored
+from tests.support.wait import wait_for
 
 TOKEN = "admin-token-for-kv-tests"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

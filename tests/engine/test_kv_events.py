@@ -29,6 +29,7 @@ from router.engine.kv_wire import (
     token_list,
 )
 from tests.support.kv_publisher import Publisher, cleared, frames, removed, stored
+from tests.support.wait import wait_for_async
 
 BS = 4
 
@@ -205,13 +206,6 @@ def _backend(name: str, kv: dict[str, object], url: str = "http://127.0.0.1:9") 
     )
 
 
-async def _until(cond: Callable[[], bool], what: str) -> None:
-    async with asyncio.timeout(5.0):
-        while not cond():  # noqa: ASYNC110 (state another socket's reader changes)
-            await asyncio.sleep(0.01)
-    assert cond(), what
-
-
 @pytest.fixture
 def ipc(tmp_path: Path) -> Callable[[str], str]:
     return lambda name: f"ipc://{tmp_path}/{name}"
@@ -221,7 +215,7 @@ async def _subscribe(kv: KvEvents, pub: Publisher, probe_seq: int = 0) -> None:
     """Once the router's subscription reached the publisher, one message with `probe_seq`."""
     await pub.subscribed()
     pub.publish([], seq=probe_seq)
-    await _until(lambda: kv.batches > 0, "first message")
+    await wait_for_async(lambda: kv.batches > 0, "first message")
 
 
 @run
@@ -239,29 +233,29 @@ async def test_subscriber_follows_stores_removals_gaps_and_restarts(
         assert kv.live("a")
         prompt = toks(8)
         pub.publish([stored([1, 2], None, prompt, BS)], ts=0.0)
-        await _until(lambda: kv.index.blocks("a") == 2, "stored")
+        await wait_for_async(lambda: kv.index.blocks("a") == 2, "stored")
         keys = chain_keys(prompt, BS)
         assert kv.index.match(keys, ["a"]) == {"a": 2}
         st = kv.status("a")
         assert st is not None and st["state"] == "live" and st["events"]["BlockStored"] == 1
         # The counters get the counts within FLUSH_INTERVAL (the pump's timer), not per batch.
-        await _until(lambda: ("a", "BlockStored", 1) in seen, "counts flushed")
+        await wait_for_async(lambda: ("a", "BlockStored", 1) in seen, "counts flushed")
         assert st["lag_seconds"] is not None and st["lag_seconds"] > 0  # ts 0: long ago
 
         pub.publish([removed([2])])
-        await _until(lambda: kv.index.blocks("a") == 1, "removed")
+        await wait_for_async(lambda: kv.index.blocks("a") == 1, "removed")
         assert kv.index.match(keys, ["a"]) == {"a": 1}
 
         pub.publish([], seq=pub.seq + 3)  # a gap, no replay endpoint: unsure
-        await _until(lambda: kv.state("a") == "unsure", "gap")
+        await wait_for_async(lambda: kv.state("a") == "unsure", "gap")
         assert not kv.live("a")
         pub.publish([cleared()])  # nothing held: exact again
-        await _until(lambda: kv.live("a"), "cleared")
+        await wait_for_async(lambda: kv.live("a"), "cleared")
 
         pub.publish([stored([7], None, prompt[:4], BS)])
-        await _until(lambda: kv.index.blocks("a") == 1, "stored again")
+        await wait_for_async(lambda: kv.index.blocks("a") == 1, "stored again")
         pub.publish([], seq=0)  # the engine restarted: its cache is empty
-        await _until(lambda: kv.index.blocks("a") == 0, "restart")
+        await wait_for_async(lambda: kv.index.blocks("a") == 0, "restart")
         assert kv.live("a") and kv.status("a")["restarts"] == 1  # type: ignore[index]
     finally:
         await kv.aclose()
@@ -284,7 +278,7 @@ async def test_messages_of_other_shapes_are_counted_and_the_next_batch_still_app
         for odd in (good[:1], good[:2], [*good, b"more"], [good[0], good[1], b"\xc1"]):
             pub.sock.send_multipart(odd)
         pub.sock.send_multipart(good)
-        await _until(lambda: kv.index.blocks("a") == 2, "the batch after them")
+        await wait_for_async(lambda: kv.index.blocks("a") == 2, "the batch after them")
         assert kv.malformed == 4 and kv.live("a")
         assert kv.index.match(chain_keys(toks(8), BS), ["a"]) == {"a": 2}
     finally:
@@ -308,16 +302,16 @@ async def test_a_restart_whose_first_batches_were_missed_drops_the_index(
         old = toks(8)
         pub.publish([stored([1, 2], None, old, BS)], ts=10.0)  # seq 1
         pub.publish([], ts=11.0)  # seq 2
-        await _until(lambda: kv.batches == 3, "before the restart")
+        await wait_for_async(lambda: kv.batches == 3, "before the restart")
         assert kv.index.match(chain_keys(old, BS), ["a"]) == {"a": 2}
 
         pub.publish([removed([2])], ts=10.0, seq=1)  # seq 1 again, as old: an overlap
-        await _until(lambda: kv.batches == 4, "overlap")
+        await wait_for_async(lambda: kv.batches == 4, "overlap")
         assert kv.index.blocks("a") == 2 and kv.status("a")["restarts"] == 0  # type: ignore[index]
 
         new = toks(4, start=100)
         pub.publish([stored([7], None, new, BS)], ts=20.0, seq=1)  # the new engine's second
-        await _until(lambda: kv.status("a")["restarts"] == 1, "restart")  # type: ignore[index]
+        await wait_for_async(lambda: kv.status("a")["restarts"] == 1, "restart")  # type: ignore[index]
         assert kv.index.match(chain_keys(old, BS), ["a"]) == {}
         assert kv.index.match(chain_keys(new, BS), ["a"]) == {"a": 1}
         assert kv.state("a") == "unsure"  # its seq 0 was missed and there is no replay socket
@@ -352,12 +346,12 @@ async def test_late_join_replays_from_the_engines_buffer(ipc: Callable[[str], st
         kv.sync([_backend("a", {"endpoint": ipc("e2"), "replay_endpoint": ipc("e2-replay")})])
         await kv.start()
         await _subscribe(kv, pub, probe_seq=1)  # first heard: seq 1, so 0 was missed
-        await _until(lambda: kv.live("a"), "replayed")
+        await wait_for_async(lambda: kv.live("a"), "replayed")
         assert kv.index.match(chain_keys(prompt, BS), ["a"]) == {"a": 2}
         # Health saw the engine stop: the index goes, and the replay rebuilds it (still running).
         kv.reset("a")
         assert kv.index.blocks("a") == 0 and not kv.live("a")
-        await _until(lambda: kv.live("a") and kv.index.blocks("a") == 2, "rebuilt")
+        await wait_for_async(lambda: kv.live("a") and kv.index.blocks("a") == 2, "rebuilt")
     finally:
         server.cancel()
         await kv.aclose()
@@ -380,7 +374,7 @@ async def test_router_binds_where_vllm_connects() -> None:
         assert status is not None and status["publishers"][0]["bind"] is True
         await _subscribe(kv, pub)
         pub.publish([stored([1], None, toks(4), BS)])
-        await _until(lambda: kv.index.blocks("a") == 1, "stored over tcp")
+        await wait_for_async(lambda: kv.index.blocks("a") == 1, "stored over tcp")
     finally:
         await kv.aclose()
         pub.close()
@@ -436,10 +430,10 @@ async def test_discovery_from_kv_event_sources(ipc: Callable[[str], str]) -> Non
     pub = Publisher(ipc("e3"))
     kv = KvEvents(capacity=lambda _n: 100)
     try:
-        await _until(lambda: server.started, "mock engine up")
+        await wait_for_async(lambda: server.started, "mock engine up")
         kv.sync([_backend("a", {}, url=f"http://127.0.0.1:{port}")])
         await kv.start()
-        await _until(lambda: bool(kv.status("a")["publishers"]), "discovered")  # type: ignore[index]
+        await wait_for_async(lambda: bool(kv.status("a")["publishers"]), "discovered")  # type: ignore[index]
         await _subscribe(kv, pub)
         assert kv.live("a")
     finally:
@@ -463,7 +457,7 @@ async def test_the_mocks_replay_socket_answers_a_late_router(ipc: Callable[[str]
     try:
         kv.sync([_backend("a", {"endpoint": ipc("m1"), "replay_endpoint": ipc("m1-replay")})])
         await kv.start()
-        await _until(lambda: kv.live("a"), "replayed")
+        await wait_for_async(lambda: kv.live("a"), "replayed")
         assert kv.index.match(chain_keys(prompt, BS), ["a"]) == {"a": 2}
         assert kv.status("a")["publishers"][0]["seq"] == 0  # type: ignore[index]
     finally:

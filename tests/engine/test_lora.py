@@ -10,8 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -32,6 +31,7 @@ from router.request.placement.prefix import block_hashes
 from router.tools.status import run as status
 from tests.support.harness import Cluster, Proc, backend, stats
 from tests.support.picking import Bound
+from tests.support.wait import wait_for
 
 LAB = '{engine="0",model_name="m"}'
 
@@ -213,15 +213,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         c.close()
 
 
-def wait_for(check: Callable[[], bool], within: float, what: str) -> None:
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {within}s: {what}")
-
-
 def ask(router: Proc, model: str) -> httpx.Response:
     return httpx.post(
         router.url + "/v1/chat/completions",
@@ -249,7 +240,6 @@ def test_adapter_requests_land_on_the_engine_that_has_it(fleet: dict[str, Any]) 
     router = fleet["router"]
     wait_for(
         lambda: "sql" in (engines(router)["a"].get("lora") or {}).get("loaded", []),
-        10,
         "the router reads a's adapters",
     )
     client = OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
@@ -299,7 +289,7 @@ def test_an_unknown_adapter_is_loaded_once_on_demand_and_unloaded_when_idle(
     assert lora_metric(router, "chat", "loaded") == 1
     # Idle for idle_unload: unloaded, and the engine no longer lists it.
     holder = fleet[where.pop()]
-    wait_for(lambda: lora_metric(router, "chat", "unloaded") == 1, 10, "the idle unload")
+    wait_for(lambda: lora_metric(router, "chat", "unloaded") == 1, "the idle unload")
     models = httpx.get(holder.url + "/v1/models", timeout=5).json()["data"]
     assert "chat" not in [m["id"] for m in models]
 

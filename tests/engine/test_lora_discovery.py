@@ -21,7 +21,8 @@ import pytest
 from openai import NotFoundError, OpenAI
 
 from tests.support.fake_kube import FakeKube, endpoint, kube_source
-from tests.support.harness import Cluster, admin_backends, free_port, stats, wait_for
+from tests.support.harness import Cluster, admin_backends, free_port, stats
+from tests.support.wait import wait_for
 
 MODEL = "mock-model"
 ADAPTER = "sql"

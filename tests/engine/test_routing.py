@@ -10,7 +10,7 @@ import concurrent.futures
 import io
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,6 +19,7 @@ from openai import OpenAI
 
 from router.tools.status import run as status
 from tests.support.harness import Cluster, Proc, backend, control, stats
+from tests.support.wait import wait_for
 
 INTERVAL = 0.1
 ENGINE = ["--engine", "--max-num-seqs", "8", "--kv-tokens", "32768", "--decode-ms", "5"]
@@ -55,15 +56,6 @@ def engines(router: Proc) -> dict[str, dict[str, Any]]:
     r = httpx.get(router.url + "/admin/backends", timeout=5)
     r.raise_for_status()
     return {b["name"]: b["engine"] for b in r.json()}
-
-
-def wait_for(check: Callable[[], bool], within: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < within:
-        if check():
-            return time.monotonic() - start
-        time.sleep(0.02)
-    raise AssertionError(f"not within {within}s: {what}")
 
 
 def burst(router: Proc, n: int, max_tokens: int = 20) -> Counter[str]:
@@ -108,8 +100,8 @@ def test_new_old_and_sglang_names_are_read(fleet: dict[str, Proc]) -> None:
             e["running"] == 3 and e["kv_usage"] > 0 and not e["stale"]
             for e in engines(router).values()
         ),
-        3,
         "every engine's batch and KV use read, whatever its metric names",
+        3,
     )
     seen = engines(router)
     # cache_config_info: num_gpu_blocks x block_size; SGLang does not say.
@@ -132,7 +124,7 @@ def test_hidden_load_steers_new_requests_away_within_two_intervals(
     fleet: dict[str, Proc],
 ) -> None:
     router = fleet["router"]
-    wait_for(lambda: all(e["running"] == 0 for e in engines(router).values()), 3, "idle")
+    wait_for(lambda: all(e["running"] == 0 for e in engines(router).values()), "idle", 3)
     control(fleet["a"], background=6)  # requests that never pass through the router
     time.sleep(2 * INTERVAL + 0.05)
     got = burst(router, 12)
@@ -146,12 +138,12 @@ def test_stale_engine_is_not_preferred(fleet: dict[str, Proc]) -> None:
     router = fleet["router"]
     control(fleet["a"], background=4)
     control(fleet["b"], metrics_status=404)  # idle, but we can no longer see it
-    wait_for(lambda: engines(router)["b"]["stale"], 3, "b stale")
+    wait_for(lambda: engines(router)["b"]["stale"], "b stale", 3)
     assert engines(router)["b"]["scrape_error"] == "HTTP 404"
     got = burst(router, 8)
     assert got["b"] == 0, got
     control(fleet["b"], metrics_status=200)
-    wait_for(lambda: not engines(router)["b"]["stale"], 3, "b fresh again")
+    wait_for(lambda: not engines(router)["b"]["stale"], "b fresh again", 3)
 
 
 @pytest.mark.parametrize(
@@ -173,10 +165,10 @@ def test_scrape_faults_are_survived(
     control(fleet["a"], **fault)
     wait_for(
         lambda: error in (engines(router)["a"]["scrape_error"] or ""),
-        3,
         f"scrape_error {error!r}",
+        3,
     )
-    wait_for(lambda: engines(router)["a"]["stale"], 3, "a stale")
+    wait_for(lambda: engines(router)["a"]["stale"], "a stale", 3)
     # Routing goes on, never to the engine we cannot read while others are fresh.
     got = burst(router, 6, max_tokens=4)
     assert sum(got.values()) == 6 and got["a"] == 0, got
@@ -196,8 +188,8 @@ def test_scrape_faults_are_survived(
     control(fleet["a"], metrics_status=200, metrics_delay_ms=0, metrics_body=None)
     wait_for(
         lambda: not engines(router)["a"]["stale"] and engines(router)["a"]["scrape_error"] is None,
-        3,
         "a fresh again after the fault",
+        3,
     )
 
 
@@ -234,8 +226,8 @@ def test_an_absurd_kv_capacity_is_capped_or_ignored(fleet: dict[str, Proc]) -> N
     control(fleet["a"], metrics_body=running + huge)
     wait_for(
         lambda: engines(router)["a"]["kv_capacity_tokens"] == 8 * 1024 * 1024,
-        3,
         "capacity capped at max_kv_tokens",
+        3,
     )
     odd = 'vllm:cache_config_info{block_size="1000000",num_gpu_blocks="1000"} 1.0\n'
     control(fleet["a"], metrics_body=running + odd)
@@ -244,8 +236,8 @@ def test_an_absurd_kv_capacity_is_capped_or_ignored(fleet: dict[str, Proc]) -> N
             engines(router)["a"]["kv_capacity_tokens"] is None
             and engines(router)["a"]["scrape_error"] is None
         ),
-        3,
         "an implausible block size taken as no report",
+        3,
     )
 
 
@@ -257,6 +249,6 @@ def test_a_page_of_too_many_series_is_refused_cheaply(fleet: dict[str, Proc]) ->
     control(fleet["a"], metrics_body=page)
     wait_for(
         lambda: "too many series" in (engines(router)["a"]["scrape_error"] or ""),
-        3,
         "scrape_error too many series",
+        3,
     )

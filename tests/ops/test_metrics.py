@@ -7,11 +7,11 @@ the workers' values are merged (multiprocess mode): a per-worker registry would 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,6 +28,7 @@ from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
 from router.ops.metrics import MeteredInflight, Metrics
 from tests.support.harness import Cluster, Proc, backend, control, free_port
+from tests.support.wait import wait_for
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -68,24 +69,6 @@ def scrape(router: Proc) -> Samples:
 def value(samples: Samples, name: str, **labels: str) -> float:
     want = set(labels.items())
     return sum(v for (n, lbl), v in samples.items() if n == name and want <= set(lbl))
-
-
-def wait_for(check: Callable[[], bool], deadline: float = 10.0) -> None:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
-def wait_for_quietly(check: Callable[[], bool], deadline: float) -> bool:
-    """Like `wait_for`, but says whether it happened instead of failing."""
-    try:
-        wait_for(check, deadline)
-    except AssertionError:
-        return False
-    return True
 
 
 def read_events(lines: Iterator[str], n: int) -> int:
@@ -145,7 +128,8 @@ def test_counts_from_both_workers_are_merged(fleet: dict[str, Proc]) -> None:
     texts: list[str] = []
     for _ in range(8):
         texts += asyncio.run(main())
-        if wait_for_quietly(lambda: len(request_pids(router, log_start)) >= 2, 2.0):
+        with contextlib.suppress(AssertionError):  # not yet: another batch
+            wait_for(lambda: len(request_pids(router, log_start)) >= 2, "both workers served", 2.0)
             break
     n = len(texts)
     control(fleet["good"], itl_ms=0)
@@ -238,7 +222,7 @@ def test_disconnect_counted_and_in_flight_released(fleet: dict[str, Proc]) -> No
         )
         return gone == 1 and value(now, "sluicegate_backend_in_flight", backend="slow") == 0
 
-    wait_for(settled)
+    wait_for(settled, "the disconnect counted, nothing in flight")
 
 
 def test_killed_workers_stop_counting_in_flight(fleet: dict[str, Proc]) -> None:
@@ -258,8 +242,8 @@ def test_killed_workers_stop_counting_in_flight(fleet: dict[str, Proc]) -> None:
         assert value(scrape(router), "sluicegate_backend_in_flight", backend="slow") == 1
         for pid in pids:  # the router's workers: started by this test's router process
             os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: len(worker_pids(router)) >= len(pids) + 2, deadline=30)
-    wait_for(lambda: httpx.get(router.url + "/readyz", timeout=2).status_code == 200)
+    wait_for(lambda: len(worker_pids(router)) >= len(pids) + 2, "two new workers", 30)
+    wait_for(lambda: httpx.get(router.url + "/readyz", timeout=2).status_code == 200, "ready")
     after = scrape(router)
     # The dead worker's stream no longer counts; what the dead workers served still does.
     assert value(after, "sluicegate_backend_in_flight", backend="slow") == 0

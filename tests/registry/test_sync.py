@@ -15,7 +15,8 @@ import openai
 import pytest
 import redis
 
-from tests.support.harness import Cluster, Proc, backend, stats, wait_for
+from tests.support.harness import Cluster, Proc, backend, stats
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.redis
 

@@ -14,7 +14,6 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from tests.support.harness import (
     stream_text,
     wait_http,
 )
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -49,16 +49,6 @@ BASE_ENV = {
     "SLUICEGATE_REDIS_LEASE_TTL": str(LEASE_TTL),
     "SLUICEGATE_REGISTRY_RESYNC": "0.5",
 }
-
-
-def eventually(check: Callable[[], bool], within: float, every: float = 0.1) -> float:
-    """Seconds until `check()` held; fails after `within`."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > within:
-            raise AssertionError(f"not true within {within}s")
-        time.sleep(every)
-    return time.monotonic() - start
 
 
 def admin(router: Proc, method: str = "GET", **kw: Any) -> httpx.Response:
@@ -134,7 +124,12 @@ def registry_reaches(source: Proc, other: Proc, mock: Proc, name: str) -> float:
     """Seconds until a backend registered on `source` is routable by name on `other`."""
     record = backend(name, mock)
     assert admin(source, "POST", json=record).status_code == 201
-    return eventually(lambda: name in {r["name"] for r in admin(other).json()}, within=5)
+    return wait_for(
+        lambda: name in {r["name"] for r in admin(other).json()},
+        f"{name} on the other replica",
+        5,
+        0.1,
+    )
 
 
 def test_cluster_shares_counts_and_registry(module_procs: Cluster, mocks: dict[str, Proc]) -> None:
@@ -152,7 +147,7 @@ def test_cluster_shares_counts_and_registry(module_procs: Cluster, mocks: dict[s
         loop = asyncio.get_running_loop()
 
         def observe() -> None:
-            eventually(lambda: sum(running(mocks).values()) == 20, within=10)
+            wait_for(lambda: sum(running(mocks).values()) == 20, "20 streams running", 10, 0.1)
             with RedisCluster(host="127.0.0.1", port=nodes[0].port) as rc:
 
                 def agree() -> bool:
@@ -164,7 +159,7 @@ def test_cluster_shares_counts_and_registry(module_procs: Cluster, mocks: dict[s
                         raise AssertionError(f"streams ended before the counts agreed: {seen}")
                     return all(v == seen["truth"] for v in (seen["redis"], *seen["admin"]))
 
-                eventually(agree, within=5)
+                wait_for(agree, "Redis, every admin API and the backends agree", 5, 0.1)
 
         await loop.run_in_executor(None, observe)
         out = await asyncio.gather(*jobs, return_exceptions=True)
@@ -180,7 +175,7 @@ def test_cluster_shares_counts_and_registry(module_procs: Cluster, mocks: dict[s
     slots = {cli(nodes[0].port, "CLUSTER", "KEYSLOT", "{sluicegate}:inflight:" + n) for n in NAMES}
     assert slots == {cli(nodes[0].port, "CLUSTER", "KEYSLOT", "sluicegate")}
     with RedisCluster(host="127.0.0.1", port=nodes[0].port) as rc:
-        eventually(lambda: live_leases(rc) == dict.fromkeys(NAMES, 0), within=5)
+        wait_for(lambda: live_leases(rc) == dict.fromkeys(NAMES, 0), "no lease left", 5, 0.1)
     # An admin change on one replica reaches the other through the Cluster (pub/sub + resync).
     registry_reaches(routers[0], routers[1], mocks["b"], "b-admin")
     logs = "".join(r.log() for r in routers)
@@ -256,7 +251,10 @@ def test_sentinel_failover_under_load(module_procs: Cluster, mocks: dict[str, Pr
             == "OK"
         )
         await loop.run_in_executor(
-            None, lambda: eventually(lambda: master_port() == replica.port, within=10)
+            None,
+            lambda: wait_for(
+                lambda: master_port() == replica.port, "the replica promoted", 10, 0.1
+            ),
         )
         switched = time.monotonic()
         await served(switched)
@@ -274,7 +272,9 @@ def test_sentinel_failover_under_load(module_procs: Cluster, mocks: dict[str, Pr
             return sum(truth.values()) == 8 and all(v == truth for v in (leases, *last["admin"]))
 
         try:
-            await loop.run_in_executor(None, lambda: eventually(settled, within=3 * LEASE_TTL))
+            await loop.run_in_executor(
+                None, lambda: wait_for(settled, "counts true again", 3 * LEASE_TTL, 0.1)
+            )
         except AssertionError:
             notes = [
                 line
@@ -305,7 +305,9 @@ def test_sentinel_failover_under_load(module_procs: Cluster, mocks: dict[str, Pr
                 admin_counts(r) == idle for r in routers
             )
 
-        await loop.run_in_executor(None, lambda: eventually(released, within=LEASE_TTL))
+        await loop.run_in_executor(
+            None, lambda: wait_for(released, "every lease released", LEASE_TTL, 0.1)
+        )
         for c in clients:
             await c.close()
         return {
@@ -386,14 +388,14 @@ def test_tls_and_unix_socket_urls_share_one_count(
         held.append(s)
     with redis.Redis(host="127.0.0.1", port=server.port) as plain:
         # Least-in-flight through shared counts: the second stream went to the other backend.
-        eventually(lambda: live_leases(plain) == {"a": 1, "b": 1}, within=5)
+        wait_for(lambda: live_leases(plain) == {"a": 1, "b": 1}, "one lease on each", 5, 0.1)
         assert all(admin_counts(r) == {"a": 1, "b": 1} for r in routers)
         clients = plain.client_list()
         assert any(c["laddr"] == f"127.0.0.1:{tls_port}" for c in clients), clients
         assert any(c["laddr"].startswith(str(sock)) for c in clients), clients
         for s in held:
             s.close()
-        eventually(lambda: live_leases(plain) == dict.fromkeys(NAMES, 0), within=5)
+        wait_for(lambda: live_leases(plain) == dict.fromkeys(NAMES, 0), "no lease left", 5, 0.1)
     assert running(mocks) == dict.fromkeys(NAMES, 0)
     stop_together(routers)
 

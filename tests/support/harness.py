@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -394,14 +394,6 @@ async def late_by(work: Awaitable[T], seconds: float) -> tuple[T, float]:
 
     (result, done), due = await asyncio.gather(timed(), timer())
     return result, done - due
-
-
-def wait_for(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
-    """Poll `check` until true; fails naming `what` after `within` seconds."""
-    end = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < end, f"not within {within:.1f} s: {what}"
-        time.sleep(0.02)
 
 
 def stats(mock: Proc) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,6 +18,7 @@ import pytest
 from bench.kit.procstat import open_fds
 from tests.support.harness import Cluster, Proc, in_flight
 from tests.support.hostile_backend import HostileBackend
+from tests.support.wait import wait_for
 
 CHAT = "/v1/chat/completions"
 INVALID = ("head-flood", "many-headers", "big-head", "status-600", "status-101")
@@ -59,16 +59,20 @@ def router(module_procs: Cluster, hostile: HostileBackend) -> Proc:
     )
 
 
-def _logged(router: Proc, rid: str, deadline: float = 5.0) -> dict[str, Any]:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        for line in router.log().splitlines():
-            if rid in line and '"attempts"' in line:
-                row = json.loads(line)
-                if row.get("request_id") == rid:
-                    return dict(row)
-        time.sleep(0.02)
-    raise AssertionError(f"no request log line for {rid}")
+def _log_row(router: Proc, rid: str) -> dict[str, Any] | None:
+    for line in router.log().splitlines():
+        if rid in line and '"attempts"' in line:
+            row = json.loads(line)
+            if row.get("request_id") == rid:
+                return dict(row)
+    return None
+
+
+def _logged(router: Proc, rid: str) -> dict[str, Any]:
+    wait_for(lambda: _log_row(router, rid), f"the request log line of {rid}", 5.0)
+    row = _log_row(router, rid)
+    assert row is not None
+    return row
 
 
 def _retries(router: Proc) -> float:
@@ -78,15 +82,6 @@ def _retries(router: Proc) -> float:
         for line in text.splitlines()
         if line.startswith("sluicegate_retries_total{")
     )
-
-
-def _wait(cond: Callable[[], bool], deadline: float = 5.0) -> bool:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _post(router: Proc, model: str, rid: str, **kw: Any) -> httpx.Response:
@@ -171,8 +166,8 @@ def test_invalid_response_heads_are_a_502_and_the_connection_is_dropped(
     assert _logged(router, rid)["attempts"] == 1
     # The router dropped the connection (the backend waits for that, or its flood is cut).
     if mode == "head-flood":
-        assert _wait(lambda: hostile.dropped_floods == floods + 1)
-    assert _wait(lambda: hostile.open <= 2)
+        wait_for(lambda: hostile.dropped_floods == floods + 1, "the flood cut", 5.0)
+    wait_for(lambda: hostile.open <= 2, "the connection dropped", 5.0)
 
 
 def test_heads_within_the_limits_pass(router: Proc, baseline: int) -> None:
@@ -223,6 +218,8 @@ def test_bytes_logged_for_an_abandoned_stream_are_what_was_sent(
 def test_router_is_left_as_it_was(router: Proc, hostile: HostileBackend, baseline: int) -> None:
     assert httpx.get(router.url + "/healthz").status_code == 200
     assert _post(router, "ok", "after-1").status_code == 200
-    assert _wait(lambda: in_flight(router) == 0)
+    wait_for(lambda: in_flight(router) == 0, "nothing in flight", 5.0)
     # Pools may keep an idle connection or two per backend; nothing grows with the failures.
-    assert _wait(lambda: open_fds(router.pid) <= baseline + 2), (open_fds(router.pid), baseline)
+    wait_for(
+        lambda: open_fds(router.pid) <= baseline + 2, f"open files within 2 of {baseline}", 5.0
+    )

@@ -16,7 +16,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from dnslib import QTYPE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from tests.support.harness import ROOT, Cluster, Proc, free_port
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -203,14 +204,6 @@ def rows(router: Proc) -> dict[str, dict[str, Any]]:
     return {b["name"]: b for b in r.json()}
 
 
-def wait_for(check: Callable[[], bool], what: str) -> None:
-    end = time.monotonic() + SETTLE
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {SETTLE}s: {what}")
-        time.sleep(0.05)
-
-
 def works(router: Proc, name: str, model: str | None = None) -> None:
     """Traffic, the probe and the scrape of backend `name` all succeed."""
 
@@ -224,7 +217,7 @@ def works(router: Proc, name: str, model: str | None = None) -> None:
             and engine.get("scrape_error") is None
         )
 
-    wait_for(probed_and_scraped, f"{name}: healthy and scraped")
+    wait_for(probed_and_scraped, f"{name}: healthy and scraped", SETTLE)
     sdk = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     out = sdk.chat.completions.create(
         model=model or name, messages=[{"role": "user", "content": "hi"}]
@@ -240,7 +233,7 @@ def fails(router: Proc, name: str, why: str, scrape_why: str) -> str:
         engine = row["engine"] or {}
         return not row["healthy"] and str(engine.get("scrape_error", "")).startswith("unreachable")
 
-    wait_for(failing, f"{name}: unhealthy and unscraped")
+    wait_for(failing, f"{name}: unhealthy and unscraped", SETTLE)
     row = rows(router)[name]
     assert row["reason"].startswith(f"probe failed ({why}"), row
     assert row["engine"]["scrape_error"].startswith(f"unreachable: {scrape_why}"), row
@@ -295,7 +288,9 @@ def test_discovery_templates_carry_tls_to_models_auto_probes_and_scrapes(
     fleet: dict[str, Any],
 ) -> None:
     router = fleet["router"]
-    wait_for(lambda: any(n.startswith("found-") for n in rows(router)), "a discovered backend")
+    wait_for(
+        lambda: any(n.startswith("found-") for n in rows(router)), "a discovered backend", SETTLE
+    )
     name = next(n for n in rows(router) if n.startswith("found-"))
     assert rows(router)[name]["url"].startswith("https://127.0.0.1:"), rows(router)[name]
     works(router, name, "mock-model")  # the model came from its /v1/models, over TLS

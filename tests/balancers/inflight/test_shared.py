@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from tests.support.harness import (
     stats,
     stream_text,
 )
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -67,17 +67,6 @@ def redis_counts(url: str, names: tuple[str, ...] = NAMES) -> dict[str, int]:
     now_ms = int(time.time() * 1000)
     with redis.Redis.from_url(url) as r:
         return {n: int(r.zcount("{sluicegate}:inflight:" + n, now_ms, "+inf")) for n in names}
-
-
-def eventually(check: Callable[[], bool], within: float, every: float = 0.2) -> float:
-    """Seconds until `check()` held; fails after `within`."""
-    start = time.monotonic()
-    while True:
-        if check():
-            return time.monotonic() - start
-        if time.monotonic() - start > within:
-            raise AssertionError(f"not true within {within}s")
-        time.sleep(every)
 
 
 def kill9_tree(proc: Proc) -> None:
@@ -143,7 +132,9 @@ def test_single_router_redis_store_leaks_nothing(procs: Cluster, mocks: dict[str
     assert info.value.status_code in (502, 503)
     for s in held:
         s.close()  # the client leaves mid-stream
-    eventually(lambda: redis_counts(rd.url, names) == dict.fromkeys(names, 0), within=5)
+    wait_for(
+        lambda: redis_counts(rd.url, names) == dict.fromkeys(names, 0), "no count left", 5, 0.2
+    )
     assert running({n: mocks[n] for n in ("a", "b")}) == {"a": 0, "b": 0}
     client.close()
 
@@ -176,7 +167,7 @@ def test_capacity_full_with_redis_is_503_retry_after(
         assert resp.json()["error"]["code"] == "no_capacity"
     for s in held:
         s.close()
-    eventually(lambda: redis_counts(rd.url, ("a", "b")) == {"a": 0, "b": 0}, within=5)
+    wait_for(lambda: redis_counts(rd.url, ("a", "b")) == {"a": 0, "b": 0}, "no count left", 5, 0.2)
 
 
 def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
@@ -203,7 +194,7 @@ def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
         return done_a, done_b, seen
 
     def observe() -> dict[str, Any]:
-        eventually(lambda: sum(running(mocks).values()) == 200, within=30)
+        wait_for(lambda: sum(running(mocks).values()) == 200, "200 streams running", 30, 0.2)
         truth = running(mocks)
         spread: dict[str, Any] = {"mocks": truth}
 
@@ -213,7 +204,7 @@ def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
             spread["admin_b"] = admin_counts(rb)
             return spread["redis"] == spread["admin_a"] == spread["admin_b"] == truth
 
-        spread["agree_s"] = eventually(shared, within=10, every=0.25)
+        spread["agree_s"] = wait_for(shared, "Redis, both routers and the backends agree", 10, 0.25)
         spread["degraded_logs"] = [
             line for line in (ra.log() + rb.log()).splitlines() if "counting locally" in line
         ]
@@ -223,7 +214,7 @@ def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
             truth = running(mocks)
             return sum(truth.values()) == 100 and admin_counts(ra) == truth
 
-        converge_s = eventually(converged, within=20, every=0.25)
+        converge_s = wait_for(converged, "counts back to the truth", 20, 0.25)
         return {
             **spread,
             "converge_s": converge_s,
@@ -241,7 +232,7 @@ def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
         repr(t) for t in done_a if t != expected_text(tokens)
     ][:3]
     assert all(isinstance(t, Exception) for t in done_b)  # their router died under them
-    eventually(lambda: redis_counts(rd.url) == dict.fromkeys(NAMES, 0), within=5)
+    wait_for(lambda: redis_counts(rd.url) == dict.fromkeys(NAMES, 0), "no count left", 5, 0.2)
     print(
         f"\nspread {seen['mocks']}; counts back to truth {seen['converge_s']:.1f}s after kill -9;"
         f" workers that fell back to local counts for a moment: {len(seen['degraded_logs'])};"
@@ -291,7 +282,9 @@ def test_redis_stopped_and_restarted_under_load(procs: Cluster, mocks: dict[str,
             return sum(truth.values()) == 16 and all(admin_counts(r) == truth for r in routers)
 
         loop = asyncio.get_running_loop()
-        settle_s = await loop.run_in_executor(None, lambda: eventually(settled, within=15))
+        settle_s = await loop.run_in_executor(
+            None, lambda: wait_for(settled, "counts shared again", 15, 0.2)
+        )
         truth = running(mocks)
         in_redis = await loop.run_in_executor(None, lambda: redis_counts(rd.url))
         long_results = await asyncio.gather(*longs, return_exceptions=True)

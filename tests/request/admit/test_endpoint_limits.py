@@ -22,7 +22,8 @@ import pytest
 from router.core.endpoints import ENDPOINTS, Endpoint
 from router.request.admit.quota import KeyLimits
 from router.request.lifecycle.getting_in import limits_for
-from tests.support.harness import Cluster, Proc, backend, booked, control, sha, stats, wait_for
+from tests.support.harness import Cluster, Proc, backend, booked, control, sha, stats
+from tests.support.wait import wait_for
 
 ADMIN = "admin-limits-token-0123456789"
 RPM = 3

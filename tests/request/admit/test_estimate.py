@@ -22,7 +22,8 @@ from router.request.admit.estimate import (
     estimate_tokens,
 )
 from router.request.admit.quota import KeyLimits, Quotas, Reservation
-from tests.support.harness import Cluster, Proc, backend, sha, stats, wait_for
+from tests.support.harness import Cluster, Proc, backend, sha, stats
+from tests.support.wait import wait_for
 
 BATCH = "sk-est-batch-0123456789"
 N = "sk-est-n-0123456789"

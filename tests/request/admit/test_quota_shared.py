@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-import time
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -24,6 +23,7 @@ from router.core.redis_client import RedisTarget
 from router.request.admit.quota import KeyLimits, Reservation
 from router.request.admit.quota_shared import SharedQuotas, SharedReservation, key_tag
 from tests.support.harness import Cluster, Proc, backend, late_by, sha, wait_http
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.redis
 
@@ -330,15 +330,9 @@ def test_max_parallel_holds_across_replicas_and_a_cancelled_stream_frees_its_slo
                     assert "parallel" in str(info.value.body)
                 assert slots(rds.url, "sluicegate", "par") == 2
             # The client left the second stream: its slot leaves Redis at once, not at expiry.
-            end = time.monotonic() + 2
-            while slots(rds.url, "sluicegate", "par") != 1 and time.monotonic() < end:
-                time.sleep(0.02)
-            assert slots(rds.url, "sluicegate", "par") == 1
+            wait_for(lambda: slots(rds.url, "sluicegate", "par") == 1, "its slot gone", 2)
             assert one(a).choices[0].message.content is not None
-    end = time.monotonic() + 2
-    while slots(rds.url, "sluicegate", "par") and time.monotonic() < end:
-        time.sleep(0.02)
-    assert slots(rds.url, "sluicegate", "par") == 0
+    wait_for(lambda: slots(rds.url, "sluicegate", "par") == 0, "every slot gone", 2)
 
 
 def test_redis_killed_each_process_enforces_its_share_and_says_so(procs: Cluster) -> None:
@@ -364,12 +358,6 @@ def test_redis_killed_each_process_enforces_its_share_and_says_so(procs: Cluster
     def quotas() -> dict[str, Any]:
         return dict(httpx.get(router.url + "/readyz", timeout=5).json()["quotas"])
 
-    def eventually(check: Callable[[], bool], within: float = 10) -> None:
-        end = time.monotonic() + within
-        while not check():
-            assert time.monotonic() < end, quotas()
-            time.sleep(0.05)
-
     def all_say(mode: str) -> Callable[[], bool]:
         # Each answer comes from either worker: several in a row must say it.
         return lambda: all(quotas() == {"mode": mode, "processes": 2} for _ in range(8))
@@ -378,15 +366,21 @@ def test_redis_killed_each_process_enforces_its_share_and_says_so(procs: Cluster
         text = httpx.get(router.url + "/metrics", timeout=5).text
         return next(x for x in text.splitlines() if x.startswith("sluicegate_quota_degraded "))
 
-    eventually(all_say("shared"))  # both workers registered and see each other
+    wait_for(all_say("shared"), "shared")  # both workers registered and see each other
     assert ask().headers["x-ratelimit-limit-requests"] == "1000"
     port = server.port
     server.kill9()
-    eventually(all_say("local_share"))
-    eventually(lambda: degraded_metric() == "sluicegate_quota_degraded 1.0")
+    wait_for(all_say("local_share"), "each process on its share")
+    wait_for(lambda: degraded_metric() == "sluicegate_quota_degraded 1.0", "degraded")
     # Served, each worker against its share of the limit.
-    eventually(lambda: all(ask().headers["x-ratelimit-limit-requests"] == "500" for _ in range(6)))
+    wait_for(
+        lambda: all(ask().headers["x-ratelimit-limit-requests"] == "500" for _ in range(6)),
+        "every answer limited to its share",
+    )
     procs.redis(port=port)
-    eventually(all_say("shared"))
-    eventually(lambda: degraded_metric() == "sluicegate_quota_degraded 0.0")
-    eventually(lambda: all(ask().headers["x-ratelimit-limit-requests"] == "1000" for _ in range(6)))
+    wait_for(all_say("shared"), "shared again")
+    wait_for(lambda: degraded_metric() == "sluicegate_quota_degraded 0.0", "recovered")
+    wait_for(
+        lambda: all(ask().headers["x-ratelimit-limit-requests"] == "1000" for _ in range(6)),
+        "every answer limited to the whole",
+    )

@@ -15,7 +15,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, booked, control, sha, stats, wait_for
+from tests.support.harness import Cluster, Proc, backend, booked, control, sha, stats
+from tests.support.wait import wait_for
 
 ADMIN = "admin-background-token-0123456789"
 TPM = 2000

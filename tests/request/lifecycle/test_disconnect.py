@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.support.harness import Cluster, Proc, backend, control, in_flight, sha, stats
+from tests.support.wait import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +22,19 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
     return {"up": up, "router": router}
 
 
-def _wait_record(up: Proc, request_id: str, key: str, deadline: float = 3.0) -> dict[str, Any]:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        for rec in stats(up)["recent"]:
-            if rec["request_id"] == request_id and rec[key]:
-                return dict(rec)
-        time.sleep(0.02)
-    raise AssertionError(f"upstream never recorded {key} for {request_id}")
+def _record(up: Proc, request_id: str, key: str) -> dict[str, Any] | None:
+    """The upstream's record of `request_id`, once it has `key`."""
+    for rec in stats(up)["recent"]:
+        if rec["request_id"] == request_id and rec[key]:
+            return dict(rec)
+    return None
+
+
+def _wait_record(up: Proc, request_id: str, key: str) -> dict[str, Any]:
+    wait_for(lambda: _record(up, request_id, key), f"upstream's {key} for {request_id}", 3.0)
+    rec = _record(up, request_id, key)
+    assert rec is not None
+    return rec
 
 
 def test_close_after_five_chunks_stops_generation(fleet: dict[str, Proc]) -> None:

@@ -28,8 +28,8 @@ from tests.support.harness import (
     in_flight,
     metric,
     stats,
-    wait_for,
 )
+from tests.support.wait import wait_for
 
 MODEL = "mock-model"
 GRACE = 0.5  # drain_grace, seconds

@@ -37,9 +37,9 @@ from tests.support.harness import (
     in_flight,
     metric,
     stats,
-    wait_for,
 )
 from tests.support.otlp_receiver import Receiver, Span
+from tests.support.wait import wait_for
 
 MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a long story"}]
 SERVER = 2  # OTLP SpanKind

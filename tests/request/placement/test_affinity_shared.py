@@ -18,7 +18,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support.harness import Cluster, Proc, backend, in_flight, wait_for, wait_http
+from tests.support.harness import Cluster, Proc, backend, in_flight, wait_http
+from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "65536", "--decode-ms", "2"]
 ENGINE += ["--decode-ms-per-seq", "0", "--prefill-ms-per-1k", "2"]
@@ -146,15 +147,15 @@ def test_redis_killed_mid_run_loses_affinity_but_no_request(fleet: dict[str, Any
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         workers = [pool.submit(talk, w) for w in range(3)]
         try:
-            _wait_for(lambda: len(done) >= 6, "traffic before the outage")
+            wait_for(lambda: len(done) >= 6, "traffic before the outage", 15.0)
             port = redis.port
             redis.kill9()  # by its PID; requests are in flight on both replicas
             during = len(done)
-            _wait_for(lambda: len(done) >= during + 12, "traffic during the outage")
+            wait_for(lambda: len(done) >= during + 12, "traffic during the outage", 15.0)
             back = c.redis(port=port)
             fleet["redis"] = back
             after = len(done)
-            _wait_for(lambda: len(done) >= after + 6, "traffic after the outage")
+            wait_for(lambda: len(done) >= after + 6, "traffic after the outage", 15.0)
         finally:
             stop.set()
             for w in workers:
@@ -184,10 +185,3 @@ def test_redis_killed_mid_run_loses_affinity_but_no_request(fleet: dict[str, Any
     messages = conversation("resumed-last")
     turn(two, follow_up(messages, turn(one, messages)[3]))
     assert [counter(r, "sluicegate_affinity_fallbacks_total") for r in (one, two)] == stalled
-
-
-def _wait_for(ready: Any, what: str, within: float = 15.0) -> None:
-    deadline = time.monotonic() + within
-    while not ready():
-        assert time.monotonic() < deadline, f"{what}: not reached in {within}s"
-        time.sleep(0.02)

@@ -10,7 +10,6 @@ prefill engine left, tokens counted once, the metrics; then SGLang's bootstrap.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,6 +21,7 @@ from router.discovery.kubernetes import _slice_endpoints
 from router.discovery.reconcile import Endpoint
 from router.request.placement.pd import PREFILL_PARAMS, BadPrefillAnswer, transfer_params
 from tests.support.harness import Cluster, Proc, backend, control, in_flight, stats
+from tests.support.wait import wait_for
 
 FAIL_DELAY_MS = 200  # the mock decode's 500 after a failed pull (vLLM's is ~5 s)
 MIN_UNCACHED = 256
@@ -94,15 +94,6 @@ def router_metric(router: Proc, name: str, **labels: str) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def wait_for(check: Callable[[], bool], timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def test_decider_splits_only_an_uncached_remainder_long_enough() -> None:
@@ -255,10 +246,12 @@ def test_client_leaving_in_phase1_cancels_the_prefill_call(procs: Cluster) -> No
             stream=True,
             extra_headers={"x-request-id": "gone-1"},
         )
-    wait_for(lambda: bool(legs(p, "gone-1")) and legs(p, "gone-1")[0]["aborted"], timeout=3)
+    wait_for(
+        lambda: bool(legs(p, "gone-1")) and legs(p, "gone-1")[0]["aborted"], "P's leg aborted", 3
+    )
     assert legs(d, "gone-1") == []  # phase 2 never went out
     assert handoff(p)["held"] == 0  # it never answered: nothing is held
-    wait_for(lambda: in_flight(router) == 0, timeout=3)
+    wait_for(lambda: in_flight(router) == 0, "nothing in flight", 3)
 
 
 def test_cached_prefix_on_the_decode_engine_goes_direct(procs: Cluster) -> None:
@@ -319,7 +312,7 @@ def test_sglang_bootstrap_sends_both_at_once_and_relays_decode(procs: Cluster) -
     assert chat(router, LONG, "sg-2") == text_of(TOKENS)
     rooms = {legs(d, rid)[0]["body"]["bootstrap_room"] for rid in ("sg-1", "sg-2")}
     assert len(rooms) == 2  # a fresh room each time
-    wait_for(lambda: in_flight(router) == 0, timeout=3)
+    wait_for(lambda: in_flight(router) == 0, "nothing in flight", 3)
 
 
 def test_model_disaggregation_null_turns_it_off(procs: Cluster) -> None:
@@ -421,10 +414,12 @@ def test_client_leaving_in_phase2_stops_the_decode_engine(procs: Cluster) -> Non
         for line in r.iter_lines():
             if "tok3 " in line:
                 break  # and leave
-    wait_for(lambda: bool(legs(d, "gone-2")) and legs(d, "gone-2")[0]["aborted"], timeout=5)
+    wait_for(
+        lambda: bool(legs(d, "gone-2")) and legs(d, "gone-2")[0]["aborted"], "D's leg aborted", 5
+    )
     assert legs(d, "gone-2")[0]["tokens"] < 500
     assert len(legs(p, "gone-2")) == 1
-    wait_for(lambda: in_flight(router) == 0, timeout=3)
+    wait_for(lambda: in_flight(router) == 0, "nothing in flight", 3)
 
 
 def test_sglang_prefill_engine_gone_means_a_direct_answer(procs: Cluster) -> None:
@@ -446,7 +441,7 @@ def test_sglang_prefill_engine_gone_means_a_direct_answer(procs: Cluster) -> Non
     assert "bootstrap_room" in first["body"]  # refused: the room was never prefilled
     assert "bootstrap_room" not in second["body"]  # then served whole
     assert handoff(d)["failed_transfers"] == 1
-    wait_for(lambda: in_flight(router) == 0, timeout=3)
+    wait_for(lambda: in_flight(router) == 0, "nothing in flight", 3)
 
 
 def test_the_prefill_answers_params_go_on_as_the_engine_wrote_them() -> None:

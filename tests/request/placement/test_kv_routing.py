@@ -8,7 +8,6 @@ reset (AllBlocksCleared) and the other one gets the prefix, the choice moves."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from tests.support.harness import Cluster, Proc, backend, control
+from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "8192", "--decode-ms", "2"]
 
@@ -71,23 +71,16 @@ def kv_rows(router: Proc) -> dict[str, Any]:
     return {r["name"]: r["kv_events_state"] for r in rows}
 
 
-def until(what: str, check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
-
-
 def test_hidden_traffic_and_a_reset_move_the_routers_choice(fleet: dict[str, Proc]) -> None:
     router, a, b = fleet["router"], fleet["a"], fleet["b"]
     doc = "You answer for ACME; cite policy sections precisely. " * 80  # ~4k chars, 1k tokens
-    until(
-        "a's and b's event feeds found",
+    wait_for(
         lambda: all(r is not None and r["publishers"] for r in kv_rows(router).values()),
+        "a's and b's event feeds found",
     )
     # Straight to b (a client the router never sees): b's events tell the router.
     assert chat(b.url, doc, "mock-model") == (None, 0)
-    until("b's blocks indexed", lambda: kv_rows(router)["b"]["blocks"] > 0)
+    wait_for(lambda: kv_rows(router)["b"]["blocks"] > 0, "b's blocks indexed")
     assert kv_rows(router)["b"]["state"] == "live"  # its first batch was seq 0
     for _ in range(3):
         name, cached = chat(router.url, doc, "m")
@@ -98,9 +91,9 @@ def test_hidden_traffic_and_a_reset_move_the_routers_choice(fleet: dict[str, Pro
 
     # b forgets everything (vLLM's reset_prefix_cache publishes AllBlocksCleared), a learns it.
     control(b, reset_prefix_cache=True)
-    until("b's index cleared", lambda: kv_rows(router)["b"]["blocks"] == 0)
+    wait_for(lambda: kv_rows(router)["b"]["blocks"] == 0, "b's index cleared")
     chat(a.url, doc, "mock-model")
-    until("a's blocks indexed", lambda: kv_rows(router)["a"]["blocks"] > 0)
+    wait_for(lambda: kv_rows(router)["a"]["blocks"] > 0, "a's blocks indexed")
     name, cached = chat(router.url, doc, "m")
     assert name == "a" and cached > 0
     status = kv_rows(router)["a"]
@@ -111,9 +104,9 @@ def test_a_request_counts_on_its_engine_until_it_ends(fleet: dict[str, Proc]) ->
     """While a request runs, its prompt's blocks count as held on its engine (so a second one
     joins it); when it ends, also by the client leaving mid-stream, nothing of it stays."""
     router = fleet["router"]
-    until(
-        "a's and b's event feeds found",
+    wait_for(
         lambda: all(r is not None and r["publishers"] for r in kv_rows(router).values()),
+        "a's and b's event feeds found",
     )
     body = {
         "model": "m",
@@ -127,11 +120,11 @@ def test_a_request_counts_on_its_engine_until_it_ends(fleet: dict[str, Proc]) ->
         next(lines)  # its first event: answered, so nothing of it is pending
         row = kv_rows(router)[name]
         assert row["in_flight_blocks"] > 0 and row["pending_tokens"] == 0
-    until(
-        "its flight ended",
+    wait_for(
         lambda: all(
             (s["in_flight_blocks"], s["pending_tokens"]) == (0, 0) for s in kv_rows(router).values()
         ),
+        "its flight ended",
     )
 
 

@@ -34,11 +34,11 @@ from tests.request.placement.test_disaggregation import (
     pd_mock,
     pd_router,
     text_of,
-    wait_for,
 )
 from tests.support.harness import Cluster, Proc, admin_backends, backend, control, in_flight, metric
 from tests.support.hostile_backend import HostileBackend
 from tests.support.hostile_prefill import FAR_HOST, HostilePrefill
+from tests.support.wait import wait_for
 
 TRUSTED_KEY = "sk-pd-trusted-0123456789"
 OTHER_KEY = "sk-pd-other-0123456789"
@@ -212,7 +212,7 @@ def test_deeply_nested_params_fail_that_prefill_engine_and_another_one_takes_it(
     (on_d,) = legs(d, "deep-1")  # D got p2's params only
     assert on_d["body"]["kv_transfer_params"]["remote_engine_id"] == handoff(p2)["engine_id"]
     assert metric(router, "sluicegate_upstream_errors_total", backend="hp") >= 1
-    wait_for(lambda: in_flight(router) == 0, timeout=3)
+    wait_for(lambda: in_flight(router) == 0, "nothing in flight", 3)
 
 
 @pytest.mark.parametrize(
@@ -257,7 +257,7 @@ def test_a_dripping_prefill_answer_ends_at_the_read_timeout(
     )
     assert chat_as(router, "k", "drip-1", LONG) == text_of(TOKENS)
     assert len(legs(p2, "drip-1")) == 1 and len(legs(d, "drip-1")) == 1
-    wait_for(lambda: hostile_prefill.drips_cut == 1, timeout=5)
+    wait_for(lambda: hostile_prefill.drips_cut == 1, "the drip cut", 5)
     assert hostile_prefill.drips_done == 0  # the router left before the drip ended
     assert metric(router, "sluicegate_upstream_errors_total", backend="hp", kind="timeout") == 1
 

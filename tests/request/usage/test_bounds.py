@@ -21,8 +21,8 @@ from tests.support.harness import (
     metric,
     sha,
     stats,
-    wait_for,
 )
+from tests.support.wait import wait_for
 
 ADMIN = "admin-bounds-token-0123456789"
 GONE = "sk-bounds-gone-0123456789"

@@ -25,7 +25,8 @@ import pytest
 
 from router.request.wire.multipart import MAX_PART_HEADER, MAX_PARTS, BadForm, form_fields
 from router.tools.mock.upstream import _form as mock_form
-from tests.support.harness import ROOT, Cluster, Proc, backend, metric, stats, wait_for
+from tests.support.harness import ROOT, Cluster, Proc, backend, metric, stats
+from tests.support.wait import wait_for
 
 BOUNDARY = "XyZzy"
 FORM = f"multipart/form-data; boundary={BOUNDARY}"
