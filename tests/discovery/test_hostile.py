@@ -201,20 +201,29 @@ def test_max_endpoints_refuses_the_excess_counts_and_shows_it(
     async def run() -> None:
         async with source(kube, tmp_path, max_endpoints=3) as r:
             await wait_for_async(lambda: len(r.names) == 3, "three backends")
-            await asyncio.sleep(0.5)
-            assert len(r.names) == 3 and r.src.rec.refused == 2
+            await wait_for_async(lambda: r.src.rec.refused == 2, "the other two refused")
+            assert len(r.names) == 3
             assert "refused" in r.events.seen
 
     asyncio.run(run())
 
 
 async def _models_server(
-    host: str, port: int, drip: bool, ids: tuple[str, ...] = ("m",), endless: bool = False
+    host: str,
+    port: int,
+    drip: bool,
+    ids: tuple[str, ...] = ("m",),
+    endless: bool = False,
+    asked: list[str] | None = None,
 ) -> asyncio.Server:
+    """`/v1/models` on `host`; each question's head read is noted in `asked`."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.CancelledError):
             while (await reader.readline()) not in (b"\r\n", b"\n", b""):
                 pass
+            if asked is not None:
+                asked.append(host)
             body = json.dumps({"object": "list", "data": [{"id": i} for i in ids]}).encode()
             if endless:  # a body that never ends, as fast as the socket takes it
                 writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -242,11 +251,12 @@ def test_a_slow_models_answer_delays_only_its_own_endpoint(kube: FakeKube, tmp_p
     kube.put_slice("s1", [endpoint("127.0.0.2")], ports)
 
     async def run() -> None:
-        slow = await _models_server("127.0.0.2", port, drip=True)
+        asked: list[str] = []
+        slow = await _models_server("127.0.0.2", port, drip=True, asked=asked)
         fast = await _models_server("127.0.0.3", port, drip=False)
         try:
             async with source(kube, tmp_path, models="auto") as r:
-                await asyncio.sleep(0.5)  # the slow endpoint's question is under way
+                await wait_for_async(lambda: bool(asked), "the slow endpoint's question under way")
                 kube.put_slice("s2", [endpoint("127.0.0.3")], ports)
                 await wait_for_async(
                     lambda: f"vllm-127.0.0.3-{port}" in r.names, "fast endpoint", 3

@@ -25,6 +25,7 @@ from router.app import create_app
 from router.core.settings import load_settings
 from tests.support.fake_kube import FakeKube, endpoint
 from tests.support.harness import free_port
+from tests.support.wait import wait_for_async
 
 SLICES = 20
 PER_SLICE = 1000
@@ -96,16 +97,13 @@ def test_replacing_a_slice_of_a_large_fleet_keeps_the_router_answering(tmp_path:
                 await asyncio.sleep(0.02)
 
         async def shows(n: int, seconds: float) -> None:
-            end = loop.time() + seconds
-            while not answers or answers[-1][1] != n:
-                assert loop.time() < end, f"{answers[-1:]} backends, not {n}, in {seconds}s"
-                await asyncio.sleep(0.01)
+            await wait_for_async(
+                lambda: bool(answers) and answers[-1][1] == n, f"{n} backends shown", seconds
+            )
 
         try:
-            for _ in range(1000):  # uvicorn's `started` is a flag, not an event
-                if server.started:
-                    break
-                await asyncio.sleep(0.01)
+            # uvicorn's `started` is a flag, not an event.
+            await wait_for_async(lambda: server.started, "uvicorn serving", 10, 0.01)
             async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
                 polling = asyncio.create_task(poll(http))
                 await shows(N, 60)  # the initial list: 20,000 endpoints
@@ -117,13 +115,14 @@ def test_replacing_a_slice_of_a_large_fleet_keeps_the_router_answering(tmp_path:
                 gc.collect()
                 gc.freeze()
                 ticking = asyncio.create_task(ticker())
-                await asyncio.sleep(0.2)
+                await wait_for_async(lambda: len(lag) >= 100, "the ticker under way")
                 lag.clear()
                 answers.clear()
                 # A rollout of slice 0: its 1,000 endpoints go, 1,001 new ones come.
                 await asyncio.to_thread(kube.put_slice, "s0", endpoints(N, PER_SLICE + 1), PORTS)
                 await shows(N + 1, 10)
-                await asyncio.sleep(0.3)
+                shown = len(answers)  # and the answers after it: the change's tail
+                await wait_for_async(lambda: len(answers) >= shown + 10, "10 answers after it")
                 stop.set()
                 await asyncio.gather(polling, ticking)
         finally:

@@ -22,6 +22,7 @@ from tests.support.harness import Cluster, Proc, backend, control, stats
 from tests.support.wait import wait_for
 
 INTERVAL = 0.1
+SCRAPE_TIMEOUT = 0.2
 ENGINE = ["--engine", "--max-num-seqs", "8", "--kv-tokens", "32768", "--decode-ms", "5"]
 ENGINE += ["--decode-ms-per-seq", "0", "--prefill-ms-per-1k", "5"]
 ENGINE += ["--background-prompt", "200", "--background-tokens", "100000"]
@@ -42,7 +43,11 @@ def fleet() -> Iterator[dict[str, Proc]]:
                     backend("s", s, kind="sglang"),
                 ],
                 "balancer": "least_load",
-                "engine_metrics": {"interval": INTERVAL, "timeout": 0.2, "stale_after": 0.4},
+                "engine_metrics": {
+                    "interval": INTERVAL,
+                    "timeout": SCRAPE_TIMEOUT,
+                    "stale_after": 0.4,
+                },
                 "expose_backend_header": True,
                 "health": {"interval": 60},
             }
@@ -173,11 +178,12 @@ def test_scrape_faults_are_survived(
     got = burst(router, 6, max_tokens=4)
     assert sum(got.values()) == 6 and got["a"] == 0, got
     if "metrics_delay_ms" in fault:
-        # One scrape at a time: a new one only after the previous timed out (0.2 s), never
-        # one per interval (0.1 s) piling up behind a slow engine (that would be ~10 a second).
+        # One scrape at a time: a new one only after the previous timed out, never one per
+        # interval (half the timeout) piling up behind a slow engine (twice as many).
+        window = 5 * SCRAPE_TIMEOUT
         before = stats(fleet["a"])["metrics_scrapes"]
-        time.sleep(1.0)
-        assert stats(fleet["a"])["metrics_scrapes"] - before <= 6
+        time.sleep(window)
+        assert stats(fleet["a"])["metrics_scrapes"] - before <= window / SCRAPE_TIMEOUT + 1
     text = httpx.get(router.url + "/metrics", timeout=5).text
     line = next(
         x

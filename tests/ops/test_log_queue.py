@@ -20,7 +20,8 @@ import pytest
 
 from router.core.settings import BackendConfig, Settings
 from router.ops import logs
-from tests.support.harness import ROOT, Cluster, backend, free_port, wait_http
+from tests.support.harness import ROOT, Cluster, backend, free_port, stats, wait_http
+from tests.support.wait import wait_for
 
 
 @pytest.fixture
@@ -193,7 +194,7 @@ def test_lines_logged_while_draining_on_sigterm_are_written(procs: Cluster) -> N
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(0.3)  # the stream is under way
+    wait_for(lambda: stats(mock)["running"] == 1, "the stream under way", 5)
     router.signal(signal.SIGTERM)
     t.join(10)
     assert done and done[0] > 0

@@ -24,6 +24,7 @@ It does not model a real engine (see `router/tools/mock/upstream.py` for that): 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections import Counter
@@ -38,6 +39,7 @@ class HostileBackend:
         self.connections = 0
         self.open = 0
         self.dropped_floods = 0  # head-flood connections the peer cut
+        self.idle_acts = 0  # ok-then-close/-junk: closes and stray writes done on idle connections
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -171,12 +173,17 @@ class HostileBackend:
             return False
         if mode == "ok-then-close":
             await asyncio.sleep(0.05)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+            self.idle_acts += 1  # closed: the peer's OS has the FIN
             return False
         if mode == "ok-then-junk":
             # A head and part of a body nobody asked for; then it serves on as if all was well.
             await asyncio.sleep(0.05)
             writer.write(b'HTTP/1.1 200 X\r\ncontent-length: 40\r\n\r\n{"stale":true}')
             await writer.drain()
+            self.idle_acts += 1
         return True
 
 

@@ -5,13 +5,15 @@ a length of time. `within` bounds only a state that never comes: it is not a pro
 so a test that holds the router to a time asserts the seconds `wait_for` returns. `every` is how
 often `check` runs; a check that costs a round trip to several processes may ask for less.
 
-`wait_for_async` is the same for a test's own event loop, with a check that does not block (a
-blocking check, an HTTP call, goes to a thread instead: `await asyncio.to_thread(wait_for, ...)`).
+`wait_for_async` is the same for a test's own event loop: its check does not block, and may be a
+coroutine function (a store's heartbeat). A blocking check, an HTTP call, goes to a thread
+instead: `await asyncio.to_thread(wait_for, ...)`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 
@@ -39,7 +41,10 @@ async def wait_for_async(
     start = loop.time()
     while True:
         late = loop.time() - start > within
-        if check():
+        held = check()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
             return loop.time() - start
         if late:
             raise AssertionError(f"not within {within:g} s: {what}")

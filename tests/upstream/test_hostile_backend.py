@@ -8,7 +8,6 @@ name) and, for the failover case, the project's mock engine.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx
@@ -140,9 +139,11 @@ def test_pooled_connection_closed_or_dirtied_while_idle_is_not_used(
     router: Proc, hostile: HostileBackend, baseline: int
 ) -> None:
     for mode in ("ok-then-close", "ok-then-junk"):
+        acts = hostile.idle_acts
         first = _post(router, mode, f"{mode}-1")
         assert first.status_code == 200
-        time.sleep(0.2)  # the backend closes, or writes a stray response, on the idle connection
+        # The backend closes, or writes a stray response, on the idle connection.
+        wait_for(lambda n=acts: hostile.idle_acts > n, f"{mode} on the idle connection", 5.0)
         r = _post(router, "ok", f"{mode}-2")
         assert r.status_code == 200
         assert "stale" not in r.text and r.text.count("tok") == 3

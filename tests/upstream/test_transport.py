@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 
 from router.upstream.transport import Headers, LeanTransport, Outgoing
 from tests.support.hostile_backend import HostileBackend
+from tests.support.wait import wait_for
 
 TIMEOUTS = httpx.Timeout(connect=2, read=5, write=2, pool=2).as_dict()
 
@@ -33,12 +33,15 @@ def test_stale_idle_connection_is_dropped_before_writing(
     async def main() -> tuple[int, bytes]:
         transport = LeanTransport(httpx.Limits(max_connections=4, max_keepalive_connections=4))
         try:
+            acts = hostile.idle_acts
             first = await transport.handle_async_request(_request(hostile, mode, f"t-{mode}-1"))
             await first.aread()
             assert first.status_code == 200
             # Block this loop (not the backend's): the backend closes or writes on the idle
             # connection, and only the OS knows; the loop has not read it yet.
-            time.sleep(0.3)  # noqa: ASYNC251 - blocking on purpose, see above
+            wait_for(
+                lambda: hostile.idle_acts > acts, "the backend acted on the idle connection", 5
+            )
             second = await transport.handle_async_request(_request(hostile, "ok", f"t-{mode}-2"))
             return second.status_code, await second.aread()
         finally:

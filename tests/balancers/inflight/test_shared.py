@@ -26,7 +26,7 @@ from tests.support.harness import (
     stats,
     stream_text,
 )
-from tests.support.wait import wait_for
+from tests.support.wait import wait_for, wait_for_async
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -246,8 +246,9 @@ def test_redis_stopped_and_restarted_under_load(procs: Cluster, mocks: dict[str,
     rd = procs.redis(port)
     env = {"SLUICEGATE_REDIS_URL": rd.url, **REDIS_ENV}
     routers = [procs.router(config(mocks), env=env, workers=2) for _ in range(2)]
-    # The long streams (13 s) outlive the outage (1.5 + 2 + 2 s) by more than 7 s for the
-    # counts to be shared again (0.2 s measured) while all 16 still run.
+    # The long streams (13 s) outlive the outage's three phases (16 requests before it, 24
+    # started while Redis is down, 16 after it: a few seconds) for the counts to be shared again
+    # (0.2 s measured) while all 16 still run.
     long_tokens, short_tokens = 130, 4
 
     async def main() -> dict[str, Any]:
@@ -267,13 +268,21 @@ def test_redis_stopped_and_restarted_under_load(procs: Cluster, mocks: dict[str,
                     results.append((t0, exc))
 
         workers = [asyncio.ensure_future(worker(c)) for c in clients for _ in range(8)]
-        await asyncio.sleep(1.5)
+
+        def started_after(t: float) -> int:
+            return sum(1 for t0, _ in results if t0 > t)
+
+        await wait_for_async(lambda: len(results) >= 16, "traffic before the outage", 20)
         down_at = time.monotonic()
         rd.kill9()
-        await asyncio.sleep(2)
+        await wait_for_async(
+            lambda: started_after(down_at + 0.2) >= 24, "traffic in the outage", 20
+        )
         up_at = time.monotonic()
         procs.redis(port)
-        await asyncio.sleep(2)
+        await wait_for_async(
+            lambda: started_after(up_at) >= 16 and len(results) >= 100, "traffic after it", 20
+        )
         stop.set()
         await asyncio.wait_for(asyncio.gather(*workers), 30)
 

@@ -84,8 +84,7 @@ def test_leaving_during_silent_prefill_closes_upstream_fast(
     rid = f"disc-prefill-{stream}"
     body = b'{"model": "m", "stream": %s}' % (b"true" if stream else b"false")
     sock = _raw_request(fleet["router"].port, body, rid)
-    _wait_record(fleet["up"], rid, "started_at")
-    time.sleep(0.3)
+    _wait_record(fleet["up"], rid, "started_at")  # the engine is in its silent prefill
     closed_at = time.time()
     sock.close()
     rec = _wait_record(fleet["up"], rid, "disconnected_at")
@@ -125,7 +124,9 @@ def test_leaving_before_the_lifecycle_starts_sends_nothing_upstream(procs: Clust
     for `redis_timeout`): the lifecycle that starts after it must end at once, not send the
     request upstream and stream the whole answer to nobody."""
     rds = procs.redis()
-    up = procs.mock("up", itl_ms=20, tokens=100)  # 2 s of answer
+    itl_ms, tokens = 20, 100
+    answer_s = itl_ms * tokens / 1000  # 2 s of answer
+    up = procs.mock("up", itl_ms=itl_ms, tokens=tokens)
     timeout = 1.0
     key = "sk-leaves-early-0123456789"
     router = procs.router(
@@ -156,7 +157,7 @@ def test_leaving_before_the_lifecycle_starts_sends_nothing_upstream(procs: Clust
         sock.close()
         # Unwatched, the lifecycle would start once the quota gave up (one timeout), take its
         # lease (another) and stream to nobody: watch longer than that and the answer.
-        time.sleep(3 * timeout + 2.5)
+        time.sleep(3 * timeout + answer_s + 0.5)
         sent = [r for r in stats(up)["recent"] if r["request_id"] == rid]
         assert all(r["tokens"] <= 1 for r in sent), sent
     finally:

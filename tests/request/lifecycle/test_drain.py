@@ -10,6 +10,7 @@ import time
 import httpx
 
 from tests.support.harness import Cluster, backend
+from tests.support.wait import wait_for
 
 
 def test_sigterm_lets_a_stream_in_flight_finish(procs: Cluster) -> None:
@@ -34,9 +35,8 @@ def test_sigterm_lets_a_stream_in_flight_finish(procs: Cluster) -> None:
     t.start()
     assert first.wait(10)
     router.signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_for(lambda: httpx.get(router.url + "/readyz").status_code == 503, "draining", 5)
     assert router.alive()
-    assert httpx.get(router.url + "/readyz").status_code == 503
     r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m"})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "shutting_down"

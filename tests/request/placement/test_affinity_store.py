@@ -20,7 +20,9 @@ import redis
 from balancers.prefix_index import PrefixIndex
 from router.request.placement.affinity_store import SharedPrefixIndex
 from router.request.placement.prefix import block_hashes
+from router.state.store import PROBE_EVERY
 from tests.support.harness import Cluster, Proc, late_by
+from tests.support.wait import wait_for_async
 
 pytestmark = pytest.mark.redis
 
@@ -155,7 +157,10 @@ def test_a_full_redis_refusing_writes_sends_lookups_local_until_it_takes_them(
             for _ in range(4):
                 assert await shared.match(p, ["e"]) is None
             assert shared.degraded
-            await asyncio.sleep(0.7)  # a probe ran, and its write was refused too
+            trips = shared.round_trips  # from here on, only probes go out
+            await wait_for_async(
+                lambda: shared.round_trips > trips, "a probe, its write refused", 10 * PROBE_EVERY
+            )
             assert shared.degraded
             r.config_set("maxmemory", 0)
         deadline = time.monotonic() + 5
