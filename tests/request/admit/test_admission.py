@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -15,6 +14,7 @@ import openai
 import pytest
 
 from tests.support.harness import Cluster, Proc, backend, control, in_flight, sha, stats
+from tests.support.wait import wait_for
 
 CRIT = "sk-admission-critical-0123456789"
 STD = "sk-admission-standard-0123456789"
@@ -63,26 +63,12 @@ def depth(router: Proc) -> float:
     return metric(router, "sluicegate_queue_depth")
 
 
-def until(check: Callable[[], bool], deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not check():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.02)
-
-
-async def until_async(check: Callable[[], bool], deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not await asyncio.to_thread(check):
-        assert time.monotonic() < end, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 def served_ids(mock: Proc) -> list[str]:
     return [r["request_id"] for r in stats(mock)["recent"]]
 
 
 def assert_idle(router: Proc) -> None:
-    until(lambda: in_flight(router) == 0 and depth(router) == 0)
+    wait_for(lambda: in_flight(router) == 0 and depth(router) == 0, "nothing in flight or queued")
 
 
 def sdk(router: Proc, key: str = "unused") -> openai.AsyncOpenAI:
@@ -111,7 +97,7 @@ def test_requests_wait_for_a_slot_instead_of_503(fleet: dict[str, Proc]) -> None
     async def main() -> list[str]:
         client = sdk(router, STD)
         calls = [asyncio.create_task(chat(client, f"wait-{i}")) for i in range(4)]
-        await until_async(lambda: depth(router) >= 2)
+        await asyncio.to_thread(wait_for, lambda: depth(router) >= 2, "two queued")
         seen_depth.append(depth(router))
         return await asyncio.gather(*calls)
 
@@ -130,7 +116,9 @@ def test_critical_before_standard_before_sheddable(fleet: dict[str, Proc]) -> No
         base = len(served_ids(mock))
         # A long answer (~6 s) holds the only slot until all four are queued; then it leaves.
         blocker = asyncio.create_task(chat(std, "order-blocker", max_tokens=200))
-        await until_async(lambda: stats(mock)["running"] == 1)
+        await asyncio.to_thread(
+            wait_for, lambda: stats(mock)["running"] == 1, "the blocker running"
+        )
         # Queued in the worst order: lowest band first. A critical key may lower itself;
         # a standard key asking for critical stays standard.
         calls = []
@@ -143,7 +131,11 @@ def test_critical_before_standard_before_sheddable(fleet: dict[str, Proc]) -> No
             ]
         ):
             calls.append(asyncio.create_task(chat(client, rid, hdr)))
-            await until_async(lambda n=n: depth(router) == n + 1)  # type: ignore[misc]
+            await asyncio.to_thread(
+                wait_for,
+                lambda n=n: depth(router) == n + 1,  # type: ignore[misc]
+                f"{n + 1} queued",
+            )
         blocker.cancel()
         await asyncio.gather(blocker, return_exceptions=True)
         await asyncio.gather(*calls)
@@ -163,7 +155,9 @@ def test_a_client_that_leaves_while_queued_never_reaches_a_backend(
         std = sdk(router, STD)
         # A long answer (~6 s) holds the only slot; it is cancelled once the check is done.
         blocker = asyncio.create_task(chat(std, "leave-blocker", max_tokens=200))
-        await until_async(lambda: stats(mock)["running"] == 1)
+        await asyncio.to_thread(
+            wait_for, lambda: stats(mock)["running"] == 1, "the blocker running"
+        )
         async with httpx.AsyncClient(timeout=10) as http:
             leaver = asyncio.create_task(
                 http.post(
@@ -172,14 +166,14 @@ def test_a_client_that_leaves_while_queued_never_reaches_a_backend(
                     headers={"authorization": f"Bearer {STD}", "x-request-id": "leave-gone"},
                 )
             )
-            await until_async(lambda: depth(router) == 1)
+            await asyncio.to_thread(wait_for, lambda: depth(router) == 1, "the leaver queued")
             leaver.cancel()  # closes the connection: the client left
             await asyncio.gather(leaver, return_exceptions=True)
-        await until_async(lambda: depth(router) == 0)  # out of the queue at once,
+        await asyncio.to_thread(wait_for, lambda: depth(router) == 0, "out of the queue at once")
         assert not blocker.done()  # not when the slot freed
         blocker.cancel()
         await asyncio.gather(blocker, return_exceptions=True)
-        await until_async(lambda: in_flight(router) == 0)  # the slot is free now
+        await asyncio.to_thread(wait_for, lambda: in_flight(router) == 0, "the slot free now")
 
     asyncio.run(main())
     assert "leave-gone" not in served_ids(mock)
@@ -203,7 +197,7 @@ def test_max_wait_and_the_timeout_header_answer_503_with_retry_after(
                 )
 
             blocker = asyncio.create_task(post("expire-blocker"))
-            await until_async(lambda: in_flight(r) == 1)
+            await asyncio.to_thread(wait_for, lambda: in_flight(r) == 1, "one in flight")
             started = time.monotonic()
             late = await post("expire-late")
             waited = time.monotonic() - started
@@ -258,11 +252,13 @@ def test_a_full_queue_sheds_the_lowest_band_first(fleet: dict[str, Proc]) -> Non
                 )
 
             blocker = post("full-blocker")
-            await until_async(lambda: in_flight(tight) == 1)
+            await asyncio.to_thread(
+                wait_for, lambda: in_flight(tight) == 1, "the blocker in flight"
+            )
             shed = post("full-shed", "sheddable")
-            await until_async(lambda: depth(tight) == 1)
+            await asyncio.to_thread(wait_for, lambda: depth(tight) == 1, "one queued")
             first = post("full-std-1")
-            await until_async(lambda: depth(tight) == 2)  # max_queue: 2
+            await asyncio.to_thread(wait_for, lambda: depth(tight) == 2, "two queued: max_queue")
             second = post("full-std-2")  # takes the sheddable one's place
             shed_answer = await shed
             assert not second.done()

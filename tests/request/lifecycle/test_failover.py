@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -16,6 +15,7 @@ import openai
 import pytest
 
 from tests.support.harness import Cluster, Proc, backend, control, expected_text, stats
+from tests.support.wait import wait_for
 
 FAST_HEALTH = {
     "interval": 0.5,
@@ -31,16 +31,6 @@ def rows(router: Proc) -> dict[str, dict[str, Any]]:
     r = httpx.get(router.url + "/admin/backends", timeout=5)
     r.raise_for_status()
     return {row["name"]: row for row in r.json()}
-
-
-def wait_for(check: Callable[[], bool], timeout: float, step: float = 0.05) -> float:
-    """Seconds until `check()` held; fails the test after `timeout`."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if check():
-            return time.monotonic() - start
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def sdk(router: Proc, timeout: float = 20) -> openai.OpenAI:
@@ -229,14 +219,18 @@ def test_probes_take_a_loading_backend_out_and_back(procs: Cluster) -> None:
     router = procs.router({"backends": [backend("a", a), backend("b", b)], "health": FAST_HEALTH})
     client = sdk(router)
     control(a, health_status=503)
-    took = wait_for(lambda: rows(router)["a"]["healthy"] is False, timeout=1.5 + 2)
+    took = wait_for(lambda: rows(router)["a"]["healthy"] is False, "a out of rotation", 1.5 + 2)
     assert rows(router)["a"]["reason"] == "probe failed (status_503)"
     control(a, reset_stats=True)
     for _ in range(6):
         client.chat.completions.create(model="m", messages=MSG)
     assert stats(a)["requests"] == 0
     control(a, health_status=200)
-    back = wait_for(lambda: rows(router)["a"]["healthy"] is True, timeout=2 * 0.5 + 1 + 1)
+    back = wait_for(
+        lambda: rows(router)["a"]["healthy"] is True,
+        "a back in rotation",
+        2 * 0.5 + 1 + 1,
+    )
     row = rows(router)["a"]
     assert row["last_probe_latency_ms"] is not None and row["reason"] is None
     print(f"\nprobe: out after {took:.2f}s (bound 1.5s), back after {back:.2f}s (bound 2.0s)")
@@ -251,7 +245,7 @@ def test_new_backend_is_probed_at_once_with_its_key(procs: Cluster) -> None:
             "health": {"interval": 60},
         }
     )
-    wait_for(lambda: stats(a)["probes"] >= 1, timeout=5)
+    wait_for(lambda: stats(a)["probes"] >= 1, "a probed", 5)
     assert stats(a)["last_probe_authorization"] == "Bearer sk-probe-secret"
     time.sleep(0.5)
     assert stats(a)["probes"] == 1  # the next one is a minute away
