@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 from openai import OpenAI
 
 from tests.support.harness import Cluster, Proc, backend, control, in_flight
+from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "65536", "--decode-ms", "5"]
 ENGINE += ["--decode-ms-per-seq", "0", "--prefill-ms-per-1k", "5"]
@@ -72,16 +72,17 @@ def router_metrics(router: Proc) -> str:
 
 def log_lines(router: Proc, *ids: str) -> dict[str, dict[str, Any]]:
     """The request log lines by id, once those of `ids` are written (the log writer batches)."""
-    deadline = time.monotonic() + 5
-    while True:
+
+    def by_id() -> dict[str, dict[str, Any]]:
         out = {}
         for line in router.log().splitlines():
             if '"request_id"' in line and line.startswith("{"):
                 record = json.loads(line)
                 out[record["request_id"]] = record
-        if all(i in out for i in ids) or time.monotonic() > deadline:
-            return out
-        time.sleep(0.05)
+        return out
+
+    wait_for(lambda: all(i in by_id() for i in ids), f"the log lines of {ids}", 5, 0.05)
+    return by_id()
 
 
 def test_a_follow_up_turn_lands_on_the_engine_that_served_the_first(
@@ -299,10 +300,7 @@ def test_a_session_key_sticks_and_moves_minimally_when_a_backend_is_added(
                 b["name"] == "c" and b["engine"] and not b["engine"]["stale"] for b in listed
             )
 
-        deadline = time.monotonic() + 5
-        while not c_is_read():
-            assert time.monotonic() < deadline, "the added backend was never scraped"
-            time.sleep(0.05)
+        wait_for(c_is_read, "the added backend scraped", 5, 0.05)
         now = {k: where(k) for k in keys}
         moved = [k for k in keys if now[k] != home[k]]
         assert all(now[k] == "c" for k in moved)  # no key moves between a and b

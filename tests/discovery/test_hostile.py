@@ -381,10 +381,9 @@ def test_models_auto_keeps_to_models_allow_and_never_shadows_file_or_admin_model
         try:
             rec = Reconciler("k", cfg, fleet, no_streams, events, 30)
             await rec.update([Endpoint("127.0.0.5", port, True)])
-            end = time.monotonic() + 10
-            while name not in fleet.registry.snapshot.by_name:
-                assert time.monotonic() < end, "the endpoint's models were not applied"
-                await asyncio.sleep(0.02)
+            await wait_for_async(
+                lambda: name in fleet.registry.snapshot.by_name, "the endpoint's models applied"
+            )
             snap = fleet.registry.snapshot
             claimed = set(snap.by_name[name].models)
             assert "evil" not in claimed and "models_not_allowed" in events.seen
@@ -475,10 +474,9 @@ def test_models_auto_takes_only_plain_ids_and_at_most_the_cap() -> None:
         try:
             rec = Reconciler("k", cfg, fleet, no_streams, events, 30)
             await rec.update([Endpoint("127.0.0.6", port, True)])
-            end = time.monotonic() + 10
-            while name not in fleet.registry.snapshot.by_name:
-                assert time.monotonic() < end, "the endpoint's models were not applied"
-                await asyncio.sleep(0.02)
+            await wait_for_async(
+                lambda: name in fleet.registry.snapshot.by_name, "the endpoint's models applied"
+            )
             claimed = set(fleet.registry.snapshot.by_name[name].models)
             assert claimed == {f"m{i}" for i in range(64)}
             assert not claimed & set(hostile)

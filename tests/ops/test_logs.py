@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Any
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 from router.core.settings import load_settings
 from router.ops.logs import REDACTED, JsonFormatter, configure, register_secret, secrets_of
 from tests.support.harness import Cluster, backend, control, free_port, stats
+from tests.support.wait import wait_for
 
 BACKEND_KEY = "sk-backend-literal-4f9a2c1e"
 ENV_KEY = "env-held-backend-key-77d3"
@@ -114,9 +114,7 @@ def test_traffic_of_every_kind_logs_no_secret(procs: Cluster) -> None:
     def requests_logged() -> list[dict[str, Any]]:
         return [x for x in lines_of(router.log()) if x["msg"] == "request"]
 
-    end = time.monotonic() + 10
-    while time.monotonic() < end and len(requests_logged()) < n_ok + 5:
-        time.sleep(0.05)
+    wait_for(lambda: len(requests_logged()) >= n_ok + 5, "every request logged", 10, 0.05)
     router.stop()
     text = router.log()
     for secret in SECRETS:

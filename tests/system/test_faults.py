@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.harness import Cluster, Proc, backend, control, in_flight, stats
+from tests.support.wait import wait_for
 
 
 def test_upstream_killed_mid_stream(procs: Cluster) -> None:
@@ -53,10 +54,10 @@ def test_sigterm_with_200_streams_in_flight(procs: Cluster) -> None:
         limits = httpx.Limits(max_connections=n)
         async with httpx.AsyncClient(timeout=60, limits=limits) as c:
             tasks = [asyncio.create_task(one(c)) for _ in range(n)]
-            deadline = time.monotonic() + 20
-            # Polls another process: there is no event to wait on.
-            while stats(up)["running"] < n and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+            # Polls another process (in a thread: the loop serves the streams meanwhile).
+            await asyncio.to_thread(
+                wait_for, lambda: stats(up)["running"] >= n, f"{n} streams running", 20, 0.05
+            )
             assert stats(up)["running"] == n
             router.signal(signal.SIGTERM)
             return await asyncio.gather(*tasks)
@@ -94,10 +95,7 @@ def test_slow_client_memory_stays_bounded(procs: Cluster, itl_ms: int) -> None:
     # Kernel socket buffers plus the router's read high-water mark hold a few MB at most: the
     # rest is held back in the backend, not in the router (whose RSS the benchmark measures).
     assert generated_mb < 24, generated_mb
-    deadline = time.monotonic() + 5
-    while stats(up)["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stats(up)["running"] == 0
+    wait_for(lambda: stats(up)["running"] == 0, "the backend stopped", 5, 0.05)
     assert in_flight(router) == 0
 
 

@@ -15,7 +15,6 @@ import shutil
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,16 +107,16 @@ def tls_mock(c: Cluster, pki: Path, name: str, cert: str, client_ca: bool = Fals
     ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
     ctx.check_hostname = False  # `other` is issued to a name, not this address
     ctx.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
-    end = time.monotonic() + 30
-    while True:
+
+    def serving() -> bool:
         assert proc.popen.poll() is None, proc.log()
         try:
-            if httpx.get(proc.url + "/health", verify=ctx, timeout=1).status_code == 200:
-                return proc
+            return httpx.get(proc.url + "/health", verify=ctx, timeout=1).status_code == 200
         except httpx.HTTPError:
-            if time.monotonic() > end:
-                raise
-        time.sleep(0.05)
+            return False
+
+    wait_for(serving, f"{proc.url} serving TLS", 30, 0.05)
+    return proc
 
 
 class _Engines(BaseResolver):  # type: ignore[misc]

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.support.harness import Cluster, Proc, backend, control, stats
+from tests.support.wait import wait_for
 
 TOKEN = "admin-token-for-tests"
 RIGHT = {"authorization": f"Bearer {TOKEN}"}
@@ -223,11 +224,8 @@ def established_to(port: int) -> int:
     return count
 
 
-def _wait_running(mock: Proc, n: int, deadline: float = 10.0) -> None:
-    end = time.monotonic() + deadline
-    while stats(mock)["running"] != n:
-        assert time.monotonic() < end, f"{mock.url} never had {n} running"
-        time.sleep(0.02)
+def _wait_running(mock: Proc, n: int) -> None:
+    wait_for(lambda: stats(mock)["running"] == n, f"{mock.url} with {n} running")
 
 
 def test_drain_and_delete_with_a_stream_in_flight(two: dict[str, Proc]) -> None:
@@ -255,10 +253,7 @@ def test_drain_and_delete_with_a_stream_in_flight(two: dict[str, Proc]) -> None:
 
     d = threading.Thread(target=delete, daemon=True)
     d.start()
-    end = time.monotonic() + 5
-    while admin(router, "GET", "/b").json().get("draining") is not True:
-        assert time.monotonic() < end
-        time.sleep(0.02)
+    wait_for(lambda: admin(router, "GET", "/b").json().get("draining") is True, "b draining", 5)
     # New requests while b drains go elsewhere.
     for _ in range(4):
         assert sdk(router).completions.create(model="m", prompt="x", max_tokens=2)

@@ -10,7 +10,6 @@ One fleet for the whole file (2 mocks, Redis, 2 routers): each test uses what it
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 
 from router.tools.mock.kv_publish import mock_tokens
 from tests.support.harness import Cluster, Proc, backend, control, stats
+from tests.support.wait import wait_for
 
 KEY = "sk-api-test"
 MODEL = "m"
@@ -228,12 +228,10 @@ def test_anthropic_abort_mid_stream_stops_generation(fleet: dict[str, Any]) -> N
             for n, _ in enumerate(s.text_stream):
                 if n == 3:
                     break
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            st = [stats(fleet[name]) for name in ("a", "b")]
-            if sum(s["aborted"] for s in st) == 1:
-                break
-            time.sleep(0.05)
+        wait_for(
+            lambda: sum(stats(fleet[n])["aborted"] for n in ("a", "b")) >= 1, "the abort", 10, 0.05
+        )
+        st = [stats(fleet[name]) for name in ("a", "b")]
         assert sum(s["aborted"] for s in st) == 1
         # Stopped right away: a few tokens past the break, not the 2000 asked for.
         assert sum(s["tokens_generated"] for s in st) < 100
@@ -303,10 +301,15 @@ def _no_leak(fleet: dict[str, Any]) -> Iterator[None]:
     yield
     # Every request released its in-flight slot, also the aborted one.
     for router in (fleet["r1"], fleet["r2"]):
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
-            if sum(int(b["in_flight"]) for b in rows) == 0:
-                break
-            time.sleep(0.05)
-        assert sum(int(b["in_flight"]) for b in rows) == 0
+        wait_for(
+            lambda r=router: (
+                sum(
+                    int(b["in_flight"])
+                    for b in httpx.get(r.url + "/admin/backends", timeout=5).json()
+                )
+                == 0
+            ),
+            f"{router.url}: every slot released",
+            5,
+            0.05,
+        )

@@ -4,7 +4,6 @@ those headers on successful answers too, tokens corrected by the real usage."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from starlette.responses import Response
 from router.core.settings import ConfigError, load_settings
 from router.request.admit.quota import KeyLimits, Quotas, Reservation
 from tests.support.harness import Cluster, Proc, backend, in_flight, sha, stats
+from tests.support.wait import wait_for
 
 RPM = "sk-quota-rpm-0123456789"
 TPM = "sk-quota-tpm-0123456789"
@@ -112,9 +112,7 @@ def test_max_parallel_refuses_while_the_key_has_a_request_in_flight(
                 ask(router, PAR)
             assert "parallel" in str(info.value.body)
         # The client left: its slot is free at once.
-        end = time.monotonic() + 5
-        while in_flight(router) and time.monotonic() < end:
-            time.sleep(0.02)
+        wait_for(lambda: in_flight(router) == 0, "its slot free", 5)
     assert ask(router, PAR).parse().choices[0].message.content
 
 

@@ -9,7 +9,6 @@ later, cancel stops it. Real router, the official openai SDK.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import openai
@@ -46,13 +45,14 @@ def sdk(router: Proc, key: str) -> openai.OpenAI:
 
 
 def finished(client: openai.OpenAI, response_id: str, within: float = 30.0) -> Any:
-    end = time.monotonic() + within
-    while True:
-        got = client.responses.retrieve(response_id)
-        if got.status not in ("queued", "in_progress"):
-            return got
-        assert time.monotonic() < end, f"{response_id} still {got.status}"
-        time.sleep(0.05)
+    got: list[Any] = []
+
+    def done() -> bool:
+        got.append(client.responses.retrieve(response_id))
+        return got[-1].status not in ("queued", "in_progress")
+
+    wait_for(done, f"{response_id} finished", within, 0.05)
+    return got[-1]
 
 
 def test_background_responses_are_charged_their_whole_estimate(fleet: dict[str, Proc]) -> None:

@@ -60,10 +60,7 @@ def test_close_after_five_chunks_stops_generation(fleet: dict[str, Proc]) -> Non
     # At most one token produced after the client closed.
     assert rec["tokens"] <= received + 1, rec
     assert stats(fleet["up"])["tokens_after_disconnect"] == 0
-    deadline = time.monotonic() + 2
-    while in_flight(fleet["router"]) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert in_flight(fleet["router"]) == 0
+    wait_for(lambda: in_flight(fleet["router"]) == 0, "nothing in flight", 2)
 
 
 def _raw_request(port: int, body: bytes, rid: str) -> socket.socket:
@@ -90,10 +87,7 @@ def test_leaving_during_silent_prefill_closes_upstream_fast(
     rec = _wait_record(fleet["up"], rid, "disconnected_at")
     assert rec["disconnected_at"] - closed_at < 0.2, rec["disconnected_at"] - closed_at
     assert rec["tokens"] == 0
-    deadline = time.monotonic() + 2
-    while in_flight(fleet["router"]) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert in_flight(fleet["router"]) == 0
+    wait_for(lambda: in_flight(fleet["router"]) == 0, "nothing in flight", 2)
 
 
 def test_many_disconnects_leave_nothing_counted(fleet: dict[str, Proc]) -> None:
@@ -102,18 +96,16 @@ def test_many_disconnects_leave_nothing_counted(fleet: dict[str, Proc]) -> None:
         _raw_request(fleet["router"].port, b'{"model": "m", "stream": true}', f"many-{i}")
         for i in range(30)
     ]
-    deadline = time.monotonic() + 10
-    while stats(fleet["up"])["running"] < 30 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: stats(fleet["up"])["running"] >= 30, "30 streams running", 10, 0.05)
     assert stats(fleet["up"])["running"] == 30
     for s in socks:
         s.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        st = stats(fleet["up"])
-        if st["running"] == 0 and in_flight(fleet["router"]) == 0:
-            break
-        time.sleep(0.05)
+    wait_for(
+        lambda: stats(fleet["up"])["running"] == 0 and in_flight(fleet["router"]) == 0,
+        "every stream stopped, nothing in flight",
+        5,
+        0.05,
+    )
     st = stats(fleet["up"])
     assert st["running"] == 0 and st["aborted"] == 30
     assert in_flight(fleet["router"]) == 0
@@ -162,7 +154,4 @@ def test_leaving_before_the_lifecycle_starts_sends_nothing_upstream(procs: Clust
         assert all(r["tokens"] <= 1 for r in sent), sent
     finally:
         rds.signal(signal.SIGCONT)
-    deadline = time.monotonic() + 5
-    while in_flight(router) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert in_flight(router) == 0
+    wait_for(lambda: in_flight(router) == 0, "nothing in flight", 5, 0.05)

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import random
 import signal
-import time
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -53,10 +52,8 @@ def test_lookups_match_the_local_index_and_carry_earlier_records(rds: Proc) -> N
         shared = SharedPrefixIndex(rds.url, prefix=uuid.uuid4().hex, timeout=1.0, flush_after=60)
         local = PrefixIndex()
         await shared.start()
-        deadline = time.monotonic() + 5
-        while shared.round_trips == 0:  # the script's upfront SCRIPT LOAD, in the background
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        # The script's upfront SCRIPT LOAD, in the background.
+        await wait_for_async(lambda: shared.round_trips > 0, "the scripts loaded", 5, 0.01)
         loaded = shared.round_trips
         for i, p in enumerate(prompts):
             assert await shared.match(p, names) == local.match(p, names)
@@ -123,15 +120,12 @@ def test_a_stopped_redis_answers_locally_in_time_and_recovers(
             assert shared.degraded and shared.fallbacks == 6
         finally:
             rd.signal(signal.SIGCONT)
-        deadline = time.monotonic() + 5
-        while shared.degraded:
-            assert time.monotonic() < deadline, "the shared index never came back"
-            await asyncio.sleep(0.05)
-        # The record made during the outage was replayed.
-        deadline = time.monotonic() + 2
-        while (held := await shared.match(p, ["e", "f"])) != {"e": 3, "f": 3}:
-            assert time.monotonic() < deadline, held
-            await asyncio.sleep(0.02)
+        await wait_for_async(lambda: not shared.degraded, "the shared index back", 5, 0.05)
+
+        async def replayed() -> bool:
+            return await shared.match(p, ["e", "f"]) == {"e": 3, "f": 3}
+
+        await wait_for_async(replayed, "the record made during the outage replayed", 2)
         await shared.aclose()
 
     with caplog.at_level(logging.INFO, logger="sluicegate.affinity"):
@@ -163,10 +157,11 @@ def test_a_full_redis_refusing_writes_sends_lookups_local_until_it_takes_them(
             )
             assert shared.degraded
             r.config_set("maxmemory", 0)
-        deadline = time.monotonic() + 5
-        while (held := await shared.match(p, ["e"])) != {"e": 2}:
-            assert time.monotonic() < deadline, held
-            await asyncio.sleep(0.05)
+
+        async def taken() -> bool:
+            return await shared.match(p, ["e"]) == {"e": 2}
+
+        await wait_for_async(taken, "Redis taking writes again", 5, 0.05)
         await shared.aclose()
 
     run(body)

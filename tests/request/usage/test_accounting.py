@@ -18,6 +18,7 @@ import redis as redis_lib
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.harness import Cluster, Proc, backend, control, sha, wait_http
+from tests.support.wait import wait_for
 
 ADMIN = "admin-usage-token-0123456789"
 ALPHA = "sk-usage-alpha-0123456789"
@@ -243,13 +244,13 @@ def test_usage_is_summed_across_replicas_through_redis(fleet: dict[str, Proc]) -
         sdk(router, BETA).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hello"}]
         )
+
     # r2 writes every 0.2 s; a read flushes the reader's own counts first.
-    deadline = time.monotonic() + 5
-    while True:
-        rows = usage(r1, key="beta", model="m", since=since).json()["data"]
-        if total(rows, "requests") - start["beta"] >= 3 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    def beta_rows() -> list[dict[str, Any]]:
+        return list(usage(r1, key="beta", model="m", since=since).json()["data"])
+
+    wait_for(lambda: total(beta_rows(), "requests") - start["beta"] >= 3, "3 booked", 5, 0.05)
+    rows = beta_rows()
     assert total(rows, "requests") - start["beta"] == 3
     assert {(r["key"], r["model"]) for r in rows} == {("beta", "m")}
     assert total(rows, "completion_tokens") == 3 * 6
@@ -295,12 +296,13 @@ def test_usage_counted_while_redis_is_down_is_written_when_it_returns(
     assert down.status_code == 503 and down.json()["error"]["code"] == "usage_unavailable"
     # Back, empty: the router writes what it kept since the first request.
     module_procs.redis(port=redis.port)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def written_back() -> bool:
         answer = usage(router)
-        if answer.status_code == 200 and total(answer.json()["data"], "requests") == 2:
-            break
-        time.sleep(0.1)
+        return answer.status_code == 200 and total(answer.json()["data"], "requests") == 2
+
+    wait_for(written_back, "what it kept written back", 5, 0.1)
+    answer = usage(router)
     assert answer.status_code == 200
     assert total(answer.json()["data"], "requests") == 2
     assert total(answer.json()["data"], "completion_tokens") == 2 * 6
@@ -349,13 +351,15 @@ def test_a_client_leaving_at_done_is_counted_with_the_engines_usage(
             )
             assert chunks and all(ch.usage is None for ch in chunks[:-1])
         # Counted as the request ends: at the client's close, or at worst the gap after it.
-        deadline = time.monotonic() + 5
-        while True:
-            rows = usage(r1, key="alpha").json()["data"]
-            if total(rows, "requests") - total(before, "requests") >= 2:
-                break
-            assert time.monotonic() < deadline, "the two requests were not counted"
-            time.sleep(0.02)
+        wait_for(
+            lambda: (
+                total(usage(r1, key="alpha").json()["data"], "requests") - total(before, "requests")
+                >= 2
+            ),
+            "the two requests counted",
+            5,
+        )
+        rows = usage(r1, key="alpha").json()["data"]
     finally:
         control(mock, end_gap_ms=0)
     engine = {k: v - before_engine[k] for k, v in engine_counts(mock).items()}
