@@ -27,13 +27,13 @@ redis-server:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    redis-server redis-tools openssl >/dev/null; }
 
-# The console's browser tests (tests/test_console.py) drive the distribution's Chromium; where it
-# cannot be installed they skip and say so.
+# The console's browser tests (tests/web/test_console.py) drive the distribution's Chromium; where
+# it cannot be installed they skip and say so.
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  echo "installing chromium (the console's browser tests)"; \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    chromium >/dev/null; } || echo "chromium could not be installed: tests/test_console.py will skip"; }
+	    chromium >/dev/null; } || echo "chromium could not be installed: tests/web/test_console.py will skip"; }
 
 # What the suite needs from the distribution, in one apt run (Chromium optional, see above).
 system-deps:
@@ -46,7 +46,7 @@ system-deps:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools openssl \
 	    >/dev/null; \
 	  command -v chromium >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y \
-	    -qq chromium >/dev/null || echo "chromium could not be installed: tests/test_console.py will skip"; \
+	    -qq chromium >/dev/null || echo "chromium could not be installed: tests/web/test_console.py will skip"; \
 	fi
 
 # The venv and the distribution's packages install side by side (pip and apt wait on the network
@@ -86,7 +86,8 @@ nginx:
 bench-hop: $(VENV)/.bench nginx
 	$(PY) -m bench.scenarios.hop --check
 
-# docs/configuration.md from the settings model (tests/test_settings_doc.py fails while it is stale).
+# docs/configuration.md from the settings model (tests/tools/test_settings_doc.py fails while it is
+# stale).
 docs: $(STAMP)
 	$(PY) -m router.tools.settings_doc
 
@@ -117,7 +118,8 @@ test-engine: engine-venv redis-server
 	  $(PY) -m pytest -q -p no:cacheprovider --timeout 300 --durations 12 tests_engine
 
 # The container image's hash-pinned locks, from pyproject.toml (tools/lock.py says how and why).
-# Run it after changing dependencies and commit both files; tests/test_lock.py notices a stale one.
+# Run it after changing dependencies and commit both files; tests/project/test_lock.py notices a
+# stale one.
 lock: $(STAMP)
 	$(PY) -m pip install -q 'uv==0.13.9'
 	$(PY) tools/lock.py

@@ -75,7 +75,7 @@ class RedisForm(Protocol):
     is candidate i's count across every replica (false when it is at its `max_inflight`),
     `weight(i)` its weight; it returns the chosen index, or nil when none has room. `load` reads
     Redis on first use, so a policy that looks at two candidates reads two. It must choose as
-    `pick()` does: tests/test_balancer_parity.py runs both forms through the same cases.
+    `pick()` does: tests/balancers/test_parity.py runs both forms through the same cases.
     """
 
     redis_pick: ClassVar[str]

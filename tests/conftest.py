@@ -4,10 +4,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.fake_kube import FakeKube
-from tests.harness import Cluster, free_port
-from tests.hostile_backend import HostileBackend
-from tests.otlp_receiver import Receiver
+from tests.support.fake_kube import FakeKube
+from tests.support.harness import Cluster, free_port
+from tests.support.hostile_backend import HostileBackend
+from tests.support.otlp_receiver import Receiver
 
 
 @pytest.fixture

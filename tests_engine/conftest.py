@@ -21,7 +21,7 @@ import pytest
 from router.tools.enginefleet.fleet import Engine, EngineOptions, Fleet
 from router.tools.enginefleet.install import engine_home, ensure_venv, nixl_dir
 from router.tools.enginefleet.model import write_model
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import ensure_healthy, wait_idle
 
 # One engine per core, 64 KV blocks of 128 tokens each (8,192 tokens): small enough that a trace

@@ -12,8 +12,7 @@ import random
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
+from tests.support.wait import wait_for
 
 
 def metrics(engine: Engine) -> dict[str, float]:
@@ -62,17 +62,6 @@ def kv_capacity_blocks(engine: Engine) -> tuple[int, int]:
     return int(info["num_gpu_blocks"]), int(info["block_size"])
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float, step_s: float = 0.05) -> float:
-    """Seconds until `check()` held; AssertionError naming `what` after `timeout_s`."""
-    start = time.monotonic()
-    while True:
-        if check():
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"not within {timeout_s:.1f} s: {what}")
-        time.sleep(step_s)
-
-
 def running(engine: Engine) -> float:
     return metrics(engine).get("vllm:num_requests_running", 0.0)
 
@@ -87,7 +76,7 @@ def wait_idle(engines: Iterable[Engine], timeout_s: float = 60.0) -> None:
                 m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0
             )
 
-        wait_for(f"engine {e.index} idle", idle, timeout_s, 0.2)
+        wait_for(idle, f"engine {e.index} idle", timeout_s, 0.2)
 
 
 # How long a test waits for an engine a previous one left starting (about 30 s measured, 80 s on

@@ -11,16 +11,9 @@ from pathlib import Path
 import httpx
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster, in_flight
-from tests_engine.support import (
-    DirectLoad,
-    Words,
-    metrics,
-    router_metrics,
-    rows,
-    start_router,
-    wait_for,
-)
+from tests.support.harness import Cluster, in_flight
+from tests.support.wait import wait_for
+from tests_engine.support import DirectLoad, Words, metrics, router_metrics, rows, start_router
 
 INTERVAL, RECHECK = 0.1, 0.25
 # 12 x 15 blocks against 64: about 4 run, and the queue never drops near 0 between streams.
@@ -60,7 +53,7 @@ def test_admission_queues_on_engine_readings_and_releases_when_they_drop(
                 for row in rows(router).values()
             )
 
-        wait_for("both engines queue, as the router reads them", saturated, 60.0, 0.05)
+        wait_for(saturated, "both engines queue, as the router reads them", 60.0, 0.05)
 
         def ask() -> None:
             r = httpx.post(
@@ -78,8 +71,8 @@ def test_admission_queues_on_engine_readings_and_releases_when_they_drop(
         client = threading.Thread(target=ask)
         client.start()
         wait_for(
-            "the request waits in the router's queue",
             lambda: router_metrics(router).get("sluicegate_queue_depth", 0) == 1,
+            "the request waits in the router's queue",
             10.0,
         )
         held_until = time.monotonic() + HOLD_S

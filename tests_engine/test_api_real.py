@@ -15,8 +15,9 @@ import openai
 import pytest
 
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster, Proc
-from tests_engine.support import metrics, start_router, wait_for
+from tests.support.harness import Cluster, Proc
+from tests.support.wait import wait_for
+from tests_engine.support import metrics, start_router
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +136,10 @@ def test_anthropic_messages_usage_and_abort(fleet: Fleet, pair: tuple[Proc, Proc
                     break
             ahead = counted()
         wait_for(
-            "generation stopped after the client left",
             lambda: all(
                 metrics(e).get("vllm:num_requests_running", 0.0) == 0 for e in fleet.engines
             ),
+            "generation stopped after the client left",
             10.0,
         )
         time.sleep(0.3)  # a step that was under way ends; nothing more may follow

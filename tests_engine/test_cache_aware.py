@@ -21,8 +21,9 @@ from typing import Any
 import openai
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster, Proc, in_flight
-from tests_engine.support import Words, kv_capacity_blocks, router_metrics, start_router, wait_for
+from tests.support.harness import Cluster, Proc, in_flight
+from tests.support.wait import wait_for
+from tests_engine.support import Words, kv_capacity_blocks, router_metrics, start_router
 
 TURNS = 3
 MAX_TOKENS = 24  # the answer; with the next question, a turn grows by well under a block
@@ -81,8 +82,8 @@ def run_trace(
             if i + 1 < len(firsts):
                 # The second of the pair arrives while the first is counted in flight.
                 wait_for(
-                    "first of a pair in flight",
                     lambda alive=alive: in_flight(router) >= 1 or not alive(),  # type: ignore[misc]
+                    "first of a pair in flight",
                     30,
                     0.002,
                 )

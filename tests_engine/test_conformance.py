@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.engine.parse import parse
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import ensure_healthy, wait_idle
 
 # Families sluicegate reads (router/engine/parse.py) or its engine tier checks against.

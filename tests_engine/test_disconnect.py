@@ -16,8 +16,9 @@ import time
 import openai
 
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster, in_flight
-from tests_engine.support import metrics, start_router, wait_for, wait_idle
+from tests.support.harness import Cluster, in_flight
+from tests.support.wait import wait_for
+from tests_engine.support import metrics, start_router, wait_idle
 
 READ_CHUNKS = 20
 MAX_TOKENS = 1800  # far more than is read: generation must stop because the client left
@@ -67,10 +68,10 @@ def _leave_once(base_url: str, engine: Engine) -> tuple[float, float, float] | N
     if ahead >= MAX_TOKENS:
         return None  # it had generated everything before the client left
     wait_for(
-        "the engine stops the abandoned request",
         lambda: metrics(engine)["vllm:num_requests_running"] == 0,
-        timeout_s=10.0,
-        step_s=POLL_S,
+        "the engine stops the abandoned request",
+        within=10.0,
+        every=POLL_S,
     )
     took = time.monotonic() - closed
     time.sleep(0.2)  # the last step's tokens land in the counter

@@ -16,8 +16,9 @@ from collections import Counter
 import httpx
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
-from tests_engine.support import rows, start_router, wait_for
+from tests.support.harness import Cluster
+from tests.support.wait import wait_for
+from tests_engine.support import rows, start_router
 
 HEALTH = {
     "interval": 0.5,
@@ -78,11 +79,11 @@ def test_killed_engine_fails_over_and_ejects_and_restarted_one_returns(
     for t in threads:
         t.start()
     try:
-        wait_for("traffic on both engines", lambda: len(served) == 2, 30)
+        wait_for(lambda: len(served) == 2, "traffic on both engines", 30)
         victim.kill()
         killed = time.monotonic()
         ejected_s = wait_for(
-            "the dead engine ejected", lambda: rows(router)[victim_name]["healthy"] is False, 15
+            lambda: rows(router)[victim_name]["healthy"] is False, "the dead engine ejected", 15
         )
         with lock:
             served.clear()
@@ -100,8 +101,8 @@ def test_killed_engine_fails_over_and_ejects_and_restarted_one_returns(
             served.clear()
         paused.clear()
         back_s = wait_for(
-            "traffic on the restarted engine",
             lambda: served[victim_name] > 0,
+            "traffic on the restarted engine",
             BACK_WITHIN_S + 10,
             0.02,
         )

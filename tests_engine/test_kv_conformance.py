@@ -32,7 +32,7 @@ from router.engine.calibrate import Calibration
 from router.engine.kv_wire import Stored, decode
 from router.engine.parse import parse
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import cache_config
 
 MASK64 = (1 << 64) - 1

@@ -14,8 +14,9 @@ import pytest
 from router.request.placement.token_memo import MIN_IDS, earlier, memo_key, shared_ids
 from router.request.placement.tokens import RouterTokenizer
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster, Proc
-from tests_engine.support import kv_capacity_blocks, rows, start_router, wait_for
+from tests.support.harness import Cluster, Proc
+from tests.support.wait import wait_for
+from tests_engine.support import kv_capacity_blocks, rows, start_router
 
 
 def _doc(tag: str, words: int = 240) -> list[dict[str, Any]]:
@@ -62,11 +63,11 @@ def _idle_readings(router: Proc) -> None:
     holder's batch against the prefill it saves, and a reading taken while an earlier request
     ran would make the holder look busy (on a starved machine scrapes lag)."""
     wait_for(
-        "the router reads both engines idle",
         lambda: all(
             (e := r["engine"]) and not e["stale"] and e["running"] == 0 and e["waiting"] == 0
             for r in rows(router).values()
         ),
+        "the router reads both engines idle",
         30,
     )
 
@@ -102,8 +103,8 @@ def test_routing_follows_the_engines_own_cache(fleet: Fleet, procs: Cluster) -> 
     router = _router(procs, fleet)
     model = fleet.engines[0].model
     wait_for(
-        "both engines' events live",
         lambda: all(r and r["state"] == "live" for r in _kv_rows(router).values()),
+        "both engines' events live",
         30,
     )
     e0, e1 = fleet.engines[:2]
@@ -116,7 +117,7 @@ def test_routing_follows_the_engines_own_cache(fleet: Fleet, procs: Cluster) -> 
     block = kv_capacity_blocks(e1)[1]
     full = prompt // block
     reused = (prompt - 1) // block * block
-    wait_for("the router indexed it", lambda: _kv_rows(router)["engine-1"]["blocks"] >= full, 10)
+    wait_for(lambda: _kv_rows(router)["engine-1"]["blocks"] >= full, "the router indexed it", 10)
     # ... and the router sends that prefix there, where the engine finds it cached.
     for _ in range(2):
         _idle_readings(router)
@@ -128,8 +129,8 @@ def test_routing_follows_the_engines_own_cache(fleet: Fleet, procs: Cluster) -> 
     _fill(e1, "fill")
     _chat(e0.url, model, a)
     wait_for(
-        "engine 1's eviction and engine 0's store seen",
         lambda: _kv_rows(router)["engine-1"]["events"].get("BlockRemoved", 0) > 0,
+        "engine 1's eviction and engine 0's store seen",
         10,
     )
     time.sleep(0.3)  # the last batch of the direct request
@@ -140,13 +141,13 @@ def test_routing_follows_the_engines_own_cache(fleet: Fleet, procs: Cluster) -> 
     # Engine 0 restarts empty: its index goes (health saw it stop, or its seq began at 0 again),
     # the prefix is not sent there for a cache it no longer has, and the index fills again.
     e0.restart(wait=True)
-    wait_for("engine 0's index dropped", lambda: _kv_rows(router)["engine-0"]["blocks"] == 0, 30)
+    wait_for(lambda: _kv_rows(router)["engine-0"]["blocks"] == 0, "engine 0's index dropped", 30)
     _chat(router.url, model, a)
     assert _reasons(router).get("engine-0/prefix_exact", 0) == 1  # only the one before
     _chat(e0.url, model, a)
     wait_for(
-        "engine 0 live and indexed again",
         lambda: (r := _kv_rows(router)["engine-0"])["state"] == "live" and r["blocks"] >= full,
+        "engine 0 live and indexed again",
         15,
     )
 

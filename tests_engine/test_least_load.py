@@ -10,7 +10,8 @@ import httpx
 
 from router.engine.parse import parse
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
+from tests.support.wait import wait_for
 from tests_engine.support import (
     DirectLoad,
     Words,
@@ -19,7 +20,6 @@ from tests_engine.support import (
     metrics_of,
     rows,
     start_router,
-    wait_for,
 )
 
 INTERVAL = 0.1  # engine_metrics.interval of the router under test
@@ -49,11 +49,11 @@ def test_least_load_reads_the_engines_and_avoids_the_busy_one(
             m = metrics(busy)
             return m["vllm:num_requests_waiting"] >= 1 and m["vllm:num_requests_running"] >= 2
 
-        wait_for("direct traffic queues on the busy engine", loaded, 60.0, 0.1)
+        wait_for(loaded, "direct traffic queues on the busy engine", 60.0, 0.1)
         # The router's readings are the engine's: sampled a few intervals after the engine's own.
         wait_for(
-            "the router reads the busy engine's queue",
             lambda: rows(router)[f"engine-{busy.index}"]["engine"]["waiting"] >= 1,
+            "the router reads the busy engine's queue",
             20 * INTERVAL + 5.0,
         )
         # The router's parser on the engine's real page reads what Prometheus' own parser reads.

@@ -23,9 +23,10 @@ from openai import OpenAI
 from router.engine.parse import parse_lora
 from router.tools.enginefleet.fleet import Engine, Fleet
 from router.tools.enginefleet.lora import write_adapter
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
+from tests.support.wait import wait_for
 from tests_engine.conftest import LORA_ARGS
-from tests_engine.support import ensure_healthy, router_metrics, rows, start_router, wait_for
+from tests_engine.support import ensure_healthy, router_metrics, rows, start_router
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +182,11 @@ def test_adapter_requests_land_on_the_engine_that_has_it(
     ensure_healthy(fleet)
     router = start_router(procs, fleet, {"balancer": "least_load", "lora": {"refresh": 0.3}})
     wait_for(
-        "the router reads engine-0's adapters",
         lambda: (
             "sql"
             in ((rows(router)["engine-0"]["engine"] or {}).get("lora") or {}).get("loaded", [])
         ),
+        "the router reads engine-0's adapters",
         30.0,
     )
     assert "sql" not in rows(router)["engine-1"]["engine"]["lora"]["loaded"]

@@ -17,7 +17,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import start_router
 
 MESSAGES = [{"role": "user", "content": "Tell the story of a router that never drops a stream"}]

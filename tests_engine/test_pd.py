@@ -20,14 +20,9 @@ import httpx
 import openai
 
 from router.tools.enginefleet.fleet import Engine, Fleet, free_port
-from tests.harness import Cluster, Proc, in_flight
-from tests_engine.support import (
-    Words,
-    metrics,
-    start_router,
-    wait_for,
-    wait_idle,
-)
+from tests.support.harness import Cluster, Proc, in_flight
+from tests.support.wait import wait_for
+from tests_engine.support import Words, metrics, start_router, wait_idle
 
 LONG, SHORT = 1500, 40  # prompt tokens: above and far below min_uncached_tokens
 MIN_UNCACHED = 512
@@ -78,8 +73,8 @@ def _counted(engine: Engine, before: dict[str, float], tokens: float) -> None:
     """Until the engine's prompt tokens by source (its stats land after the answer) add up to
     `tokens`."""
     wait_for(
-        f"engine {engine.index} counted {tokens:.0f} prompt tokens",
         lambda: sum(_moved(engine, before, EXTERNAL, LOCAL).values()) >= tokens,
+        f"engine {engine.index} counted {tokens:.0f} prompt tokens",
         10.0,
     )
 
@@ -180,10 +175,10 @@ def _leave_in_phase_2(router: Proc, fleet: Fleet, seed: int) -> tuple[float, flo
     closed = time.monotonic()
     stream.close()
     wait_for(
-        "D stops the abandoned request",
         lambda: metrics(d)["vllm:num_requests_running"] == 0,
-        timeout_s=10.0,
-        step_s=0.01,
+        "D stops the abandoned request",
+        within=10.0,
+        every=0.01,
     )
     took = time.monotonic() - closed
     time.sleep(0.2)  # the last step's tokens land in the counter

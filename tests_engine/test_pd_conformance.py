@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.request.placement.pd import PREFILL_PARAMS
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import Words, ensure_healthy, metrics_of, wait_idle
 
 PROMPT_TOKENS = 1500

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.conftest import FLEET_OPTIONS
 from tests_engine.support import cache_config, start_router
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 from tests_engine.support import start_router
 
 PROMPT = "The router streams every token the engine generates, in order"

@@ -14,15 +14,9 @@ from typing import Any
 import openai
 
 from router.tools.enginefleet.fleet import Fleet
-from tests.harness import Cluster
-from tests_engine.support import (
-    Words,
-    kv_capacity_blocks,
-    metrics,
-    router_metrics,
-    start_router,
-    wait_for,
-)
+from tests.support.harness import Cluster
+from tests.support.wait import wait_for
+from tests_engine.support import Words, kv_capacity_blocks, metrics, router_metrics, start_router
 
 ENGINE_PROMPT, ENGINE_GEN = "vllm:prompt_tokens_total", "vllm:generation_tokens_total"
 ENGINE_CACHED = "vllm:prompt_tokens_cached_total"
@@ -83,8 +77,8 @@ def test_router_usage_equals_the_engines_own_counters(fleet: Fleet, procs: Clust
     # [DONE]): every request answered is counted before the figures are compared.
     sent = 4 * 5
     wait_for(
-        "the router counted every response",
         lambda: router_metrics(router).get(REQUESTS, 0) - before.get(REQUESTS, 0) >= sent,
+        "the router counted every response",
         10.0,
     )
     after_engines = engine_totals(fleet)

@@ -13,7 +13,7 @@ records the hashes of every file of each pinned version, which is what
 writes pylock.toml, which `pip install` cannot install from yet.
 
 Each lock starts with the digest of the pyproject.toml fields it was made from;
-tests/test_lock.py fails when they no longer match (a dependency added without `make lock`).
+tests/project/test_lock.py fails when they no longer match (a dependency added without `make lock`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The benchmark's processes and loads: a Cluster of targets (tests/harness.py), routers in front
-of mock upstreams, and a load measured against one of them."""
+"""The benchmark's processes and loads: a Cluster of targets (tests/support/harness.py), routers in
+front of mock upstreams, and a load measured against one of them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from bench.kit.loadgen import Result, run_load
 from bench.kit.nginx import start_nginx
 from bench.kit.procstat import cpu_seconds
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 CHAT = "/v1/chat/completions"

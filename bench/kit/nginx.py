@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tests.harness import Cluster, Proc, free_port, wait_http
+from tests.support.harness import Cluster, Proc, free_port, wait_http
 
 
 def nginx_conf(port: int, upstreams: list[int], tmp: Path) -> Path:

@@ -24,7 +24,7 @@ import httpx
 
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 _B = "XbenchX"
 AUDIO = (

@@ -20,7 +20,7 @@ from typing import Any
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
 from bench.kit.stats import pct
-from tests.harness import Cluster, Proc, backend, control, stats
+from tests.support.harness import Cluster, Proc, backend, control, stats
 
 CHAT = "/v1/chat/completions"
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from bench.kit.procstat import rss_mb
-from tests.harness import Cluster, Proc, backend, control
+from tests.support.harness import Cluster, Proc, backend, control
 
 MB = 1024 * 1024
 ENV: dict[str, str] = {}

@@ -1,9 +1,9 @@
 """Discovery's cost, on loopback with real processes.
 
 1. Hot path: router CPU per streamed request and requests/s with two backends found by the
-   Kubernetes source (fake API server, tests/fake_kube.py) as ratios to the same two backends in
-   the file (one router each, taking turns). Discovery adds no per-request work, so the ratio
-   should be ~1 within noise.
+   Kubernetes source (fake API server, tests/support/fake_kube.py) as ratios to the same two
+   backends in the file (one router each, taking turns). Discovery adds no per-request work, so the
+   ratio should be ~1 within noise.
 2. Churn: the time to apply one change (rebuild and swap the snapshot) for a fleet of N
    discovered endpoints, in process.
 3. Large (issue 31): 50,000 endpoints through the reconciler into the Fleet, in process.
@@ -31,8 +31,8 @@ from bench.kit.procstat import cpu_seconds
 from router.core.settings import BackendConfig
 from router.ops.collector import tune_collector
 from router.registry.fleet import Discovered, Fleet, LocalRecords, Registry
-from tests.fake_kube import FakeKube, endpoint
-from tests.harness import Cluster, Proc, backend, free_port
+from tests.support.fake_kube import FakeKube, endpoint
+from tests.support.harness import Cluster, Proc, backend, free_port
 
 CHAT = "/v1/chat/completions"
 

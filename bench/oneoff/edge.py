@@ -26,7 +26,7 @@ import uvloop
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
 from router.ops import logs
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 
 N_RECORDS = 8_000  # under the queue size: none dropped
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
-from tests.harness import Cluster, Proc, free_port, wait_http
+from tests.support.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
 # (stage, path part, function names or None for any): the first row that matches wins.

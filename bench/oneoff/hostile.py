@@ -18,8 +18,8 @@ import time
 import httpx
 
 from bench.kit.procstat import rss_mb
-from tests.harness import Cluster
-from tests.hostile_backend import HostileBackend
+from tests.support.harness import Cluster
+from tests.support.hostile_backend import HostileBackend
 
 
 async def _flood(url: str, concurrency: int, rounds: int) -> tuple[int, int, float]:

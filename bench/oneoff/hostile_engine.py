@@ -22,7 +22,7 @@ import httpx
 
 from bench.kit.procstat import cpu_seconds
 from router.request.usage.strip import UsageStrip
-from tests.harness import Cluster, Proc, control
+from tests.support.harness import Cluster, Proc, control
 
 PAGE_BYTES = 4 * 1024 * 1024 - 4096  # just under the scraper's 4 MiB cap on a page
 

@@ -1,6 +1,6 @@
-"""The fake Kubernetes API server (tests/fake_kube.py) in a process of its own, for benchmarks
-that measure a router in the benchmark's process: the fake's JSON work must not take the GIL
-from the router being timed.
+"""The fake Kubernetes API server (tests/support/fake_kube.py) in a process of its own, for
+benchmarks that measure a router in the benchmark's process: the fake's JSON work must not take the
+GIL from the router being timed.
 
     python -m bench.oneoff.kube_proc PORT
     then one JSON command per stdin line, "ok" per line back:
@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from tests.fake_kube import FakeKube, endpoint
+from tests.support.fake_kube import FakeKube, endpoint
 
 
 def address(i: int) -> str:

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from bench.kit.stats import pct
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 
 LONG_TOKENS, SHORT_TOKENS = 1500, 40
 LONG_SHARE = 0.3

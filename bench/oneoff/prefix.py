@@ -31,7 +31,7 @@ from router.core.settings import AffinityConfig
 from router.request.placement.affinity import Affinity
 from router.request.placement.affinity_store import SharedPrefixIndex
 from router.request.placement.prefix import prefix_hashes
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 
 BLOCK = 256
 LIMIT = 128 * 1024

@@ -20,8 +20,8 @@ from typing import Any
 
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
-from tests.harness import Cluster, Proc
-from tests.otlp_receiver import Receiver
+from tests.support.harness import Cluster, Proc
+from tests.support.otlp_receiver import Receiver
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "stream": True, "max_tokens": 64}).encode()

@@ -24,7 +24,7 @@ from typing import Any
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
 from router.request.usage.strip import USAGE_OBJECT, UsageStrip
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "stream": True, "max_tokens": 64}).encode()

@@ -34,7 +34,7 @@ import httpx
 
 from bench.kit.procstat import cpu_seconds
 from bench.kit.traffic import Client, bodies, collect, durations, flood
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
 

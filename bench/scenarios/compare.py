@@ -27,7 +27,7 @@ import yaml
 from bench.kit.loadgen import run_load
 from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds
-from tests.harness import Cluster, Proc, free_port, wait_http
+from tests.support.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
 CONCURRENCY = 32

@@ -29,7 +29,7 @@ from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
 from bench.kit.report import Row
 from router.ops.live import Live
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 PAGES = 5
 ROUNDS = 3

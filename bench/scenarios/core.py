@@ -19,7 +19,7 @@ from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds, open_fds, rss_mb, socket_states
 from bench.kit.report import Row
 from bench.kit.stats import pct
-from tests.harness import Proc
+from tests.support.harness import Proc
 
 
 def overhead(bench: Bench) -> None:

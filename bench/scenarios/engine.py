@@ -27,7 +27,7 @@ from balancers.context import NO_CONTEXT
 from bench.kit.page import table
 from bench.kit.procstat import cpu_seconds
 from bench.kit.stats import pct
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
 OUT_TOKENS = 32

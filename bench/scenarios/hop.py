@@ -42,7 +42,7 @@ from bench.kit.loadgen import run_load
 from bench.kit.nginx import start_nginx
 from bench.kit.procstat import cpu_seconds
 from bench.kit.stats import pct
-from tests.harness import Cluster, Proc, free_port, wait_http
+from tests.support.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
 BASELINE = Path(__file__).resolve().parents[1] / "hop_baseline.json"

@@ -151,7 +151,7 @@ async def _ingest(recv_only: bool = False) -> dict[str, float]:
 def _tokenizer() -> dict[str, float]:
     from router.core.settings import AffinityConfig
     from router.request.placement.tokens import RouterTokenizer, request_tokens
-    from tests.tiny_tokenizer import write_tokenizer
+    from tests.support.tiny_tokenizer import write_tokenizer
 
     with tempfile.TemporaryDirectory() as d:
         tk = RouterTokenizer(str(write_tokenizer(Path(d), vocab=4000)))
@@ -259,7 +259,7 @@ def _flood(endpoint: str, replay: str, seconds: float, start: float) -> None:
     block it), one oversized frame, and a replay socket that never answers."""
     import zmq
 
-    from tests.kv_publisher import frames, stored
+    from tests.support.kv_publisher import frames, stored
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)

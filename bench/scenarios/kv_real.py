@@ -36,7 +36,7 @@ import httpx
 
 from bench.kit.chat import routing_reasons
 from bench.kit.page import fmt, table
-from tests.harness import Cluster, wait_http
+from tests.support.harness import Cluster, wait_http
 
 PREFIXES = 8
 PREFIX_LEN = 1024

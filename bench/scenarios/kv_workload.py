@@ -56,7 +56,7 @@ import httpx
 from bench.kit.chat import random_text, routing_reasons, send_turn
 from bench.kit.page import fmt, table
 from bench.kit.stats import pct
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 ENGINES = 4
 CUSTOMERS = 16

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 ADAPTERS = 12
 ENGINES = 4

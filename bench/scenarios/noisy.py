@@ -34,7 +34,7 @@ from bench.kit.cluster import ROOT
 from bench.kit.procstat import cpu_seconds
 from bench.kit.traffic import LENGTHS, Traffic, collect, durations, flood, open_loop
 from bench.scenarios.admission import priorities
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 ITL_MS = 10.0
 BACKENDS = 2

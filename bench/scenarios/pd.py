@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.kit.loadgen import run_load
 from bench.kit.procstat import cpu_seconds
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 CHAT = "/v1/chat/completions"
 LONG = "word " * 480  # ~600 tokens with the JSON around it (the mock counts 4 chars a token)

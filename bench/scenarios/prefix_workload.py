@@ -46,7 +46,7 @@ import httpx
 from bench.kit.chat import Turn, random_text, routing_reasons, send_turn
 from bench.kit.page import table
 from bench.kit.stats import pct
-from tests.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc
 
 ENGINES = 4
 ENGINE = [

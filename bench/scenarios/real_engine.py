@@ -35,7 +35,7 @@ import httpx
 
 from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds
-from tests.harness import Cluster, wait_http
+from tests.support.harness import Cluster, wait_http
 
 CONVERSATIONS = 12
 TURNS = 5

@@ -30,7 +30,7 @@ from bench.scenarios import (
     prefix_workload,
     real_engine,
 )
-from tests.harness import Cluster
+from tests.support.harness import Cluster
 
 
 @dataclass(frozen=True)

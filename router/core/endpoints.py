@@ -15,10 +15,10 @@ elsewhere:
   quota and admission estimate (empty: the endpoint generates nothing beyond its prompt);
 - `errors`: the format of the router's own errors there (`openai` or `anthropic`);
 - `rpm`, `parallel`, `tpm`: how the client key's limits treat it, stated by every row (no
-  default, so a new row cannot leave its limits out; tests/test_endpoint_limits.py walks the
-  table and checks each row does what it states). `rpm`: the request counts against the key's
-  requests per minute; `parallel`: it is checked against the key's `max_parallel` and holds one
-  of its slots while it runs (False: not checked; a process without Redis still shows it in the
+  default, so a new row cannot leave its limits out; tests/request/admit/test_endpoint_limits.py
+  walks the table and checks each row does what it states). `rpm`: the request counts against the
+  key's requests per minute; `parallel`: it is checked against the key's `max_parallel` and holds
+  one of its slots while it runs (False: not checked; a process without Redis still shows it in the
   key's in-flight count); `tpm`: `estimate` (admitted against its token estimate, charged what
   it used at its end: the engine's usage, or the whole estimate while the usage is unknown) or
   `none` (neither charged nor refused by tokens: it generates nothing, or what it returns was

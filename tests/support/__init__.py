@@ -1,1 +1,2 @@
-"""What tests share beside the harness: the manual clock (`clock.py`)."""
+"""The suite's harness (processes on loopback ports), its fakes, the manual clock and the one
+`wait_for`."""

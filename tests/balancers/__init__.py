@@ -1,0 +1,1 @@
+"""Tests of balancers/: the policies, their Redis forms, plugins."""

@@ -1,0 +1,1 @@
+"""Tests of balancers/inflight/: the in-flight stores, local and shared."""

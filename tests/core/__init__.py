@@ -1,0 +1,1 @@
+"""Tests of router/core/: settings, errors, validation, the network policy, the runner."""

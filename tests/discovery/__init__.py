@@ -1,0 +1,1 @@
+"""Tests of router/discovery/: Kubernetes and DNS sources, the reconciler."""

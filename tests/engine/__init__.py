@@ -1,0 +1,1 @@
+"""Tests of router/engine/: engine readings, KV-cache events, LoRA adapters."""

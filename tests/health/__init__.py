@@ -1,0 +1,1 @@
+"""Tests of health/: the health state, probes and recovery."""

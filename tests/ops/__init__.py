@@ -1,0 +1,1 @@
+"""Tests of router/ops/: metrics, logs, tracing, the collector, the live ring."""

@@ -1,0 +1,1 @@
+"""Tests of router/registry/: the backend set and its Redis sync."""

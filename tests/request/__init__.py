@@ -1,0 +1,1 @@
+"""Tests of router/request/, one folder per room."""

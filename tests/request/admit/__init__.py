@@ -1,0 +1,1 @@
+"""Tests of router/request/admit/: admission, quotas, the estimate, hops, limits."""

@@ -1,0 +1,1 @@
+"""Tests of router/request/lifecycle/: the steps, failover, disconnects, drain."""

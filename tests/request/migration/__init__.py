@@ -1,0 +1,1 @@
+"""Tests of router/request/migration/ (and the lifecycle's migrate step)."""

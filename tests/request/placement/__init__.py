@@ -1,0 +1,1 @@
+"""Tests of router/request/placement/: affinity, tokens, response ids, P/D."""

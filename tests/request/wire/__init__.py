@@ -1,0 +1,1 @@
+"""Tests of router/request/wire/: multipart forms and the bodies held."""

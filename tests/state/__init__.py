@@ -1,0 +1,1 @@
+"""Tests of router/state/: the shared-store base, and Redis that survives a node loss."""

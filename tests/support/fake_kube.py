@@ -1,0 +1,384 @@
+"""A small Kubernetes API server for the tests: EndpointSlices only, on a loopback port.
+
+It speaks the real wire protocol the client library uses:
+
+    GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=k=v
+        -> EndpointSliceList with metadata.resourceVersion
+    ...&watch=true&resourceVersion=R[&allowWatchBookmarks=true][&timeoutSeconds=N]
+        -> a chunked stream of JSON lines {"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, ...}
+           with every change after R, then live changes; R older than the retained history
+           -> an ERROR event carrying a 410 Gone Status, and the stream ends
+
+Test controls (thread-safe, from the test's thread): `put_slice`, `delete_slice` (either may be
+`silent`: the change is not in the watch history, as an event lost while a watch reconnects),
+`drop_watches`, `expire` (forget the history: resuming watches get 410), `down` / `up` (the
+server stops answering and accepting, then comes back on the same port).
+
+What it does not model: authentication and RBAC (the bearer token is accepted, not checked),
+field selectors, pagination (`limit`/`continue`), other resources, protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import yaml
+
+from tests.support.harness import Proc
+
+_PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
+
+
+def endpoint(
+    address: str, ready: bool = True, serving: bool | None = None, terminating: bool = False
+) -> dict[str, Any]:
+    return {
+        "addresses": [address],
+        "conditions": {
+            "ready": ready,
+            "serving": ready if serving is None else serving,
+            "terminating": terminating,
+        },
+    }
+
+
+def mock_host(mock: Proc) -> str:
+    return mock.url.split("//")[1].split(":")[0]
+
+
+def put_mock(kube: FakeKube, mock: Proc, name: str, silent: bool = False, **cond: Any) -> None:
+    """One slice per mock (a Service's endpoints may spread over several slices), at the mock's
+    own address and port."""
+    ports = [{"name": "http", "port": mock.port}]
+    kube.put_slice(name, [endpoint(mock_host(mock), **cond)], ports, silent=silent)
+
+
+def kube_source(kube: FakeKube, kubeconfig: Path, **extra: Any) -> dict[str, Any]:
+    """A `kind: kubernetes` discovery source for the fake's Service `models/vllm` (port `http`,
+    `models: auto`), its kubeconfig written to `kubeconfig`."""
+    return {
+        "kind": "kubernetes",
+        "namespace": "models",
+        "service": "vllm",
+        "port": "http",
+        "models": "auto",
+        "backoff_max": 0.5,
+        "kubeconfig": str(kube.kubeconfig(kubeconfig)),
+        **extra,
+    }
+
+
+class FakeKube:
+    def __init__(self, port: int, bookmark_every: float = 0.5) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.bookmark_every = bookmark_every
+        self.rv = 100
+        self.slices: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> object
+        self.history: list[tuple[int, str, dict[str, Any]]] = []
+        self.oldest = 0  # a watch from a version below this gets 410
+        self.requests: list[str] = []  # "list" | "watch" | "410", in order
+        # Hostile answers (set from the test): lists answer this status; watches answer this
+        # status (410: an ERROR event, as a real server does); watches send one malformed line;
+        # watches stay silent (no events, no bookmarks); watches flood bookmarks.
+        self.list_error: int | None = None
+        self.watch_error: int | None = None
+        self.watch_garbage = False
+        self.silent = False
+        # This many bookmarks back to back (one write) at the start of each watch.
+        self.bookmark_flood = 0
+        self._changed: asyncio.Condition | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._call(self._start())
+
+    # -- test controls -------------------------------------------------------------------------
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    def put_slice(
+        self,
+        name: str,
+        endpoints: list[dict[str, Any]],
+        ports: list[dict[str, Any]],
+        service: str = "vllm",
+        namespace: str = "models",
+        silent: bool = False,
+    ) -> None:
+        async def put() -> None:
+            key = (namespace, name)
+            kind = "MODIFIED" if key in self.slices else "ADDED"
+            self.rv += 1
+            obj = {
+                "kind": "EndpointSlice",
+                "apiVersion": "discovery.k8s.io/v1",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "resourceVersion": str(self.rv),
+                    "labels": {"kubernetes.io/service-name": service},
+                },
+                "addressType": "IPv4",
+                "endpoints": endpoints,
+                "ports": ports,
+            }
+            self.slices[key] = obj
+            await self._record(kind, obj, silent)
+
+        self._call(put())
+
+    def delete_slice(self, name: str, namespace: str = "models", silent: bool = False) -> None:
+        async def delete() -> None:
+            obj = self.slices.pop((namespace, name))
+            self.rv += 1
+            obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self.rv)}}
+            await self._record("DELETED", obj, silent)
+
+        self._call(delete())
+
+    def drop_watches(self) -> None:
+        self._call(self._drop())
+
+    def expire(self) -> None:
+        """Compact the history: a watch resuming from any version seen so far gets 410."""
+
+        async def expire() -> None:
+            self.history.clear()
+            self.oldest = self.rv + 1
+
+        self._call(expire())
+
+    def down(self) -> None:
+        async def stop() -> None:
+            assert self._server is not None
+            self._server.close()
+            await self._drop()
+            await self._server.wait_closed()
+            self._server = None
+
+        self._call(stop())
+
+    def up(self) -> None:
+        if self._server is None:
+            self._call(self._start())
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._server is not None:
+                self.down()
+
+        async def cancel_rest() -> None:
+            me = asyncio.current_task()
+            rest = [t for t in asyncio.all_tasks() if t is not me]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            self._call(cancel_rest())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def kubeconfig(self, path: Path) -> Path:
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "tester", "user": {"token": "fake-token"}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "tester"}}
+                    ],
+                    "current-context": "fake",
+                }
+            )
+        )
+        return path
+
+    # -- the server ----------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self._changed = self._changed or asyncio.Condition()
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def _drop(self) -> None:
+        for w in list(self._writers):
+            w.transport.abort()
+        self._writers.clear()
+
+    async def _record(self, kind: str, obj: dict[str, Any], silent: bool) -> None:
+        if not silent:
+            self.history.append((self.rv, kind, obj))
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                method, target, _ = line.decode("latin-1").split(" ", 2)
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass
+                url = urlsplit(target)
+                query = {k: v[0] for k, v in parse_qs(url.query).items()}
+                if method != "GET" or not url.path.startswith(_PREFIX):
+                    await self._send(writer, 404, _status(404, "NotFound", "not found"))
+                    continue
+                ns, _, rest = url.path[len(_PREFIX) :].partition("/")
+                if rest != "endpointslices":
+                    await self._send(writer, 404, _status(404, "NotFound", "not found"))
+                    continue
+                selector = _selector(query.get("labelSelector", ""))
+                if _true(query.get("watch")):
+                    await self._watch(writer, ns, selector, query)
+                    return  # a watch stream ends its connection
+                self.requests.append("list")
+                if self.list_error is not None:
+                    code = self.list_error
+                    await self._send(writer, code, _status(code, "Failure", "hostile"))
+                    continue
+                items = [s for (n, _), s in sorted(self.slices.items()) if n == ns]
+                body = {
+                    "kind": "EndpointSliceList",
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "metadata": {"resourceVersion": str(self.rv)},
+                    "items": [s for s in items if _matches(s, selector)],
+                }
+                await self._send(writer, 200, body)
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            return
+        except asyncio.CancelledError:
+            return  # close(): the connection's task ends quietly (3.11 logs a cancelled one)
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _send(self, writer: asyncio.StreamWriter, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        writer.write(
+            f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        await writer.drain()
+
+    async def _watch(
+        self,
+        writer: asyncio.StreamWriter,
+        ns: str,
+        selector: dict[str, str],
+        query: dict[str, str],
+    ) -> None:
+        self.requests.append("watch")
+        if self.watch_error is not None and self.watch_error != 410:
+            code = self.watch_error
+            await self._send(writer, code, _status(code, "Failure", "hostile"))
+            return
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+
+        async def event(kind: str, obj: dict[str, Any]) -> None:
+            data = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()
+
+        if self.watch_garbage:
+            data = b"{not json at all\n"
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+            await writer.drain()
+            return
+        # A watch from version R gets every change after R, R = "0" included (the version an
+        # empty list answers): a change made between that list and this watch is not lost.
+        given = query.get("resourceVersion")
+        since = int(given or 0)
+        if (since and since < self.oldest) or self.watch_error == 410:
+            self.requests.append("410")
+            await event("ERROR", _status(410, "Expired", f"too old resource version: {since}"))
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return
+        bookmarks = _true(query.get("allowWatchBookmarks"))
+        end = time.monotonic() + float(query.get("timeoutSeconds") or 3600)
+        mark = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1"}
+        sent = since if given else self.rv
+        if bookmarks and self.bookmark_flood:
+            # Back to back, in one write (a backlog), each at the version this watch has
+            # delivered so far, as a real server's bookmarks are: the changes after it follow.
+            meta = {"resourceVersion": str(sent)}
+            line = json.dumps({"type": "BOOKMARK", "object": {**mark, "metadata": meta}})
+            data = (line.encode() + b"\n") * self.bookmark_flood
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()
+        assert self._changed is not None
+        while time.monotonic() < end:
+            for rv, kind, obj in list(self.history):
+                if self.silent:
+                    break
+                if rv > sent and obj["metadata"]["namespace"] == ns and _matches(obj, selector):
+                    await event(kind, obj)
+                sent = max(sent, rv)
+            sent = max(sent, self.rv)
+            wait = min(self.bookmark_every, end - time.monotonic())
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), max(wait, 0.01))
+                    continue
+                except TimeoutError:
+                    pass
+            if bookmarks and not self.silent:
+                await event(
+                    "BOOKMARK",
+                    {
+                        "kind": "EndpointSlice",
+                        "apiVersion": "discovery.k8s.io/v1",
+                        "metadata": {"resourceVersion": str(self.rv)},
+                    },
+                )
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+
+
+def _true(value: str | None) -> bool:
+    # What the API server's Go code accepts (strconv.ParseBool); the Python client sends "True".
+    return value in ("1", "t", "T", "true", "TRUE", "True")
+
+
+def _selector(text: str) -> dict[str, str]:
+    pairs = (p.split("=", 1) for p in text.split(",") if "=" in p)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())

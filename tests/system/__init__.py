@@ -1,0 +1,1 @@
+"""The router as a whole, end to end: streaming, faults, secrets, workers."""

@@ -1,0 +1,1 @@
+"""Tests of router/tools/: status, the engine fleet, the settings reference."""

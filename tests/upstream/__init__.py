@@ -1,0 +1,1 @@
+"""Tests of router/upstream/: the transport, pools and TLS to backends."""
