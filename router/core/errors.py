@@ -70,7 +70,7 @@ happens (an error of the tree above, a reading or event dropped, a log line, a C
   core/tls.py                    TlsError: a TLS setting that cannot make a context
   tools/status.py                StatusError: `sluicegate status` could not ask the router
   tools/mock/wire.py             RequestError: the mock engine's refusal of a request
-tests/test_errors.py checks that every exception class of router/, balancers/ and health/ is
+tests/core/test_errors.py checks that every exception class of router/, balancers/ and health/ is
 named here.
 
 Foreign exceptions (httpx's tree, which the upstream transport speaks; OSError, TimeoutError;
