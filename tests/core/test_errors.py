@@ -144,7 +144,7 @@ def _exception_classes() -> list[tuple[str, str]]:
     """(module, class) of every exception class defined in router/, balancers/ and health/:
     each module imported, and its classes that subclass BaseException kept; a class defined
     inside a function (not importable) is found by name in the module's syntax tree."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     found: list[tuple[str, str]] = []
     for package in ("router", "balancers", "health"):
         for path in sorted((root / package).rglob("*.py")):

@@ -123,7 +123,7 @@ def test_hanging_backend_times_out_moves_on_and_is_ejected(procs: Cluster) -> No
     # requests find it hung again (each moves on to b), and the doubled ejection that follows is
     # not undone by probes alone.
     # healthy_threshold probes at unhealthy_interval
-    wait_for(lambda: rows(router)["a"]["healthy"] is True, timeout=2 * 0.25 * 1.1 + 4)
+    wait_for(lambda: rows(router)["a"]["healthy"] is True, "a readmitted", 2 * 0.25 * 1.1 + 4)
     for _ in range(6):
         r = client.chat.completions.create(model="m", messages=MSG)
         assert r.choices[0].message.content == expected_text(4)
@@ -134,7 +134,7 @@ def test_hanging_backend_times_out_moves_on_and_is_ejected(procs: Cluster) -> No
     # Four probe rounds of a, all good: eight probes of its mock (a-solo's, every `interval`,
     # among them) hold at least four of a's, every `unhealthy_interval`.
     probes = stats(a)["probes"]
-    wait_for(lambda: stats(a)["probes"] >= probes + 8, timeout=10)
+    wait_for(lambda: stats(a)["probes"] >= probes + 8, "8 more probes of a", 10)
     for _ in range(3):
         client.chat.completions.create(model="m", messages=MSG)
     assert stats(a)["requests"] == hung
@@ -256,7 +256,7 @@ def test_new_backend_is_probed_at_once_with_its_key(procs: Cluster) -> None:
     wait_for(lambda: stats(a)["probes"] >= 1, "a probed", 5)
     assert stats(a)["last_probe_authorization"] == "Bearer sk-probe-secret"
     paced = stats(pace)["probes"]
-    wait_for(lambda: stats(pace)["probes"] >= paced + 5, timeout=10)  # 0.5 s of its schedule
+    wait_for(lambda: stats(pace)["probes"] >= paced + 5, "5 probes of pace", 10)  # 0.5 s of it
     assert stats(a)["probes"] == 1  # the next one is a minute away
     assert "sk-probe-secret" not in httpx.get(router.url + "/admin/backends").text
     assert "sk-probe-secret" not in router.log()
