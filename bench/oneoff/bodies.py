@@ -1,12 +1,19 @@
-"""Router memory under request-body floods: bodies that stop short, and big queued bodies.
+"""Router memory under request-body floods: bodies that stop short, big queued bodies, uploads.
 
-    python -m bench.oneoff.bodies            # ~30 s: RSS before, at the peak and after each flood
+    python -m bench.oneoff.bodies            # ~40 s: RSS before, at the peak and after each flood
+    python -m bench.oneoff.bodies --uploads  # ~15 s: the uploads part alone
 
 1. `short`: connections each send a request head and all but 1 KB of a 4 MB body, then go
    silent. `server.body_timeout` (2 s here) answers each 408 and closes it.
 2. `queue`: the only backend slot is held by a request that never ends; 200 requests with 4 MB
    bodies queue behind it. `admission.max_queue_bytes` (256 MiB) sheds what does not fit
    (503 queue_full), the rest wait holding their raw body once; then the clients leave.
+
+3. `uploads` (issue 46, cases 1 and 10): one upload whose part header repeats
+   `content-disposition:;` on one line for 252 KB (the multipart scan was quadratic: 13 s of a
+   frozen worker), timed beside `/healthz` asked at the same moment (the loop's stall); then
+   UPLOADS uploads of 24 MB at once against the body budget (`max_held_body_bytes`, 256 MiB):
+   answers, and the router's RSS.
 
 Each flood reports the router's RSS before it, at its peak and after it (the target: back
 within 10 % of before).
@@ -205,14 +212,106 @@ def run(cluster: Cluster, connections: int = 100, queued: int = 200) -> dict[str
     return out
 
 
+UPLOADS = 20
+BOUNDARY = b"bench-boundary"
+
+
+def _form(parts: list[tuple[bytes, bytes]]) -> bytes:
+    """A multipart body of (part header, content) pairs."""
+    out = b""
+    for header, content in parts:
+        out += b"--" + BOUNDARY + b"\r\n" + header + b"\r\n\r\n" + content + b"\r\n"
+    return out + b"--" + BOUNDARY + b"--\r\n"
+
+
+def _upload(body: bytes) -> bytes:
+    return (
+        b"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\n"
+        b"content-type: multipart/form-data; boundary=" + BOUNDARY + b"\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
+
+
+def uploads(cluster: Cluster) -> dict[str, Any]:
+    mock = cluster.mock("uploads", tokens=1)
+    router = cluster.router(
+        {"backends": [backend("b", mock)], "health": {"interval": 60}},
+        env={"SLUICEGATE_LOG_LEVEL": "warning", **ENV},
+    )
+    model = b'content-disposition: form-data; name="model"'
+    hostile = _form([(b"content-disposition:;" * (252 * 1024 // 21), b"m"), (model, b"m")])
+
+    async def header_flood() -> dict[str, Any]:
+        async def healthz() -> float:
+            async with httpx.AsyncClient(timeout=60) as http:
+                t0 = time.monotonic()
+                (await http.get(router.url + "/healthz")).raise_for_status()
+                return time.monotonic() - t0
+
+        async def post() -> tuple[int, float]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                t0 = time.monotonic()
+                r = await http.post(
+                    router.url + "/v1/audio/transcriptions",
+                    content=hostile,
+                    headers={"content-type": "multipart/form-data; boundary=bench-boundary"},
+                )
+                return r.status_code, time.monotonic() - t0
+
+        sent = asyncio.create_task(post())
+        await asyncio.sleep(0.05)  # the upload's bytes first, then the unrelated request
+        beside = await healthz()
+        status, took = await sent
+        return {
+            "header_kb": len(hostile) // 1024,
+            "answer": status,
+            "seconds_to_answer": round(took, 3),
+            "healthz_beside_s": round(beside, 3),
+        }
+
+    out: dict[str, Any] = {"header": asyncio.run(header_flood())}
+    print("uploads header: " + json.dumps(out["header"]), flush=True)
+
+    audio = b"\0" * (24 * MB)
+    body = _form(
+        [(model, b"m"), (b'content-disposition: form-data; name="file"; filename="a.wav"', audio)]
+    )
+    before = rss_mb(router.pid)
+    peak = Peak(router.pid)
+
+    async def flood() -> list[bytes]:
+        data = _upload(body)
+        return list(
+            await asyncio.gather(*(_client(router.port, data, 30.0) for _ in range(UPLOADS)))
+        )
+
+    replies = asyncio.run(flood())
+    top = peak.stop()
+    out["flood"] = {
+        "uploads": UPLOADS,
+        "mb_each": 24,
+        "answers": _counts(replies),
+        "rss_mb_before": round(before, 1),
+        "rss_mb_peak": round(top, 1),
+        "rss_mb_after": round(_settle(router.pid, before, 12), 1),
+    }
+    print("uploads flood: " + json.dumps(out["flood"]), flush=True)
+    router.stop()
+    mock.stop()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--connections", type=int, default=100)
     ap.add_argument("--queued", type=int, default=200)
+    ap.add_argument("--uploads", action="store_true", help="only the uploads part")
     args = ap.parse_args()
     cluster = Cluster()
     try:
-        run(cluster, args.connections, args.queued)
+        if not args.uploads:
+            run(cluster, args.connections, args.queued)
+        uploads(cluster)
     finally:
         cluster.close()
 
