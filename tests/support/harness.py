@@ -53,6 +53,19 @@ def free_port() -> int:
     return fleet_free_port(_port_slice())
 
 
+def _log_tail(proc: subprocess.Popen[bytes]) -> str:
+    """The end of a dead process's log, so that a failed start says why (the log's directory is
+    removed when the test ends)."""
+    log = getattr(proc, "log_path", None)
+    if log is None:
+        return ""
+    try:
+        tail = Path(log).read_text(errors="replace").splitlines()[-15:]
+    except OSError:
+        return ""
+    return ":\n" + "\n".join(tail)
+
+
 def wait_http(
     url: str, deadline_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None
 ) -> None:
@@ -60,7 +73,7 @@ def wait_http(
     last: Exception | None = None
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}{_log_tail(proc)}")
         try:
             r = httpx.get(url, timeout=1.0)
             if r.status_code < 500:
@@ -138,6 +151,7 @@ class Cluster:
             stdin=subprocess.DEVNULL,
         )
         fh.close()
+        popen.log_path = log_path  # type: ignore[attr-defined]
         proc = Proc(popen, port, log_path)
         self.procs.append(proc)
         return proc
