@@ -69,6 +69,9 @@ class InferencePoolSource:
             await self._pool.run()
         finally:
             await self._stop_pods()
+            # Started again (the runner's restart): the first pool answer starts the pod
+            # watch again; the pods known so far stay until its list replaces them.
+            self.selector = None
 
     async def pool_changed(self, obj: dict[str, Any] | None) -> None:
         """The pool as the API server has it now (None: there is none)."""

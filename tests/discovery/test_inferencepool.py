@@ -42,6 +42,11 @@ def _clean(kube: FakeKube) -> Iterator[None]:
 class Running:
     def __init__(self, src: InferencePoolSource, fleet: Fleet, events: Events) -> None:
         self.src, self.fleet, self.events = src, fleet, events
+        self.task = asyncio.create_task(src.run())
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.wait([self.task])
 
     @property
     def names(self) -> set[str]:
@@ -68,13 +73,11 @@ async def pool_source(kube: FakeKube, tmp_path: Path, **extra: Any) -> AsyncIter
     events = Events()
     rec = Reconciler("p", cfg, fleet, no_streams, events, 30)
     src = InferencePoolSource(cfg, rec)
-    task = asyncio.create_task(src.run())
+    r = Running(src, fleet, events)
     try:
-        yield Running(src, fleet, events)
+        yield r
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await r.stop()
         rec.forget_questions()
         assert src._pod_watch is None  # the pods' watch ends with the source
 
@@ -171,6 +174,33 @@ def test_the_pool_deleted_takes_its_backends_and_a_new_one_brings_them_back(
             assert r.src.selector is None and r.src._pod_watch is None
             kube.put_pool("llama", VLLM, [8000])
             await wait_for_async(lambda: r.names == names("10.0.0.1:8000"), "back again")
+
+    asyncio.run(run())
+
+
+def test_a_bad_pool_keeps_the_set_and_a_restarted_source_watches_the_pods_again(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    kube.put_pool("llama", VLLM, [8000])
+    kube.put_pod("a", "10.0.0.1", VLLM)
+
+    async def run() -> None:
+        async with pool_source(kube, tmp_path) as r:
+            await wait_for_async(lambda: r.names == names("10.0.0.1:8000"), "a")
+            # A spec the CRD's validation refuses (an empty selector would take every pod).
+            bad = {"selector": {"matchLabels": {}}, "targetPorts": [{"number": 8000}]}
+            kube.put("inferencepools", "models", "llama", {}, {"spec": bad})
+            await wait_for_async(lambda: "bad_pool" in r.events.seen, "bad pool warned")
+            assert r.names == names("10.0.0.1:8000")
+            kube.put_pool("llama", VLLM, [8000])
+            # The runner starts a source again after a bug escaped it: the pods are watched
+            # again (a new pod is seen), the set kept meanwhile.
+            await r.stop()
+            assert r.src._pod_watch is None and r.names == names("10.0.0.1:8000")
+            r.task = asyncio.create_task(r.src.run())
+            kube.put_pod("b", "10.0.0.2", VLLM)
+            want = names("10.0.0.1:8000", "10.0.0.2:8000")
+            await wait_for_async(lambda: r.names == want, "b, by the restarted source")
 
     asyncio.run(run())
 
