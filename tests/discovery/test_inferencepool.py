@@ -250,6 +250,29 @@ def test_the_setting_names_the_pool() -> None:
         Settings.model_validate({"discovery": [{"kind": "inferencepool", "name": "llama"}]})
 
 
+def test_without_the_kubernetes_client_startup_names_the_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from router.core.settings import ConfigError
+    from router.discovery.runner import check_discovery
+
+    settings = Settings.model_validate(
+        {
+            "backends": [{"name": "b", "url": "http://127.0.0.1:1", "models": ["m"]}],
+            "discovery": [{"kind": "inferencepool", "name": "llama", "namespace": "models"}],
+        }
+    )
+    check_discovery(settings)  # installed here: fine
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "kubernetes_asyncio" else real(n)
+    )
+    with pytest.raises(ConfigError, match=r"discovery\[0\]: kind inferencepool needs"):
+        check_discovery(settings)
+
+
 MODEL = "mock-model"
 PORT = free_port()
 TOKEN = "admin-token-for-inferencepool"
