@@ -110,6 +110,9 @@ def test_pods_join_when_ready_and_leave_when_unready_or_terminating(
             assert not r.draining("llama-10.0.0.3-8000")
             kube.delete_pod("b")
             await wait_for_async(lambda: r.names == names("10.0.0.3:8000"), "b gone")
+            # Relabelled out of the selection: the watch says DELETED, as the API server does.
+            kube.put_pod("c", "10.0.0.3", {"app": "vllm", "model": "other"})
+            await wait_for_async(lambda: r.names == set(), "c relabelled away")
             assert r.src.selector == "app=vllm,model=llama"
 
     asyncio.run(run())

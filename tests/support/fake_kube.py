@@ -105,7 +105,9 @@ class FakeKube:
         # resource -> (namespace, name) -> object
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {r: {} for r in _KINDS}
         self.slices = self.objects["endpointslices"]
-        self.history: list[tuple[int, str, str, dict[str, Any]]] = []  # rv, resource, type, obj
+        # rv, resource, type, the object, and the object before (a selector's watch turns a
+        # change into or out of the selection into ADDED or DELETED, as the API server does)
+        self.history: list[tuple[int, str, str, dict[str, Any], dict[str, Any] | None]] = []
         self.oldest = 0  # a watch from a version below this gets 410
         self.requests: list[str] = []  # "list" | "watch" | "410", in order
         self.calls: list[tuple[str, str, str]] = []  # (list | watch, resource, selectors)
@@ -208,7 +210,8 @@ class FakeKube:
     ) -> None:
         async def put() -> None:
             key = (namespace, name)
-            kind = "MODIFIED" if key in self.objects[resource] else "ADDED"
+            prev = self.objects[resource].get(key)
+            kind = "ADDED" if prev is None else "MODIFIED"
             self.rv += 1
             obj_kind, version = _KINDS[resource]
             obj = {
@@ -224,7 +227,7 @@ class FakeKube:
                 **body,
             }
             self.objects[resource][key] = obj
-            await self._record(resource, kind, obj, silent)
+            await self._record(resource, kind, obj, silent, prev)
 
         self._call(put())
 
@@ -309,9 +312,16 @@ class FakeKube:
             w.transport.abort()
         self._writers.clear()
 
-    async def _record(self, resource: str, kind: str, obj: dict[str, Any], silent: bool) -> None:
+    async def _record(
+        self,
+        resource: str,
+        kind: str,
+        obj: dict[str, Any],
+        silent: bool,
+        prev: dict[str, Any] | None = None,
+    ) -> None:
         if not silent:
-            self.history.append((self.rv, resource, kind, obj))
+            self.history.append((self.rv, resource, kind, obj, prev))
         assert self._changed is not None
         async with self._changed:
             self._changed.notify_all()
@@ -428,16 +438,13 @@ class FakeKube:
             await writer.drain()
         assert self._changed is not None
         while time.monotonic() < end:
-            for rv, res, change, obj in list(self.history):
+            for rv, res, change, obj, prev in list(self.history):
                 if self.silent:
                     break
-                if (
-                    rv > sent
-                    and res == resource
-                    and obj["metadata"]["namespace"] == ns
-                    and match(obj)
-                ):
-                    await event(change, obj)
+                if rv > sent and res == resource and obj["metadata"]["namespace"] == ns:
+                    seen = _seen(change, match(obj), prev is not None and match(prev))
+                    if seen is not None:
+                        await event(seen, obj)
                 sent = max(sent, rv)
             sent = max(sent, self.rv)
             wait = min(self.bookmark_every, end - time.monotonic())
@@ -468,6 +475,16 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
 def _true(value: str | None) -> bool:
     # What the API server's Go code accepts (strconv.ParseBool); the Python client sends "True".
     return value in ("1", "t", "T", "true", "TRUE", "True")
+
+
+def _seen(change: str, matches: bool, matched: bool) -> str | None:
+    """What a watch with a selector says of a change: a MODIFIED that moves the object into
+    the selection is ADDED, one that moves it out DELETED; None: not seen."""
+    if change != "MODIFIED":
+        return change if matches else None
+    if matches:
+        return "MODIFIED" if matched else "ADDED"
+    return "DELETED" if matched else None
 
 
 class _Match:
