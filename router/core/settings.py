@@ -524,13 +524,14 @@ class ConsoleConfig(_Strict):
 
 _TEMPLATE_FIXED = ("name", "url", "models")
 _PORT_NAME = r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$"  # an IANA_SVC_NAME, as Kubernetes has it
+_NAMESPACE = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"  # a DNS label
 
 
 class _DiscoveryBase(_Strict):
     """What every discovery source shares: the backend template and how models are known."""
 
     # Discovered backends are named `<prefix>-<address>-<port>`; default prefix: the service,
-    # or the DNS name's first label.
+    # the InferencePool's name, or the DNS name's first label.
     prefix: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,30}$")
     models: Literal["auto"] | dict[str, str] = "auto"
     # BackendConfig's fields but name, url and models, which discovery fills in per endpoint.
@@ -592,14 +593,10 @@ class _DiscoveryBase(_Strict):
         return BackendConfig.model_validate(data)
 
 
-class KubernetesDiscovery(_DiscoveryBase):
-    """EndpointSlices of one Service (or a label selector) in one namespace."""
+class KubernetesWatch(_DiscoveryBase):
+    """What every source that lists and watches the Kubernetes API shares: the client's config
+    and the watch's timings (router/discovery/watch.py)."""
 
-    kind: Literal["kubernetes"]
-    namespace: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-    service: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-    label_selector: str | None = Field(None, min_length=1)
-    port: int | str = Field(description="the EndpointSlice port's name or number")
     resync: float = Field(300.0, gt=0, le=86400)
     # Seconds to wait while the API server is unreachable before trying again (doubles, capped).
     backoff_max: float = Field(30.0, gt=0, le=600)
@@ -607,8 +604,19 @@ class KubernetesDiscovery(_DiscoveryBase):
     # after which the watch counts as hung: it is restarted and the source shows stale.
     watch_idle_timeout: float = Field(60.0, gt=0, le=3600)
     kubeconfig: str | None = None  # default: in-cluster service account, else KUBECONFIG
-    # An EndpointSlice label naming its endpoints' `role` (prefill, decode, both): llm-d's.
+    # A label naming its endpoints' `role` (prefill, decode, both): llm-d's. Read on the
+    # EndpointSlice (kind kubernetes) or on the pod (kind inferencepool).
     role_label: str = Field("llm-d.ai/role", pattern=r"^[A-Za-z0-9./_-]{1,316}$")
+
+
+class KubernetesDiscovery(KubernetesWatch):
+    """EndpointSlices of one Service (or a label selector) in one namespace."""
+
+    kind: Literal["kubernetes"]
+    namespace: str = Field(pattern=_NAMESPACE)
+    service: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+    label_selector: str | None = Field(None, min_length=1)
+    port: int | str = Field(description="the EndpointSlice port's name or number")
 
     @field_validator("port")
     @classmethod
@@ -637,6 +645,19 @@ class KubernetesDiscovery(_DiscoveryBase):
         return self.prefix or self.service or self.namespace
 
 
+class InferencePoolDiscovery(KubernetesWatch):
+    """The pods an InferencePool (`inference.networking.k8s.io/v1`, the Gateway API Inference
+    Extension) selects: each target port of each ready pod is one backend `podIP:port`."""
+
+    kind: Literal["inferencepool"]
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+    namespace: str = Field(pattern=_NAMESPACE)
+
+    @property
+    def names_prefix(self) -> str:
+        return self.prefix or self.name
+
+
 class DnsDiscovery(_DiscoveryBase):
     """A name's A/AAAA records (a headless Service, or any name)."""
 
@@ -652,7 +673,9 @@ class DnsDiscovery(_DiscoveryBase):
         return self.prefix or self.name.split(".")[0]
 
 
-DiscoverySource = Annotated[KubernetesDiscovery | DnsDiscovery, Field(discriminator="kind")]
+DiscoverySource = Annotated[
+    KubernetesDiscovery | InferencePoolDiscovery | DnsDiscovery, Field(discriminator="kind")
+]
 
 
 class ClientKeyConfig(_Strict):
@@ -777,7 +800,8 @@ class Settings(BaseSettings):
     lora: LoraConfig = LoraConfig()
     # Adds `x-sluicegate-backend: <name>` to responses; off by default: it reveals topology.
     expose_backend_header: bool = False
-    # Backends that follow the cluster (EndpointSlices) or DNS answers; see router/discovery/.
+    # Backends that follow the cluster (EndpointSlices, an InferencePool's pods) or DNS answers;
+    # see router/discovery/ and docs/discovery.md.
     discovery: list[DiscoverySource] = Field(default_factory=list)
     tracing: TracingConfig = TracingConfig()
     admission: AdmissionConfig | None = None

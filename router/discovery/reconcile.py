@@ -3,7 +3,7 @@
 A source reports its whole current set (`update`) or a failure (`failed`); this module owns what
 that means for routing:
 
-    ready endpoint                  routable backend (`source: kubernetes|dns`)
+    ready endpoint                  routable backend (`source: kubernetes|inferencepool|dns`)
     serving + terminating endpoint  draining: no new requests, streams in flight finish
     endpoint gone from the set      draining until its in-flight count is 0 (or `grace` passed),
                                     then removed
@@ -33,14 +33,20 @@ from pydantic import ValidationError
 
 from router.core.backend import Backend
 from router.core.netpolicy import NetPolicy
-from router.core.settings import NAME_PATTERN, BackendConfig, DnsDiscovery, KubernetesDiscovery
+from router.core.settings import (
+    NAME_PATTERN,
+    BackendConfig,
+    DnsDiscovery,
+    InferencePoolDiscovery,
+    KubernetesDiscovery,
+)
 from router.engine.adapters import base_models
 from router.registry.fleet import Discovered, Fleet
 from router.upstream.pools import ask, join_url
 
 log = logging.getLogger("sluicegate.discovery")
 
-SourceConfig = KubernetesDiscovery | DnsDiscovery
+SourceConfig = KubernetesDiscovery | InferencePoolDiscovery | DnsDiscovery
 InFlight = Callable[[Sequence[str]], Awaitable[dict[str, int]]]
 
 _MODELS_RETRY = 2.0  # seconds before asking a failing endpoint's /v1/models again
@@ -111,7 +117,7 @@ class Reconciler:
         self._grace = grace
         self._clock = clock
         self._lock = asyncio.Lock()
-        # group (an EndpointSlice; "" for DNS) -> name -> (url, endpoint)
+        # group (an EndpointSlice, a pod; "" for DNS) -> name -> (url, endpoint)
         self._groups: dict[str, dict[str, Wanted]] = {}
         self._owners: dict[str, tuple[str, ...]] = {}  # name -> the groups holding it
         self._denied_by: dict[str, int] = {}  # group -> endpoints the network policy refused

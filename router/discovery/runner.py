@@ -13,7 +13,13 @@ from typing import Any, Protocol
 
 from router.core.netpolicy import NetPolicy
 from router.core.runner import Runner, shared_or_own
-from router.core.settings import ConfigError, DnsDiscovery, KubernetesDiscovery, Settings
+from router.core.settings import (
+    ConfigError,
+    DnsDiscovery,
+    InferencePoolDiscovery,
+    KubernetesDiscovery,
+    Settings,
+)
 from router.discovery.reconcile import DiscoveryMetrics, InFlight, Reconciler
 from router.registry.fleet import Fleet
 
@@ -23,15 +29,19 @@ _TICK = 0.25  # seconds between checks for vanished backends whose streams have 
 
 
 def check_discovery(settings: Settings) -> None:
-    """A `kind: kubernetes` source needs the optional Kubernetes client (`sluicegate[kubernetes]`,
-    which the container image has): without it a `ConfigError` at startup, not a traceback in
-    every worker."""
-    kinds = [cfg.kind for cfg in settings.discovery]
-    if "kubernetes" in kinds and importlib.util.find_spec("kubernetes_asyncio") is None:
-        i = kinds.index("kubernetes")
+    """A `kind: kubernetes` or `kind: inferencepool` source needs the optional Kubernetes client
+    (`sluicegate[kubernetes]`, which the container image has): without it a `ConfigError` at
+    startup, not a traceback in every worker."""
+    kube = [
+        (i, cfg.kind)
+        for i, cfg in enumerate(settings.discovery)
+        if isinstance(cfg, KubernetesDiscovery | InferencePoolDiscovery)
+    ]
+    if kube and importlib.util.find_spec("kubernetes_asyncio") is None:
+        i, kind = kube[0]
         origin = f"config file {settings.config}" if settings.config else "settings"
         raise ConfigError(
-            f"{origin}: discovery[{i}]: kind kubernetes needs the Kubernetes client, which is "
+            f"{origin}: discovery[{i}]: kind {kind} needs the Kubernetes client, which is "
             "not installed: pip install 'sluicegate[kubernetes]'"
         )
 
@@ -49,7 +59,7 @@ class RunnerMetrics(DiscoveryMetrics, Protocol):
 class Discovery:
     def __init__(
         self,
-        configs: Sequence[KubernetesDiscovery | DnsDiscovery],
+        configs: Sequence[KubernetesDiscovery | InferencePoolDiscovery | DnsDiscovery],
         fleet: Fleet,
         in_flight: InFlight,
         metrics: RunnerMetrics,
@@ -70,6 +80,10 @@ class Discovery:
                 from router.discovery.kubernetes import KubernetesSource
 
                 self.sources.append(KubernetesSource(cfg, rec, clock))
+            elif isinstance(cfg, InferencePoolDiscovery):
+                from router.discovery.inferencepool import InferencePoolSource
+
+                self.sources.append(InferencePoolSource(cfg, rec, clock))
             else:
                 from router.discovery.dns import DnsSource
 

@@ -386,7 +386,8 @@ ROWS: tuple[Row, ...] = (
         "discovery_backends",
         Gauge,
         "sluicegate_discovery_backends",
-        "Backends discovered by each kind of source (kubernetes, dns), draining ones included.",
+        "Backends discovered by each kind of source (kubernetes, inferencepool, dns), draining "
+        "ones included.",
         ("source",),
         mode="livemax",
     ),

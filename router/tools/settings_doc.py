@@ -192,7 +192,10 @@ _EXTRA: dict[str, str] = {
     "KubernetesDiscovery.label_selector": (
         "Label selector on EndpointSlices, in place of `service`."
     ),
-    "KubernetesDiscovery.resync": "Seconds between full re-lists, even while the watch is fine.",
+    "KubernetesWatch.resync": "Seconds between full re-lists, even while the watch is fine.",
+    "InferencePoolDiscovery.kind": "`inferencepool`: the pods an InferencePool selects.",
+    "InferencePoolDiscovery.name": "Name of the InferencePool.",
+    "InferencePoolDiscovery.namespace": "Namespace of the InferencePool and of its pods.",
     "DnsDiscovery.kind": "`dns`: a name's A/AAAA records.",
     "DnsDiscovery.name": "The name to resolve (a headless Service, or any name).",
     "DnsDiscovery.port": "Port of the discovered backends.",

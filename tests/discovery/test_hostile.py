@@ -418,7 +418,7 @@ def test_a_bookmark_flood_is_paced_and_leaves_the_loop_free(kube: FakeKube, tmp_
     source skips those superseded by the ones behind them (issue 46, case 20), warns, works
     through the flood in slices of the loop's time, and other work on the loop keeps its
     turns."""
-    from router.discovery.kubernetes import _BOOKMARKS_PER_S
+    from router.discovery.watch import _BOOKMARKS_PER_S
 
     kube.put_slice("s1", [endpoint("10.0.0.1")], PORTS)
     kube.bookmark_flood = 20_000

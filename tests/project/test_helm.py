@@ -13,6 +13,7 @@ from typing import Any
 
 import helm_python as helm
 import httpx
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -21,6 +22,7 @@ from router.core.redis_client import RedisTarget
 from router.core.settings import (
     BackendConfig,
     DnsDiscovery,
+    InferencePoolDiscovery,
     KubernetesDiscovery,
     Settings,
     load_settings,
@@ -108,8 +110,12 @@ SENTINEL_REDIS: dict[str, Any] = {
 CLUSTER_REDIS: dict[str, Any] = {
     "redis": {"url": "redis://redis-cluster.redis:6379", "cluster": True}
 }
+# The endpoint picker profile, as shipped (helm install -f values-picker.yaml).
+PICKER: dict[str, Any] = yaml.safe_load((CHART / "values-picker.yaml").read_text())
+INFERENCEPOOL_SCHEMA = ROOT / "tests" / "support" / "data" / "inferencepool-v1.schema.json"
 VARIANTS = {
     "defaults": None,
+    "picker": PICKER,
     "all_on": ALL_ON,
     "external_redis": EXTERNAL_REDIS,
     "discovery": DISCOVERY,
@@ -155,7 +161,7 @@ def test_lint_is_clean(variant: str) -> None:
 def test_every_manifest_is_valid_kubernetes(variant: str, kube: str) -> None:
     docs = manifests(VARIANTS[variant])
     for doc in docs:
-        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+        if doc["apiVersion"] in ("monitoring.coreos.com/v1", "inference.networking.k8s.io/v1"):
             continue  # a CRD: its own test below
         kubernetes_validate.validate(doc, kube, strict=True)
     kinds = sorted(d["kind"] for d in docs)
@@ -470,7 +476,11 @@ def test_schema_names_only_settings_the_router_knows() -> None:
     assert "api_key" not in backend_keys  # keys only through Secrets
     for source in schema["properties"]["discovery"]["items"]["oneOf"]:
         kind = source["properties"]["kind"]["const"]
-        model = {"kubernetes": KubernetesDiscovery, "dns": DnsDiscovery}[kind]
+        model = {
+            "kubernetes": KubernetesDiscovery,
+            "inferencepool": InferencePoolDiscovery,
+            "dns": DnsDiscovery,
+        }[kind]
         assert set(source["properties"]) <= set(model.model_fields)
 
 
@@ -500,3 +510,135 @@ def test_backend_tls_files_come_from_mounted_secrets() -> None:
     assert pod["securityContext"]["fsGroup"] == 10001  # the group the key is readable by
     (backend,) = yaml.safe_load(_rendered_config(values))["backends"]
     assert backend["tls"] == tls
+
+
+def test_picker_profile_runs_the_endpoint_picker_with_grpc_health() -> None:
+    docs = manifests(PICKER)
+    pod = router_deployment(docs)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["args"] == [
+        "epp",
+        "--config",
+        "/etc/sluicegate/config.yaml",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9002",
+        "--metrics-port",
+        "9090",
+    ]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": 9002, "http": 9090}  # the reference picker's ports
+    assert c["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    assert c["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert pod["automountServiceAccountToken"] is True  # it watches the pool and its pods
+    (svc,) = by_kind(docs, "Service")
+    grpc = {p["name"]: p for p in svc["spec"]["ports"]}["grpc-ext-proc"]
+    assert (grpc["port"], grpc["targetPort"], grpc["appProtocol"]) == (9002, "grpc", "http2")
+    assert svc["spec"]["selector"] == router_deployment(docs)["spec"]["selector"]["matchLabels"]
+    # The ServiceMonitor's port: the HTTP one, where /metrics is.
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["http"] == 9090
+
+
+def test_picker_profile_watches_its_own_pool_with_read_only_rbac(tmp_path: Path) -> None:
+    docs = manifests(PICKER)
+    (pool,) = by_kind(docs, "InferencePool")
+    path = tmp_path / "config.yaml"
+    path.write_text(_rendered_config(PICKER))
+    (source,) = load_settings(path).discovery
+    assert isinstance(source, InferencePoolDiscovery)
+    assert (source.name, source.namespace) == (pool["metadata"]["name"], "llm")
+    (role,) = by_kind(docs, "Role")
+    assert role["metadata"]["namespace"] == "llm"
+    assert role["rules"] == [
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]
+    (binding,) = by_kind(docs, "RoleBinding")
+    (sa,) = by_kind(docs, "ServiceAccount")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "llm"}
+    ]
+    # A source the values name for the same pool is not doubled.
+    values = deepcopy(PICKER)
+    values["discovery"] = [{"kind": "inferencepool", "name": "sg-sluicegate", "models": ["m"]}]
+    (again,) = yaml.safe_load(_rendered_config(values))["discovery"]
+    assert again == {
+        "kind": "inferencepool",
+        "name": "sg-sluicegate",
+        "namespace": "llm",
+        "models": ["m"],
+    }
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"inferencePool": {"failureMode": "FailOpen", "appProtocol": "kubernetes.io/h2c"}},
+        {"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8001}]}},
+    ],
+)
+def test_picker_inferencepool_is_a_valid_v1_pool_pointing_at_the_picker(
+    extra: dict[str, Any],
+) -> None:
+    values = deepcopy(PICKER)
+    for k, v in extra.get("inferencePool", {}).items():
+        values["picker"]["inferencePool"][k] = v
+    docs = manifests(values)
+    (pool,) = by_kind(docs, "InferencePool")
+    jsonschema.validate(pool, json.loads(INFERENCEPOOL_SCHEMA.read_text()))
+    ref = pool["spec"]["endpointPickerRef"]
+    (svc,) = by_kind(docs, "Service")
+    assert (ref["kind"], ref["name"]) == ("Service", svc["metadata"]["name"])
+    # The port is the Service's ext_proc port (the service port, not the target port).
+    grpc = {p["name"]: p for p in svc["spec"]["ports"]}["grpc-ext-proc"]
+    assert ref["port"] == {"number": grpc["port"]}
+    assert ref["failureMode"] == extra.get("inferencePool", {}).get("failureMode", "FailClose")
+    wanted = values["picker"]["inferencePool"]
+    assert pool["spec"]["selector"]["matchLabels"] == wanted["modelServers"]["matchLabels"]
+    assert pool["spec"]["targetPorts"] == wanted["targetPorts"]
+
+
+def test_the_inferencepool_schema_refuses_what_the_crd_refuses() -> None:
+    """The schema the chart's pool is checked against is not a formality: the shapes the v1
+    CRD refuses (and v1alpha2's field names) fail it."""
+    schema = json.loads(INFERENCEPOOL_SCHEMA.read_text())
+    (good,) = by_kind(manifests(PICKER), "InferencePool")
+    jsonschema.validate(good, schema)
+    spec = good["spec"]
+    bad_specs = [
+        {k: v for k, v in spec.items() if k != "targetPorts"},
+        {**spec, "targetPorts": []},
+        {**spec, "targetPorts": [{"number": 8000}, {"number": 8000}]},
+        {**spec, "selector": {"matchLabels": {}}},
+        {**spec, "endpointPickerRef": {"name": "epp"}},  # a Service without its port
+        {**spec, "endpointPickerRef": {**spec["endpointPickerRef"], "failureMode": "Open"}},
+        {**spec, "extensionRef": {"name": "epp"}},  # v1alpha2's
+        {**{k: v for k, v in spec.items() if k != "targetPorts"}, "targetPortNumber": 8000},
+    ]
+    for bad in bad_specs:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**good, "spec": bad}, schema)
+
+
+def test_picker_without_pool_labels_or_with_an_ingress_is_refused() -> None:
+    values = deepcopy(PICKER)
+    values["picker"]["inferencePool"]["modelServers"]["matchLabels"] = {}
+    with pytest.raises(helm.HelmError, match="matchLabels"):
+        render(values)
+    with pytest.raises(helm.HelmError, match="picker"):
+        render({**PICKER, "ingress": {"enabled": True}})
+    # An existing pool, by name: no InferencePool rendered, its RBAC and source still are.
+    values = deepcopy(PICKER)
+    values["picker"]["inferencePool"] = {"create": False, "name": "shared-pool"}
+    docs = manifests(values)
+    assert by_kind(docs, "InferencePool") == []
+    (source,) = yaml.safe_load(_rendered_config(values))["discovery"]
+    assert source["name"] == "shared-pool"
+    assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == ["sg-sluicegate-inferencepool"]

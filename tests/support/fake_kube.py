@@ -1,21 +1,28 @@
-"""A small Kubernetes API server for the tests: EndpointSlices only, on a loopback port.
+"""A small Kubernetes API server for the tests, on a loopback port: EndpointSlices, Pods and
+InferencePools (the Gateway API Inference Extension's CRD, `inference.networking.k8s.io/v1`).
 
 It speaks the real wire protocol the client library uses:
 
     GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=k=v
-        -> EndpointSliceList with metadata.resourceVersion
+    GET /api/v1/namespaces/{ns}/pods?labelSelector=k=v,k2=v2
+    GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools
+        ?fieldSelector=metadata.name=NAME
+        -> <Kind>List with metadata.resourceVersion
     ...&watch=true&resourceVersion=R[&allowWatchBookmarks=true][&timeoutSeconds=N]
         -> a chunked stream of JSON lines {"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, ...}
            with every change after R, then live changes; R older than the retained history
            -> an ERROR event carrying a 410 Gone Status, and the stream ends
 
-Test controls (thread-safe, from the test's thread): `put_slice`, `delete_slice` (either may be
-`silent`: the change is not in the watch history, as an event lost while a watch reconnects),
-`drop_watches`, `expire` (forget the history: resuming watches get 410), `down` / `up` (the
-server stops answering and accepting, then comes back on the same port).
+One resourceVersion sequence and one history for every resource, as a real server has (etcd's
+revision). Test controls (thread-safe, from the test's thread): `put_slice`, `delete_slice`,
+`put_pod`, `delete_pod`, `put_pool`, `delete_pool` (each may be `silent`: the change is not in
+the watch history, as an event lost while a watch reconnects), `drop_watches`, `expire` (forget
+the history: resuming watches get 410), `down` / `up` (the server stops answering and accepting,
+then comes back on the same port). `calls` records (verb, resource, selector) per request.
 
 What it does not model: authentication and RBAC (the bearer token is accepted, not checked),
-field selectors, pagination (`limit`/`continue`), other resources, protobuf.
+set-based label selectors, field selectors other than `metadata.name`/`metadata.namespace`,
+pagination (`limit`/`continue`), other resources, protobuf.
 """
 
 from __future__ import annotations
@@ -33,7 +40,21 @@ import yaml
 
 from tests.support.harness import Proc
 
-_PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
+# Path prefix -> (resource, its kind, its apiVersion).
+_RESOURCES = {
+    "/apis/discovery.k8s.io/v1/namespaces/": (
+        "endpointslices",
+        "EndpointSlice",
+        "discovery.k8s.io/v1",
+    ),
+    "/api/v1/namespaces/": ("pods", "Pod", "v1"),
+    "/apis/inference.networking.k8s.io/v1/namespaces/": (
+        "inferencepools",
+        "InferencePool",
+        "inference.networking.k8s.io/v1",
+    ),
+}
+_KINDS = {r: (kind, version) for r, kind, version in _RESOURCES.values()}
 
 
 def endpoint(
@@ -81,10 +102,15 @@ class FakeKube:
         self.url = f"http://127.0.0.1:{port}"
         self.bookmark_every = bookmark_every
         self.rv = 100
-        self.slices: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> object
-        self.history: list[tuple[int, str, dict[str, Any]]] = []
+        # resource -> (namespace, name) -> object
+        self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {r: {} for r in _KINDS}
+        self.slices = self.objects["endpointslices"]
+        # rv, resource, type, the object, and the object before (a selector's watch turns a
+        # change into or out of the selection into ADDED or DELETED, as the API server does)
+        self.history: list[tuple[int, str, str, dict[str, Any], dict[str, Any] | None]] = []
         self.oldest = 0  # a watch from a version below this gets 410
         self.requests: list[str] = []  # "list" | "watch" | "410", in order
+        self.calls: list[tuple[str, str, str]] = []  # (list | watch, resource, selectors)
         # Hostile answers (set from the test): lists answer this status; watches answer this
         # status (410: an ERROR event, as a real server does); watches send one malformed line;
         # watches stay silent (no events, no bookmarks); watches flood bookmarks.
@@ -116,34 +142,101 @@ class FakeKube:
         namespace: str = "models",
         silent: bool = False,
     ) -> None:
+        labels = {"kubernetes.io/service-name": service}
+        body = {"addressType": "IPv4", "endpoints": endpoints, "ports": ports}
+        self.put("endpointslices", namespace, name, labels, body, silent)
+
+    def delete_slice(self, name: str, namespace: str = "models", silent: bool = False) -> None:
+        self.delete("endpointslices", namespace, name, silent)
+
+    def put_pod(
+        self,
+        name: str,
+        ip: str | None,
+        labels: dict[str, str],
+        ready: bool = True,
+        terminating: bool = False,
+        namespace: str = "models",
+        silent: bool = False,
+    ) -> None:
+        """A pod as the kubelet reports it: `Ready` among its conditions, its IP once it has
+        one, a `deletionTimestamp` once it is terminating."""
+        status: dict[str, Any] = {
+            "phase": "Running" if ip else "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": "True" if ready else "False"},
+            ],
+        }
+        if ip:
+            status["podIP"] = ip
+            status["podIPs"] = [{"ip": ip}]
+        body = {"spec": {"containers": [{"name": "vllm", "image": "vllm"}]}, "status": status}
+        meta = {"deletionTimestamp": "2026-01-01T00:00:00Z"} if terminating else {}
+        self.put("pods", namespace, name, labels, body, silent, meta)
+
+    def delete_pod(self, name: str, namespace: str = "models", silent: bool = False) -> None:
+        self.delete("pods", namespace, name, silent)
+
+    def put_pool(
+        self,
+        name: str,
+        match_labels: dict[str, str],
+        ports: list[int],
+        namespace: str = "models",
+        picker: str = "epp",
+        silent: bool = False,
+    ) -> None:
+        """An InferencePool (v1): its pods by `matchLabels`, `targetPorts`, its picker."""
+        spec = {
+            "selector": {"matchLabels": match_labels},
+            "targetPorts": [{"number": p} for p in ports],
+            "endpointPickerRef": {"name": picker, "port": {"number": 9002}},
+        }
+        self.put("inferencepools", namespace, name, {}, {"spec": spec}, silent)
+
+    def delete_pool(self, name: str, namespace: str = "models", silent: bool = False) -> None:
+        self.delete("inferencepools", namespace, name, silent)
+
+    def put(
+        self,
+        resource: str,
+        namespace: str,
+        name: str,
+        labels: dict[str, str],
+        body: dict[str, Any],
+        silent: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
         async def put() -> None:
             key = (namespace, name)
-            kind = "MODIFIED" if key in self.slices else "ADDED"
+            prev = self.objects[resource].get(key)
+            kind = "ADDED" if prev is None else "MODIFIED"
             self.rv += 1
+            obj_kind, version = _KINDS[resource]
             obj = {
-                "kind": "EndpointSlice",
-                "apiVersion": "discovery.k8s.io/v1",
+                "kind": obj_kind,
+                "apiVersion": version,
                 "metadata": {
                     "name": name,
                     "namespace": namespace,
                     "resourceVersion": str(self.rv),
-                    "labels": {"kubernetes.io/service-name": service},
+                    "labels": labels,
+                    **(meta or {}),
                 },
-                "addressType": "IPv4",
-                "endpoints": endpoints,
-                "ports": ports,
+                **body,
             }
-            self.slices[key] = obj
-            await self._record(kind, obj, silent)
+            self.objects[resource][key] = obj
+            await self._record(resource, kind, obj, silent, prev)
 
         self._call(put())
 
-    def delete_slice(self, name: str, namespace: str = "models", silent: bool = False) -> None:
+    def delete(self, resource: str, namespace: str, name: str, silent: bool = False) -> None:
         async def delete() -> None:
-            obj = self.slices.pop((namespace, name))
+            obj = self.objects[resource].pop((namespace, name))
             self.rv += 1
             obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self.rv)}}
-            await self._record("DELETED", obj, silent)
+            await self._record(resource, "DELETED", obj, silent)
 
         self._call(delete())
 
@@ -219,9 +312,16 @@ class FakeKube:
             w.transport.abort()
         self._writers.clear()
 
-    async def _record(self, kind: str, obj: dict[str, Any], silent: bool) -> None:
+    async def _record(
+        self,
+        resource: str,
+        kind: str,
+        obj: dict[str, Any],
+        silent: bool,
+        prev: dict[str, Any] | None = None,
+    ) -> None:
         if not silent:
-            self.history.append((self.rv, kind, obj))
+            self.history.append((self.rv, resource, kind, obj, prev))
         assert self._changed is not None
         async with self._changed:
             self._changed.notify_all()
@@ -238,28 +338,34 @@ class FakeKube:
                     pass
                 url = urlsplit(target)
                 query = {k: v[0] for k, v in parse_qs(url.query).items()}
-                if method != "GET" or not url.path.startswith(_PREFIX):
+                ns, resource = "", ""
+                for prefix in _RESOURCES:
+                    if url.path.startswith(prefix):
+                        ns, _, resource = url.path[len(prefix) :].partition("/")
+                        if resource != _RESOURCES[prefix][0]:
+                            resource = ""
+                        break
+                if method != "GET" or not resource:
                     await self._send(writer, 404, _status(404, "NotFound", "not found"))
                     continue
-                ns, _, rest = url.path[len(_PREFIX) :].partition("/")
-                if rest != "endpointslices":
-                    await self._send(writer, 404, _status(404, "NotFound", "not found"))
-                    continue
-                selector = _selector(query.get("labelSelector", ""))
-                if _true(query.get("watch")):
-                    await self._watch(writer, ns, selector, query)
+                match = _Match(query)
+                verb = "watch" if _true(query.get("watch")) else "list"
+                self.calls.append((verb, resource, match.text))
+                if verb == "watch":
+                    await self._watch(writer, resource, ns, match, query)
                     return  # a watch stream ends its connection
                 self.requests.append("list")
                 if self.list_error is not None:
                     code = self.list_error
                     await self._send(writer, code, _status(code, "Failure", "hostile"))
                     continue
-                items = [s for (n, _), s in sorted(self.slices.items()) if n == ns]
+                items = [o for (n, _), o in sorted(self.objects[resource].items()) if n == ns]
+                kind, version = _KINDS[resource]
                 body = {
-                    "kind": "EndpointSliceList",
-                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": kind + "List",
+                    "apiVersion": version,
                     "metadata": {"resourceVersion": str(self.rv)},
-                    "items": [s for s in items if _matches(s, selector)],
+                    "items": [o for o in items if match(o)],
                 }
                 await self._send(writer, 200, body)
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
@@ -282,8 +388,9 @@ class FakeKube:
     async def _watch(
         self,
         writer: asyncio.StreamWriter,
+        resource: str,
         ns: str,
-        selector: dict[str, str],
+        match: _Match,
         query: dict[str, str],
     ) -> None:
         self.requests.append("watch")
@@ -318,7 +425,8 @@ class FakeKube:
             return
         bookmarks = _true(query.get("allowWatchBookmarks"))
         end = time.monotonic() + float(query.get("timeoutSeconds") or 3600)
-        mark = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1"}
+        kind, version = _KINDS[resource]
+        mark = {"kind": kind, "apiVersion": version}
         sent = since if given else self.rv
         if bookmarks and self.bookmark_flood:
             # Back to back, in one write (a backlog), each at the version this watch has
@@ -330,11 +438,13 @@ class FakeKube:
             await writer.drain()
         assert self._changed is not None
         while time.monotonic() < end:
-            for rv, kind, obj in list(self.history):
+            for rv, res, change, obj, prev in list(self.history):
                 if self.silent:
                     break
-                if rv > sent and obj["metadata"]["namespace"] == ns and _matches(obj, selector):
-                    await event(kind, obj)
+                if rv > sent and res == resource and obj["metadata"]["namespace"] == ns:
+                    seen = _seen(change, match(obj), prev is not None and match(prev))
+                    if seen is not None:
+                        await event(seen, obj)
                 sent = max(sent, rv)
             sent = max(sent, self.rv)
             wait = min(self.bookmark_every, end - time.monotonic())
@@ -345,14 +455,7 @@ class FakeKube:
                 except TimeoutError:
                     pass
             if bookmarks and not self.silent:
-                await event(
-                    "BOOKMARK",
-                    {
-                        "kind": "EndpointSlice",
-                        "apiVersion": "discovery.k8s.io/v1",
-                        "metadata": {"resourceVersion": str(self.rv)},
-                    },
-                )
+                await event("BOOKMARK", {**mark, "metadata": {"resourceVersion": str(self.rv)}})
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
@@ -374,11 +477,33 @@ def _true(value: str | None) -> bool:
     return value in ("1", "t", "T", "true", "TRUE", "True")
 
 
-def _selector(text: str) -> dict[str, str]:
+def _seen(change: str, matches: bool, matched: bool) -> str | None:
+    """What a watch with a selector says of a change: a MODIFIED that moves the object into
+    the selection is ADDED, one that moves it out DELETED; None: not seen."""
+    if change != "MODIFIED":
+        return change if matches else None
+    if matches:
+        return "MODIFIED" if matched else "ADDED"
+    return "DELETED" if matched else None
+
+
+class _Match:
+    """A request's label and field selectors (equality only), as one test of an object."""
+
+    def __init__(self, query: dict[str, str]) -> None:
+        self.labels = _pairs(query.get("labelSelector", ""))
+        self.fields = _pairs(query.get("fieldSelector", ""))
+        self.text = ";".join(query.get(k, "") for k in ("labelSelector", "fieldSelector"))
+
+    def __call__(self, obj: dict[str, Any]) -> bool:
+        meta = obj["metadata"]
+        labels = meta.get("labels") or {}
+        fields = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"]}
+        return all(labels.get(k) == v for k, v in self.labels.items()) and all(
+            fields.get(k) == v for k, v in self.fields.items()
+        )
+
+
+def _pairs(text: str) -> dict[str, str]:
     pairs = (p.split("=", 1) for p in text.split(",") if "=" in p)
-    return {k.strip(): v.strip() for k, v in pairs}
-
-
-def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
-    labels = obj["metadata"].get("labels") or {}
-    return all(labels.get(k) == v for k, v in selector.items())
+    return {k.strip(): v.strip().lstrip("=") for k, v in pairs}

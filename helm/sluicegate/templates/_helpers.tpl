@@ -62,15 +62,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- $cfg := deepCopy .Values.config }}
 {{- $_ := set $cfg "backends" $backends }}
-{{- if .Values.discovery }}
-{{- $sources := list }}
-{{- range .Values.discovery }}
-{{- $s := deepCopy . }}
-{{- if and (eq .kind "kubernetes") (not .namespace) }}
-{{- $_ := set $s "namespace" $.Release.Namespace }}
-{{- end }}
-{{- $sources = append $sources $s }}
-{{- end }}
+{{- $sources := include "sluicegate.discoverySources" . | fromYamlArray }}
+{{- if $sources }}
 {{- $_ := set $cfg "discovery" $sources }}
 {{- end }}
 {{- with .Values.tracing }}
@@ -99,6 +92,44 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- range .Values.discovery }}
 {{- if eq .kind "kubernetes" }}
 {{- $namespaces = append $namespaces (default $.Release.Namespace .namespace) }}
+{{- end }}
+{{- end }}
+{{- uniq $namespaces | join "," }}
+{{- end }}
+
+{{/* The config's discovery sources: the values' (kubernetes and inferencepool ones in the
+release's namespace unless they name one), and, for the picker, its own pool's. */}}
+{{- define "sluicegate.discoverySources" -}}
+{{- $sources := list }}
+{{- $mine := false }}
+{{- $pool := include "sluicegate.poolName" . }}
+{{- range .Values.discovery }}
+{{- $s := deepCopy . }}
+{{- if and (has .kind (list "kubernetes" "inferencepool")) (not .namespace) }}
+{{- $_ := set $s "namespace" $.Release.Namespace }}
+{{- end }}
+{{- if and (eq .kind "inferencepool") (eq .name $pool) (eq $s.namespace $.Release.Namespace) }}
+{{- $mine = true }}
+{{- end }}
+{{- $sources = append $sources $s }}
+{{- end }}
+{{- if and .Values.picker.enabled (not $mine) }}
+{{- $sources = append $sources (dict "kind" "inferencepool" "name" $pool "namespace" .Release.Namespace) }}
+{{- end }}
+{{- toYaml $sources }}
+{{- end }}
+
+{{/* The InferencePool the picker serves: the one it creates, or an existing one by name. */}}
+{{- define "sluicegate.poolName" -}}
+{{- default (include "sluicegate.fullname" .) .Values.picker.inferencePool.name }}
+{{- end }}
+
+{{/* Namespaces of the InferencePools the router follows (one Role + RoleBinding in each). */}}
+{{- define "sluicegate.poolNamespaces" -}}
+{{- $namespaces := list }}
+{{- range (include "sluicegate.discoverySources" . | fromYamlArray) }}
+{{- if eq .kind "inferencepool" }}
+{{- $namespaces = append $namespaces .namespace }}
 {{- end }}
 {{- end }}
 {{- uniq $namespaces | join "," }}
