@@ -1,0 +1,1 @@
+"""Generated from the vendored .proto files (router/tools/protos.py)."""
