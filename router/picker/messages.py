@@ -98,8 +98,10 @@ def response_chunk(body: bytes, last: bool) -> ProcessingResponse:
     )
 
 
-def response_headers() -> ProcessingResponse:
-    return ProcessingResponse(response_headers=HeadersResponse(response=CommonResponse()))
+def response_headers(headers: Sequence[tuple[str, bytes]] = ()) -> ProcessingResponse:
+    """The response headers' answer: on as they came, with `headers` set."""
+    common = CommonResponse(header_mutation=_set(headers)) if headers else CommonResponse()
+    return ProcessingResponse(response_headers=HeadersResponse(response=common))
 
 
 def request_trailers() -> ProcessingResponse:

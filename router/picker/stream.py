@@ -307,8 +307,11 @@ class PickerStream:
             self._app.health.on_failure(name, FailureKind.STATUS, status)
         self._readable = head.get("content-encoding", b"identity") == b"identity"
         self._usage = rec.usage = ResponseUsage(call.endpoint.usage)
-        if msg.response_headers.end_of_stream or self._app.settings.picker.response_body == "none":
+        settings = self._app.settings
+        if msg.response_headers.end_of_stream or settings.picker.response_body == "none":
             self._finish()
+        if settings.expose_backend_header and name is not None:
+            return [messages.response_headers([("x-sluicegate-backend", name.encode())])]
         return [messages.response_headers()]
 
     def _response_body(self, chunk: bytes) -> None:
