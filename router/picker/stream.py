@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
+from balancers.context import NO_CONTEXT
 from router.core.backend import Backend
 from router.core.endpoints import BY_ROUTE, Endpoint
 from router.core.errors import (
@@ -133,6 +134,7 @@ class PickerStream:
                 return [*await self._pick(True), messages.request_trailers()]
             return [messages.request_trailers()]
         if kind == "response_headers":
+            await self._served(msg)
             return self._response_headers(msg)
         if kind == "response_body":
             body = msg.response_body
@@ -288,6 +290,31 @@ class PickerStream:
 
     # -- the response -----------------------------------------------------------------------
 
+    async def _served(self, msg: ProcessingRequest) -> None:
+        """The gateway's retry went to a fallback (the `upstream.address` response attribute,
+        when its filter sends it, names another endpoint than the pick): the pick failed before
+        its first byte, and is charged for it (health, metrics); the lease moves to the engine
+        that answers, when it has room."""
+        call = self.call
+        attempts = self._attempts
+        if call is None or attempts is None or attempts.held.backend is None:
+            return
+        served = _attribute(msg, "upstream.address")
+        picked = attempts.held.backend
+        if served is None or served == endpoint_of(picked):
+            return
+        actual = next((b for b in call.backends if endpoint_of(b) == served), None)
+        app = self._app
+        app.health.on_failure(picked.name, FailureKind.CONNECT)
+        app.metrics.attempt_failed(picked.name, FailureKind.CONNECT)
+        await attempts.held.close()
+        rec = call.record
+        rec.backend = None
+        rec.attempts += 1
+        if actual is not None:
+            rec.backend = actual.name
+            await attempts.held.take([actual], call.balancer, NO_CONTEXT, None)
+
     def _response_headers(self, msg: ProcessingRequest) -> Out:
         call = self.call
         if call is None:
@@ -385,6 +412,15 @@ def _subset(msg: ProcessingRequest) -> list[str] | None:
     else:
         items = []
     return [i.strip() for i in items if i.strip()]
+
+
+def _attribute(msg: ProcessingRequest, name: str) -> str | None:
+    """A string attribute the gateway sent with the message (its filter's `*_attributes`)."""
+    for found in msg.attributes.values():
+        value = found.fields.get(name)
+        if value is not None and value.WhichOneof("kind") == "string_value":
+            return value.string_value
+    return None
 
 
 def _mapped(headers: list[tuple[bytes, bytes]], head: dict[str, bytes]) -> list[tuple[bytes, bytes]]:

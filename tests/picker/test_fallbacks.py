@@ -1,0 +1,143 @@
+"""An engine that died before its first byte: the gateway retries through the picker's ordered
+endpoint list (`picker.fallbacks`), the client never sees the failure, the picker charges the
+dead engine (ejected after `outlier.consecutive_failures`) and no lease is left behind.
+
+The example bootstrap's ORIGINAL_DST cluster reads one address, so it cannot retry elsewhere:
+this module runs it with the profile docs/endpoint-picker.md gives for fallbacks (Envoy's
+override_host load-balancing policy over the engines' cluster, a retry policy, and the
+`upstream.address` response attribute that tells the picker where the answer came from).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.harness import Cluster, Proc, backend, free_port
+from tests.support.picker import (
+    envoy_config,
+    in_flight,
+    start_envoy,
+    start_picker,
+)
+from tests.support.wait import wait_for
+
+
+def fallback_profile(config: dict[str, Any], engines: list[Proc]) -> dict[str, Any]:
+    """The example bootstrap, its engines' cluster and route made to retry through the list."""
+    resources = config["static_resources"]
+    manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    route["retry_policy"] = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 2}
+    ext_proc = manager["http_filters"][0]["typed_config"]
+    ext_proc["response_attributes"] = ["upstream.address"]
+    policy = "type.googleapis.com/envoy.extensions.load_balancing_policies"
+    cluster = {
+        "name": "engines",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": "engines",
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {
+                                    "socket_address": {
+                                        "address": "127.0.0.1",
+                                        "port_value": e.port,
+                                    }
+                                }
+                            }
+                        }
+                        for e in engines
+                    ]
+                }
+            ],
+        },
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": f"{policy}.override_host.v3.OverrideHost",
+                            "override_host_sources": [
+                                {"header": "x-gateway-destination-endpoint"},
+                                {
+                                    "metadata": {
+                                        "key": "envoy.lb",
+                                        "path": [{"key": "x-gateway-destination-endpoint"}],
+                                    }
+                                },
+                            ],
+                            "fallback_policy": {
+                                "policies": [
+                                    {
+                                        "typed_extension_config": {
+                                            "name": "envoy.load_balancing_policies.round_robin",
+                                            "typed_config": {
+                                                "@type": f"{policy}.round_robin.v3.RoundRobin"
+                                            },
+                                        }
+                                    }
+                                ]
+                            },
+                        },
+                    }
+                }
+            ]
+        },
+    }
+    resources["clusters"] = [
+        cluster if c["name"] == "engines" else c for c in resources["clusters"]
+    ]
+    return config
+
+
+@pytest.fixture(scope="module")
+def fleet(module_procs: Cluster) -> dict[str, Any]:
+    a, b = module_procs.mock("a"), module_procs.mock("b")
+    picker = start_picker(
+        module_procs,
+        {
+            "backends": [backend("a", a, {"m": "m"}), backend("b", b, {"m": "m"})],
+            "balancer": "round_robin",
+            "picker": {"fallbacks": 1},
+            "expose_backend_header": True,
+            "health": {"interval": 60},
+            "outlier": {"consecutive_failures": 2},
+        },
+    )
+    listen, admin = free_port(), free_port()
+    config = fallback_profile(envoy_config(picker.grpc_port, listen, admin), [a, b])
+    envoy = start_envoy(module_procs, config, listen, admin)
+    return {"a": a, "b": b, "picker": picker, "envoy": envoy}
+
+
+def test_engine_death_before_the_first_byte_retries_through_the_list(
+    fleet: dict[str, Any],
+) -> None:
+    client = openai.OpenAI(base_url=fleet["envoy"].url + "/v1", api_key="x", max_retries=0)
+    served = {
+        client.chat.completions.with_raw_response.create(
+            model="m", messages=[], max_tokens=1
+        ).headers["x-sluicegate-backend"]
+        for _ in range(4)
+    }
+    assert served == {"a", "b"}  # both alive: round robin over both, the list's first
+    fleet["a"].kill9()
+    for _ in range(4):  # round robin picks `a` twice: each time Envoy goes on to `b`
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=[], max_tokens=2
+        )
+        assert raw.headers["x-sluicegate-backend"] == "b"
+        assert raw.parse().choices[0].message.content
+    rows = {r["name"]: r for r in httpx.get(fleet["picker"].url + "/admin/backends").json()}
+    assert rows["a"]["healthy"] is False  # two failures charged to it: ejected
+    assert rows["b"]["healthy"] is True
+    wait_for(lambda: set(in_flight(fleet["picker"]).values()) == {0}, "no lease left")
