@@ -512,9 +512,9 @@ class PickerConfig(_Strict):
     # retries (an ordered, comma-separated list; not leased). 0: the one picked, which an
     # ORIGINAL_DST cluster needs (it reads one address); more needs Envoy's override_host policy.
     fallbacks: int = Field(0, ge=0, le=8)
-    # `none`: the response body does not pass through the picker (Envoy's mode_override, when its
-    # filter has allow_mode_override): less CPU, but no TTFT, usage or stream end seen; the lease
-    # is given back when the response's headers arrive.
+    # `none`: the gateway's filter sends no response body (`response_body_mode: NONE`): less
+    # CPU, but no TTFT, usage or stream end seen; the lease is given back when the gateway ends
+    # the stream, after the response's headers (docs/endpoint-picker.md).
     response_body: Literal["streamed", "none"] = "streamed"
 
 

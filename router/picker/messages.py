@@ -13,9 +13,6 @@ from collections.abc import Iterator, Sequence
 from google.protobuf.struct_pb2 import Struct
 
 from router.picker.proto.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
-from router.picker.proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
-    ProcessingMode,
-)
 from router.picker.proto.envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyMutation,
     BodyResponse,
@@ -37,12 +34,6 @@ PREFILLER = "x-prefiller-host-port"
 CHUNK = 62_000
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-# The response body stays in Envoy (`picker.response_body: none`): headers still come.
-_NO_RESPONSE_BODY = ProcessingMode(
-    response_body_mode=ProcessingMode.NONE, response_trailer_mode=ProcessingMode.SKIP
-)
-
-
 def _set(headers: Sequence[tuple[str, bytes]]) -> HeaderMutation:
     return HeaderMutation(
         set_headers=[
@@ -53,7 +44,7 @@ def _set(headers: Sequence[tuple[str, bytes]]) -> HeaderMutation:
 
 
 def picked(
-    endpoints: str, headers: Sequence[tuple[str, bytes]], remove: Sequence[str], body_off: bool
+    endpoints: str, headers: Sequence[tuple[str, bytes]], remove: Sequence[str]
 ) -> ProcessingResponse:
     """The request headers' answer once picked: the destination (header and `envoy.lb`
     metadata, the same value), `headers` set, `remove` removed, the route recomputed."""
@@ -66,7 +57,6 @@ def picked(
             response=CommonResponse(header_mutation=mutation, clear_route_cache=True)
         ),
         dynamic_metadata=metadata,
-        mode_override=_NO_RESPONSE_BODY if body_off else None,
     )
 
 

@@ -83,6 +83,7 @@ class PickerStream:
         "_entered",
         "_ended",
         "_headers",
+        "_headers_only",
         "_readable",
         "_status",
         "_subset",
@@ -102,10 +103,14 @@ class PickerStream:
         self._status = 0
         self._usage: ResponseUsage | None = None
         self._readable = True
+        self._headers_only = app.settings.picker.response_body == "none"
 
     @property
     def done(self) -> bool:
-        return self._ended
+        """Nothing more to answer: the stream may end (with `picker.response_body: none` the
+        gateway ends it, after the response's headers, and any body it still sends is passed
+        on)."""
+        return self._ended and not (self._headers_only and self._status)
 
     async def handle(self, msg: ProcessingRequest) -> Out:
         """The answers to one message from the gateway (none while the body is still coming)."""
@@ -138,7 +143,8 @@ class PickerStream:
             return self._response_headers(msg)
         if kind == "response_body":
             body = msg.response_body
-            self._response_body(body.body)
+            if not self._ended:
+                self._response_body(body.body)
             if body.end_of_stream:
                 self._finish()
             return [messages.response_chunk(body.body, body.end_of_stream)]
@@ -211,11 +217,7 @@ class PickerStream:
         if call.hop:
             own.append((HOP_HEADER, call.hop))
         remove = [h for h in _CLIENT_AUTH if app.client_keys.enabled and h not in dict(own)]
-        answers = [
-            messages.picked(
-                ",".join(listed), own, remove, app.settings.picker.response_body == "none"
-            )
-        ]
+        answers = [messages.picked(",".join(listed), own, remove)]
         answers.extend(messages.replay(body, not trailers))
         return answers
 
@@ -335,7 +337,7 @@ class PickerStream:
         self._readable = head.get("content-encoding", b"identity") == b"identity"
         self._usage = rec.usage = ResponseUsage(call.endpoint.usage)
         settings = self._app.settings
-        if msg.response_headers.end_of_stream or settings.picker.response_body == "none":
+        if msg.response_headers.end_of_stream or self._headers_only:
             self._finish()
         if settings.expose_backend_header and name is not None:
             return [messages.response_headers([("x-sluicegate-backend", name.encode())])]

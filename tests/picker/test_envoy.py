@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, expected_text, stream_text
+from tests.support.harness import Cluster, Proc, backend, expected_text, metric, stream_text
 from tests.support.picker import (
     Picker,
     envoy_in_front,
@@ -102,9 +102,10 @@ def test_the_sdk_streams_and_reads_whole_answers_through_envoy(fleet: dict[str, 
     whole = sdk(fleet["envoy"]).chat.completions.create(model="m", messages=[], max_tokens=3)
     assert whole.choices[0].message.content == expected_text(3)
     idle(fleet)
-    page = httpx.get(fleet["picker"].url + "/metrics", timeout=5).text
-    assert 'sluicegate_requests_total{backend="' in page
-    assert "sluicegate_routing_decisions_total{" in page
+    picker = fleet["picker"]
+    assert metric(picker, "sluicegate_requests_total", status="200") >= 2
+    assert metric(picker, "sluicegate_routing_decisions_total", model="m") >= 2
+    assert metric(picker, "sluicegate_ttft_seconds_count") >= 1  # the stream's body seen
 
 
 def test_cache_aware_keeps_a_conversation_on_its_engine(fleet: dict[str, Any]) -> None:

@@ -5,7 +5,10 @@ dead engine (ejected after `outlier.consecutive_failures`) and no lease is left 
 The example bootstrap's ORIGINAL_DST cluster reads one address, so it cannot retry elsewhere:
 this module runs it with the profile docs/endpoint-picker.md gives for fallbacks (Envoy's
 override_host load-balancing policy over the engines' cluster, a retry policy, and the
-`upstream.address` response attribute that tells the picker where the answer came from).
+`upstream.address` response attribute that tells the picker where the answer came from), with
+`picker.response_body: none` and the filter's `response_body_mode: NONE`: the lighter profile,
+where the response body stays in Envoy, the lease ends with the response's headers and no TTFT
+is seen.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, free_port
+from tests.support.harness import Cluster, Proc, backend, expected_text, free_port, metric
 from tests.support.picker import (
     envoy_config,
     in_flight,
@@ -27,13 +30,16 @@ from tests.support.wait import wait_for
 
 
 def fallback_profile(config: dict[str, Any], engines: list[Proc]) -> dict[str, Any]:
-    """The example bootstrap, its engines' cluster and route made to retry through the list."""
+    """The example bootstrap, its engines' cluster and route made to retry through the list,
+    the response body left out of the picker."""
     resources = config["static_resources"]
     manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
     route["retry_policy"] = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 2}
     ext_proc = manager["http_filters"][0]["typed_config"]
     ext_proc["response_attributes"] = ["upstream.address"]
+    mode = ext_proc["processing_mode"]
+    mode["response_body_mode"], mode["response_trailer_mode"] = "NONE", "SKIP"
     policy = "type.googleapis.com/envoy.extensions.load_balancing_policies"
     cluster = {
         "name": "engines",
@@ -107,7 +113,7 @@ def fleet(module_procs: Cluster) -> dict[str, Any]:
         {
             "backends": [backend("a", a, {"m": "m"}), backend("b", b, {"m": "m"})],
             "balancer": "round_robin",
-            "picker": {"fallbacks": 1},
+            "picker": {"fallbacks": 1, "response_body": "none"},
             "expose_backend_header": True,
             "health": {"interval": 60},
             "outlier": {"consecutive_failures": 2},
@@ -141,3 +147,14 @@ def test_engine_death_before_the_first_byte_retries_through_the_list(
     assert rows["a"]["healthy"] is False  # two failures charged to it: ejected
     assert rows["b"]["healthy"] is True
     wait_for(lambda: set(in_flight(fleet["picker"]).values()) == {0}, "no lease left")
+
+
+def test_with_response_body_none_the_body_bypasses_the_picker(fleet: dict[str, Any]) -> None:
+    client = openai.OpenAI(base_url=fleet["envoy"].url + "/v1", api_key="x", max_retries=0)
+    stream = client.chat.completions.create(model="m", messages=[], max_tokens=5, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == expected_text(5)
+    picker = fleet["picker"]
+    assert metric(picker, "sluicegate_requests_total") >= 1
+    assert metric(picker, "sluicegate_ttft_seconds_count") == 0  # no body seen: no TTFT
+    wait_for(lambda: set(in_flight(picker).values()) == {0}, "no lease left")
