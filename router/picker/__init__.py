@@ -1,1 +1,1 @@
-"""The endpoint picker (`sluicegate epp`): the routing core behind a gateway, over Envoy's ext_proc."""
+"""The endpoint picker (`sluicegate epp`): the routing core behind a gateway's ext_proc filter."""

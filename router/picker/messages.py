@@ -34,6 +34,8 @@ PREFILLER = "x-prefiller-host-port"
 CHUNK = 62_000
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
 def _set(headers: Sequence[tuple[str, bytes]]) -> HeaderMutation:
     return HeaderMutation(
         set_headers=[

@@ -41,9 +41,9 @@ class Picker:
         self.app = app
 
     async def process(
-        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext[
-            ProcessingRequest, ProcessingResponse
-        ]
+        self,
+        requests: AsyncIterator[ProcessingRequest],
+        context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
     ) -> AsyncIterator[ProcessingResponse]:
         """One stream: every message answered as the protocol asks; what the stream took is
         given back when it ends, also when the gateway cancels it (a cancelled generator runs

@@ -80,8 +80,8 @@ class PickerStream:
         "_app",
         "_attempts",
         "_body",
-        "_entered",
         "_ended",
+        "_entered",
         "_headers",
         "_headers_only",
         "_readable",
@@ -117,7 +117,8 @@ class PickerStream:
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             self._headers = [
-                (h.key.lower(), h.raw_value or h.value.encode()) for h in msg.request_headers.headers.headers
+                (h.key.lower(), h.raw_value or h.value.encode())
+                for h in msg.request_headers.headers.headers
             ]
             self._subset = _subset(msg)
             if msg.request_headers.end_of_stream:
@@ -215,7 +216,7 @@ class PickerStream:
         own.append(("x-request-id", rec.request_id.encode()))
         own.append(("content-length", str(len(body)).encode()))
         if call.hop:
-            own.append((HOP_HEADER, call.hop))
+            own.append((HOP_HEADER.decode(), call.hop))
         remove = [h for h in _CLIENT_AUTH if app.client_keys.enabled and h not in dict(own)]
         answers = [messages.picked(",".join(listed), own, remove)]
         answers.extend(messages.replay(body, not trailers))
@@ -321,7 +322,10 @@ class PickerStream:
         call = self.call
         if call is None:
             return [messages.response_headers()]
-        head = {h.key.lower(): h.raw_value or h.value.encode() for h in msg.response_headers.headers.headers}
+        head = {
+            h.key.lower(): h.raw_value or h.value.encode()
+            for h in msg.response_headers.headers.headers
+        }
         try:
             status = int(head.get(":status", b"0"))
         except ValueError:
@@ -421,11 +425,13 @@ def _attribute(msg: ProcessingRequest, name: str) -> str | None:
     for found in msg.attributes.values():
         value = found.fields.get(name)
         if value is not None and value.WhichOneof("kind") == "string_value":
-            return value.string_value
+            return str(value.string_value)
     return None
 
 
-def _mapped(headers: list[tuple[bytes, bytes]], head: dict[str, bytes]) -> list[tuple[bytes, bytes]]:
+def _mapped(
+    headers: list[tuple[bytes, bytes]], head: dict[str, bytes]
+) -> list[tuple[bytes, bytes]]:
     """The objective header as sluicegate's admission band, when it names one."""
     objective = next((head[h] for h in OBJECTIVE if h in head), None)
     if objective is not None and PRIORITY_HEADER not in head:
@@ -449,5 +455,6 @@ def _refusal(
         error.status = status
     rendered = answer(error, anthropic)
     details = f"sluicegate_{error.code or 'refused'}"
-    return messages.immediate(rendered.status_code, rendered.raw_headers, bytes(rendered.body), details)
-
+    return messages.immediate(
+        rendered.status_code, rendered.raw_headers, bytes(rendered.body), details
+    )

@@ -138,9 +138,7 @@ def test_engine_death_before_the_first_byte_retries_through_the_list(
     assert served == {"a", "b"}  # both alive: round robin over both, the list's first
     fleet["a"].kill9()
     for _ in range(4):  # round robin picks `a` twice: each time Envoy goes on to `b`
-        raw = client.chat.completions.with_raw_response.create(
-            model="m", messages=[], max_tokens=2
-        )
+        raw = client.chat.completions.with_raw_response.create(model="m", messages=[], max_tokens=2)
         assert raw.headers["x-sluicegate-backend"] == "b"
         assert raw.parse().choices[0].message.content
     rows = {r["name"]: r for r in httpx.get(fleet["picker"].url + "/admin/backends").json()}

@@ -17,9 +17,7 @@ def test_the_committed_code_is_what_the_protos_generate(tmp_path: Path) -> None:
     written = generate(tmp_path)
     assert written, "nothing generated"
     stale = [
-        str(rel)
-        for rel in written
-        if (SOURCE / rel).read_bytes() != (tmp_path / rel).read_bytes()
+        str(rel) for rel in written if (SOURCE / rel).read_bytes() != (tmp_path / rel).read_bytes()
     ]
     assert stale == [], "run `python -m router.tools.protos` and commit the result"
     committed = {p.relative_to(SOURCE) for p in SOURCE.rglob("*_pb2.py*")}
@@ -30,7 +28,9 @@ def test_the_protobuf_floor_admits_the_generated_code() -> None:
     text = (SOURCE / "envoy/service/ext_proc/v3/external_processor_pb2.py").read_text()
     made = re.search(r"Protobuf Python Version: (\d+)\.(\d+)\.(\d+)", text)
     assert made is not None
-    floor = re.search(r'"protobuf>=(\d+)\.(\d+)(?:\.(\d+))?"', (ROOT / "pyproject.toml").read_text())
+    floor = re.search(
+        r'"protobuf>=(\d+)\.(\d+)(?:\.(\d+))?"', (ROOT / "pyproject.toml").read_text()
+    )
     assert floor is not None
     # The generated module refuses an older runtime (or another major) at import.
     made_v = tuple(int(x) for x in made.groups())
@@ -42,7 +42,9 @@ def test_the_wire_names_are_envoys() -> None:
     service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"]
     assert service.full_name == "envoy.service.ext_proc.v3.ExternalProcessor"
     request = pb.ProcessingRequest.DESCRIPTOR.fields_by_name
-    assert {n: request[n].number for n in ("request_headers", "request_body", "metadata_context")} == {
+    assert {
+        n: request[n].number for n in ("request_headers", "request_body", "metadata_context")
+    } == {
         "request_headers": 2,
         "request_body": 4,
         "metadata_context": 8,

@@ -78,7 +78,9 @@ def head(
     path: str = CHAT, eos: bool = False, subset: list[str] | None = None, **extra: str
 ) -> ProcessingRequest:
     pairs = {":method": "POST", ":path": path, "content-type": "application/json", **extra}
-    headers = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+    headers = HeaderMap(
+        headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
     msg = ProcessingRequest(request_headers=HttpHeaders(headers=headers, end_of_stream=eos))
     if subset is not None:
         hint = Struct()
@@ -93,7 +95,9 @@ def body(data: bytes, eos: bool) -> ProcessingRequest:
 
 def response_head(status: int = 200, eos: bool = False) -> ProcessingRequest:
     pairs = {":status": str(status), "content-type": "text/event-stream"}
-    headers = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+    headers = HeaderMap(
+        headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
     return ProcessingRequest(response_headers=HttpHeaders(headers=headers, end_of_stream=eos))
 
 
@@ -111,9 +115,7 @@ def destination(answer: ProcessingResponse) -> str:
     assert answer.WhichOneof("response") == "request_headers"
     common = answer.request_headers.response
     assert common.clear_route_cache
-    values = {
-        o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers
-    }
+    values = {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
     lb = answer.dynamic_metadata.fields[messages.LB_NAMESPACE].struct_value
     assert lb.fields[messages.DESTINATION].string_value == values[messages.DESTINATION]
     return values[messages.DESTINATION]
