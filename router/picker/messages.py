@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 
 from google.protobuf.struct_pb2 import Struct
 
-from router.picker.proto.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
-from router.picker.proto.envoy.service.ext_proc.v3.external_processor_pb2 import (
+from router.picker.proto.base_pb2 import HeaderValue, HeaderValueOption
+from router.picker.proto.external_processor_pb2 import (
     BodyMutation,
     BodyResponse,
     CommonResponse,
@@ -24,7 +24,7 @@ from router.picker.proto.envoy.service.ext_proc.v3.external_processor_pb2 import
     StreamedBodyResponse,
     TrailersResponse,
 )
-from router.picker.proto.envoy.type.v3.http_status_pb2 import HttpStatus
+from router.picker.proto.http_status_pb2 import HttpStatus
 
 DESTINATION = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"

@@ -21,7 +21,7 @@ from grpc_health.v1._async import HealthServicer
 
 from router.app import AppParts, create_app
 from router.core.settings import Settings
-from router.picker.proto.envoy.service.ext_proc.v3.external_processor_pb2 import (
+from router.picker.proto.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )

