@@ -217,6 +217,11 @@ class PickerStream:
         own.append(("content-length", str(len(body)).encode()))
         if call.hop:
             own.append((HOP_HEADER.decode(), call.hop))
+        prefill = held.prefill
+        if prefill is not None:  # llm-d's: the decode side's sidecar runs the prefill there
+            prefiller = call.snapshot.by_name[prefill.backend]
+            rec.prefill_backend = prefiller.name
+            own.append((messages.PREFILLER, endpoint_of(prefiller).encode()))
         remove = [h for h in _CLIENT_AUTH if app.client_keys.enabled and h not in dict(own)]
         answers = [messages.picked(",".join(listed), own, remove)]
         answers.extend(messages.replay(body, not trailers))

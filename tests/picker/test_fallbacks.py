@@ -19,9 +19,15 @@ import httpx
 import openai
 import pytest
 
+from router.picker import messages
 from tests.support.harness import Cluster, Proc, backend, expected_text, free_port, metric
 from tests.support.picker import (
+    Session,
+    body,
+    chat,
+    destination,
     envoy_config,
+    head,
     in_flight,
     start_envoy,
     start_picker,
@@ -111,7 +117,14 @@ def fleet(module_procs: Cluster) -> dict[str, Any]:
     picker = start_picker(
         module_procs,
         {
-            "backends": [backend("a", a, {"m": "m"}), backend("b", b, {"m": "m"})],
+            "backends": [
+                backend("a", a, {"m": "m"}),
+                backend("b", b, {"m": "m"}),
+                # A split model on the same engines: `pre` prefills, `dec` decodes.
+                backend("pre", a, {"split": "m"}, role="prefill"),
+                backend("dec", b, {"split": "m"}, role="decode"),
+            ],
+            "disaggregation": {"min_uncached_tokens": 64},
             "balancer": "round_robin",
             "picker": {"fallbacks": 1, "response_body": "none"},
             "expose_backend_header": True,
@@ -123,6 +136,26 @@ def fleet(module_procs: Cluster) -> dict[str, Any]:
     config = fallback_profile(envoy_config(picker.grpc_port, listen, admin), [a, b])
     envoy = start_envoy(module_procs, config, listen, admin)
     return {"a": a, "b": b, "picker": picker, "envoy": envoy}
+
+
+def test_a_split_prompt_names_its_prefill_engine(fleet: dict[str, Any]) -> None:
+    picker = fleet["picker"]
+    for words, prefiller in ((400, address(fleet["a"])), (4, None)):
+        s = Session(picker)
+        s.send(head())
+        s.send(body(chat("word " * words, model="split"), True))
+        picked, _ = s.recv(2)
+        assert destination(picked) == address(fleet["b"])  # the decode engine
+        mutation = picked.request_headers.response.header_mutation
+        sent = {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}
+        assert sent.get(messages.PREFILLER) == prefiller  # a short prompt: served whole
+        assert in_flight(picker)["pre"] == (1 if prefiller else 0)
+        s.reset()
+        wait_for(lambda: set(in_flight(picker).values()) == {0}, "both leases given back")
+
+
+def address(mock: Proc) -> str:
+    return mock.url.removeprefix("http://")
 
 
 def test_engine_death_before_the_first_byte_retries_through_the_list(

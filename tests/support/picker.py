@@ -9,6 +9,8 @@ its PID with the rest of the cluster.
 
 from __future__ import annotations
 
+import json
+import queue
 import string
 import sys
 from pathlib import Path
@@ -17,7 +19,16 @@ from typing import Any
 import grpc
 import httpx
 import yaml
+from google.protobuf.struct_pb2 import Struct
 
+from router.picker import messages
+from router.picker.proto.base_pb2 import HeaderMap, HeaderValue, Metadata
+from router.picker.proto.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+)
 from tests.support.harness import ROOT, Cluster, Proc, free_port, wait_http
 
 EXAMPLE = ROOT / "examples" / "endpoint-picker" / "envoy.yaml"
@@ -124,3 +135,90 @@ def health(target: str, service: str) -> int:
         stub = health_pb2_grpc.HealthStub(channel)
         answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         return int(answer.status)
+
+
+# -- an ext_proc client, as the gateway ----------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+
+
+class Session:
+    """One ext_proc stream, driven message by message, as the gateway would."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.channel = grpc.insecure_channel(picker.grpc_target)
+        self.sent: queue.Queue[ProcessingRequest | None] = queue.Queue()
+        method = self.channel.stream_stream(
+            PROCESS,
+            request_serializer=ProcessingRequest.SerializeToString,
+            response_deserializer=ProcessingResponse.FromString,
+        )
+        self.call = method(iter(self.sent.get, None), timeout=10)
+
+    def send(self, msg: ProcessingRequest) -> None:
+        self.sent.put(msg)
+
+    def recv(self, n: int = 1) -> list[ProcessingResponse]:
+        return [next(self.call) for _ in range(n)]
+
+    def reset(self) -> None:
+        self.call.cancel()
+        self.channel.close()
+
+    def end(self) -> None:
+        self.sent.put(None)
+        assert list(self.call) == []  # the picker ends its side once the response is whole
+        self.channel.close()
+
+
+def head(
+    path: str = CHAT, eos: bool = False, subset: list[str] | None = None, **extra: str
+) -> ProcessingRequest:
+    pairs = {":method": "POST", ":path": path, "content-type": "application/json", **extra}
+    headers = HeaderMap(
+        headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
+    msg = ProcessingRequest(request_headers=HttpHeaders(headers=headers, end_of_stream=eos))
+    if subset is not None:
+        hint = Struct()
+        hint.get_or_create_list(messages.SUBSET_KEY).extend(subset)
+        msg.metadata_context.CopyFrom(Metadata(filter_metadata={messages.SUBSET_NAMESPACE: hint}))
+    return msg
+
+
+def body(data: bytes, eos: bool) -> ProcessingRequest:
+    return ProcessingRequest(request_body=HttpBody(body=data, end_of_stream=eos))
+
+
+def response_head(status: int = 200, eos: bool = False) -> ProcessingRequest:
+    pairs = {":status": str(status), "content-type": "text/event-stream"}
+    headers = HeaderMap(
+        headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
+    return ProcessingRequest(response_headers=HttpHeaders(headers=headers, end_of_stream=eos))
+
+
+def response_body(data: bytes, eos: bool) -> ProcessingRequest:
+    return ProcessingRequest(response_body=HttpBody(body=data, end_of_stream=eos))
+
+
+def chat(content: str = "hi", **extra: Any) -> bytes:
+    payload = {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+    return json.dumps(payload).encode()
+
+
+def destination(answer: ProcessingResponse) -> str:
+    """The picked endpoint, checked to agree between the header and the `envoy.lb` metadata."""
+    assert answer.WhichOneof("response") == "request_headers"
+    common = answer.request_headers.response
+    assert common.clear_route_cache
+    values = {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
+    lb = answer.dynamic_metadata.fields[messages.LB_NAMESPACE].struct_value
+    assert lb.fields[messages.DESTINATION].string_value == values[messages.DESTINATION]
+    return values[messages.DESTINATION]
+
+
+def replayed(answers: list[ProcessingResponse]) -> tuple[bytes, list[int], bool]:
+    """The body the picker gave back: joined, each chunk's size, and the last end_of_stream."""
+    chunks = [a.request_body.response.body_mutation.streamed_response for a in answers]
+    return b"".join(c.body for c in chunks), [len(c.body) for c in chunks], chunks[-1].end_of_stream
