@@ -1,5 +1,6 @@
 """The endpoint picker behind Envoy beside the other hops (`python -m bench.run --only picker`):
-Envoy + `sluicegate epp` (the shipped example bootstrap), Envoy alone (a least_request cluster
+Envoy + `sluicegate epp` (the shipped example bootstrap; and its profile with the response body
+left out of the picker), Envoy alone (a least_request cluster
 over the same engine, no ext_proc), `sluicegate serve` as the proxy, and nginx.
 
 64-token streams from the fast mock (no token delay, so the hops' own CPU is what limits them),
@@ -22,12 +23,13 @@ from bench.kit.nginx import start_nginx
 from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds
 from tests.support.harness import Cluster, Proc, free_port
-from tests.support.picker import envoy_config, http_filters, start_envoy, start_picker
+from tests.support.picker import Picker, envoy_config, http_filters, start_envoy, start_picker
 
 CHAT = "/v1/chat/completions"
 CONCURRENCY = 32
 TOKENS = 64
-TARGETS = ("envoy+picker", "envoy", "sluicegate", "nginx")
+TARGETS = ("envoy+picker", "envoy+picker (no response body)", "envoy", "sluicegate", "nginx")
+HEADERS_ONLY = TARGETS[1]
 BODIES = (("1k", 1_000), ("100k", 100_000))
 
 
@@ -55,9 +57,14 @@ def _envoy_alone(cluster: Cluster, engine: Proc) -> Proc:
     return start_envoy(cluster, config, listen, admin)
 
 
-def _envoy_with_picker(cluster: Cluster, picker: Proc) -> Proc:
+def _envoy_with_picker(cluster: Cluster, picker: Picker, body: bool = True) -> Proc:
+    """The example bootstrap in front of `picker`; `body` False: the response body left out
+    of the picker (the filter's `response_body_mode: NONE`, `picker.response_body: none`)."""
     listen, admin = free_port(), free_port()
-    config = envoy_config(picker.grpc_port, listen, admin)  # type: ignore[attr-defined]
+    config = envoy_config(picker.grpc_port, listen, admin)
+    if not body:
+        mode = http_filters(config)[0]["typed_config"]["processing_mode"]
+        mode["response_body_mode"], mode["response_trailer_mode"] = "NONE", "SKIP"
     return start_envoy(cluster, config, listen, admin)
 
 
@@ -84,11 +91,17 @@ def run(cluster: Cluster, quick: bool) -> dict[str, Any]:
     router = cluster.router({"backends": backends}, workers=1, env=quiet)
     picker = start_picker(cluster, {"backends": backends, "log_level": "warning"})
     fronted = _envoy_with_picker(cluster, picker)
+    light = start_picker(
+        cluster,
+        {"backends": backends, "log_level": "warning", "picker": {"response_body": "none"}},
+    )
+    headers_only = _envoy_with_picker(cluster, light, body=False)
     alone = _envoy_alone(cluster, engine)
     nginx = start_nginx(cluster, [engine])
     # target -> (the port the load goes to, the processes whose CPU it costs, by role)
     targets: dict[str, tuple[int, dict[str, Proc]]] = {
         "envoy+picker": (fronted.port, {"envoy": fronted, "picker": picker}),
+        HEADERS_ONLY: (headers_only.port, {"envoy": headers_only, "picker": light}),
         "envoy": (alone.port, {"envoy": alone}),
         "sluicegate": (router.port, {"proxy": router}),
     }
@@ -111,7 +124,7 @@ def run(cluster: Cluster, quick: bool) -> dict[str, Any]:
             out[label] = _variant(targets, size, rounds, seconds)
             print(f"picker {label}: " + json.dumps(out[label], default=str), flush=True)
     finally:
-        for p in (fronted, alone, picker, router, nginx, engine):
+        for p in (fronted, headers_only, alone, picker, light, router, nginx, engine):
             if p is not None:
                 p.stop()
     return out
@@ -190,6 +203,7 @@ def ratios(row: dict[str, Any]) -> dict[str, float | None]:
     picker, proxy, nginx = cpu("envoy+picker", "picker"), cpu("sluicegate"), cpu("nginx")
     return {
         "picker_vs_proxy_cpu": over(picker, proxy),
+        "headers_only_picker_vs_proxy_cpu": over(cpu(HEADERS_ONLY, "picker"), proxy),
         "envoy_picker_vs_proxy_cpu": over(cpu("envoy+picker"), proxy),
         "envoy_picker_vs_envoy_cpu": over(cpu("envoy+picker"), cpu("envoy")),
         "nginx_plus_picker_vs_proxy_cpu": over(
@@ -238,6 +252,7 @@ def section(res: dict[str, Any], date: str) -> list[str]:
     head = (
         "body",
         "picker / proxy CPU",
+        "picker (no response body) / proxy",
         "Envoy+picker / proxy",
         "Envoy+picker / Envoy",
         "nginx+picker / proxy",
@@ -250,6 +265,7 @@ def section(res: dict[str, Any], date: str) -> list[str]:
             (
                 label,
                 fmt(r["picker_vs_proxy_cpu"]),
+                fmt(r["headers_only_picker_vs_proxy_cpu"]),
                 fmt(r["envoy_picker_vs_proxy_cpu"]),
                 fmt(r["envoy_picker_vs_envoy_cpu"]),
                 fmt(r["nginx_plus_picker_vs_proxy_cpu"]),
@@ -261,8 +277,9 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         "",
         "CPU ratios below 1 favour the left side. The picker sees every chunk of a streamed "
         "answer as one gRPC message each way (the response passes through it for TTFT and "
-        "usage): its CPU per request grows with the tokens, as the proxy's does; with "
-        "`picker.response_body: none` (docs/endpoint-picker.md) it would not see them. All "
+        "usage): its CPU per request grows with the tokens, as the proxy's does. With "
+        "`picker.response_body: none` and the filter's `response_body_mode: NONE` "
+        "(docs/endpoint-picker.md) it sees the request and the response's headers only. All "
         "processes share the machine's cores with the load generator: compare ratios within "
         "this run, not absolute numbers.",
         "",

@@ -215,7 +215,7 @@ def destination(answer: ProcessingResponse) -> str:
     values = {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
     lb = answer.dynamic_metadata.fields[messages.LB_NAMESPACE].struct_value
     assert lb.fields[messages.DESTINATION].string_value == values[messages.DESTINATION]
-    return values[messages.DESTINATION]
+    return str(values[messages.DESTINATION])
 
 
 def replayed(answers: list[ProcessingResponse]) -> tuple[bytes, list[int], bool]:
