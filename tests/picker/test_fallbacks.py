@@ -8,11 +8,13 @@ override_host load-balancing policy over the engines' cluster, a retry policy, a
 `upstream.address` response attribute that tells the picker where the answer came from), with
 `picker.response_body: none` and the filter's `response_body_mode: NONE`: the lighter profile,
 where the response body stays in Envoy, the lease ends with the response's headers and no TTFT
-is seen.
+is seen. A split (prefill/decode) model's prompt names its prefill engine; the last test drains
+the picker.
 """
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import httpx
@@ -28,6 +30,7 @@ from tests.support.picker import (
     destination,
     envoy_config,
     head,
+    health,
     in_flight,
     start_envoy,
     start_picker,
@@ -130,6 +133,7 @@ def fleet(module_procs: Cluster) -> dict[str, Any]:
             "expose_backend_header": True,
             "health": {"interval": 60},
             "outlier": {"consecutive_failures": 2},
+            "drain_grace": 10,
         },
     )
     listen, admin = free_port(), free_port()
@@ -189,3 +193,28 @@ def test_with_response_body_none_the_body_bypasses_the_picker(fleet: dict[str, A
     assert metric(picker, "sluicegate_requests_total") >= 1
     assert metric(picker, "sluicegate_ttft_seconds_count") == 0  # no body seen: no TTFT
     wait_for(lambda: set(in_flight(picker).values()) == {0}, "no lease left")
+
+
+def test_draining_refuses_new_requests_and_waits_for_the_streams(fleet: dict[str, Any]) -> None:
+    """Last in the module: it stops the picker."""
+    picker = fleet["picker"]
+    held = Session(picker)  # a request picked and not yet answered: the drain waits for it
+    held.send(head())
+    held.send(body(chat(), True))
+    held.recv(2)
+    picker.signal(signal.SIGTERM)
+    target = picker.grpc_target
+    wait_for(lambda: health(target, "readiness") == 2, "readiness NOT_SERVING while draining")
+    assert health(target, "envoy.service.ext_proc.v3.ExternalProcessor") == 2
+    assert health(target, "liveness") == 1
+    late = httpx.post(
+        fleet["envoy"].url + "/v1/chat/completions",
+        json={"model": "m", "messages": [], "max_tokens": 1},
+        timeout=10,
+    )
+    assert late.status_code == 503
+    assert late.json()["error"]["message"]
+    assert picker.alive()  # still waiting for the held stream
+    held.reset()
+    wait_for(lambda: not picker.alive(), "the picker exits once its last stream ended")
+    assert picker.popen.returncode == 0
