@@ -128,7 +128,8 @@ class PickerStream:
             if self.call is not None:
                 return _NOTHING  # the body was answered whole already (its trailers follow)
             self._body += msg.request_body.body
-            limit = self._app.settings.max_upload_bytes + self._app.settings.max_body_bytes
+            # The largest body any endpoint takes (validation applies the endpoint's own).
+            limit = max(self._app.settings.max_upload_bytes, self._app.settings.max_body_bytes)
             if len(self._body) > limit:
                 self._ended = True
                 return [_refusal(TooLarge(f"Request body over {limit} bytes."))]
@@ -137,7 +138,10 @@ class PickerStream:
             return _NOTHING
         if kind == "request_trailers":
             if self.call is None:
-                return [*await self._pick(True), messages.request_trailers()]
+                answers = await self._pick(True)
+                if self._ended:  # refused: the immediate response is the last answer
+                    return answers
+                return [*answers, messages.request_trailers()]
             return [messages.request_trailers()]
         if kind == "response_headers":
             await self._served(msg)
