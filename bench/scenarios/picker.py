@@ -22,6 +22,7 @@ from bench.kit.loadgen import run_load
 from bench.kit.nginx import start_nginx
 from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds
+from bench.kit.stats import pct
 from tests.support.harness import Cluster, Proc, free_port
 from tests.support.picker import Picker, envoy_config, http_filters, start_envoy, start_picker
 
@@ -75,13 +76,6 @@ class _Agg:
     elapsed: float = 0.0
     ttfb: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
 def run(cluster: Cluster, quick: bool) -> dict[str, Any]:
@@ -173,8 +167,8 @@ def _variant(
             "rps": round(a.ok / a.elapsed, 1) if a.elapsed else 0.0,
             "requests": a.ok,
             "errors": a.errors,
-            "ttfc_p50_ms": _pct(a.ttfb, 0.5),
-            "ttfc_p99_ms": _pct(a.ttfb, 0.99),
+            "ttfc_p50_ms": pct(a.ttfb, 0.5) * 1000 if a.ttfb else None,
+            "ttfc_p99_ms": pct(a.ttfb, 0.99) * 1000 if a.ttfb else None,
             "cpu_ms_per_req": per,
             "cpu_ms_per_req_total": total,
         }
