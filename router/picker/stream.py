@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 # The objective and fairness headers of the Gateway API Inference Extension, and llm-d's.
 OBJECTIVE = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
 FAIRNESS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
+FAIRNESS_BUCKETS = 1024
 MODEL_REWRITE = "x-llm-d-model-name-rewrite"
 _CLIENT_AUTH = ("authorization", "x-api-key")
 Out = list[ProcessingResponse]
@@ -279,13 +281,18 @@ class PickerStream:
 
     async def _get_in(self, request: Request, endpoint: Endpoint) -> Call:
         app = self._app
-        head = dict(self._headers)
-        fairness = next((head[h].decode("latin-1") for h in FAIRNESS if h in head), None)
         keys = app.client_keys
         if not keys.enabled:
-            return await get_in(
-                app.proxy, request, endpoint, None, fairness, "standard", 1.0, None, None
+            call = await get_in(
+                app.proxy, request, endpoint, None, None, "standard", 1.0, None, None
             )
+            head = dict(self._headers)
+            fairness = next((head[h] for h in FAIRNESS if h in head), None)
+            if fairness is not None and call.ticket is not None:
+                # The admission queue's tenant: hashed into a bounded set, so that the ids a
+                # client sends cannot grow the queue's per-tenant tags without bound.
+                call.ticket.tenant = f"fairness-{zlib.crc32(fairness) % FAIRNESS_BUCKETS}"
+            return call
         key = keys.check(request)
         return await get_in(
             app.proxy,

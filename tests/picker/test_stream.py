@@ -362,29 +362,36 @@ def test_a_client_gone_mid_stream_releases_the_lease(fleet: dict[str, Any]) -> N
 
 
 def test_shed_from_a_full_queue_is_429_with_retry_after(fleet: dict[str, Any]) -> None:
-    async def main() -> tuple[int, list[httpx.Response]]:
+    """The objective header names the band: a `sheddable` request waiting in the full queue is
+    the one shed when a `standard` one arrives."""
+
+    async def main() -> tuple[int, httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=fleet["envoy"].url, timeout=30) as http:
             body = {"model": "tight", "messages": [], "stream": True, "max_tokens": 10}
             async with http.stream("POST", "/v1/chat/completions", json=body) as holding:
                 assert holding.status_code == 200
-                # The slot is taken: one more waits in the queue of one, the next is shed.
+                # The slot is taken: the sheddable one waits in the queue of one.
                 short = {**body, "stream": False, "max_tokens": 1}
-                waiting = asyncio.create_task(http.post("/v1/chat/completions", json=short))
+                objective = {"x-gateway-inference-objective": "sheddable"}
+                low = asyncio.create_task(
+                    http.post("/v1/chat/completions", json=short, headers=objective)
+                )
                 await asyncio.to_thread(
                     wait_for,
-                    lambda: _queued(fleet),
-                    "a request waiting in the admission queue",
+                    lambda: 'priority="sheddable"' in _queued(fleet),
+                    "the sheddable request waiting in the admission queue",
                 )
-                shed = await http.post("/v1/chat/completions", json=short)
+                standard = asyncio.create_task(http.post("/v1/chat/completions", json=short))
+                shed = await low
                 rest = len([c async for c in holding.aiter_raw()])
-            return rest, [shed, await waiting]
+            return rest, shed, await standard
 
-    rest, (shed, waited) = asyncio.run(main())
+    rest, shed, served = asyncio.run(main())
     assert rest > 0
     assert shed.status_code == 429
     assert float(shed.headers["retry-after"]) > 0
     assert shed.json()["error"]["message"]
-    assert waited.status_code == 200  # served once the slot freed
+    assert served.status_code == 200  # served once the slot freed
     idle(fleet)
 
 
