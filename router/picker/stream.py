@@ -143,8 +143,8 @@ class PickerStream:
                 answers = await self._pick(True)
                 if self._ended:  # refused: the immediate response is the last answer
                     return answers
-                return [*answers, messages.request_trailers()]
-            return [messages.request_trailers()]
+                return [*answers, messages.REQUEST_TRAILERS]
+            return [messages.REQUEST_TRAILERS]
         if kind == "response_headers":
             await self._served(msg)
             return self._response_headers(msg)
@@ -157,7 +157,7 @@ class PickerStream:
             return [messages.response_chunk(body.body, body.end_of_stream)]
         if kind == "response_trailers":
             self._finish()
-            return [messages.response_trailers()]
+            return [messages.RESPONSE_TRAILERS]
         return _NOTHING
 
     # -- the request ------------------------------------------------------------------------
