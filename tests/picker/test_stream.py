@@ -251,8 +251,6 @@ def test_grpc_health_is_serving(fleet: dict[str, Proc]) -> None:
 
 
 def test_the_http_port_serves_no_proxy_route(fleet: dict[str, Proc]) -> None:
-    import httpx
-
     picker = fleet["picker"]
     r = httpx.post(picker.url + CHAT, content=chat(), timeout=5)
     assert r.status_code == 404
@@ -403,9 +401,3 @@ def _queued(fleet: dict[str, Any]) -> str:
         if line.startswith("sluicegate_queue_depth{") and not line.endswith(" 0.0")
     ]
     return "\n".join(lines)
-
-
-def test_grpc_health_is_serving_behind_envoy(fleet: dict[str, Any]) -> None:
-    target = fleet["picker"].grpc_target
-    for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
-        assert health(target, service) == 1

@@ -20,6 +20,7 @@ import grpc
 import httpx
 import yaml
 from google.protobuf.struct_pb2 import Struct
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.picker import messages
 from router.picker.proto.base_pb2 import HeaderMap, HeaderValue, Metadata
@@ -129,8 +130,6 @@ def in_flight(picker: Proc) -> dict[str, int]:
 
 def health(target: str, service: str) -> int:
     """The gRPC health service's status of `service` (1: SERVING)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
