@@ -8,12 +8,13 @@ override_host load-balancing policy over the engines' cluster, a retry policy, a
 `upstream.address` response attribute that tells the picker where the answer came from), with
 `picker.response_body: none` and the filter's `response_body_mode: NONE`: the lighter profile,
 where the response body stays in Envoy, the lease ends with the response's headers and no TTFT
-is seen. A split (prefill/decode) model's prompt names its prefill engine; the last test drains
-the picker.
+is seen. Client keys are on here (the key and its quota from the headers Envoy forwards); a split
+(prefill/decode) model's prompt names its prefill engine; the last test drains the picker.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 from typing import Any
 
@@ -22,7 +23,15 @@ import openai
 import pytest
 
 from router.picker import messages
-from tests.support.harness import Cluster, Proc, backend, expected_text, free_port, metric
+from tests.support.harness import (
+    Cluster,
+    Proc,
+    backend,
+    expected_text,
+    free_port,
+    metric,
+    sha,
+)
 from tests.support.picker import (
     Session,
     body,
@@ -36,6 +45,8 @@ from tests.support.picker import (
     start_picker,
 )
 from tests.support.wait import wait_for
+
+TEAM, ONE = "sk-team-picker", "sk-one-a-minute"
 
 
 def fallback_profile(config: dict[str, Any], engines: list[Proc]) -> dict[str, Any]:
@@ -134,6 +145,10 @@ def fleet(module_procs: Cluster) -> dict[str, Any]:
             "health": {"interval": 60},
             "outlier": {"consecutive_failures": 2},
             "drain_grace": 10,
+            "api_keys": [
+                {"sha256": sha(TEAM), "name": "team"},
+                {"sha256": sha(ONE), "name": "one", "rpm": 1},
+            ],
         },
     )
     listen, admin = free_port(), free_port()
@@ -142,11 +157,42 @@ def fleet(module_procs: Cluster) -> dict[str, Any]:
     return {"a": a, "b": b, "picker": picker, "envoy": envoy}
 
 
+def test_client_keys_and_their_quotas_come_from_the_forwarded_headers(
+    fleet: dict[str, Any],
+) -> None:
+    picker = fleet["picker"]
+    s = Session(picker)
+    s.send(head(eos=False))
+    s.send(body(chat(), True))
+    (refused,) = s.recv()
+    assert refused.immediate_response.status.code == 401
+    assert json.loads(refused.immediate_response.body)["error"]["message"]
+    s.end()
+    s = Session(picker)
+    s.send(head(authorization=f"Bearer {ONE}"))
+    s.send(body(chat(), True))
+    picked, _ = s.recv(2)
+    destination(picked)
+    # The client's key never reaches the engine.
+    assert "authorization" in picked.request_headers.response.header_mutation.remove_headers
+    s.reset()
+    s = Session(picker)
+    s.send(head(authorization=f"Bearer {ONE}"))
+    s.send(body(chat(), True))
+    (limited,) = s.recv()
+    reply = limited.immediate_response
+    assert reply.status.code == 429  # its rpm of 1 is spent
+    sent = {o.header.key: o.header.raw_value for o in reply.headers.set_headers}
+    assert float(sent["retry-after"]) > 0
+    s.end()
+    wait_for(lambda: set(in_flight(picker).values()) == {0}, "no lease left")
+
+
 def test_a_split_prompt_names_its_prefill_engine(fleet: dict[str, Any]) -> None:
     picker = fleet["picker"]
     for words, prefiller in ((400, address(fleet["a"])), (4, None)):
         s = Session(picker)
-        s.send(head())
+        s.send(head(authorization=f"Bearer {TEAM}"))
         s.send(body(chat("word " * words, model="split"), True))
         picked, _ = s.recv(2)
         assert destination(picked) == address(fleet["b"])  # the decode engine
@@ -165,7 +211,7 @@ def address(mock: Proc) -> str:
 def test_engine_death_before_the_first_byte_retries_through_the_list(
     fleet: dict[str, Any],
 ) -> None:
-    client = openai.OpenAI(base_url=fleet["envoy"].url + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=fleet["envoy"].url + "/v1", api_key=TEAM, max_retries=0)
     served = {
         client.chat.completions.with_raw_response.create(
             model="m", messages=[], max_tokens=1
@@ -185,7 +231,7 @@ def test_engine_death_before_the_first_byte_retries_through_the_list(
 
 
 def test_with_response_body_none_the_body_bypasses_the_picker(fleet: dict[str, Any]) -> None:
-    client = openai.OpenAI(base_url=fleet["envoy"].url + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=fleet["envoy"].url + "/v1", api_key=TEAM, max_retries=0)
     stream = client.chat.completions.create(model="m", messages=[], max_tokens=5, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == expected_text(5)
@@ -199,7 +245,7 @@ def test_draining_refuses_new_requests_and_waits_for_the_streams(fleet: dict[str
     """Last in the module: it stops the picker."""
     picker = fleet["picker"]
     held = Session(picker)  # a request picked and not yet answered: the drain waits for it
-    held.send(head())
+    held.send(head(authorization=f"Bearer {TEAM}"))
     held.send(body(chat(), True))
     held.recv(2)
     picker.signal(signal.SIGTERM)
@@ -209,6 +255,7 @@ def test_draining_refuses_new_requests_and_waits_for_the_streams(fleet: dict[str
     assert health(target, "liveness") == 1
     late = httpx.post(
         fleet["envoy"].url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {TEAM}"},
         json={"model": "m", "messages": [], "max_tokens": 1},
         timeout=10,
     )
