@@ -1,14 +1,15 @@
 """The endpoint picker behind Envoy beside the other hops (`python -m bench.run --only picker`):
 Envoy + `sluicegate epp` (the shipped example bootstrap; and its profile with the response body
-left out of the picker), Envoy alone (a least_request cluster
-over the same engine, no ext_proc), `sluicegate serve` as the proxy, and nginx.
+left out of the picker), Envoy alone (a least_request cluster over the same engine, no
+ext_proc), `sluicegate serve` as the proxy, and nginx.
 
 64-token streams from the fast mock (no token delay, so the hops' own CPU is what limits them),
 32 keep-alive users, the same pre-built request against each target in alternating rounds; with
-a 1 kB and a 100 kB request body. Figures per target: req/s, time to first chunk p50/p99, and
-CPU per request of each process (Envoy, picker) and in total (user + system from /proc). Envoy
-runs one worker thread (`--concurrency 1`), as nginx and the routers run one worker each.
-Loopback only, bounded in time; every process started here is stopped by its PID.
+a 1 kB and a 100 kB request body; then a burst of 200 streams started at once. Figures per
+target: req/s, time to first chunk p50/p99, and CPU per request of each process (Envoy, picker)
+and in total (user + system from /proc). Envoy runs one worker thread (`--concurrency 1`), as
+nginx and the routers run one worker each. Loopback only, bounded in time; every process started
+here is stopped by its PID.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ CONCURRENCY = 32
 TOKENS = 64
 TARGETS = ("envoy+picker", "envoy+picker (no response body)", "envoy", "sluicegate", "nginx")
 HEADERS_ONLY = TARGETS[1]
-BODIES = (("1k", 1_000), ("100k", 100_000))
+BURST = 200  # streams started at once, each target once per round
+# label -> (request body bytes, users, requests: 0 for a timed round)
+VARIANTS = {
+    "1k": (1_000, CONCURRENCY, 0),
+    "100k": (100_000, CONCURRENCY, 0),
+    "burst": (1_000, BURST, BURST),
+}
 
 
 def _envoy_alone(cluster: Cluster, engine: Proc) -> Proc:
@@ -114,8 +121,8 @@ def run(cluster: Cluster, quick: bool) -> dict[str, Any]:
         "missing": missing,
     }
     try:
-        for label, size in BODIES:
-            out[label] = _variant(targets, size, rounds, seconds)
+        for label, (size, users, requests) in VARIANTS.items():
+            out[label] = _variant(targets, size, rounds, seconds, users, requests)
             print(f"picker {label}: " + json.dumps(out[label], default=str), flush=True)
     finally:
         for p in (fronted, headers_only, alone, picker, light, router, nginx, engine):
@@ -125,7 +132,12 @@ def run(cluster: Cluster, quick: bool) -> dict[str, Any]:
 
 
 def _variant(
-    targets: dict[str, tuple[int, dict[str, Proc]]], size: int, rounds: int, seconds: float
+    targets: dict[str, tuple[int, dict[str, Proc]]],
+    size: int,
+    rounds: int,
+    seconds: float,
+    users: int,
+    requests: int,
 ) -> dict[str, Any]:
     filler = "x" * max(0, size - 120)
     body = json.dumps(
@@ -140,7 +152,17 @@ def _variant(
     def load(k: str, duration: float) -> tuple[int, int, float, list[float], dict[str, float]]:
         port, procs = targets[k]
         before = {role: cpu_seconds(p.pid) for role, p in procs.items()}
-        r = asyncio.run(run_load("127.0.0.1", port, CHAT, body, CONCURRENCY, duration=duration))
+        r = asyncio.run(
+            run_load(
+                "127.0.0.1",
+                port,
+                CHAT,
+                body,
+                users,
+                duration=60.0 if requests else duration,  # a burst: until its streams end
+                requests=requests,
+            )
+        )
         spent = {role: cpu_seconds(p.pid) - before[role] for role, p in procs.items()}
         return r.ok, r.errors, r.elapsed, r.ttfb, spent
 
@@ -214,7 +236,8 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         "",
         f"`python -m bench.run --only picker`, {date}: {res['tokens']}-token streams from the "
         f"fast mock, {res['concurrency']} keep-alive users, {res['rounds']} alternating rounds of "
-        f"{res['seconds_per_round']:g} s per target, 1 kB and 100 kB request bodies. Envoy "
+        f"{res['seconds_per_round']:g} s per target, 1 kB and 100 kB request bodies; 'burst': "
+        f"{BURST} streams started at once (1 kB), once per target and round. Envoy "
         "(one worker thread) loads examples/endpoint-picker/envoy.yaml in front of `sluicegate "
         "epp`; 'envoy' is the same bootstrap without ext_proc, a least_request cluster. CPU is "
         "each process's user + system time per request.",
@@ -225,7 +248,7 @@ def section(res: dict[str, Any], date: str) -> list[str]:
     rows: list[tuple[str, ...]] = [
         ("body", "target", "req/s", "TTFC p50 ms", "TTFC p99 ms", "CPU ms/req", "total", "errors")
     ]
-    for label, _ in BODIES:
+    for label in VARIANTS:
         row = res.get(label, {})
         for k in TARGETS:
             if k in row:
@@ -253,7 +276,7 @@ def section(res: dict[str, Any], date: str) -> list[str]:
         "proxy / nginx",
     )
     out: list[tuple[str, ...]] = [head]
-    for label, _ in BODIES:
+    for label in VARIANTS:
         r = ratios(res.get(label, {}))
         out.append(
             (
