@@ -5,6 +5,7 @@
     python -m bench.run --only overhead  # one scenario (its section of the docs is replaced,
                                          # the others are kept)
     python -m bench.run --only compare   # beside a textbook FastAPI proxy and LiteLLM
+    python -m bench.run --only picker    # Envoy + `sluicegate epp` beside Envoy, the proxy, nginx
     python -m bench.run --quick --only overhead --baseline-src DIR   # A/B against a checkout
     python -m bench.run --only hop --check   # beside nginx and the floor; exit 1 when CPU per
                                              # request vs nginx grew > 5 % over the baseline

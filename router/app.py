@@ -77,6 +77,7 @@ def create_app(
     transport: Callable[[Backend], Sender] | None = None,
     clock: Clock = SYSTEM,
     tune_gc: bool = True,
+    proxy_routes: bool = True,
 ) -> App:
     """The router: its parts built once (`AppParts`), started and closed by the lifespan in that
     order and its reverse (`_lifespan`), reached through the routes (`_routes`) and as the
@@ -84,7 +85,9 @@ def create_app(
     of the pools' own connections (backend -> its sender); `clock` (router/core/clock.py) is the
     time every chore of the runner waits on, and the time of health (ejections, probes),
     admission (deadlines, re-checks) and KV events (retries, flights); `tune_gc` False leaves
-    the process's garbage collector as it is (`sluicegate serve` freezes the startup heap)."""
+    the process's garbage collector as it is (`sluicegate serve` freezes the startup heap);
+    `proxy_routes` False serves no /v1 route (the endpoint picker's HTTP port: its requests
+    come through the gateway, router/picker/)."""
     parts = AppParts(settings, transport=transport, clock=clock, tune_gc=tune_gc)
     app = FastAPI(
         title="sluicegate",
@@ -93,9 +96,10 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    _routes(app, parts)
+    _routes(app, parts, proxy_routes)
     # Proxied POSTs skip FastAPI's layers; everything else (and the lifespan) goes through it.
-    return App(app, proxy_endpoints(parts.proxy, parts.client_keys), parts.lifecycle, parts)
+    endpoints = proxy_endpoints(parts.proxy, parts.client_keys) if proxy_routes else {}
+    return App(app, endpoints, parts.lifecycle, parts)
 
 
 class App(FastPath):
@@ -431,10 +435,11 @@ def _lifespan(parts: AppParts) -> Callable[[FastAPI], AbstractAsyncContextManage
     return lifespan
 
 
-def _routes(app: FastAPI, p: AppParts) -> None:
+def _routes(app: FastAPI, p: AppParts, proxy_routes: bool = True) -> None:
     """The HTTP face: the API, admin, usage and console routes, health, metrics, errors."""
     settings = p.settings
-    app.include_router(openai_routes(p.proxy, p.registry, p.client_keys))
+    if proxy_routes:
+        app.include_router(openai_routes(p.proxy, p.registry, p.client_keys))
     app.include_router(admin_routes(p.rows, p.admin_auth, settings.drain_grace, settings.admin))
     app.include_router(usage_routes(p.proxy.usage, p.admin_auth))
     if settings.console.enabled:

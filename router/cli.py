@@ -310,6 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--workers", type=int)
     p_serve.add_argument("--config", help="YAML file (default: $SLUICEGATE_CONFIG)")
 
+    p_epp = sub.add_parser(
+        "epp", help="the endpoint picker behind a gateway's ext_proc filter (Envoy, GIE)"
+    )
+    p_epp.add_argument("--config", help="YAML file (default: $SLUICEGATE_CONFIG)")
+    p_epp.add_argument("--host")
+    p_epp.add_argument("--port", type=int, default=9002, help="gRPC: ext_proc and health")
+    p_epp.add_argument("--metrics-port", type=int, default=9090, help="HTTP: metrics, admin")
+
     p_status = sub.add_parser("status", help="a table of the backends of a running router")
     p_status.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8080")
     p_status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
@@ -473,7 +481,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return demo(args.host, args.port)
-        settings = load_settings(args.config, host=args.host, port=args.port, workers=args.workers)
+        if args.command == "epp":
+            settings = load_settings(args.config, host=args.host, port=args.metrics_port)
+        else:
+            settings = load_settings(
+                args.config, host=args.host, port=args.port, workers=args.workers
+            )
         check_balancers(settings)
         check_tokenizers(settings)
         check_discovery(settings)
@@ -481,7 +494,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
         return 2
+    if args.command == "epp":
+        return epp(settings, args.port)
     serve(settings)
+    return 0
+
+
+def epp(settings: Settings, grpc_port: int) -> int:
+    """`sluicegate epp`: one process, the gRPC port and the HTTP port on one event loop."""
+    from router.ops.logs import configure, secrets_of
+    from router.picker.server import run
+
+    configure(settings.log_level, secrets_of(settings))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    asyncio.run(run(settings, settings.host, grpc_port, settings.port))
     return 0
 
 

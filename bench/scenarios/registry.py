@@ -27,6 +27,7 @@ from bench.scenarios import (
     lora,
     noisy,
     pd,
+    picker,
     prefix_workload,
     real_engine,
 )
@@ -158,6 +159,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario("hop", _hop, _of("hop", lambda res, date: hop.lines(res))),
     Scenario("pd", _pd, _of("pd", lambda res, date: pd.section(res))),
+    Scenario("picker", _stored("picker", picker.run), _of("picker", picker.section)),
     # Not in a full run: they need the real-engine venv (make engine-venv); `--only real`.
     Scenario(
         "real", _stored("real", real_engine.run), _of("real", real_engine.section), full=False
@@ -173,7 +175,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 # and the Targets table's order of rows: the order they read in, not the order they run in.
 SECTION_ORDER = (
     "hop", "overhead", "compare", "streaming", "storm", "soak", "multi", "engine", "prefix",
-    "lora", "pd", "console", "real", "kv", "kv_real", "noisy", "admission",
+    "lora", "pd", "picker", "console", "real", "kv", "kv_real", "noisy", "admission",
 )  # fmt: skip
 TARGET_ORDER = ("overhead", "console", "streaming", "storm", "engine", "prefix", "multi")
 

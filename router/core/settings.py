@@ -504,6 +504,20 @@ class AdminConfig(_Strict):
 _CONSOLE_TAKEN = ("/v1", "/admin", "/metrics", "/healthz", "/readyz")
 
 
+class PickerConfig(_Strict):
+    """`sluicegate epp`, the endpoint picker behind a gateway's ext_proc filter
+    (docs/endpoint-picker.md); `sluicegate serve` reads none of it."""
+
+    # Endpoints after the picked one in `x-gateway-destination-endpoint`, for the gateway's
+    # retries (an ordered, comma-separated list; not leased). 0: the one picked, which an
+    # ORIGINAL_DST cluster needs (it reads one address); more needs Envoy's override_host policy.
+    fallbacks: int = Field(0, ge=0, le=8)
+    # `none`: the gateway's filter sends no response body (`response_body_mode: NONE`): less
+    # CPU, but no TTFT, usage or stream end seen; the lease is given back when the gateway ends
+    # the stream, after the response's headers (docs/endpoint-picker.md).
+    response_body: Literal["streamed", "none"] = "streamed"
+
+
 class ConsoleConfig(_Strict):
     """The web console (docs/console.md): one page that shows the fleet live, served by the
     router itself; its actions go through the admin API and need the admin token."""
@@ -758,6 +772,7 @@ class Settings(BaseSettings):
     admin: AdminConfig = AdminConfig()
     # The web console at `console.path` (docs/console.md); off unless `enabled: true`.
     console: ConsoleConfig = ConsoleConfig()
+    picker: PickerConfig = PickerConfig()  # `sluicegate epp` only (docs/endpoint-picker.md)
     # Stamped on every upstream request (`x-sluicegate-hop`, router/request/admit/hops.py) so a
     # backend that points back at this router is refused, not looped. One per `serve` (its workers
     # share it) unless set; replicas given the same id catch a loop through their Service at once.

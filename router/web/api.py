@@ -83,7 +83,7 @@ class FastPath:
         self.app = app
         # method -> fixed path -> handler: one dict get per request for a fixed path
         self._fixed: dict[str, dict[str, Handler]] = {
-            method: {path: endpoints[row] for path, row in rows.items()}
+            method: {path: endpoints[row] for path, row in rows.items() if row in endpoints}
             for method, rows in FIXED.items()
         }
         self._follows = {(row.method, row.path): h for row, h in endpoints.items()}
@@ -96,7 +96,7 @@ class FastPath:
             if endpoint is None:
                 matched = match_follow(scope["method"], scope["path"])
                 if matched is not None:
-                    endpoint = self._follows[(matched[0].method, matched[0].path)]
+                    endpoint = self._follows.get((matched[0].method, matched[0].path))
             if endpoint is not None:
                 try:
                     response = await endpoint(Request(scope, receive, send))

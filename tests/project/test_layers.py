@@ -46,6 +46,8 @@ LAYERS: dict[str, int] = {
     "router.web": 7,  # the HTTP face, admin routes, the console
     "router.app": 8,
     "router.stores": 8,  # each concern's store, the process's own or shared: the one table
+    # The endpoint picker: the app's parts behind Envoy's ext_proc (its generated messages too).
+    "router.picker": 8,
     # Test doubles and tools: only the CLI imports them, no serving module.
     "router.tools": 9,  # the mock engine, the engine fleet, status, probe, the settings doc
     "router.cli": 10,

@@ -164,6 +164,18 @@ class Attempts:
             finally:
                 call.trace.attempt_end(rec.error)
 
+    async def lease_only(self) -> Lease | None:
+        """The endpoint picker's one attempt (router/picker/): picked and leased (with a split
+        model's prefill engine, when the prompt is split), recorded as `__call__` records it,
+        but sent by the gateway; the leases stay in `held` until the picker's stream ends
+        (`held.close()`). None: every eligible backend is full."""
+        lease = await self._take(1)
+        if lease is not None:
+            self._routed(lease, 1)
+            if self.call.pools is not None:  # a split model: its prefill engine, when split
+                await self._take_prefill(1, lease)
+        return lease
+
     async def again(self, release: Callable[[], None]) -> None:
         """The failover loop once more, for a migration: its retry slot is released as soon
         as an answer starts."""

@@ -94,12 +94,7 @@ class ProxyCall(Response):
             finally:
                 parts.lifecycle.leave()
         finally:
-            used = account.tokens(call)
-            charged = account.charged(call, used)
-            let_go(parts, call, charged)
-            if call.stored_id is not None:  # what a request continuing it will carry along
-                parts.response_ids.sized(call.stored_id, call.owner, math.ceil(charged))
-            account.book(parts, call, used)
+            settle(parts, call)
 
     async def _run(self, send: Send) -> None:
         parts = self.parts
@@ -120,6 +115,18 @@ class ProxyCall(Response):
             rec.error = exc.code
             exc.request_id = rec.request_id
             await answer(exc, call.anthropic)({"type": "http"}, _no_receive, send)
+
+
+def settle(parts: Parts, call: Call) -> None:
+    """A request's end, however it ended: its tokens charged, getting in's holds closed with
+    them, the usage booked and the log line, metrics and span emitted (also the endpoint
+    picker's, router/picker/)."""
+    used = account.tokens(call)
+    charged = account.charged(call, used)
+    let_go(parts, call, charged)
+    if call.stored_id is not None:  # what a request continuing it will carry along
+        parts.response_ids.sized(call.stored_id, call.owner, math.ceil(charged))
+    account.book(parts, call, used)
 
 
 async def _no_receive() -> dict[str, Any]:
