@@ -43,11 +43,14 @@ from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.ops.tracing import make_tracing
 from router.registry.fleet import Change, Fleet, Registry, Snapshot
 from router.request.admit.admission import Admission
+from router.request.admit.holding import Holding
 from router.request.admit.hops import HopMarker
 from router.request.lifecycle.drain import Lifecycle
 from router.request.lifecycle.proxy import Proxy
 from router.request.migration.policy import Migration
 from router.request.placement.affinity import Affinity
+from router.scaling.demand import DemandBook
+from router.scaling.scaler import Scaler
 from router.stores import STORES, Wiring, build
 from router.upstream.pools import Pools, Sender
 from router.web.admin import BackendRows, admin_routes
@@ -170,6 +173,7 @@ class AppParts:
         # The registry's constructor swaps in its first snapshot before the proxy (and its
         # migration) exists: streams to move are told of only once there is one.
         self._migration: Migration | None = None
+        self._holding: Holding | None = None  # the proxy's, once it exists
         self.registry = registry = Registry(
             backends,
             settings.balancer,
@@ -228,8 +232,20 @@ class AppParts:
             response_ids=build(STORES.response_ids, wiring),
             hops=HopMarker(settings.deployment_id),
             lora=self.lora if settings.lora.load_on_demand else None,
+            clock=clock,
         )
         self._migration = self.proxy.migration
+        self._holding = self.proxy.holding
+        # Declared models' demand (this process's, or every replica's through Redis) and the
+        # KEDA scaler reading it: only with `scale_from_zero`.
+        self.demand: DemandBook | None = None
+        self.scaler: Scaler | None = None
+        sfz = settings.scale_from_zero
+        if sfz is not None:
+            self.demand = build(STORES.demand, wiring)
+            self.demand.follow(self.proxy.holding)
+            if sfz.scaler_port:
+                self.scaler = Scaler(self.demand, sfz, settings.host)
         self.discovery = Discovery(
             settings.discovery,
             self.fleet,
@@ -249,6 +265,8 @@ class AppParts:
         self.metrics.health_changed(backend, healthy, reason)
         if not healthy:  # an engine that stopped answering may come back empty
             self.kv_events.reset(backend)
+        elif self._holding is not None:  # a held request's model may be ready now
+            self._holding.changed()
 
     def _kv_capacity(self, name: str) -> int | None:
         """The engine's KV capacity in blocks, as its metrics say."""
@@ -269,6 +287,8 @@ class AppParts:
             _learn_secrets(change.upserted)
             for part in self._followers:
                 part.update(change.upserted, change.removed)
+        if self._holding is not None:  # requests held for a model that has a backend now go
+            self._holding.changed()
         # Streams on a backend gone from the registry (its drain grace over) migrate, when on.
         if self._migration is None:
             return
@@ -311,6 +331,7 @@ class AppParts:
         `stop` closes them in the reverse order: the runner first (no chore runs on a closed
         part), the Redis client last (every part before it shares it)."""
         admission, shared = self.admission, self.affinity.shared
+        demand, scaler = self.demand, self.scaler
         ids, usage = self.proxy.response_ids, self.proxy.usage
         return [
             ("redis", None, self.redis_client.aclose if self.redis_client else None),
@@ -328,6 +349,8 @@ class AppParts:
             ("health", self.monitor.start, self.monitor.aclose),
             ("registry", None, self.fleet.store.aclose),
             ("discovery", self.discovery.start, self.discovery.aclose),
+            ("demand", demand.start if demand else None, demand.aclose if demand else None),
+            ("scaler", scaler.start if scaler else None, scaler.aclose if scaler else None),
             ("runner", self._start_chores, self.runner.stop),
         ]
 
@@ -464,6 +487,8 @@ def _routes(app: FastAPI, p: AppParts) -> None:
         p.kv_events.flush()
         metrics.kv_state(p.kv_events.blocks(), p.kv_events.lags())
         p.discovery.refresh_metrics()
+        if p.demand is not None:
+            metrics.scale_from_zero(p.demand.held(), p.demand.totals())
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")

@@ -116,21 +116,29 @@ def make_ticket(
             )
         band = max(band, rank)  # a request may lower its band, never raise it
     deadline, reason = started + cfg.max_wait, "max_wait"
-    raw = headers.get(TIMEOUT_HEADER)
-    if raw is not None:
-        try:
-            seconds = float(raw)
-        except ValueError:
-            seconds = math.nan
-        if not (seconds > 0 and math.isfinite(seconds)):
-            raise BadRequest(
-                f"Header `{TIMEOUT_HEADER}` must be a positive number of seconds.",
-                code="invalid_timeout",
-                request_id=request_id,
-            )
-        if started + seconds < deadline:
-            deadline, reason = started + seconds, "deadline"
+    seconds = timeout_of(headers, request_id)
+    if seconds is not None and started + seconds < deadline:
+        deadline, reason = started + seconds, "deadline"
     return Ticket(model, band, tenant, weight, cost, deadline, reason, size)
+
+
+def timeout_of(headers: Headers, request_id: str) -> float | None:
+    """The request's own `x-sluicegate-timeout` in seconds (None: not given); a bad one is a
+    `BadRequest`."""
+    raw = headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise BadRequest(
+            f"Header `{TIMEOUT_HEADER}` must be a positive number of seconds.",
+            code="invalid_timeout",
+            request_id=request_id,
+        )
+    return seconds
 
 
 class _Band:
@@ -211,6 +219,17 @@ class Admission:
     @property
     def queued_bytes(self) -> int:
         return self._bytes.held
+
+    @property
+    def bodies(self) -> ByteBudget:
+        """The queue's bound on bodies' bytes, which requests held for a model with no backend
+        yet share (router/request/admit/holding.py)."""
+        return self._bytes
+
+    def queued(self, model: str) -> int:
+        """Requests of `model` waiting in the queue now."""
+        q = self._queues.get(model)
+        return q.live if q is not None else 0
 
     def bands(self) -> dict[str, dict[str, float | int]]:
         """Per band: requests waiting and the oldest one's wait in seconds, all models. Walks

@@ -224,7 +224,7 @@ class Attempts:
                 f"Every backend serving `{call.model}` is busy or unavailable; retry later.",
                 retry_after=self.parts.health.retry_after(call.backends) or 1,
             )
-        if last.response is None:
+        if last.response is None or call.started:  # started: a held stream's head was sent
             raise last.error
         status, headers, body = last.response
         call.record.status = status

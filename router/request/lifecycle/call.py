@@ -166,6 +166,18 @@ class Call:
                 if stripped is not None:
                     self.body = stripped
 
+    def rebind(self, parts: Parts, snapshot: Snapshot) -> None:
+        """A held request (router/request/lifecycle/hold.py) routes within the snapshot that
+        brought its model's first ready backend; its body stays as it was read (the body budget
+        gives back what it took)."""
+        self.snapshot = snapshot
+        self.backends = snapshot.by_model.get(self.model, ())
+        self.adapter = self.model if self.model in snapshot.adapters else None
+        pools = parts.pd.pools(self.model, self.backends)
+        if pools is not None:
+            self.backends = pools.decode
+            self.pools = pools if self.endpoint.usage in SHAPES else None
+
     def parked(self) -> None:
         """The request waits in the admission queue: its raw body is all it keeps meanwhile."""
         self.payload = None
