@@ -1,8 +1,9 @@
 """Scale from zero end to end, on real processes: a router whose Kubernetes discovery source
 declares `sfz-model` (the fake API server publishes its EndpointSlice only when a test says so)
 holds requests for it, streamed and not, until a ready endpoint appears, refuses them cleanly at
-their timeout or past `max_held`, and serves another model meanwhile. The KEDA scaler's side of
-the same router: tests/scaling/test_scale_from_zero_scaler.py."""
+their timeout or past `max_held`, and serves another model meanwhile; a KEDA client built from the
+vendored .proto sees the router's external scaler go active with the first held request and
+inactive once they are served. The scaler alone, in process: tests/scaling/."""
 
 from __future__ import annotations
 
@@ -13,18 +14,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import anthropic
+import grpc
 import httpx
 import openai
 import pytest
 
+from router.scaling.keda import externalscaler_pb2 as pb
+from router.scaling.keda.externalscaler_pb2_grpc import ExternalScalerStub
 from tests.support.fake_kube import FakeKube, kube_source, put_mock
-from tests.support.harness import Cluster, Proc
+from tests.support.harness import Cluster, Proc, free_port
 from tests.support.wait import wait_for
 
 MODEL = "sfz-model"
 OTHER = "mock-model"
 KEEPALIVE = 0.2  # seconds between a held stream's comments: several during a test's hold
 MAX_HELD = 4
+SCALER_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +50,7 @@ def router(module_procs: Cluster, kube: FakeKube, pod: Proc) -> Proc:
                 "hold_timeout_s": 20,
                 "max_held": MAX_HELD,
                 "keepalive_s": KEEPALIVE,
+                "scaler_port": SCALER_PORT,
             },
         }
     )
@@ -117,9 +123,47 @@ def _raw_stream(router: Proc, out: list[bytes]) -> None:
             out.append(chunk)
 
 
+class KedaStream:
+    """KEDA's side of `StreamIsActive` for one ScaledObject, read on a thread of its own."""
+
+    def __init__(self, model: str) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{SCALER_PORT}")
+        self.stub = ExternalScalerStub(self.channel)
+        self.ref = pb.ScaledObjectRef(
+            name="pool", namespace="models", scalerMetadata={"model": model}
+        )
+        self.seen: list[bool] = []
+        self.call = self.stub.StreamIsActive(self.ref)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for answer in self.call:
+                self.seen.append(answer.result)
+        except grpc.RpcError:
+            pass  # cancelled by `close`
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.thread.join(5)
+        self.channel.close()
+
+
 def test_held_requests_complete_once_the_endpointslice_is_ready(
     router: Proc, kube: FakeKube, pod: Proc
 ) -> None:
+    keda = KedaStream(MODEL)
+    try:
+        wait_for(lambda: keda.seen == [False], what="the stream's first answer: idle")
+        _hold_and_serve(router, kube, pod, keda)
+        wait_for(lambda: keda.seen == [False, True, False], what="active, then idle again")
+        assert not keda.stub.IsActive(keda.ref).result
+    finally:
+        keda.close()
+
+
+def _hold_and_serve(router: Proc, kube: FakeKube, pod: Proc, keda: KedaStream) -> None:
     raw: list[bytes] = []
     with ThreadPoolExecutor(4) as pool:
         whole = pool.submit(_chat, router, False)
@@ -127,6 +171,12 @@ def test_held_requests_complete_once_the_endpointslice_is_ready(
         messages = pool.submit(_messages, router)
         comments = pool.submit(_raw_stream, router, raw)
         wait_for(lambda: held(router) == 4, what="four requests held")
+        assert keda.seen == [False, True]  # pushed on the first held request
+        assert keda.stub.IsActive(keda.ref).result
+        metrics = keda.stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=keda.ref))
+        assert metrics.metricValues[0].metricValue == 4
+        spec = keda.stub.GetMetricSpec(keda.ref).metricSpecs[0]
+        assert spec.targetSize == 16 and spec.metricName == metrics.metricValues[0].metricName
         # Comments flow while they wait; the SDKs' streams stay open through them.
         wait_for(lambda: b"".join(raw).count(b": waiting for a backend") >= 2, what="comments")
         assert not whole.done() and not streamed.done() and not messages.done()
@@ -139,6 +189,22 @@ def test_held_requests_complete_once_the_endpointslice_is_ready(
     assert b"data: [DONE]" in b"".join(raw)
     assert took < 5, took  # the watch event, then the dispatch; not a poll of seconds
     assert held(router) == 0
+
+
+def test_an_unknown_model_in_scaler_metadata_reads_inactive(router: Proc) -> None:
+    keda = KedaStream("not-declared")
+    try:
+        wait_for(lambda: keda.seen == [False], what="an answer, not an error")
+        assert not keda.stub.IsActive(keda.ref).result
+        got = keda.stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=keda.ref))
+        assert got.metricValues[0].metricValue == 0
+    finally:
+        keda.close()
+    assert "not declared in scale_from_zero" in router.log()
+    # The scaler still serves the declared model after it.
+    with grpc.insecure_channel(f"127.0.0.1:{SCALER_PORT}") as channel:
+        ref = pb.ScaledObjectRef(scalerMetadata={"model": MODEL})
+        assert ExternalScalerStub(channel).IsActive(ref).result is False
 
 
 def test_timeout_answers_503_no_backend_with_retry_after(router: Proc) -> None:
@@ -188,5 +254,3 @@ def test_max_held_refuses_at_once_other_models_flow_and_cancel_leaks_nothing(
     assert metric(router, "sluicegate_model_demand") == 0
     body_held = httpx.get(router.url + "/metrics", timeout=5).text
     assert "sluicegate_body_bytes_held 0.0" in body_held
-
-
