@@ -61,11 +61,18 @@ class SharedDemand(SharedStore[None], LocalDemand):
         lease_ttl: float,
         timeout: float,
         prefix: str = "sluicegate",
+        heartbeat: bool = True,
         runner: Runner | None = None,
     ) -> None:
         tag = "{" + prefix + "}"
         SharedStore.__init__(
-            self, target, timeout=timeout, tag=tag, beat_every=lease_ttl / 3, runner=runner
+            self,
+            target,
+            timeout=timeout,
+            tag=tag,
+            beat_every=lease_ttl / 3,
+            heartbeat=heartbeat,
+            runner=runner,
         )
         LocalDemand.__init__(self)
         self._key = tag + ":demand:"
