@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,7 +50,6 @@ from router.request.lifecycle.proxy import Proxy
 from router.request.migration.policy import Migration
 from router.request.placement.affinity import Affinity
 from router.scaling.demand import DemandBook
-from router.scaling.scaler import Scaler
 from router.stores import STORES, Wiring, build
 from router.upstream.pools import Pools, Sender
 from router.web.admin import BackendRows, admin_routes
@@ -59,6 +58,9 @@ from router.web.auth import AdminAuth, ClientKeys
 from router.web.console import console_routes
 from router.web.live_state import LiveState
 from router.web.usage_admin import usage_routes
+
+if TYPE_CHECKING:
+    from router.scaling.scaler import Scaler
 
 log = logging.getLogger("sluicegate.app")
 
@@ -245,6 +247,9 @@ class AppParts:
             self.demand = build(STORES.demand, wiring)
             self.demand.follow(self.proxy.holding)
             if sfz.scaler_port:
+                # gRPC is loaded only by a process that serves KEDA (~0.1 s of its start).
+                from router.scaling.scaler import Scaler
+
                 self.scaler = Scaler(self.demand, sfz, settings.host)
         self.discovery = Discovery(
             settings.discovery,
