@@ -42,7 +42,7 @@ def test_stream_pushes_the_first_held_request_and_the_end_of_demand(
                 stub = ExternalScalerStub(channel)
                 stream = stub.StreamIsActive(REF)
                 assert (await stream.read()).result is False
-                held = asyncio.create_task(holding.hold("m", 30, 0))
+                held = asyncio.create_task(holding.hold("m", 30))
                 started = time.perf_counter()
                 assert (await stream.read()).result is True
                 pushed = time.perf_counter() - started
@@ -90,11 +90,11 @@ def test_shared_demand_sums_replicas_and_a_crashed_ones_part_expires(
             books.append(book)
             holdings.append(h)
         a, b = books
-        held = [asyncio.create_task(holdings[0].hold("m", 30, 0)) for _ in range(3)]
+        held = [asyncio.create_task(holdings[0].hold("m", 30)) for _ in range(3)]
         await until(lambda: holdings[0].held("m") == 3)
         assert await a.heartbeat() and await b.heartbeat()
         assert b.total("m") == 3 and a.total("m") == 3
-        held.append(asyncio.create_task(holdings[1].hold("m", 30, 0)))
+        held.append(asyncio.create_task(holdings[1].hold("m", 30)))
         await until(lambda: holdings[1].held("m") == 1)
         assert b.total("m") == 4  # its own part at once, the other's as last written
         # Replica a crashes: it writes nothing more; its part lapses within the lease.

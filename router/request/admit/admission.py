@@ -220,17 +220,6 @@ class Admission:
     def queued_bytes(self) -> int:
         return self._bytes.held
 
-    @property
-    def bodies(self) -> ByteBudget:
-        """The queue's bound on bodies' bytes, which requests held for a model with no backend
-        yet share (router/request/admit/holding.py)."""
-        return self._bytes
-
-    def queued(self, model: str) -> int:
-        """Requests of `model` waiting in the queue now."""
-        q = self._queues.get(model)
-        return q.live if q is not None else 0
-
     def bands(self) -> dict[str, dict[str, float | int]]:
         """Per band: requests waiting and the oldest one's wait in seconds, all models. Walks
         the queue (bounded by `max_queue`): for the console, not the request path."""

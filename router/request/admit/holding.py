@@ -9,12 +9,16 @@ backend wakes every request held for its model at once, which then goes through 
 pick. No request polls; each waits on its future, its deadline and, for a stream, the next
 keep-alive comment (one sleep on the injected clock at a time).
 
+With admission configured, a held request waits in the admission queue instead (its place,
+priority and deadline there; router/request/lifecycle/hold.py): `enter`/`leave` count it here,
+and `changed()` also wakes the queue (`on_ready`) when a held model has a ready backend.
+
 Leaving: past its deadline (`hold_timeout_s`, or the request's own `x-sluicegate-timeout`) a
 held request gets `NoBackend` (503 with Retry-After); past `max_held` for its model a newcomer
 gets `TooManyHeld` at once (other models are untouched); a client that leaves cancels its wait.
-Every way out gives back the held count, the future and the body's bytes in the admission
-queue's bound (when admission is configured, held bodies share `max_queue_bytes` with queued
-ones; every body is in the process's `max_held_body_bytes` from the edge already).
+Every way out gives back the held count and the future. A held body is bounded as a queued one:
+by the process's `max_held_body_bytes` from the edge (router/request/admit/validate.py), and in
+the admission queue by `max_queue_bytes` (its ticket's size) when it waits there.
 
 The request path of a model that has backends pays one dict miss (`models.get`), and
 `changed()` an empty-set test while nothing is held.
@@ -28,7 +32,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from router.core.clock import Clock
 from router.core.errors import NoBackend, TooManyHeld
 from router.core.settings import ScaleFromZeroConfig, Settings
-from router.request.admit.byte_budget import ByteBudget
 
 Listener = Callable[[str], None]
 
@@ -69,16 +72,17 @@ class Holding:
         declared: Iterable[str],
         clock: Clock,
         ready: Callable[[str], bool],
-        bodies: ByteBudget | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         """`ready(model)`: some backend of the model is in the registry and routable now;
-        `bodies`: the admission queue's byte bound, shared by held bodies (None: none)."""
+        `on_ready()`: a model with requests held has a ready backend now (the admission
+        queue's wake)."""
         self.cfg = cfg or ScaleFromZeroConfig()
         # The one dict the request path reads: empty unless models are declared.
         self.models: dict[str, Demand] = {m: Demand() for m in declared}
-        self._clock = clock
+        self.clock = clock
         self._ready = ready
-        self._bodies = bodies
+        self._on_ready = on_ready
         self._holding: set[str] = set()  # models with a request held now
         self._listeners: list[Listener] = []
 
@@ -104,11 +108,36 @@ class Holding:
         is ready now is woken."""
         if not self._holding:
             return
+        woke = False
         for model in list(self._holding):
             if self._ready(model):
+                woke = True
                 for fut in self.models[model].waiters:
                     if not fut.done():
                         fut.set_result(None)
+        if woke and self._on_ready is not None:
+            self._on_ready()
+
+    def enter(self, model: str) -> Demand:
+        """One more request of `model` held (refused past `max_held`); `leave` ends it."""
+        cfg = self.cfg
+        d = self.models[model]
+        if d.held >= cfg.max_held:
+            raise TooManyHeld(
+                f"{cfg.max_held} requests for `{model[:200]}` wait for a backend already "
+                "(scale_from_zero.max_held); retry later.",
+                retry_after=1.0,
+            )
+        d.held += 1
+        self._holding.add(model)
+        self._tell(model)
+        return d
+
+    def leave(self, d: Demand, model: str) -> None:
+        d.held -= 1
+        if not d.held:
+            self._holding.discard(model)
+        self._tell(model)
 
     def begin(self, d: Demand, model: str) -> None:
         d.in_flight += 1
@@ -122,61 +151,43 @@ class Holding:
         self,
         model: str,
         within: float,
-        size: int,
         keepalive: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """Wait until `model` has a ready backend, at most `within` seconds; `size`: the body's
-        bytes; `keepalive()` every `keepalive_s` while it waits (a stream's comment)."""
+        """Wait until `model` has a ready backend, at most `within` seconds; `keepalive()` every
+        `keepalive_s` while it waits (a stream's comment)."""
         cfg = self.cfg
-        d = self.models[model]
-        if d.held >= cfg.max_held:
-            raise TooManyHeld(
-                f"{cfg.max_held} requests for `{model[:200]}` wait for a backend already "
-                "(scale_from_zero.max_held); retry later.",
-                retry_after=1.0,
-            )
-        bodies = self._bodies
-        if bodies is not None and not bodies.take(size):
-            raise TooManyHeld(
-                "The bodies of waiting requests fill admission.max_queue_bytes; retry later.",
-                retry_after=1.0,
-            )
+        d = self.enter(model)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        d.held += 1
         d.waiters.add(fut)
-        self._holding.add(model)
-        self._tell(model)
         try:
             if self._ready(model):  # it came while this request got here
                 return
-            clock = self._clock
+            clock = self.clock
             now = clock.now()
             due = now + within
             beat = now + cfg.keepalive_s if keepalive is not None else due
             while not fut.done():
                 now = clock.now()
                 if now >= due:
-                    raise NoBackend(
-                        f"No backend serving `{model[:200]}` became ready within "
-                        f"{within:g} s; retry later.",
-                        retry_after=min(within, 5.0),
-                    )
+                    raise no_backend(model, within)
                 await _first(fut, clock.sleep(min(due, beat) - now))
                 if keepalive is not None and not fut.done() and clock.now() >= beat:
                     beat += cfg.keepalive_s
                     await keepalive()
         finally:
-            d.held -= 1
             d.waiters.discard(fut)
-            if not d.waiters:
-                self._holding.discard(model)
-            if bodies is not None:
-                bodies.give(size)
-            self._tell(model)
+            self.leave(d, model)
 
     def _tell(self, model: str) -> None:
         for listener in self._listeners:
             listener(model)
+
+
+def no_backend(model: str, within: float) -> NoBackend:
+    return NoBackend(
+        f"No backend serving `{model[:200]}` became ready within {within:g} s; retry later.",
+        retry_after=min(within, 5.0),
+    )
 
 
 async def _first(fut: asyncio.Future[None], sleep: Awaitable[None]) -> None:

@@ -108,7 +108,7 @@ class Parts:
             declared_models(settings),
             clock,
             self._ready,
-            admission.bodies if admission is not None else None,
+            admission.changed if admission is not None else None,
         )
 
     def _ready(self, model: str) -> bool:

@@ -24,14 +24,15 @@ from starlette.types import Receive, Scope, Send
 
 from router.core.endpoints import BY_ROUTE, Endpoint
 from router.core.errors import BadRequest, ProxyError, answer, sse_error_event
-from router.request.admit.holding import Demand
+from router.request.admit.admission import QueueTimeout
+from router.request.admit.holding import Demand, no_backend
 from router.request.admit.quota import KeyLimits
 from router.request.lifecycle import account
 from router.request.lifecycle.attempt import attempts_for
 from router.request.lifecycle.call import Call
 from router.request.lifecycle.endings import Broken, NoneLeft, Retry
 from router.request.lifecycle.getting_in import get_in, let_go
-from router.request.lifecycle.hold import hold
+from router.request.lifecycle.hold import QueueHold, hold, hold_for
 from router.request.lifecycle.migrate import carry_on
 from router.request.lifecycle.parts import Parts
 from router.request.lifecycle.watch import run_watched
@@ -125,18 +126,38 @@ class ProxyCall(Response):
             await answer(exc, call.anthropic)({"type": "http"}, _no_receive, send)
 
     async def _declared(self, send: Send, demand: Demand) -> None:
-        """A declared model's request: held while no backend is ready, then counted in its
-        model's demand while it is served."""
+        """A declared model's request: held while no backend is ready (in the admission queue
+        when there is one), then counted in its model's demand while it is served."""
         parts = self.parts
         holding = parts.holding
-        model = self.call.model
+        call = self.call
+        model = call.model
         if holding.needs_hold(model):
-            await hold(parts, self.call, send)
+            if call.ticket is None:
+                await hold(parts, call, send)
+            else:
+                await self._held_in_queue(send)
+                return
         holding.begin(demand, model)
         try:
             await self._attempts(send)
         finally:
             holding.end(demand, model)
+
+    async def _held_in_queue(self, send: Send) -> None:
+        parts = self.parts
+        call = self.call
+        held = QueueHold(parts, call, send, hold_for(parts, call))
+        try:
+            await self._attempts(send)
+        except QueueTimeout:
+            if call.held is None:
+                raise  # it had a backend, and no room on it within its deadline
+            raise no_backend(call.model, held.within) from None
+        finally:
+            if call.held is not None:
+                await held.end(ready=False)
+            held.landed()
 
     async def _attempts(self, send: Send) -> None:
         parts = self.parts

@@ -200,7 +200,7 @@ def test_an_unknown_model_in_scaler_metadata_reads_inactive(router: Proc) -> Non
         assert got.metricValues[0].metricValue == 0
     finally:
         keda.close()
-    assert "not declared in scale_from_zero" in router.log()
+    wait_for(lambda: "not declared in scale_from_zero" in router.log(), what="the error logged")
     # The scaler still serves the declared model after it.
     with grpc.insecure_channel(f"127.0.0.1:{SCALER_PORT}") as channel:
         ref = pb.ScaledObjectRef(scalerMetadata={"model": MODEL})
