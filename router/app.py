@@ -508,7 +508,9 @@ def _routes(app: FastAPI, p: AppParts) -> None:
             details["quotas"] = quota_status
         if p.lifecycle.draining:
             return JSONResponse({"status": "draining", **details}, status_code=503)
-        if not p.registry.snapshot.backends:
+        # Declared models (scale_from_zero) are served with no backend yet: their requests wait
+        # here while their pools wake, so the router must stay in its Service meanwhile.
+        if not p.registry.snapshot.backends and not p.proxy.holding.models:
             return JSONResponse({"status": "no backends", **details}, status_code=503)
         return JSONResponse({"status": "ready", **details})
 

@@ -2,7 +2,8 @@
 upstreams: tests/request/lifecycle/test_inprocess.py's harness): with `admission:` a request for
 a declared model with no backend waits in the queue (its depth, its body's bytes), a stream gets
 its head and a comment every `keepalive_s`, the queue's deadline is the hold's, a backend added
-to the registry dispatches it at once, and every ending leaves nothing behind."""
+to the registry dispatches it at once, and every ending leaves nothing behind. A router whose
+only models are declared stays ready (/readyz)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,19 @@ def test_a_client_that_leaves_the_queue_while_held_leaves_nothing_behind() -> No
         assert parts.admission.queued_bytes == 0 and parts.proxy.bodies.held == 0
 
     serve(scenario, clock=clock, admission=ADMISSION, scale_from_zero=SFZ)
+
+
+def test_a_router_with_only_declared_models_stays_ready() -> None:
+    """Every pool at zero: the router must stay in its Service, or no request could wake one."""
+
+    async def scenario(r: Router) -> None:
+        assert (await r.get("/readyz")).status == 200
+        models = (await r.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in models] == ["cold"]
+
+    serve(scenario, backends=[], scale_from_zero=SFZ)
+
+    async def empty(r: Router) -> None:
+        assert (await r.get("/readyz")).status == 503
+
+    serve(empty, backends=[])
