@@ -138,6 +138,8 @@ class ProxyCall(Response):
             else:
                 await self._held_in_queue(send)
                 return
+        elif not call.backends:  # its first backend came between getting in and here
+            call.rebind(parts, parts.registry.snapshot)
         holding.begin(demand, model)
         try:
             await self._attempts(send)
