@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install redis-server chromium system-deps bench bench-quick bench-hop nginx \
-	engines test-engine engine-venv lock image-test docs
+	engines test-engine engine-venv lock image-test docs keda-proto
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,11 @@ bench-hop: $(VENV)/.bench nginx
 # stale).
 docs: $(STAMP)
 	$(PY) -m router.tools.settings_doc
+
+# KEDA's external scaler protocol: the committed modules, regenerated from the vendored .proto.
+keda-proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+		router/scaling/keda/externalscaler.proto
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

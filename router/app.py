@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,11 +43,13 @@ from router.ops.metrics import CONTENT_TYPE, MeteredInflight, Metrics
 from router.ops.tracing import make_tracing
 from router.registry.fleet import Change, Fleet, Registry, Snapshot
 from router.request.admit.admission import Admission
+from router.request.admit.holding import Holding
 from router.request.admit.hops import HopMarker
 from router.request.lifecycle.drain import Lifecycle
 from router.request.lifecycle.proxy import Proxy
 from router.request.migration.policy import Migration
 from router.request.placement.affinity import Affinity
+from router.scaling.demand import DemandBook
 from router.stores import STORES, Wiring, build
 from router.upstream.pools import Pools, Sender
 from router.web.admin import BackendRows, admin_routes
@@ -56,6 +58,9 @@ from router.web.auth import AdminAuth, ClientKeys
 from router.web.console import console_routes
 from router.web.live_state import LiveState
 from router.web.usage_admin import usage_routes
+
+if TYPE_CHECKING:
+    from router.scaling.scaler import Scaler
 
 log = logging.getLogger("sluicegate.app")
 
@@ -174,6 +179,7 @@ class AppParts:
         # The registry's constructor swaps in its first snapshot before the proxy (and its
         # migration) exists: streams to move are told of only once there is one.
         self._migration: Migration | None = None
+        self._holding: Holding | None = None  # the proxy's, once it exists
         self.registry = registry = Registry(
             backends,
             settings.balancer,
@@ -232,8 +238,23 @@ class AppParts:
             response_ids=build(STORES.response_ids, wiring),
             hops=HopMarker(settings.deployment_id),
             lora=self.lora if settings.lora.load_on_demand else None,
+            clock=clock,
         )
         self._migration = self.proxy.migration
+        self._holding = self.proxy.holding
+        # Declared models' demand (this process's, or every replica's through Redis) and the
+        # KEDA scaler reading it: only with `scale_from_zero`.
+        self.demand: DemandBook | None = None
+        self.scaler: Scaler | None = None
+        sfz = settings.scale_from_zero
+        if sfz is not None:
+            self.demand = build(STORES.demand, wiring)
+            self.demand.follow(self.proxy.holding)
+            if sfz.scaler_port:
+                # gRPC is loaded only by a process that serves KEDA (~0.1 s of its start).
+                from router.scaling.scaler import Scaler
+
+                self.scaler = Scaler(self.demand, sfz, settings.host)
         self.discovery = Discovery(
             settings.discovery,
             self.fleet,
@@ -253,6 +274,8 @@ class AppParts:
         self.metrics.health_changed(backend, healthy, reason)
         if not healthy:  # an engine that stopped answering may come back empty
             self.kv_events.reset(backend)
+        elif self._holding is not None:  # a held request's model may be ready now
+            self._holding.changed()
 
     def _kv_capacity(self, name: str) -> int | None:
         """The engine's KV capacity in blocks, as its metrics say."""
@@ -273,6 +296,8 @@ class AppParts:
             _learn_secrets(change.upserted)
             for part in self._followers:
                 part.update(change.upserted, change.removed)
+        if self._holding is not None:  # requests held for a model that has a backend now go
+            self._holding.changed()
         # Streams on a backend gone from the registry (its drain grace over) migrate, when on.
         if self._migration is None:
             return
@@ -315,6 +340,7 @@ class AppParts:
         `stop` closes them in the reverse order: the runner first (no chore runs on a closed
         part), the Redis client last (every part before it shares it)."""
         admission, shared = self.admission, self.affinity.shared
+        demand, scaler = self.demand, self.scaler
         ids, usage = self.proxy.response_ids, self.proxy.usage
         return [
             ("redis", None, self.redis_client.aclose if self.redis_client else None),
@@ -332,6 +358,8 @@ class AppParts:
             ("health", self.monitor.start, self.monitor.aclose),
             ("registry", None, self.fleet.store.aclose),
             ("discovery", self.discovery.start, self.discovery.aclose),
+            ("demand", demand.start if demand else None, demand.aclose if demand else None),
+            ("scaler", scaler.start if scaler else None, scaler.aclose if scaler else None),
             ("runner", self._start_chores, self.runner.stop),
         ]
 
@@ -469,6 +497,8 @@ def _routes(app: FastAPI, p: AppParts, proxy_routes: bool = True) -> None:
         p.kv_events.flush()
         metrics.kv_state(p.kv_events.blocks(), p.kv_events.lags())
         p.discovery.refresh_metrics()
+        if p.demand is not None:
+            metrics.scale_from_zero(p.demand.held(), p.demand.totals())
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz")
@@ -483,7 +513,9 @@ def _routes(app: FastAPI, p: AppParts, proxy_routes: bool = True) -> None:
             details["quotas"] = quota_status
         if p.lifecycle.draining:
             return JSONResponse({"status": "draining", **details}, status_code=503)
-        if not p.registry.snapshot.backends:
+        # Declared models (scale_from_zero) are served with no backend yet: their requests wait
+        # here while their pools wake, so the router must stay in its Service meanwhile.
+        if not p.registry.snapshot.backends and not p.proxy.holding.models:
             return JSONResponse({"status": "no backends", **details}, status_code=503)
         return JSONResponse({"status": "ready", **details})
 

@@ -26,6 +26,7 @@ from router.registry.fleet import LocalRecords, RecordStore
 from router.request.admit.quota import QuotaBook, Quotas
 from router.request.placement.response_ids import ResponseIds, ResponseIdStore
 from router.request.usage.book import UsageBook, UsageStore
+from router.scaling.demand import DemandBook, LocalDemand
 
 if TYPE_CHECKING:
     from router.request.placement.affinity_store import SharedPrefixIndex
@@ -136,6 +137,19 @@ def _response_ids(w: Wiring) -> ResponseIdStore:
     )
 
 
+def _demand(w: Wiring) -> DemandBook:
+    from router.scaling.demand_shared import SharedDemand
+
+    assert w.redis is not None
+    return SharedDemand(
+        w.link,
+        lease_ttl=w.redis.lease_ttl,
+        timeout=w.redis.timeout * 4,  # off the request path: a little patience
+        prefix=w.redis.prefix,
+        runner=w.runner,
+    )
+
+
 @dataclass(frozen=True)
 class Table:
     inflight: Row[InflightStore]  # in-flight counts per backend
@@ -144,6 +158,7 @@ class Table:
     registry: Row[RecordStore]  # admin changes
     usage: Row[UsageStore]  # hourly usage per key and model
     response_ids: Row[ResponseIdStore]  # which backend holds a stored response
+    demand: Row[DemandBook]  # declared models' demand (scale_from_zero), for KEDA
 
 
 STORES = Table(
@@ -160,4 +175,5 @@ STORES = Table(
         ),
         _response_ids,
     ),
+    demand=Row(lambda w: LocalDemand(), _demand),
 )

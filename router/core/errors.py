@@ -20,7 +20,11 @@ SluicegateError                  every error raised on purpose; str() is safe to
   │     ├── UpstreamTimeout      (504, a backend did not answer in time)
   │     └── NoCapacity           (503, every candidate is full, ejected or cooling down)
   │           ├── QueueTimeout   (request/admit/admission.py: it waited past its deadline)
-  │           └── QueueFull      (request/admit/admission.py: shed from a full queue)
+  │           ├── QueueFull      (request/admit/admission.py: shed from a full queue)
+  │           ├── NoBackend      (request/admit/holding.py: a declared model's request held
+  │           │                  past its timeout with no backend ready)
+  │           └── TooManyHeld    (request/admit/holding.py: max_held of the model's requests
+  │                              are held already)
   ├── StoreUnavailable           a shared store (Redis) did not answer; callers fall back or 503
   │     └── ScriptFailed         (state/store.py: a store's script failed on its arguments: no
   │                              outage; a quota check answers it 429)
@@ -308,6 +312,14 @@ class NoCapacity(ProxyError):
     status = 503
     type_ = "service_unavailable"
     code = "no_capacity"
+
+
+class NoBackend(NoCapacity):
+    code = "no_backend"
+
+
+class TooManyHeld(NoCapacity):
+    code = "too_many_held"
 
 
 class StoreUnavailable(SluicegateError):

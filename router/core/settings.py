@@ -457,6 +457,35 @@ class AdmissionConfig(_Strict):
     recheck: float = Field(0.5, gt=0, le=60)
 
 
+class ScaleFromZeroConfig(_Strict):
+    """Models known while no backend serves them: their requests are held until a first backend
+    is ready (router/request/admit/holding.py), and their demand drives KEDA (router/scaling/;
+    docs/scale-from-zero.md). A discovery source's explicit `models:` are declared too."""
+
+    # Public model names known even while no backend serves them (a pool scaled to zero).
+    models: list[str] = Field(default_factory=list, max_length=10_000)
+    # Longest a request waits for a first ready backend (seconds); the request's own
+    # `x-sluicegate-timeout` may shorten it. Past it: 503 `no_backend` with Retry-After.
+    hold_timeout_s: float = Field(120.0, gt=0, le=3600)
+    # Requests held at once per model, in this process; past it: 503 at once with Retry-After.
+    max_held: int = Field(1000, ge=1, le=1_000_000)
+    # Port of the KEDA external scaler (gRPC, externalscaler.proto); 0: off.
+    scaler_port: int = Field(0, ge=0, le=65535)
+    # The demand one replica of a model's pool should take: GetMetricSpec's target.
+    target_per_replica: int = Field(16, ge=1, le=1_000_000)
+    # Seconds between `: waiting for a backend` comments on a held stream (its response head is
+    # sent with the first), so that proxies and clients do not time it out.
+    keepalive_s: float = Field(15.0, gt=0, le=600)
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not name or len(name) > 256:
+                raise ValueError(f"{name[:40]!r}: a model name of 1-256 characters")
+        return v
+
+
 # Never backends unless an operator says so: cloud metadata services (AWS, GCP, Azure, OpenStack
 # and others at 169.254.169.254; AWS over IPv6; Alibaba Cloud), link-local, and "this host" /
 # unspecified addresses (0.0.0.0 reaches the router's own host and slips past an allow-list).
@@ -820,6 +849,8 @@ class Settings(BaseSettings):
     discovery: list[DiscoverySource] = Field(default_factory=list)
     tracing: TracingConfig = TracingConfig()
     admission: AdmissionConfig | None = None
+    # Declared models held while their pool wakes, and the KEDA scaler (docs/scale-from-zero.md).
+    scale_from_zero: ScaleFromZeroConfig | None = None
     # Token usage per request (router/request/usage/strip.py): `active` asks a stream's backend
     # for its usage when the client did not and hides that event; `passive` counts content events.
     usage_accounting: Literal["active", "passive"] = "active"

@@ -420,6 +420,24 @@ ROWS: tuple[Row, ...] = (
         "sluicegate_log_dropped_total",
         "Log lines dropped because the log writer fell behind (its queue was full).",
     ),
+    # Scale from zero (router/request/admit/holding.py): declared models only.
+    Row(
+        "model_held",
+        Gauge,
+        "sluicegate_model_held_requests",
+        "Requests held now because their declared model has no ready backend, by model.",
+        ("model",),
+        mode="livesum",
+    ),
+    Row(
+        "model_demand",
+        Gauge,
+        "sluicegate_model_demand",
+        "A declared model's demand: requests held, in flight and queued; with Redis summed over "
+        "every replica (each worker shows the same sum), else this worker's, by model.",
+        ("model",),
+        mode="livemax",
+    ),
     # Admission queue (router/request/admit/admission.py): only moves while requests queue.
     Row(
         "queue_depth_gauge",
@@ -548,6 +566,8 @@ class Metrics:
     discovery_last_sync: Gauge
     invalid_records: Counter
     log_dropped: Counter
+    model_held: Gauge
+    model_demand: Gauge
     queue_depth_gauge: Gauge
     queue_wait_seconds: Histogram
     ratelimited_total: Counter
@@ -664,6 +684,13 @@ class Metrics:
 
     def tracing_header_dropped(self, header: str) -> None:
         self.tracing_headers_dropped.labels(header).inc()
+
+    def scale_from_zero(self, held: dict[str, int], demand: dict[str, int]) -> None:
+        """Each declared model's held requests and demand, as of this /metrics answer."""
+        for model, n in held.items():
+            self.model_held.labels(model).set(n)
+        for model, n in demand.items():
+            self.model_demand.labels(model).set(n)
 
     def queue_depth(self, model: str, priority: str, delta: int) -> None:
         self.queue_depth_gauge.labels(model, priority).inc(delta)

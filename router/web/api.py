@@ -119,6 +119,9 @@ def openai_routes(proxy: Proxy, registry: Registry, keys: ClientKeys | None = No
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:
         models: tuple[str, ...] = registry.snapshot.models
+        declared = proxy.holding.models  # known while no backend serves them (scale_from_zero)
+        if declared:
+            models = (*models, *(m for m in declared if m not in registry.snapshot.by_model))
         if check is not None:
             try:
                 key = check(request)

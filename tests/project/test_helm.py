@@ -113,6 +113,24 @@ CLUSTER_REDIS: dict[str, Any] = {
 # The endpoint picker profile, as shipped (helm install -f values-picker.yaml).
 PICKER: dict[str, Any] = yaml.safe_load((CHART / "values-picker.yaml").read_text())
 INFERENCEPOOL_SCHEMA = ROOT / "tests" / "support" / "data" / "inferencepool-v1.schema.json"
+SCALE_FROM_ZERO: dict[str, Any] = {
+    "redis": {"enabled": True},
+    "scaleFromZero": {
+        "enabled": True,
+        "scalerPort": 9091,
+        "targetPerReplica": 8,
+        "models": [
+            {
+                "name": "llama-70b",
+                "deployment": "vllm-llama-70b",
+                "namespace": "models",
+                "maxReplicaCount": 4,
+            },
+            {"name": "qwen-7b", "deployment": "vllm-qwen"},
+            {"name": "declared-only"},  # held and scaled by hand: no ScaledObject
+        ],
+    },
+}
 VARIANTS = {
     "defaults": None,
     "picker": PICKER,
@@ -121,7 +139,9 @@ VARIANTS = {
     "discovery": DISCOVERY,
     "sentinel_redis": SENTINEL_REDIS,
     "cluster_redis": CLUSTER_REDIS,
+    "scale_from_zero": SCALE_FROM_ZERO,
 }
+KEDA_CRD = ROOT / "tests" / "support" / "data" / "keda-scaledobjects-crd.yaml"
 
 
 def render(values: dict[str, Any] | None) -> dict[str, str]:
@@ -161,7 +181,11 @@ def test_lint_is_clean(variant: str) -> None:
 def test_every_manifest_is_valid_kubernetes(variant: str, kube: str) -> None:
     docs = manifests(VARIANTS[variant])
     for doc in docs:
-        if doc["apiVersion"] in ("monitoring.coreos.com/v1", "inference.networking.k8s.io/v1"):
+        if doc["apiVersion"] in (
+            "monitoring.coreos.com/v1",
+            "inference.networking.k8s.io/v1",
+            "keda.sh/v1alpha1",
+        ):
             continue  # a CRD: its own test below
         kubernetes_validate.validate(doc, kube, strict=True)
     kinds = sorted(d["kind"] for d in docs)
@@ -642,3 +666,66 @@ def test_picker_without_pool_labels_or_with_an_ingress_is_refused() -> None:
     (source,) = yaml.safe_load(_rendered_config(values))["discovery"]
     assert source["name"] == "shared-pool"
     assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == ["sg-sluicegate-inferencepool"]
+
+
+def _keda_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(KEDA_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
+    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def _unknown_fields(doc: Any, schema: dict[str, Any], at: str = "") -> list[str]:
+    """Fields of `doc` that `schema` does not define (the API server would prune them, as
+    kubernetes-validate's strict mode refuses them for built-in kinds)."""
+    if isinstance(doc, dict) and "properties" in schema:
+        props = schema["properties"]
+        out = [f"{at}.{k}" for k in doc if k not in props]
+        for k, v in doc.items():
+            if k in props:
+                out += _unknown_fields(v, props[k], f"{at}.{k}")
+        return out
+    if isinstance(doc, list) and "items" in schema:
+        return [e for i, v in enumerate(doc) for e in _unknown_fields(v, schema["items"], at)]
+    return []
+
+
+def test_scale_from_zero_renders_a_valid_keda_scaled_object_per_model() -> None:
+    docs = manifests(SCALE_FROM_ZERO)
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in by_kind(docs, "ScaledObject")}
+    assert set(scaled) == {"vllm-llama-70b", "vllm-qwen"}
+    schema = _keda_schema()
+    (service,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "sg-sluicegate"]
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    for so in scaled.values():
+        jsonschema.validate(so, schema)
+        assert _unknown_fields(so, schema) == []
+        spec = so["spec"]
+        assert spec["minReplicaCount"] == 0
+        assert spec["scaleTargetRef"]["kind"] == "Deployment"
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "external-push"
+        host, port = trigger["metadata"]["scalerAddress"].rsplit(":", 1)
+        assert host == "sg-sluicegate.llm.svc.cluster.local" and int(port) == ports["keda-scaler"]
+    llama = scaled["vllm-llama-70b"]
+    assert llama["metadata"]["namespace"] == "models"
+    assert llama["spec"]["maxReplicaCount"] == 4
+    assert llama["spec"]["triggers"][0]["metadata"]["model"] == "llama-70b"
+    assert scaled["vllm-qwen"]["metadata"]["namespace"] == "llm"
+    # The pod listens where the Service sends KEDA, and the router serves the declared models.
+    (c,) = router_deployment(docs)["spec"]["template"]["spec"]["containers"]
+    assert {"name": "keda-scaler", "containerPort": 9091, "protocol": "TCP"} in c["ports"]
+    config = yaml.safe_load(_rendered_config(SCALE_FROM_ZERO))["scale_from_zero"]
+    assert config["models"] == ["llama-70b", "qwen-7b", "declared-only"]
+    assert config["scaler_port"] == 9091 and config["target_per_replica"] == 8
+    # A broken ScaledObject is caught by the check: it is not vacuous.
+    bad = deepcopy(llama)
+    bad["spec"]["minReplicas"] = 0
+    assert _unknown_fields(bad, schema) == [".spec.minReplicas"]
+    bad["spec"]["minReplicaCount"] = "zero"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+    # Off by default: no ScaledObject, no scaler port.
+    plain = manifests(None)
+    assert by_kind(plain, "ScaledObject") == []
+    assert "scale_from_zero" not in yaml.safe_load(_rendered_config(None))

@@ -42,6 +42,9 @@ LAYERS: dict[str, int] = {
     "router.registry": 3,  # the backend set, its Redis sync
     "router.ops": 4,  # metrics, tracing
     "router.discovery": 4,
+    # Scale from zero: declared models' demand (local, or summed in Redis) and the KEDA external
+    # scaler (gRPC, its generated protocol in router/scaling/keda/): apart from any other gRPC.
+    "router.scaling": 4,
     "router.request.lifecycle": 5,  # the steps and their order (proxy)
     "router.web": 7,  # the HTTP face, admin routes, the console
     "router.app": 8,

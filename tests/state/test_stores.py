@@ -38,6 +38,7 @@ def test_each_concern_is_local_without_redis_and_shared_with_it() -> None:
             "registry",
             "usage",
             "response_ids",
+            "demand",
         }
         for name, row in rows.items():
             own, common = build(row, local), build(row, shared)

@@ -66,6 +66,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $sources }}
 {{- $_ := set $cfg "discovery" $sources }}
 {{- end }}
+{{- with .Values.scaleFromZero }}
+{{- if .enabled }}
+{{- $names := list }}
+{{- range .models }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- $_ := set $cfg "scale_from_zero" (dict "models" $names "hold_timeout_s" .holdTimeoutSeconds "max_held" .maxHeld "scaler_port" .scalerPort "target_per_replica" .targetPerReplica) }}
+{{- end }}
+{{- end }}
 {{- with .Values.tracing }}
 {{- if .otlpEndpoint }}
 {{- $_ := set $cfg "tracing" (dict "otlp_endpoint" .otlpEndpoint "sample_ratio" .sampleRatio "service_name" .serviceName) }}

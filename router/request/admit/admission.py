@@ -116,21 +116,29 @@ def make_ticket(
             )
         band = max(band, rank)  # a request may lower its band, never raise it
     deadline, reason = started + cfg.max_wait, "max_wait"
-    raw = headers.get(TIMEOUT_HEADER)
-    if raw is not None:
-        try:
-            seconds = float(raw)
-        except ValueError:
-            seconds = math.nan
-        if not (seconds > 0 and math.isfinite(seconds)):
-            raise BadRequest(
-                f"Header `{TIMEOUT_HEADER}` must be a positive number of seconds.",
-                code="invalid_timeout",
-                request_id=request_id,
-            )
-        if started + seconds < deadline:
-            deadline, reason = started + seconds, "deadline"
+    seconds = timeout_of(headers, request_id)
+    if seconds is not None and started + seconds < deadline:
+        deadline, reason = started + seconds, "deadline"
     return Ticket(model, band, tenant, weight, cost, deadline, reason, size)
+
+
+def timeout_of(headers: Headers, request_id: str) -> float | None:
+    """The request's own `x-sluicegate-timeout` in seconds (None: not given); a bad one is a
+    `BadRequest`."""
+    raw = headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise BadRequest(
+            f"Header `{TIMEOUT_HEADER}` must be a positive number of seconds.",
+            code="invalid_timeout",
+            request_id=request_id,
+        )
+    return seconds
 
 
 class _Band:

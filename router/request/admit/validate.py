@@ -15,7 +15,7 @@ them back when the request ends); every other way out of here has given them bac
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Set
+from collections.abc import Container, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +60,11 @@ async def validate(
     max_upload_bytes: int = 0,
     *,
     bodies: ByteBudget,
+    declared: Container[str] = (),
 ) -> ValidRequest:
-    """`allowed_models`: the public names the client's key may use (None: any). A valid
-    request holds `len(body)` bytes of `bodies`; a refused one holds none."""
+    """`allowed_models`: the public names the client's key may use (None: any); `declared`:
+    models known while no backend serves them (scale_from_zero: valid with no backends, held
+    later). A valid request holds `len(body)` bytes of `bodies`; a refused one holds none."""
     multipart = endpoint is not None and endpoint.body == "multipart"
     body = await _read_body(
         request,
@@ -73,9 +75,14 @@ async def validate(
     try:
         if multipart:
             return _form(
-                body, request.headers.get("content-type"), request_id, allowed_models, by_model
+                body,
+                request.headers.get("content-type"),
+                request_id,
+                allowed_models,
+                by_model,
+                declared,
             )
-        return _json(body, request_id, allowed_models, by_model)
+        return _json(body, request_id, allowed_models, by_model, declared)
     except BaseException:
         bodies.give(len(body))
         raise
@@ -86,6 +93,7 @@ def _json(
     request_id: str,
     allowed_models: Set[str] | None,
     by_model: Mapping[str, tuple[Backend, ...]],
+    declared: Container[str],
 ) -> ValidRequest:
     try:
         payload = loads(body)  # bench: 4.9 -> 0.55 us on a chat body
@@ -100,7 +108,7 @@ def _json(
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise _no_model(request_id)
-    backends = _backends_for(model, allowed_models, by_model, request_id)
+    backends = _backends_for(model, allowed_models, by_model, request_id, declared)
     return ValidRequest(body, payload, model, backends, payload.get("stream") is True)
 
 
@@ -115,6 +123,7 @@ def _backends_for(
     allowed_models: Set[str] | None,
     by_model: Mapping[str, tuple[Backend, ...]],
     request_id: str,
+    declared: Container[str],
 ) -> tuple[Backend, ...]:
     if allowed_models is not None and model not in allowed_models:
         raise Forbidden(
@@ -124,6 +133,8 @@ def _backends_for(
         )
     backends = by_model.get(model)
     if not backends:
+        if model in declared:  # no backend yet: held until one is ready
+            return ()
         raise Unknown(
             f"The model `{model[:200]}` does not exist.",
             code="model_not_found",
@@ -138,6 +149,7 @@ def _form(
     request_id: str,
     allowed_models: Set[str] | None,
     by_model: Mapping[str, tuple[Backend, ...]],
+    declared: Container[str],
 ) -> ValidRequest:
     """A multipart upload: its `model` and `stream` fields, the rest left for the backend."""
     boundary = boundary_of(content_type)
@@ -155,7 +167,7 @@ def _form(
     model = body[span[0] : span[1]].decode("utf-8", "replace").strip() if span else ""
     if not model:
         raise _no_model(request_id)
-    backends = _backends_for(model, allowed_models, by_model, request_id)
+    backends = _backends_for(model, allowed_models, by_model, request_id, declared)
     at = spans.get("stream")
     stream = at is not None and body[at[0] : at[1]].strip().lower() == b"true"
     return ValidRequest(body, {"model": model, "stream": stream}, model, backends, stream, span)

@@ -35,7 +35,7 @@ from router.core.errors import (
 )
 from router.engine.lora_loads import LoadFailed
 from router.request.admit.hops import HOP_HEADER
-from router.request.lifecycle.call import Call
+from router.request.lifecycle.call import Call, Held
 from router.request.lifecycle.endings import Broken, NoneLeft, Retry
 from router.request.lifecycle.lease import AttemptLease
 from router.request.lifecycle.migrate import count_segment, outcome, spent, whole_again
@@ -236,7 +236,7 @@ class Attempts:
                 f"Every backend serving `{call.model}` is busy or unavailable; retry later.",
                 retry_after=self.parts.health.retry_after(call.backends) or 1,
             )
-        if last.response is None:
+        if last.response is None or call.started:  # started: a held stream's head was sent
             raise last.error
         status, headers, body = last.response
         call.record.status = status
@@ -284,6 +284,10 @@ class Attempts:
         parts = self.parts
         call = self.call
         assert parts.admission is not None
+        if call.held is not None:  # a declared model's request, held in the queue
+            if parts.holding.needs_hold(call.model):
+                return _no_lease()  # still no ready backend: back to its place
+            return self._after_hold(call.held)
         eligible = parts.health.eligible(call.backends, call.model)
         if not eligible:
             raise NoneLeft  # nothing could take it however long it waited
@@ -295,6 +299,13 @@ class Attempts:
         self.readings = all_readings if self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
         return self.held.take(eligible, self.balancer, ctx, self.readings)
+
+    async def _after_hold(self, held: Held) -> Lease | None:
+        """The held request's model has a ready backend: the hold ends (its keep-alive stopped
+        before anything else is sent) and it tries as any queued request does."""
+        await held.end()
+        self.held.rebind(self.call.snapshot.by_name)
+        return await self._try_admit()
 
     def _routed(self, lease: Lease, number: int) -> None:
         """What the pick chose and why, into the record, metrics, prefix index and trace."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
@@ -33,6 +33,14 @@ from router.request.usage.strip import inject, needs_injection, with_usage
 from router.request.wire.multipart import replace_span
 
 
+class Held(Protocol):
+    """A declared model's request held in the admission queue (router/request/lifecycle/hold.py)."""
+
+    within: float
+
+    async def end(self) -> None: ...
+
+
 class Call:
     __slots__ = (
         "_injected",
@@ -49,6 +57,7 @@ class Call:
         "endpoint",
         "estimate",
         "head",
+        "held",
         "hop",
         "inject",
         "method",
@@ -125,6 +134,7 @@ class Call:
         self.stored_id: str | None = None  # the id remembered for this response, once it is
         self._injected: bytes | None = None  # the body with include_usage, made once
         self.started = False  # the response head reached the client
+        self.held: Held | None = None  # waiting in the admission queue for a ready backend
         self.trace: RequestTrace = NO_TRACE
         self.snapshot = snapshot  # the backend set it routes within, to its end
         # The LoRA adapter the request names, when it is routed by its base model.
@@ -165,6 +175,18 @@ class Call:
                 stripped = client_body(pools.rule, record.key_name, payload, body)
                 if stripped is not None:
                     self.body = stripped
+
+    def rebind(self, parts: Parts, snapshot: Snapshot) -> None:
+        """A held request (router/request/lifecycle/hold.py) routes within the snapshot that
+        brought its model's first ready backend; its body stays as it was read (the body budget
+        gives back what it took)."""
+        self.snapshot = snapshot
+        self.backends = snapshot.by_model.get(self.model, ())
+        self.adapter = self.model if self.model in snapshot.adapters else None
+        pools = parts.pd.pools(self.model, self.backends)
+        if pools is not None:
+            self.backends = pools.decode
+            self.pools = pools if self.endpoint.usage in SHAPES else None
 
     def parked(self) -> None:
         """The request waits in the admission queue: its raw body is all it keeps meanwhile."""

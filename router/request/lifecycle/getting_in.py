@@ -68,6 +68,7 @@ async def get_in(
             endpoint,
             parts.settings.max_upload_bytes,
             bodies=parts.bodies,
+            declared=parts.holding.models,
         )
     # The body is held in the body budget from here: by the call until `let_go`, or given
     # back at once on any other way out (a refusal, an error, a cancel).

@@ -62,6 +62,10 @@ class AttemptLease:
         self._side: asyncio.Task[None] | None = None  # SGLang's prefill call, holding `prefill`
         self.answer: Answer | None = None
 
+    def rebind(self, by_name: Mapping[str, Backend]) -> None:
+        """A held request routes within a later snapshot (router/request/lifecycle/hold.py)."""
+        self._by_name = by_name
+
     async def take(
         self,
         backends: Sequence[Backend],

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from balancers.inflight.base import InflightStore, Readings
 from health.state import HealthBook
+from router.core.clock import SYSTEM, Clock
 from router.core.settings import AdmissionConfig, Settings
 from router.engine.lora_loads import LoraLoads
 from router.ops.metrics import Metrics
@@ -17,6 +18,7 @@ from router.ops.tracing import NO_TRACING, Tracing
 from router.registry.fleet import Registry
 from router.request.admit.admission import Admission
 from router.request.admit.byte_budget import ByteBudget
+from router.request.admit.holding import Holding, declared_models
 from router.request.admit.hops import HopMarker
 from router.request.admit.quota import QuotaBook, Quotas
 from router.request.lifecycle.drain import Lifecycle
@@ -50,6 +52,7 @@ class Parts:
         response_ids: ResponseIdStore | None = None,
         hops: HopMarker | None = None,
         lora: LoraLoads | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.metrics = metrics or Metrics()
         # LoRA adapters loaded on demand, and the requests using them (None: never loads).
@@ -99,3 +102,16 @@ class Parts:
         self.pd = Disaggregation(
             settings
         )  # prefill/decode pools per model (router/request/placement/pd.py)
+        # Declared models (scale_from_zero): held while no backend is ready, their demand.
+        self.holding = Holding(
+            settings.scale_from_zero,
+            declared_models(settings),
+            clock,
+            self._ready,
+            admission.changed if admission is not None else None,
+        )
+
+    def _ready(self, model: str) -> bool:
+        """Some backend of `model` is in the registry and routable by health now."""
+        backends = self.registry.snapshot.by_model.get(model)
+        return bool(backends) and bool(self.health.healthy(backends or ()))

@@ -2,6 +2,7 @@
 
     getting_in   drain, hop, validation, estimate, admission ticket, quota reservation
     watch        the lifecycle runs as a task the client's leaving cancels
+    hold         a declared model with no ready backend yet: wait for its first one
     attempt      pick -> lease -> (prefill_leg) -> upstream -> pump; again on another
                  backend while nothing reached the client (Failover)
     migrate      a stream that broke after it began goes on elsewhere
@@ -22,13 +23,16 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router.core.endpoints import BY_ROUTE, Endpoint
-from router.core.errors import ProxyError, answer
+from router.core.errors import BadRequest, ProxyError, answer, sse_error_event
+from router.request.admit.admission import QueueTimeout
+from router.request.admit.holding import Demand, no_backend
 from router.request.admit.quota import KeyLimits
 from router.request.lifecycle import account
 from router.request.lifecycle.attempt import attempts_for
 from router.request.lifecycle.call import Call
 from router.request.lifecycle.endings import Broken, NoneLeft, Retry
 from router.request.lifecycle.getting_in import get_in, let_go
+from router.request.lifecycle.hold import QueueHold, hold, hold_for
 from router.request.lifecycle.migrate import carry_on
 from router.request.lifecycle.parts import Parts
 from router.request.lifecycle.watch import run_watched
@@ -97,24 +101,73 @@ class ProxyCall(Response):
             settle(parts, call)
 
     async def _run(self, send: Send) -> None:
+        call = self.call
+        try:
+            # A declared model's (scale_from_zero) only; any other pays this one dict miss.
+            demand = self.parts.holding.models.get(call.model)
+            if demand is None:
+                await self._attempts(send)
+            else:
+                await self._declared(send, demand)
+        except (ProxyError, BadRequest) as exc:
+            rec = call.record
+            rec.status = exc.status
+            rec.error = exc.code
+            exc.request_id = rec.request_id
+            if call.started:  # a held stream has its head: the refusal is its last event
+                body = sse_error_event(str(exc), exc.type_ or "", exc.code or "", call.anthropic)
+                await send({"type": "http.response.body", "body": body})
+                return
+            await answer(exc, call.anthropic)({"type": "http"}, _no_receive, send)
+
+    async def _declared(self, send: Send, demand: Demand) -> None:
+        """A declared model's request: held while no backend is ready (in the admission queue
+        when there is one), then counted in its model's demand while it is served."""
+        parts = self.parts
+        holding = parts.holding
+        call = self.call
+        model = call.model
+        if holding.needs_hold(model):
+            if call.ticket is None:
+                await hold(parts, call, send)
+            else:
+                await self._held_in_queue(send)
+                return
+        elif not call.backends:  # its first backend came between getting in and here
+            call.rebind(parts, parts.registry.snapshot)
+        holding.begin(demand, model)
+        try:
+            await self._attempts(send)
+        finally:
+            holding.end(demand, model)
+
+    async def _held_in_queue(self, send: Send) -> None:
+        parts = self.parts
+        call = self.call
+        held = QueueHold(parts, call, send, hold_for(parts, call))
+        try:
+            await self._attempts(send)
+        except QueueTimeout:
+            if call.held is None:
+                raise  # it had a backend, and no room on it within its deadline
+            raise no_backend(call.model, held.within) from None
+        finally:
+            if call.held is not None:
+                await held.end(ready=False)
+            held.landed()
+
+    async def _attempts(self, send: Send) -> None:
         parts = self.parts
         call = self.call
         attempts = await attempts_for(parts, call, send)
         try:
             try:
-                try:
-                    await parts.failover.run(attempts)
-                except Broken as broken:
-                    await carry_on(parts, call, send, broken, attempts.again, attempts.exclude)
-            except (Retry, NoneLeft):  # attempts, deadline, budget or backends ran out
-                if not await attempts.resend_whole():
-                    await attempts.give_up()
-        except ProxyError as exc:
-            rec = call.record
-            rec.status = exc.status
-            rec.error = exc.code
-            exc.request_id = rec.request_id
-            await answer(exc, call.anthropic)({"type": "http"}, _no_receive, send)
+                await parts.failover.run(attempts)
+            except Broken as broken:
+                await carry_on(parts, call, send, broken, attempts.again, attempts.exclude)
+        except (Retry, NoneLeft):  # attempts, deadline, budget or backends ran out
+            if not await attempts.resend_whole():
+                await attempts.give_up()
 
 
 def settle(parts: Parts, call: Call) -> None:
