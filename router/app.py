@@ -435,7 +435,15 @@ def _routes(app: FastAPI, p: AppParts) -> None:
     """The HTTP face: the API, admin, usage and console routes, health, metrics, errors."""
     settings = p.settings
     app.include_router(openai_routes(p.proxy, p.registry, p.client_keys))
-    app.include_router(admin_routes(p.rows, p.admin_auth, settings.drain_grace, settings.admin))
+    app.include_router(
+        admin_routes(
+            p.rows,
+            p.admin_auth,
+            settings.drain_grace,
+            settings.admin,
+            fallbacks=p.proxy.fallbacks.table(),
+        )
+    )
     app.include_router(usage_routes(p.proxy.usage, p.admin_auth))
     if settings.console.enabled:
         live = LiveState(
@@ -446,6 +454,7 @@ def _routes(app: FastAPI, p: AppParts) -> None:
             p.client_keys,
             p.admin_auth.configured,
             settings.console.refresh,
+            fallbacks=p.proxy.fallbacks.table(),
         )
         app.include_router(console_routes(settings.console, p.admin_auth, live))
 
