@@ -508,8 +508,8 @@ class MockUpstream:
             failing = wire.error(
                 bh.fail_status, f"{self.name} failing on purpose", "server_error", None
             )
-            body = json.loads(bh.fail_body) if bh.fail_body is not None else failing.body
-            await _json(send, bh.fail_status, body, extra)
+            answer = json.loads(bh.fail_body) if bh.fail_body is not None else failing.body
+            await _json(send, bh.fail_status, answer, extra)
             st.completed += 1
             return
 
