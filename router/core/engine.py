@@ -63,6 +63,7 @@ class EngineReading:
             "block_size": self.block_size,
             "prefill_s_per_token": self.prefill_s_per_token,
             "step_s_per_seq": self.step_s_per_seq,
+            "max_model_len": self.max_model_len,
             "lora": None
             if self.max_lora is None and not self.adapters
             else {
