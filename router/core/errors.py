@@ -53,8 +53,9 @@ Raised in a foreign tree, for the code that speaks it; they reach ours through t
 
 Never reaching a client as they are: each is caught by its module's caller, which says what
 happens (an error of the tree above, a reading or event dropped, a log line, a CLI message):
-  request/lifecycle/endings.py   Retry, Broken, NoneLeft: the attempt loop's control flow (another
-                                 backend, a migration, or the last ProxyError answered)
+  request/lifecycle/endings.py   Retry, Broken, NoneLeft, Refusal: the attempt loop's control flow
+                                 (another backend, a migration, a fallback model, or the last
+                                 ProxyError or backend answer answered)
   request/admit/estimate.py      BadLimit: a limit field refused; answered as a BadRequest
   request/wire/multipart.py      BadForm: a form refused; answered as a BadRequest
   request/placement/pd.py        BadPrefillAnswer: a prefill answer unusable; a ProxyError

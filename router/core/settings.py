@@ -218,7 +218,7 @@ class TlsConfig(_Strict):
 class BackendConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: str
-    kind: Literal["vllm", "sglang", "openai"] = "vllm"
+    kind: Literal["vllm", "sglang", "openai", "anthropic"] = "vllm"
     # Where the engine's Prometheus text is (vllm, sglang); null or "": not scraped (Helm drops a
     # null from values, so "" is the way to say "off" there). Never scraped for openai.
     metrics_path: str | None = Field("/metrics", pattern=r"^/[^\s?#]*$")
@@ -528,6 +528,7 @@ class FallbackChain(_Strict):
     (router/request/placement/fallbacks.py, docs/fallbacks.md). Written as LiteLLM writes it, a
     plain list of model names, or as this mapping to set `mid_stream`."""
 
+    # The fallback models, tried in this order (each a model some backend serves).
     models: list[str] = Field(min_length=1, max_length=16)
     # A stream whose engine died, that no engine of its own model can continue: `continue` on
     # the next model of the chain (from the text already sent), or `error` (an error event).
@@ -559,6 +560,14 @@ def _fallback_map(v: Any) -> Any:
     return merged
 
 
+# The API formats a backend kind serves: OpenAI's (chat, completions, ...) and Anthropic's
+# Messages. vLLM and SGLang serve both; a fallback never translates between them.
+API_FORMATS: dict[str, tuple[str, ...]] = {
+    "vllm": ("openai", "anthropic"),
+    "sglang": ("openai", "anthropic"),
+    "openai": ("openai",),
+    "anthropic": ("anthropic",),
+}
 FallbackMap = Annotated[dict[str, FallbackChain], BeforeValidator(_fallback_map)]
 FALLBACK_KEYS = ("fallbacks", "context_window_fallbacks", "content_policy_fallbacks")
 
@@ -855,11 +864,15 @@ class Settings(BaseSettings):
     # for its usage when the client did not and hides that event; `passive` counts content events.
     usage_accounting: Literal["active", "passive"] = "active"
     usage_flush: float = Field(5.0, gt=0, le=3600)  # seconds between usage writes to Redis
-    # Model fallbacks, LiteLLM's keys and shapes (docs/fallbacks.md): model -> the models tried
-    # in order when it cannot serve (an error after its own retries; a prompt too long for its
-    # context; a content-policy refusal).
+    # Model fallbacks (docs/fallbacks.md), LiteLLM's key and shapes: model -> the models tried
+    # in order when its own backends failed, were full or ejected after its retries (and when a
+    # stream broke that none of them continued, unless the chain says `mid_stream: error`).
     fallbacks: FallbackMap = Field(default_factory=dict)
+    # model -> the models tried when the prompt plus max_tokens does not fit its context (its
+    # engines' max_model_len, or their context-length 400).
     context_window_fallbacks: FallbackMap = Field(default_factory=dict)
+    # model -> the models tried when a backend refuses on content policy (OpenAI's
+    # content_policy_violation, Azure's content filter codes).
     content_policy_fallbacks: FallbackMap = Field(default_factory=dict)
 
     @field_validator("backends")
@@ -916,6 +929,16 @@ class Settings(BaseSettings):
                 patterns.extend(source.models_allow or ["*"])
             else:
                 known.update(source.models)
+        # The API formats each model's backends speak (never translated between).
+        formats: dict[str, set[str]] = {}
+        for b in self.backends:
+            for m in b.models:
+                formats.setdefault(m, set()).update(API_FORMATS[b.kind])
+        for source in self.discovery:
+            if source.models != "auto":
+                kind = source.backend.get("kind", "vllm")
+                for m in source.models:
+                    formats.setdefault(m, set()).update(API_FORMATS.get(kind, ()))
         for key in FALLBACK_KEYS:
             chains: dict[str, FallbackChain] = getattr(self, key)
             for model, chain in chains.items():
@@ -926,6 +949,14 @@ class Settings(BaseSettings):
                         raise ValueError(f"{key}: {name!r} is a model no backend serves")
                 if model in chain.models:
                     raise ValueError(f"{key}: {model!r} falls back to itself")
+                for target in chain.models:
+                    if model in formats and target in formats:
+                        if not formats[model] & formats[target]:
+                            raise ValueError(
+                                f"{key}: {target!r} cannot serve {model!r}'s requests "
+                                f"({'/'.join(sorted(formats[target]))} API only; fallbacks "
+                                "never translate between API formats)"
+                            )
             cycle = fallback_cycle(chains)
             if cycle is not None:
                 raise ValueError(f"{key}: a cycle: {' -> '.join(cycle)}")

@@ -23,7 +23,7 @@ def fall_back(parts: Parts, call: Call, reason: FallbackReason) -> bool:
     route = call.fallback
     if route is None or call.started:
         return False
-    target = route.next(reason, call.snapshot.by_model)
+    target = route.next(reason, call.snapshot.by_model, call.endpoint.errors)
     if target is None:
         return False
     moved(parts, call, target, reason)

@@ -171,7 +171,9 @@ class ProxyCall(Response):
         async def elsewhere() -> Again | None:
             route = call.fallback
             assert route is not None
-            target = route.next(FallbackReason.MID_STREAM, call.snapshot.by_model)
+            target = route.next(
+                FallbackReason.MID_STREAM, call.snapshot.by_model, call.endpoint.errors
+            )
             if target is None:
                 return None
             moved(parts, call, target, FallbackReason.MID_STREAM)

@@ -22,7 +22,7 @@ from typing import Any
 from router.core.backend import Backend
 from router.core.engine import EngineReading
 from router.core.errors import FallbackReason
-from router.core.settings import FALLBACK_KEYS, FallbackChain, Settings
+from router.core.settings import API_FORMATS, FALLBACK_KEYS, FallbackChain, Settings
 
 # The body member a client turns fallbacks off with (`"fallbacks": []`), never sent upstream.
 BODY_MEMBER = "fallbacks"
@@ -106,9 +106,15 @@ class Route:
         self.only = only  # the body's `"fallbacks"` list (None: the whole chain)
         self.tried = {origin}
 
-    def next(self, reason: FallbackReason, by_model: Mapping[str, Sequence[Backend]]) -> str | None:
+    def next(
+        self,
+        reason: FallbackReason,
+        by_model: Mapping[str, Sequence[Backend]],
+        api: str = "openai",
+    ) -> str | None:
         """The next model of the chain for `reason` that the key may use and some backend serves
-        now; None when none is left (the client gets the original error)."""
+        now in the request's API format (`api`: openai or anthropic); None when none is left
+        (the client gets the original error)."""
         chain = self.chains.for_reason(reason)
         if chain is None:
             return None
@@ -119,7 +125,7 @@ class Route:
                 continue
             if self.allowed is not None and target not in self.allowed:
                 continue
-            if not by_model.get(target):
+            if not any(api in API_FORMATS[b.kind] for b in by_model.get(target, ())):
                 continue
             self.tried.add(target)
             return target

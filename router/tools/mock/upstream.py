@@ -469,18 +469,7 @@ class MockUpstream:
             "query": scope.get("query_string", b"").decode("latin-1"),
         }
         st.recent.append(rec)
-        if bh.require_key is not None and headers.get("authorization") != (
-            "Bearer " + bh.require_key
-        ):
-            refused = {
-                "error": {
-                    "message": "Incorrect API key provided.",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "invalid_api_key",
-                }
-            }
-            await _json(send, 401, refused)
+        if await self._key_refused(headers, path, send):
             return
         chat = path == "/v1/chat/completions"
         start = 0  # where the answer begins: past a continued answer's tokens
@@ -605,6 +594,30 @@ class MockUpstream:
             await _raw(send, 200, apis.dumps(stored))
         self.stats.completed += 1
 
+    async def _key_refused(self, headers: dict[str, str], path: str, send: Send) -> bool:
+        """A cloud API's key check (`require_key`): OpenAI's bearer key, or Anthropic's
+        `x-api-key` with an `anthropic-version` on the Messages API. True when refused."""
+        key = self.behaviour.require_key
+        if key is None:
+            return False
+        if path.startswith("/v1/messages"):
+            if headers.get("x-api-key") == key and headers.get("anthropic-version"):
+                return False
+            refused = apis.anthropic_error("authentication_error", "invalid x-api-key")
+        else:
+            if headers.get("authorization") == "Bearer " + key:
+                return False
+            refused = {
+                "error": {
+                    "message": "Incorrect API key provided.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
+        await _json(send, 401, refused)
+        return True
+
     async def _failing(self, send: Send, anthropic: bool = False) -> bool:
         """Answer with the configured failure, if one applies; True when it did."""
         bh = self.behaviour
@@ -615,7 +628,9 @@ class MockUpstream:
         extra = [(b"retry-after", str(bh.retry_after).encode())] if bh.retry_after else []
         message = f"{self.name} failing on purpose"
         body: dict[str, Any] = (
-            apis.anthropic_error("api_error", message)
+            json.loads(bh.fail_body)
+            if bh.fail_body is not None
+            else apis.anthropic_error("api_error", message)
             if anthropic
             else {"error": {"message": message, "type": "server_error", "code": bh.fail_status}}
         )
@@ -643,6 +658,8 @@ class MockUpstream:
             "query": scope.get("query_string", b"").decode("latin-1"),
         }
         st.recent.append(rec)
+        if await self._key_refused(headers, path, send):
+            return
         anthropic = path.startswith("/v1/messages")
         req = _form(body, headers.get("content-type")) if path.startswith("/v1/audio/") else None
         if req is None:

@@ -76,10 +76,18 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
                     kind="openai",
                     api_key_env="FALLBACK_CLOUD_KEY",
                 ),
+                # The same mock cloud as Anthropic's Messages API (x-api-key, anthropic-version).
+                backend(
+                    "claude",
+                    mocks["cloud"],
+                    {"claude": "claude-sonnet"},
+                    kind="anthropic",
+                    api_key_env="FALLBACK_CLOUD_KEY",
+                ),
             ],
             # LiteLLM's shapes, carried over as they are.
             "fallbacks": [
-                {"small": ["cloud"]},
+                {"small": ["cloud", "claude"]},
                 {"tiny": {"models": ["big"], "mid_stream": "error"}},
             ],
             "context_window_fallbacks": [{"small": ["big"]}, {"tiny": ["big"]}],
@@ -357,10 +365,33 @@ def test_messages_requests_fall_back_too(fleet: dict[str, Proc]) -> None:
     assert requests(fleet, "s1") == requests(fleet, "s2") == 0
 
 
+def test_a_messages_request_falls_back_to_the_anthropic_backend_only(
+    fleet: dict[str, Proc],
+) -> None:
+    router = fleet["router"]
+    before = fallbacks(router, "error", "claude")
+    both(fleet, fail_status=429)
+    client = anthropic.Anthropic(base_url=router.url, api_key="all", max_retries=0, timeout=20)
+    raw = client.messages.with_raw_response.create(
+        model="small",
+        max_tokens=5,
+        messages=MSG,  # type: ignore[arg-type]
+    )
+    assert raw.headers["x-sluicegate-model"] == "claude"  # `cloud` speaks no Messages API
+    assert raw.parse().model == "claude-sonnet"
+    seen = stats(fleet["cloud"])["recent"][-1]
+    assert seen["path"] == "/v1/messages"
+    assert seen["headers"]["x-api-key"] == CLOUD_KEY
+    assert seen["headers"]["anthropic-version"] == "2023-06-01"
+    assert "authorization" not in seen["headers"]
+    assert requests(fleet, "cloud") == 1  # the openai-kind model was never asked
+    assert fallbacks(router, "error", "claude") == before + 1
+
+
 def test_the_admin_api_shows_the_chains(fleet: dict[str, Proc]) -> None:
     rows = httpx.get(fleet["router"].url + "/admin/fallbacks", headers=_admin(), timeout=5)
     chains = {(r["model"], r["kind"]): r for r in rows.json()["data"]}
-    assert chains[("small", "fallbacks")]["to"] == ["cloud"]
+    assert chains[("small", "fallbacks")]["to"] == ["cloud", "claude"]
     assert chains[("tiny", "fallbacks")]["mid_stream"] == "error"
     assert chains[("small", "context_window_fallbacks")]["to"] == ["big"]
     assert chains[("small", "content_policy_fallbacks")]["to"] == ["cloud"]
