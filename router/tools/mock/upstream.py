@@ -490,6 +490,7 @@ class MockUpstream:
             await _json(send, exc.status, exc.body)
             return
         rec["model"] = model = req.get("model") or self.default_model
+        rec["fields"] = list(req)  # the body's member names: what a router forwarded
         if bh.fail_status and bh.fail_count != 0:
             if bh.fail_count > 0:
                 bh.fail_count -= 1

@@ -20,6 +20,7 @@ import pytest
 from openai.types.chat import ChatCompletionNamedToolChoiceParam, ChatCompletionToolParam
 
 from tests.support.harness import Cluster, Proc, backend, control, metric, sha, stats
+from tests.support.otlp_receiver import Receiver, Span
 from tests.support.wait import wait_for
 
 TOKEN = "fallbacks-admin-token"
@@ -48,7 +49,7 @@ POLICY = (
 
 
 @pytest.fixture(scope="module")
-def fleet(module_procs: Cluster) -> dict[str, Proc]:
+def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
     short = ["--max-model-len", "300"]
     mocks = {
         "s1": module_procs.mock(
@@ -99,6 +100,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
             "outlier": {"consecutive_failures": 1000},
             "engine_metrics": {"interval": 0.1},
             "admin_token": TOKEN,
+            "tracing": {"otlp_endpoint": receiver.url},
             "api_keys": [
                 {"sha256": sha("all"), "name": "all"},
                 {"sha256": sha("nocloud"), "name": "nocloud", "models": ["small", "big", "tiny"]},
@@ -106,7 +108,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
                 {"sha256": sha("one"), "name": "one", "max_parallel": 1},
             ],
         },
-        env={"FALLBACK_CLOUD_KEY": CLOUD_KEY},
+        env={"FALLBACK_CLOUD_KEY": CLOUD_KEY, "OTEL_BSP_SCHEDULE_DELAY": "50"},
     )
     fleet = {**mocks, "t1": mocks["s1"], "router": router}
 
@@ -165,12 +167,14 @@ def both(fleet: dict[str, Proc], **changes: Any) -> None:
         control(fleet[name], **changes)
 
 
-def test_429_on_every_engine_falls_back_to_the_cloud_with_its_key(fleet: dict[str, Proc]) -> None:
+def test_429_on_every_engine_falls_back_to_the_cloud_with_its_key(
+    fleet: dict[str, Proc], receiver: Receiver
+) -> None:
     router = fleet["router"]
     before = fallbacks(router, "error", "cloud")
     both(fleet, fail_status=429)
     raw = sdk(router).chat.completions.with_raw_response.create(
-        model="small", messages=MSG, max_tokens=5
+        model="small", messages=MSG, max_tokens=5, extra_headers={"x-request-id": "fell-back"}
     )
     answer = raw.parse()
     assert raw.headers["x-sluicegate-model"] == "cloud"
@@ -179,6 +183,40 @@ def test_429_on_every_engine_falls_back_to_the_cloud_with_its_key(fleet: dict[st
     seen = stats(fleet["cloud"])["recent"][-1]
     assert seen["authorization"] == f"Bearer {CLOUD_KEY}"  # never the client's own key
     assert fallbacks(router, "error", "cloud") == before + 1
+    # The log line says which model was asked for, the trace when it moved and why.
+    wait_for(lambda: '"fallback_from": "small"' in router.log(), "the log line's fallback_from")
+    line = next(
+        ln for ln in router.log().splitlines() if "fell-back" in ln and "fallback_from" in ln
+    )
+    assert '"model": "cloud"' in line
+
+    def moved(spans: list[Span]) -> bool:
+        return any(
+            s.event("fallback")
+            for s in spans
+            if s.attributes.get("sluicegate.request_id") == "fell-back"
+        )
+
+    spans = receiver.wait_for(moved)
+    (event,) = [
+        s.event("fallback")
+        for s in spans
+        if s.attributes.get("sluicegate.request_id") == "fell-back" and s.event("fallback")
+    ]
+    assert event is not None
+    assert event[2] == {
+        "sluicegate.fallback.from": "small",
+        "sluicegate.fallback.to": "cloud",
+        "sluicegate.fallback.reason": "error",
+    }
+
+
+def test_the_body_fallbacks_is_never_forwarded(fleet: dict[str, Proc]) -> None:
+    sdk(fleet["router"]).chat.completions.create(
+        model="small", messages=MSG, max_tokens=5, extra_body={"fallbacks": ["cloud"]}
+    )
+    (seen,) = [r for name in SMALL for r in stats(fleet[name])["recent"]]
+    assert "messages" in seen["fields"] and "fallbacks" not in seen["fields"]
 
 
 def test_an_answer_without_fallback_names_its_model(fleet: dict[str, Proc]) -> None:
