@@ -147,6 +147,7 @@ def _reset(fleet: dict[str, Proc]) -> None:
             fail_at=[],
             hold=False,
             require_key=CLOUD_KEY if name == "cloud" else None,
+            retry_after=None,
         )
 
 
@@ -217,6 +218,28 @@ def test_the_body_fallbacks_is_never_forwarded(fleet: dict[str, Proc]) -> None:
     )
     (seen,) = [r for name in SMALL for r in stats(fleet[name])["recent"]]
     assert "messages" in seen["fields"] and "fallbacks" not in seen["fields"]
+
+
+def test_engines_cooling_down_are_not_asked_again(fleet: dict[str, Proc]) -> None:
+    """A 429 with Retry-After cools its engine down: the next request finds no capacity and
+    falls back without asking them again."""
+    router = fleet["router"]
+    both(fleet, fail_status=429, retry_after=1)
+    client = sdk(router)
+    client.chat.completions.create(model="small", messages=MSG, max_tokens=5)
+    asked = requests(fleet, "s1") + requests(fleet, "s2")
+    raw = client.chat.completions.with_raw_response.create(
+        model="small", messages=MSG, max_tokens=5
+    )
+    assert raw.headers["x-sluicegate-model"] == "cloud"
+    assert requests(fleet, "s1") + requests(fleet, "s2") == asked  # not asked again
+    both(fleet, fail_status=0, retry_after=None)
+
+    def cooled() -> bool:
+        rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=5).json()
+        return all(r["healthy"] for r in rows if r["name"] in SMALL)
+
+    wait_for(cooled, "the cool-down's end", within=5)
 
 
 def test_an_answer_without_fallback_names_its_model(fleet: dict[str, Proc]) -> None:
