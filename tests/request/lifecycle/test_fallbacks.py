@@ -19,7 +19,16 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionNamedToolChoiceParam, ChatCompletionToolParam
 
-from tests.support.harness import Cluster, Proc, backend, control, metric, sha, stats
+from tests.support.harness import (
+    Cluster,
+    Proc,
+    backend,
+    control,
+    free_port,
+    metric,
+    sha,
+    stats,
+)
 from tests.support.otlp_receiver import Receiver, Span
 from tests.support.wait import wait_for
 
@@ -77,6 +86,8 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
                     kind="openai",
                     api_key_env="FALLBACK_CLOUD_KEY",
                 ),
+                # Nothing listens there: every attempt is a connect failure.
+                {"name": "dead", "url": f"http://127.0.0.1:{free_port()}", "models": ["gone"]},
                 # The same mock cloud as Anthropic's Messages API (x-api-key, anthropic-version).
                 backend(
                     "claude",
@@ -90,6 +101,7 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
             "fallbacks": [
                 {"small": ["cloud", "claude"]},
                 {"tiny": {"models": ["big"], "mid_stream": "error"}},
+                {"gone": ["big"]},
             ],
             "context_window_fallbacks": [{"small": ["big"]}, {"tiny": ["big"]}],
             "content_policy_fallbacks": {"small": ["cloud"]},
@@ -101,6 +113,7 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
             "engine_metrics": {"interval": 0.1},
             "admin_token": TOKEN,
             "tracing": {"otlp_endpoint": receiver.url},
+            "console": {"enabled": True},
             "api_keys": [
                 {"sha256": sha("all"), "name": "all"},
                 {"sha256": sha("nocloud"), "name": "nocloud", "models": ["small", "big", "tiny"]},
@@ -449,6 +462,46 @@ def test_a_messages_request_falls_back_to_the_anthropic_backend_only(
     assert fallbacks(router, "error", "claude") == before + 1
 
 
+def test_a_connect_failure_falls_back(fleet: dict[str, Proc]) -> None:
+    raw = sdk(fleet["router"]).chat.completions.with_raw_response.create(
+        model="gone", messages=MSG, max_tokens=5
+    )
+    assert raw.headers["x-sluicegate-model"] == "big"
+    assert requests(fleet, "big") == 1
+
+
+@pytest.mark.parametrize(("extra", "why"), [({"n": 2}, "n > 1"), ({"logprobs": True}, "logprobs")])
+def test_what_cannot_continue_honestly_ends_with_the_error_event(
+    fleet: dict[str, Proc], extra: dict[str, Any], why: str
+) -> None:
+    both(fleet, fail_at=[10])
+    text = ""
+    with pytest.raises(openai.APIError) as caught:
+        for c in sdk(fleet["router"]).chat.completions.create(
+            model="small", messages=MSG, stream=True, max_tokens=40, **extra
+        ):
+            text += (c.choices[0].delta.content or "") if c.choices else ""
+    assert f"Not migrated: it asks for {why}." in str(caught.value)
+    assert text == "".join(f"tok{i} " for i in range(10))
+    assert requests(fleet, "cloud") == 0
+
+
+def test_a_target_that_rejects_the_prefill_ends_with_the_error_event(
+    fleet: dict[str, Proc],
+) -> None:
+    both(fleet, fail_at=[10, 20])
+    control(fleet["cloud"], fail_status=400)  # refuses the continuation
+    text = ""
+    with pytest.raises(openai.APIError) as caught:
+        for c in sdk(fleet["router"]).chat.completions.create(
+            model="small", messages=MSG, stream=True, max_tokens=40
+        ):
+            text += (c.choices[0].delta.content or "") if c.choices else ""
+    assert "No backend could continue it." in str(caught.value)
+    assert text == "".join(f"tok{i} " for i in range(20))  # nothing invented
+    assert requests(fleet, "cloud") == 1
+
+
 def test_the_admin_api_shows_the_chains(fleet: dict[str, Proc]) -> None:
     rows = httpx.get(fleet["router"].url + "/admin/fallbacks", headers=_admin(), timeout=5)
     chains = {(r["model"], r["kind"]): r for r in rows.json()["data"]}
@@ -456,6 +509,8 @@ def test_the_admin_api_shows_the_chains(fleet: dict[str, Proc]) -> None:
     assert chains[("tiny", "fallbacks")]["mid_stream"] == "error"
     assert chains[("small", "context_window_fallbacks")]["to"] == ["big"]
     assert chains[("small", "content_policy_fallbacks")]["to"] == ["cloud"]
+    live = httpx.get(fleet["router"].url + "/console/api/live", headers=_admin(), timeout=5)
+    assert live.json()["fallbacks"] == rows.json()["data"]  # the console shows the same
 
 
 def test_nothing_leaks_when_the_client_leaves_during_the_fallback(fleet: dict[str, Proc]) -> None:
