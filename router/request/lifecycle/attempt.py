@@ -459,6 +459,7 @@ async def _refused(
     apart (router/core/errors.py's `refusal_reason`). One a fallback chain takes raises
     `Refusal`; an ordinary one reaches the client as the backend gave it."""
     body, cut = await _read_error(parts, response)
+    call.working = False  # it answered: no generation to charge should the client leave
     headers = downstream_response_headers(response.headers.raw, call.record.request_id, False)
     if cut:
         headers = [(k, v) for k, v in headers if k != b"content-length"]

@@ -75,7 +75,8 @@ async def get_in(
             bodies=parts.bodies,
         )
     only: list[str] | None = None
-    if BODY_MEMBER in checked.payload:  # the client's own `"fallbacks"`, never sent upstream
+    # The client's own `"fallbacks"` in a JSON body (a form's fields go as they came).
+    if BODY_MEMBER in checked.payload and checked.model_span is None and checked.body:
         checked, only = _body_fallbacks(parts, checked, request_id)
     # The body is held in the body budget from here: by the call until `let_go`, or given
     # back at once on any other way out (a refusal, an error, a cancel).
