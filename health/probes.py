@@ -29,7 +29,12 @@ from router.upstream.transport import LeanTransport
 MAX_PROBE_BODY = 1024 * 1024
 _ONE = httpx.Limits(max_connections=1, max_keepalive_connections=0)
 
-DEFAULT_PATHS = {"vllm": "/health", "sglang": "/health", "openai": "/v1/models"}
+DEFAULT_PATHS = {
+    "vllm": "/health",
+    "sglang": "/health",
+    "openai": "/v1/models",
+    "anthropic": "/v1/models",  # Anthropic's model list, with the key
+}
 
 
 def probe_path(backend: Backend, cfg: HealthConfig) -> str:

@@ -468,7 +468,15 @@ def _routes(app: FastAPI, p: AppParts, proxy_routes: bool = True) -> None:
     settings = p.settings
     if proxy_routes:
         app.include_router(openai_routes(p.proxy, p.registry, p.client_keys))
-    app.include_router(admin_routes(p.rows, p.admin_auth, settings.drain_grace, settings.admin))
+    app.include_router(
+        admin_routes(
+            p.rows,
+            p.admin_auth,
+            settings.drain_grace,
+            settings.admin,
+            fallbacks=p.proxy.fallbacks.table(),
+        )
+    )
     app.include_router(usage_routes(p.proxy.usage, p.admin_auth))
     if settings.console.enabled:
         live = LiveState(
@@ -479,6 +487,7 @@ def _routes(app: FastAPI, p: AppParts, proxy_routes: bool = True) -> None:
             p.client_keys,
             p.admin_auth.configured,
             settings.console.refresh,
+            fallbacks=p.proxy.fallbacks.table(),
         )
         app.include_router(console_routes(settings.console, p.admin_auth, live))
 

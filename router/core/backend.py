@@ -21,6 +21,9 @@ from router.core.settings import (
 )
 from router.core.validation import check_header_name, check_header_value, check_url
 
+# The Messages API version a `kind: anthropic` backend is spoken to in, unless its `headers` say.
+ANTHROPIC_VERSION = b"2023-06-01"
+
 
 def _wire(where: str, name: str, value: str) -> tuple[bytes, bytes]:
     try:
@@ -77,8 +80,14 @@ class Backend:
         changed since, still gets a clear error here, never a UnicodeEncodeError later)."""
         key = cfg.resolved_key()
         headers = [_wire(f"headers.{k}", k, v) for k, v in cfg.headers.items()]
+        hname = cfg.key_header.lower()
+        if cfg.kind == "anthropic":
+            # Anthropic's API: the key as `x-api-key`, and the API version it is spoken in.
+            if hname == "authorization":  # Anthropic takes no bearer key
+                hname = "x-api-key"
+            if not any(k.lower() == "anthropic-version" for k in cfg.headers):
+                headers.append((b"anthropic-version", ANTHROPIC_VERSION))
         if key:
-            hname = cfg.key_header.lower()
             value = f"Bearer {key}" if hname == "authorization" else key
             headers.append(_wire("api_key", hname, value))
         check_url(cfg.url)
@@ -100,9 +109,9 @@ class Backend:
             outlier=cfg.outlier,
             source=source,
             draining=draining,
-            key_header=cfg.key_header.lower(),
+            key_header=hname,
             header_names=tuple(k.lower() for k in cfg.headers),
-            metrics_path=cfg.metrics_path if cfg.kind != "openai" else None,
+            metrics_path=cfg.metrics_path if cfg.kind not in ("openai", "anthropic") else None,
             kv_events=cfg.kv_events if cfg.kind == "vllm" else None,
             tls=cfg.tls,
             ssl_context=context,

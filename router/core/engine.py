@@ -33,6 +33,9 @@ class EngineReading:
     # Adapters the engine serves (its `/v1/models` entries whose `parent` is its base model),
     # refreshed every `lora.refresh` seconds; None: not asked yet, or not a vLLM engine.
     adapters: frozenset[str] | None = None
+    # The context its base model takes (`max_model_len` in the same `/v1/models`), for the
+    # context-window fallback's check before the call; None: not reported (yet).
+    max_model_len: int | None = None
     # This process's own in-flight count on the backend when the scrape was sent (None: not
     # known, e.g. with counts shared through Redis). A balancer pairs the reading with it: our
     # requests that ended between the scrape and the pick are in the figures but no longer on
@@ -60,6 +63,7 @@ class EngineReading:
             "block_size": self.block_size,
             "prefill_s_per_token": self.prefill_s_per_token,
             "step_s_per_seq": self.step_s_per_seq,
+            "max_model_len": self.max_model_len,
             "lora": None
             if self.max_lora is None and not self.adapters
             else {

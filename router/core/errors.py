@@ -57,8 +57,9 @@ Raised in a foreign tree, for the code that speaks it; they reach ours through t
 
 Never reaching a client as they are: each is caught by its module's caller, which says what
 happens (an error of the tree above, a reading or event dropped, a log line, a CLI message):
-  request/lifecycle/endings.py   Retry, Broken, NoneLeft: the attempt loop's control flow (another
-                                 backend, a migration, or the last ProxyError answered)
+  request/lifecycle/endings.py   Retry, Broken, NoneLeft, Refusal: the attempt loop's control flow
+                                 (another backend, a migration, a fallback model, or the last
+                                 ProxyError or backend answer answered)
   request/admit/estimate.py      BadLimit: a limit field refused; answered as a BadRequest
   request/wire/multipart.py      BadForm: a form refused; answered as a BadRequest
   request/placement/pd.py        BadPrefillAnswer: a prefill answer unusable; a ProxyError
@@ -77,6 +78,10 @@ happens (an error of the tree above, a reading or event dropped, a log line, a C
 tests/core/test_errors.py checks that every exception class of router/, balancers/ and health/ is
 named here.
 
+A backend's refusal that another model may not meet (a prompt over its context, a content
+policy) is told from an ordinary 400 once, by `refusal_reason()` and its tables of engines'
+wordings; `FallbackReason` names why a request went to a fallback model.
+
 Foreign exceptions (httpx's tree, which the upstream transport speaks; OSError, TimeoutError;
 redis-py) are mapped here and nowhere else: `upstream_failure()` for an attempt at a backend,
 `store_unavailable()` for Redis. `FailureKind` names what went wrong with an attempt, for health,
@@ -86,6 +91,7 @@ metrics and logs alike.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -445,6 +451,62 @@ def mid_stream_kind(exc: BaseException) -> FailureKind:
         if isinstance(exc, httpx.TimeoutException | TimeoutError)
         else (FailureKind.MID_STREAM)
     )
+
+
+class FallbackReason(StrEnum):
+    """Why a request went to a fallback model (docs/fallbacks.md; the metric's `reason`)."""
+
+    ERROR = "error"  # `fallbacks`: its own backends failed, were full, ejected or cooling down
+    CONTEXT_WINDOW = "context_window"  # `context_window_fallbacks`: the prompt does not fit
+    CONTENT_POLICY = "content_policy"  # `content_policy_fallbacks`: a content-policy refusal
+    MID_STREAM = "mid_stream"  # `fallbacks`: a stream broke and no engine of its own continued
+
+
+# An engine's refusal of a prompt too long for its context, by the wording of each version
+# (tests/core/test_error_classes.py holds each row to its version's text). Matched in the
+# first bytes of a 400's body only.
+CONTEXT_WINDOW_TEXTS: tuple[tuple[str, re.Pattern[bytes]], ...] = (
+    # vLLM <= 0.6: "... However, you requested N tokens (P in the messages, C in the completion)"
+    ("vllm-0.6", re.compile(rb"maximum context length is \d+ tokens\. However, you requested")),
+    # vLLM 0.7-0.10: "... However, your request has N input tokens. Please reduce ..."
+    ("vllm-0.8", re.compile(rb"maximum context length is \d+ tokens\. However, your request has")),
+    # vLLM >= 0.8: "'max_tokens' or 'max_completion_tokens' is too large: C. This model's
+    # maximum context length is N tokens and your request has P input tokens (C > N - P)."
+    ("vllm-0.9", re.compile(rb"is too large: \d+\. This model's maximum context length is")),
+    # vLLM >= 0.11 (the V1 processor): "The decoder prompt (length P) is longer than the
+    # maximum model length of N."
+    ("vllm-0.11", re.compile(rb"prompt \(length \d+\) is longer than the maximum model length")),
+    # vLLM 0.32: "... However, your prompt contains at least N input tokens, which exceeds
+    # this limit even without any output tokens."
+    ("vllm-0.32", re.compile(rb"maximum context length is \d+ tokens\. However, your prompt")),
+    ("vllm-0.32-max-tokens", re.compile(rb"max_tokens=\d+ cannot be greater than max_model_len")),
+    # SGLang: "Input length (P tokens) exceeds the maximum allowed length (N tokens)."
+    ("sglang", re.compile(rb"Input length \(\d+ tokens\) exceeds the maximum allowed length")),
+    # OpenAI's own API: `"code": "context_length_exceeded"`.
+    ("openai", re.compile(rb'"code"\s*:\s*"context_length_exceeded"')),
+)
+# A content-policy refusal: OpenAI's code, Azure OpenAI's content filter codes.
+CONTENT_POLICY_TEXTS: tuple[tuple[str, re.Pattern[bytes]], ...] = (
+    ("openai", re.compile(rb'"code"\s*:\s*"content_policy_violation"')),
+    ("azure", re.compile(rb'"code"\s*:\s*"(?:content_filter|ResponsibleAIPolicyViolation)"')),
+)
+_CLASS_WINDOW = 4096  # bytes of an error body the texts are looked for in
+
+
+def refusal_reason(status: int, body: bytes) -> FallbackReason | None:
+    """The one map from a backend's refusal (status, body) to a fallback class: the context
+    window or content policy (a 400), or None: an ordinary 4xx, which reaches the client as it
+    is. 429 and 5xx are `ERROR`, decided where the attempts run out."""
+    if status != 400:
+        return None
+    head = body[:_CLASS_WINDOW]
+    for _, pattern in CONTEXT_WINDOW_TEXTS:
+        if pattern.search(head):
+            return FallbackReason.CONTEXT_WINDOW
+    for _, pattern in CONTENT_POLICY_TEXTS:
+        if pattern.search(head):
+            return FallbackReason.CONTENT_POLICY
+    return None
 
 
 # Redis Cluster's own errors (no slot map, no node reachable) are no RedisError.

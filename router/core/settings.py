@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -217,7 +218,7 @@ class TlsConfig(_Strict):
 class BackendConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: str
-    kind: Literal["vllm", "sglang", "openai"] = "vllm"
+    kind: Literal["vllm", "sglang", "openai", "anthropic"] = "vllm"
     # Where the engine's Prometheus text is (vllm, sglang); null or "": not scraped (Helm drops a
     # null from values, so "" is the way to say "off" there). Never scraped for openai.
     metrics_path: str | None = Field("/metrics", pattern=r"^/[^\s?#]*$")
@@ -565,6 +566,82 @@ class ConsoleConfig(_Strict):
         return v
 
 
+class FallbackChain(_Strict):
+    """The models a model's requests go to, in order, when it cannot serve them
+    (router/request/placement/fallbacks.py, docs/fallbacks.md). Written as LiteLLM writes it, a
+    plain list of model names, or as this mapping to set `mid_stream`."""
+
+    # The fallback models, tried in this order (each a model some backend serves).
+    models: list[str] = Field(min_length=1, max_length=16)
+    # A stream whose engine died, that no engine of its own model can continue: `continue` on
+    # the next model of the chain (from the text already sent), or `error` (an error event).
+    mid_stream: Literal["continue", "error"] = "continue"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_list(cls, v: Any) -> Any:
+        return {"models": v} if isinstance(v, list | tuple | str) else v
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _one_name(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+def _fallback_map(v: Any) -> Any:
+    """LiteLLM's list of one-entry mappings (`[{"llama-70b": ["gpt-4o-mini"]}]`) as one map."""
+    if not isinstance(v, list | tuple):
+        return v
+    merged: dict[str, Any] = {}
+    for entry in v:
+        if not isinstance(entry, dict):
+            raise ValueError("each entry must map a model to its fallback models")
+        for model, chain in entry.items():
+            if model in merged:
+                raise ValueError(f"{model!r} is given twice")
+            merged[model] = chain
+    return merged
+
+
+# The API formats a backend kind serves: OpenAI's (chat, completions, ...) and Anthropic's
+# Messages. vLLM and SGLang serve both; a fallback never translates between them.
+API_FORMATS: dict[str, tuple[str, ...]] = {
+    "vllm": ("openai", "anthropic"),
+    "sglang": ("openai", "anthropic"),
+    "openai": ("openai",),
+    "anthropic": ("anthropic",),
+}
+FallbackMap = Annotated[dict[str, FallbackChain], BeforeValidator(_fallback_map)]
+FALLBACK_KEYS = ("fallbacks", "context_window_fallbacks", "content_policy_fallbacks")
+
+
+def fallback_cycle(chains: dict[str, FallbackChain]) -> list[str] | None:
+    """A cycle of the chains (`[a, b, a]`), or None."""
+    done: set[str] = set()
+    for start in chains:
+        path: list[str] = []
+        on_path: set[str] = set()
+        stack: list[tuple[str, int]] = [(start, 0)]
+        while stack:
+            node, i = stack.pop()
+            if i == 0:
+                if node in on_path:
+                    return [*path[path.index(node) :], node]
+                if node in done:
+                    continue
+                path.append(node)
+                on_path.add(node)
+            targets = chains[node].models if node in chains else []
+            if i < len(targets):
+                stack.append((node, i + 1))
+                stack.append((targets[i], 0))
+            else:
+                done.add(node)
+                on_path.discard(node)
+                path.pop()
+    return None
+
+
 _TEMPLATE_FIXED = ("name", "url", "models")
 _PORT_NAME = r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$"  # an IANA_SVC_NAME, as Kubernetes has it
 _NAMESPACE = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"  # a DNS label
@@ -734,6 +811,8 @@ class ClientKeyConfig(_Strict):
     rpm: int | None = Field(None, ge=1, le=10_000_000)  # requests per minute
     tpm: int | None = Field(None, ge=1, le=10_000_000_000)  # prompt + completion tokens / minute
     max_parallel: int | None = Field(None, ge=1, le=1_000_000)  # requests in flight at once
+    # False: the key's requests never go to a fallback model (docs/fallbacks.md).
+    fallbacks: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -855,6 +934,16 @@ class Settings(BaseSettings):
     # for its usage when the client did not and hides that event; `passive` counts content events.
     usage_accounting: Literal["active", "passive"] = "active"
     usage_flush: float = Field(5.0, gt=0, le=3600)  # seconds between usage writes to Redis
+    # Model fallbacks (docs/fallbacks.md), LiteLLM's key and shapes: model -> the models tried
+    # in order when its own backends failed, were full or ejected after its retries (and when a
+    # stream broke that none of them continued, unless the chain says `mid_stream: error`).
+    fallbacks: FallbackMap = Field(default_factory=dict)
+    # model -> the models tried when the prompt plus max_tokens does not fit its context (its
+    # engines' max_model_len, or their context-length 400).
+    context_window_fallbacks: FallbackMap = Field(default_factory=dict)
+    # model -> the models tried when a backend refuses on content policy (OpenAI's
+    # content_policy_violation, Azure's content filter codes).
+    content_policy_fallbacks: FallbackMap = Field(default_factory=dict)
 
     @field_validator("backends")
     @classmethod
@@ -897,6 +986,50 @@ class Settings(BaseSettings):
                 raise ValueError("redis_cluster and redis_sentinels exclude each other")
             if not url.startswith(("redis://", "rediss://")):
                 raise ValueError("redis_cluster needs redis_url (redis:// or rediss://, any node)")
+        return self
+
+    @model_validator(mode="after")
+    def _fallback_chains(self) -> Settings:
+        # Names a backend serves, or discovery declares (`models: auto` may declare any name
+        # its `models_allow` lets in: all of them without one).
+        known = {m for b in self.backends for m in b.models}
+        patterns: list[str] = []
+        for source in self.discovery:
+            if source.models == "auto":
+                patterns.extend(source.models_allow or ["*"])
+            else:
+                known.update(source.models)
+        # The API formats each model's backends speak (never translated between).
+        formats: dict[str, set[str]] = {}
+        for b in self.backends:
+            for m in b.models:
+                formats.setdefault(m, set()).update(API_FORMATS[b.kind])
+        for source in self.discovery:
+            if source.models != "auto":
+                kind = source.backend.get("kind", "vllm")
+                for m in source.models:
+                    formats.setdefault(m, set()).update(API_FORMATS.get(kind, ()))
+        for key in FALLBACK_KEYS:
+            chains: dict[str, FallbackChain] = getattr(self, key)
+            for model, chain in chains.items():
+                for name in (model, *chain.models):
+                    if name not in known and not any(
+                        fnmatch.fnmatchcase(name, p) for p in patterns
+                    ):
+                        raise ValueError(f"{key}: {name!r} is a model no backend serves")
+                if model in chain.models:
+                    raise ValueError(f"{key}: {model!r} falls back to itself")
+                for target in chain.models:
+                    if model in formats and target in formats:
+                        if not formats[model] & formats[target]:
+                            raise ValueError(
+                                f"{key}: {target!r} cannot serve {model!r}'s requests "
+                                f"({'/'.join(sorted(formats[target]))} API only; fallbacks "
+                                "never translate between API formats)"
+                            )
+            cycle = fallback_cycle(chains)
+            if cycle is not None:
+                raise ValueError(f"{key}: a cycle: {' -> '.join(cycle)}")
         return self
 
     @model_validator(mode="after")

@@ -45,6 +45,25 @@ def adapters_of(body: bytes, bases: Collection[str]) -> frozenset[str]:
     return frozenset(out)
 
 
+def max_model_len_of(body: bytes, bases: Collection[str]) -> int | None:
+    """The shortest `max_model_len` a `/v1/models` answer gives its entries in `bases`."""
+    try:
+        data = json.loads(body)["data"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(data, list):
+        return None
+    lengths = [
+        e["max_model_len"]
+        for e in data
+        if isinstance(e, dict)
+        and e.get("id") in bases
+        and isinstance(e.get("max_model_len"), int)
+        and e["max_model_len"] > 0
+    ]
+    return min(lengths) if lengths else None
+
+
 def base_models(entries: list[dict[str, object]]) -> list[dict[str, object]]:
     """`/v1/models` entries that are not adapters of another listed model (models: auto)."""
     ids = {e.get("id") for e in entries}

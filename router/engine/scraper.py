@@ -46,7 +46,7 @@ from router.core.errors import UpstreamTlsError
 from router.core.netpolicy import NetPolicy
 from router.core.runner import Runner, shared_or_own
 from router.core.settings import EngineMetricsConfig
-from router.engine.adapters import MAX_BODY, AdaptersError, adapters_of
+from router.engine.adapters import MAX_BODY, AdaptersError, adapters_of, max_model_len_of
 from router.engine.calibrate import Calibration
 from router.engine.parse import FAMILIES, MetricsError, parse
 from router.upstream.pools import backend_transport
@@ -69,6 +69,7 @@ class _Target:
     calibration: Calibration = field(default_factory=Calibration)
     adapters: frozenset[str] | None = None  # from /v1/models (vLLM only)
     adapters_at: float = float("-inf")  # monotonic time of the last /v1/models question
+    max_model_len: int | None = None  # from /v1/models (vLLM only)
 
 
 def _reached(b: Backend) -> tuple[object, ...]:
@@ -293,7 +294,9 @@ class EngineScraper:
                 ):
                     async with asyncio.timeout(self.cfg.timeout):
                         models = await self._fetch(b, self._transport(t), "/v1/models", MAX_BODY)
-                    found = adapters_of(models, set(b.models.values()))
+                    bases = set(b.models.values())
+                    found = adapters_of(models, bases)
+                    t.max_model_len = max_model_len_of(models, bases)
                     adapters_changed = found != t.adapters
                     t.adapters = found
         except TimeoutError:
@@ -348,6 +351,7 @@ class EngineScraper:
                 lora_running=lora[1] if lora else frozenset(),
                 lora_waiting=lora[2] if lora else frozenset(),
                 adapters=t.adapters,
+                max_model_len=t.max_model_len,
                 inflight_at=inflight_at,
             )
         self._publish_one(b.name)

@@ -216,6 +216,15 @@ ROWS: tuple[Row, ...] = (
         ("model", "result"),
     ),
     Row(
+        "fallbacks",
+        Counter,
+        "sluicegate_fallbacks_total",
+        "Requests that went on to a fallback model (docs/fallbacks.md), by the model they "
+        "left, the model they went to, and why: error, context_window, content_policy, "
+        "mid_stream.",
+        ("model", "to", "reason"),
+    ),
+    Row(
         "disaggregated",
         Counter,
         "sluicegate_disaggregated_requests_total",
@@ -540,6 +549,7 @@ class Metrics:
     attempts: Counter
     upstream_errors: Counter
     migrations: Counter
+    fallbacks: Counter
     disaggregated: Counter
     prefill_seconds: Histogram
     in_flight: Gauge
@@ -725,6 +735,9 @@ class Metrics:
 
     def migrated(self, model: str, result: str) -> None:
         self.migrations.labels(model, result).inc()
+
+    def fell_back(self, model: str, to: str, reason: str) -> None:
+        self.fallbacks.labels(model, to, reason).inc()
 
     def attempt_failed(self, backend: str, kind: str) -> None:
         self.upstream_errors.labels(backend, kind).inc()

@@ -120,6 +120,10 @@ class RequestTrace:
     def migrated(self, backend: str, number: int, result: str, reason: str) -> None:
         return None
 
+    def fell_back(self, model: str, to: str, reason: str) -> None:
+        """The request goes on as a request for fallback model `to` (docs/fallbacks.md)."""
+        return None
+
     def prefill(self, backend: str) -> None:
         """A split request's prefill leg starts (its span ends at `prefill_end`)."""
         return None
@@ -325,6 +329,15 @@ class OtelRequestTrace(RequestTrace):
                 "sluicegate.migration.reason": reason,
             }
             self._span.add_event("migration", attributes)
+
+    def fell_back(self, model: str, to: str, reason: str) -> None:
+        if self._recording:
+            attributes = {
+                "sluicegate.fallback.from": model,
+                "sluicegate.fallback.to": to,
+                "sluicegate.fallback.reason": reason,
+            }
+            self._span.add_event("fallback", attributes)
 
     def picked(self, backend: str, reason: str | None = None) -> None:
         if not self._recording:

@@ -156,7 +156,9 @@ _EXTRA: dict[str, str] = {
     "KvEventsConfig.bind": "Override: true, the router binds; false, it connects.",
     "BackendConfig.name": "Unique backend name (metrics label, admin API path).",
     "BackendConfig.url": "Base URL; the request path (`/v1/...`) is appended.",
-    "BackendConfig.kind": "Engine kind: vllm, sglang, or openai (a cloud API; never scraped).",
+    "BackendConfig.kind": "Engine kind: vllm, sglang, openai (a cloud API; never scraped), or "
+    "anthropic (Anthropic's Messages API at /v1/messages, with `x-api-key` and "
+    "`anthropic-version`; never scraped).",
     "BackendConfig.models": (
         "Models it serves: a list, or a map public name -> the backend's model id."
     ),

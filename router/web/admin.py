@@ -135,6 +135,7 @@ def admin_routes(
     auth: AdminAuth,
     drain_grace: float,
     admin: AdminConfig | None = None,
+    fallbacks: list[dict[str, Any]] | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix="/admin")
     admin = admin or AdminConfig()
@@ -150,6 +151,13 @@ def admin_routes(
         if denied := auth.check(request, mutating=False):
             return denied
         return JSONResponse(await describe(registry.snapshot.backends))
+
+    @router.get("/fallbacks")
+    async def list_fallbacks(request: Request) -> Response:
+        """The model fallback chains (docs/fallbacks.md), one row per model and key."""
+        if denied := auth.check(request, mutating=False):
+            return denied
+        return JSONResponse({"data": fallbacks or []})
 
     @router.get("/backends/{name}")
     async def get_backend(request: Request, name: str) -> Response:

@@ -6,7 +6,8 @@ Sections: `backends` (compact admin rows: health and reason, draining, in flight
 last reading, KV-index size, adapters, when the engine was last read and last sent a KV event),
 `routing` (router/ops/live.py: requests/s per backend and per reason, TTFT p50/p99 per backend
 over the last minute, per-second series), `admission` (depth and oldest wait per band), `quotas`
-(each named key's limits and what this process counts against them). Usage by the hour comes
+(each named key's limits and what this process counts against them), `fallbacks` (the model
+fallback chains, docs/fallbacks.md). Usage by the hour comes
 from `GET /admin/usage`, which the page reads on its own, slower clock.
 """
 
@@ -65,7 +66,9 @@ class LiveState:
         actions: bool,
         refresh: float,
         wall: Callable[[], float] = time.time,
+        fallbacks: list[dict[str, Any]] | None = None,
     ) -> None:
+        self._fallbacks = fallbacks or []
         self._rows = rows
         self._live = live
         self._admission = admission
@@ -106,4 +109,5 @@ class LiveState:
             "routing": self._live.view(),
             "admission": None if admission is None else admission.bands(),
             "quotas": {"scope": self._quotas.kind, "keys": self._quota_rows()},
+            "fallbacks": self._fallbacks,
         }

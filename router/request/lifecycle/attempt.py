@@ -31,12 +31,14 @@ from router.core.errors import (
     InvalidUpstreamResponse,
     NoCapacity,
     ProxyError,
+    refusal_reason,
     upstream_failure,
 )
 from router.engine.lora_loads import LoadFailed
 from router.request.admit.hops import HOP_HEADER
 from router.request.lifecycle.call import Call, Held
-from router.request.lifecycle.endings import Broken, NoneLeft, Retry
+from router.request.lifecycle.endings import Broken, NoneLeft, Refusal, Retry
+from router.request.lifecycle.fallback import MODEL_HEADER, answer_whole
 from router.request.lifecycle.lease import AttemptLease
 from router.request.lifecycle.migrate import count_segment, outcome, spent, whole_again
 from router.request.lifecycle.parts import Parts
@@ -238,11 +240,7 @@ class Attempts:
             )
         if last.response is None or call.started:  # started: a held stream's head was sent
             raise last.error
-        status, headers, body = last.response
-        call.record.status = status
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body})
-        call.record.bytes_out = len(body)
+        await answer_whole(call, self.send, last.response)
 
     # -- picking ------------------------------------------------------------------------------
 
@@ -452,12 +450,17 @@ async def exchange(
         except Retry as retry:
             retry.prefill = refused
             raise
+    elif status == 400 and call.fallback is not None and call.fallback.chains.reads_refusals:
+        await _refused(parts, call, send, backend, response)
+        answered()
+        return
     streaming = call.stream and status < 400
     if call.started:  # a migration: the client has its response head already
         answered()
         await pump(parts, call, send, response, backend, streaming, held.flight)
         return
     headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
+    headers.append((MODEL_HEADER, call.model.encode()))
     if parts.settings.expose_backend_header:
         headers.append((b"x-sluicegate-backend", backend.name.encode()))
     if call.reservation is not None:
@@ -472,11 +475,29 @@ async def exchange(
     await pump(parts, call, send, response, backend, streaming, held.flight)
 
 
-async def _retryable_status(
-    parts: Parts, call: Call, backend: Backend, response: Answer, charge: bool = True
+async def _refused(
+    parts: Parts, call: Call, send: Send, backend: Backend, response: Answer
 ) -> None:
-    """Read the (small) error answer, note it, and hand it to the retry loop. `charge`
-    False: a refused handoff, charged to one engine or the other later."""
+    """A 400 of a model with context-window or content-policy fallbacks: read whole and told
+    apart (router/core/errors.py's `refusal_reason`). One a fallback chain takes raises
+    `Refusal`; an ordinary one reaches the client as the backend gave it."""
+    body, cut = await _read_error(parts, response)
+    call.working = False  # it answered: no generation to charge should the client leave
+    headers = downstream_response_headers(response.headers.raw, call.record.request_id, False)
+    if cut:
+        headers = [(k, v) for k, v in headers if k != b"content-length"]
+    reason = refusal_reason(400, body)
+    assert call.fallback is not None
+    if reason is not None and call.fallback.chains.for_reason(reason) is not None:
+        raise Refusal(reason, (400, headers, body))
+    if parts.settings.expose_backend_header:
+        headers.append((b"x-sluicegate-backend", backend.name.encode()))
+    call.trace.answered(400)
+    await answer_whole(call, send, (400, headers, body))
+
+
+async def _read_error(parts: Parts, response: Answer) -> tuple[bytes, bool]:
+    """A (small) error answer's body, at most `max_error_body_bytes`; True when cut."""
     limit = parts.settings.max_error_body_bytes
     body = b""
     cut = False  # the backend's Content-Length no longer describes `body`
@@ -489,6 +510,15 @@ async def _retryable_status(
                 break
     except UPSTREAM_FAILURES:
         cut = True  # what arrived of the error answer is enough
+    return body, cut or len(body) >= limit
+
+
+async def _retryable_status(
+    parts: Parts, call: Call, backend: Backend, response: Answer, charge: bool = True
+) -> None:
+    """Read the (small) error answer, note it, and hand it to the retry loop. `charge`
+    False: a refused handoff, charged to one engine or the other later."""
+    body, cut = await _read_error(parts, response)
     status = response.status_code
     retry_after = _retry_after(response.headers.get("retry-after"))
     if retry_after is not None and status in (429, 503):
@@ -496,7 +526,7 @@ async def _retryable_status(
     if status >= 500 and charge:
         parts.health.on_failure(backend.name, FailureKind.STATUS, status)
     headers = downstream_response_headers(response.headers.raw, call.record.request_id, False)
-    if cut or len(body) >= limit:
+    if cut:
         headers = [(k, v) for k, v in headers if k != b"content-length"]
     err = ProxyError(f"Backend `{backend.name}` answered {status}.")
     raise Retry(err, FailureKind.STATUS, (status, headers, body))

@@ -26,6 +26,7 @@ from router.request.admit.quota import Hold
 from router.request.lifecycle.parts import Parts
 from router.request.migration.policy import SHAPES, Plan
 from router.request.migration.stitch import Stitch
+from router.request.placement.fallbacks import Route
 from router.request.placement.pd import RolePools, client_body
 from router.request.placement.response_ids import ANONYMOUS
 from router.request.usage.record import RequestRecord
@@ -56,8 +57,10 @@ class Call:
         "continuation",
         "endpoint",
         "estimate",
+        "fallback",
         "head",
         "held",
+        "held_bytes",
         "hop",
         "inject",
         "method",
@@ -106,6 +109,7 @@ class Call:
         self.hop = hop  # x-sluicegate-hop for every attempt's upstream request
         self.path = path
         self.body = body
+        self.held_bytes = len(body)  # in the body budget until the request ends
         self.payload: dict[str, Any] | None = payload  # None while queued: parsed again after
         self.estimate = estimate
         self.working = False  # a backend has the request and no answer came back yet
@@ -140,6 +144,8 @@ class Call:
         # The LoRA adapter the request names, when it is routed by its base model.
         self.adapter = model if model in snapshot.adapters else None
         self.balancer = parts.registry.balancer_for(model)
+        # Its way along its model's fallback chains (None: it has none, or they are off).
+        self.fallback: Route | None = None
         # Migration: the plan (None: off, or a reason it may not), and the state of a stream
         # continued elsewhere: text relayed so far, tokens before the current attempt's, the
         # continuation's body and its stitch.
@@ -187,6 +193,25 @@ class Call:
         if pools is not None:
             self.backends = pools.decode
             self.pools = pools if self.endpoint.usage in SHAPES else None
+
+    def retarget(self, parts: Parts, model: str) -> None:
+        """From here the request is one for fallback model `model`: its backends, balancer,
+        adapter and pools, the body's `model`, the record's (what is charged and logged)."""
+        self.model = model
+        self.record.model = model
+        snapshot = self.snapshot
+        self.backends = snapshot.by_model.get(model, ())
+        self.adapter = model if model in snapshot.adapters else None
+        self.balancer = parts.registry.balancer_for(model)
+        self.pools = None
+        pools = parts.pd.pools(model, self.backends)
+        if pools is not None:
+            self.backends = pools.decode
+            if self.endpoint.usage in SHAPES:
+                self.pools = pools
+        payload = self.payload = {**self.parsed(), "model": model}
+        self.body = with_member(self.body, "model", model) or json.dumps(payload).encode()
+        self._injected = None
 
     def parked(self) -> None:
         """The request waits in the admission queue: its raw body is all it keeps meanwhile."""

@@ -3,11 +3,13 @@
 Retry     it failed before anything reached the client: another backend may serve it
 Broken    a migratable stream broke after it began: it may go on on another backend
 NoneLeft  no backend is left to try (all excluded, full or unhealthy)
+Refusal   a backend refused it in a way another model may not (a prompt over its context, a
+          content policy): no other backend of its model is tried
 """
 
 from __future__ import annotations
 
-from router.core.errors import FailureKind, ProxyError
+from router.core.errors import FailureKind, FallbackReason, ProxyError
 from router.request.migration.relay import Relayed
 
 
@@ -45,3 +47,15 @@ class Broken(Exception):
 
 class NoneLeft(Exception):
     """No backend is left to try (all excluded, full or unhealthy)."""
+
+
+class Refusal(Exception):
+    """A backend's 400 that a fallback model may meet (its `reason`), read whole: the answer
+    the client gets (`response`) when no fallback model is left."""
+
+    def __init__(
+        self, reason: FallbackReason, response: tuple[int, list[tuple[bytes, bytes]], bytes]
+    ) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+        self.response = response

@@ -11,6 +11,7 @@ ticket, with the tokens the request really used.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Set
 
@@ -18,6 +19,7 @@ from starlette.requests import Request
 
 from router.core.endpoints import Endpoint
 from router.core.errors import BadRequest, Loop, ShuttingDown, Unknown
+from router.core.fastjson import without_members
 from router.registry.fleet import Snapshot
 from router.request.admit.admission import Ticket, make_ticket
 from router.request.admit.estimate import BadLimit, estimate_tokens
@@ -25,6 +27,7 @@ from router.request.admit.quota import KeyLimits
 from router.request.admit.validate import ValidRequest, request_id_of, validate
 from router.request.lifecycle.call import Call
 from router.request.lifecycle.parts import Parts
+from router.request.placement.fallbacks import BODY_MEMBER, body_fallbacks
 from router.request.placement.response_ids import ANONYMOUS, Holder
 from router.request.usage.record import RequestRecord
 
@@ -40,8 +43,10 @@ async def get_in(
     limits: KeyLimits | None,
     response_id: str | None,
     owner: str = ANONYMOUS,
+    fallbacks: bool = True,
 ) -> Call:
-    """The request's `Call`; raises a `Refused` (with the request's id) when it may not get in."""
+    """The request's `Call`; raises a `Refused` (with the request's id) when it may not get in.
+    `fallbacks` False: the client key's entry turned model fallbacks off."""
     request_id = request_id_of(request.headers.get("x-request-id"))
     if parts.lifecycle.draining:
         raise ShuttingDown("The router is shutting down; retry.", request_id=request_id)
@@ -70,11 +75,15 @@ async def get_in(
             bodies=parts.bodies,
             declared=parts.holding.models,
         )
+    only: list[str] | None = None
+    # The client's own `"fallbacks"` in a JSON body (a form's fields go as they came).
+    if BODY_MEMBER in checked.payload and checked.model_span is None and checked.body:
+        checked, only = _body_fallbacks(parts, checked, request_id)
     # The body is held in the body budget from here: by the call until `let_go`, or given
     # back at once on any other way out (a refusal, an error, a cancel).
     held = len(checked.body)
     try:
-        return await _hold(
+        call = await _hold(
             parts,
             snapshot,
             request,
@@ -91,6 +100,23 @@ async def get_in(
     except BaseException:
         parts.bodies.give(held)
         raise
+    if fallbacks and checked.model_span is None:  # a form's fallback is not offered
+        call.fallback = parts.fallbacks.route(checked.model, allowed_models, only)
+    return call
+
+
+def _body_fallbacks(
+    parts: Parts, checked: ValidRequest, request_id: str
+) -> tuple[ValidRequest, list[str]]:
+    """The body's `"fallbacks"` (it may only narrow the chains: `[]` turns them off), and the
+    request without it; the bytes it took back in the body budget."""
+    only = body_fallbacks(checked.payload)
+    if isinstance(only, str):
+        raise BadRequest(only, code="invalid_fallbacks", request_id=request_id, param=BODY_MEMBER)
+    payload = {k: v for k, v in checked.payload.items() if k != BODY_MEMBER}
+    body = without_members(checked.body, (BODY_MEMBER,)) or json.dumps(payload).encode()
+    parts.bodies.give(max(0, len(checked.body) - len(body)))
+    return dataclasses.replace(checked, body=body, payload=payload), only or []
 
 
 async def _hold(
@@ -180,9 +206,9 @@ def limits_for(endpoint: Endpoint, limits: KeyLimits) -> KeyLimits:
 
 def let_go(parts: Parts, call: Call, used: float) -> None:
     """Close what getting in held, charged `used` tokens: the body's bytes in the body budget
-    (`call.body` is the body read, never replaced), the quota reservation, and the admission
+    (`call.held_bytes`, the body read), the quota reservation, and the admission
     ticket's fair-queue tag (only a request that queued has one to correct)."""
-    parts.bodies.give(len(call.body))
+    parts.bodies.give(call.held_bytes)
     if call.reservation is not None:
         call.reservation.close(used)
     ticket = call.ticket

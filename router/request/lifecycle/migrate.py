@@ -39,13 +39,21 @@ _COUNT_SLACK = 8
 
 
 async def carry_on(
-    parts: Parts, call: Call, send: Send, broken: Broken, again: Again, exclude: set[str]
+    parts: Parts,
+    call: Call,
+    send: Send,
+    broken: Broken,
+    again: Again,
+    exclude: set[str],
+    elsewhere: Callable[[], Awaitable[Again | None]] | None = None,
 ) -> None:
     """Continue a broken stream on other backends (not in `exclude`, the attempts' own set), at
-    most `max_migrations` times; when it may not (or cannot) go on, end it with an error event
-    saying why."""
+    most `max_migrations` times; when no backend of its model takes it, on its next fallback
+    model's (`elsewhere`: their attempts, None when none is left); when it may not (or cannot)
+    go on, end it with an error event saying why."""
     plan = call.plan
     assert plan is not None
+    current = [again]  # the attempts of the model serving it now (a fallback's, once it moved)
     while True:
         source = call.record.backend or ""
         refusal = _continue_after(parts, call, broken, plan)
@@ -61,7 +69,7 @@ async def carry_on(
         call.record.error = None
         release = parts.failover.budget.slot(True)
         try:
-            await again(release)
+            await _again_or_elsewhere(call, current, release, elsewhere)
         except Broken as next_break:
             outcome(parts, call, "ok", broken.why, source)
             broken = next_break
@@ -81,6 +89,27 @@ async def carry_on(
             release()
         outcome(parts, call, "ok", broken.why, source)
         return
+
+
+async def _again_or_elsewhere(
+    call: Call,
+    current: list[Again],
+    release: Callable[[], None],
+    elsewhere: Callable[[], Awaitable[Again | None]] | None,
+) -> None:
+    """The attempts once more; when none of the model's backends took the continuation, those
+    of its next fallback model (which `current` holds from then on, for a next break)."""
+    while True:
+        try:
+            await current[0](release)
+            return
+        except (Retry, NoneLeft):
+            if elsewhere is None or spent(call):
+                raise
+            other = await elsewhere()
+            if other is None:
+                raise
+            current[0] = other
 
 
 def spent(call: Call) -> bool:

@@ -27,6 +27,7 @@ from router.request.lifecycle.failover import Failover
 from router.request.migration.policy import Migration
 from router.request.placement.adapter_flights import AdapterFlights
 from router.request.placement.affinity import Affinity
+from router.request.placement.fallbacks import Fallbacks
 from router.request.placement.pd import Disaggregation
 from router.request.placement.response_ids import ResponseIds, ResponseIdStore
 from router.request.usage.book import UsageBook, UsageStore
@@ -99,6 +100,8 @@ class Parts:
         self.max_model_len = estimates.max_model_len
         self.failover = Failover(settings.retries, lambda: lifecycle.active, Retry)
         self.migration = Migration(settings.migration, self.metrics.migrated)
+        # Model fallbacks by model (router/request/placement/fallbacks.py): empty, a dict miss.
+        self.fallbacks = Fallbacks(settings)
         self.pd = Disaggregation(
             settings
         )  # prefill/decode pools per model (router/request/placement/pd.py)

@@ -6,6 +6,7 @@
     attempt      pick -> lease -> (prefill_leg) -> upstream -> pump; again on another
                  backend while nothing reached the client (Failover)
     migrate      a stream that broke after it began goes on elsewhere
+    fallback     a request its model cannot serve goes on as its fallback model's
     account      tokens, quota and admission corrected, usage book, log line, metrics, span
 
 What a step takes it gives back itself, in reverse order, also on error and cancel; here only
@@ -15,27 +16,36 @@ the drain count (taken around the task) and getting in's holds (closed with the 
 from __future__ import annotations
 
 import math
-from collections.abc import Set
+from collections.abc import Awaitable, Callable, Set
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from router.core.endpoints import BY_ROUTE, Endpoint
-from router.core.errors import BadRequest, ProxyError, answer, sse_error_event
+from router.core.errors import (
+    BadRequest,
+    FallbackReason,
+    NoCapacity,
+    ProxyError,
+    answer,
+    sse_error_event,
+)
 from router.request.admit.admission import QueueTimeout
 from router.request.admit.holding import Demand, no_backend
 from router.request.admit.quota import KeyLimits
 from router.request.lifecycle import account
 from router.request.lifecycle.attempt import attempts_for
 from router.request.lifecycle.call import Call
-from router.request.lifecycle.endings import Broken, NoneLeft, Retry
+from router.request.lifecycle.endings import Broken, NoneLeft, Refusal, Retry
+from router.request.lifecycle.fallback import MODEL_HEADER, answer_whole, fall_back, moved
 from router.request.lifecycle.getting_in import get_in, let_go
 from router.request.lifecycle.hold import QueueHold, hold, hold_for
-from router.request.lifecycle.migrate import carry_on
+from router.request.lifecycle.migrate import Again, carry_on
 from router.request.lifecycle.parts import Parts
 from router.request.lifecycle.watch import run_watched
+from router.request.placement.fallbacks import too_long
 from router.request.placement.response_ids import ANONYMOUS
 
 CHAT = BY_ROUTE[("POST", "/v1/chat/completions")]
@@ -55,12 +65,14 @@ class Proxy(Parts):
         limits: KeyLimits | None = None,
         response_id: str | None = None,
         owner: str = ANONYMOUS,
+        fallbacks: bool = True,
     ) -> ProxyCall:
         """`endpoint`: its row (`router/core/endpoints.py`); `allowed_models`: the public names
         the client's key may use (None: any); `priority`, `weight`: the key's admission band
         and share; `response_id`: the id in the path of an endpoint that follows a stored
         response; `owner`: the key's tag on the stored responses it makes and may reach
-        (router/request/placement/response_ids.py). A request that may not get in raises a
+        (router/request/placement/response_ids.py); `fallbacks` False: the key's entry turned
+        model fallbacks off. A request that may not get in raises a
         `Refused`, which the web face answers in the endpoint's format; a `ProxyCall` answers
         its own `ProxyError` with the same `answer()`."""
         call = await get_in(
@@ -74,6 +86,7 @@ class Proxy(Parts):
             limits,
             response_id,
             owner,
+            fallbacks,
         )
         return ProxyCall(self, call)
 
@@ -118,7 +131,14 @@ class ProxyCall(Response):
                 body = sse_error_event(str(exc), exc.type_ or "", exc.code or "", call.anthropic)
                 await send({"type": "http.response.body", "body": body})
                 return
-            await answer(exc, call.anthropic)({"type": "http"}, _no_receive, send)
+            model = (MODEL_HEADER, call.model.encode())
+
+            async def with_model(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message["headers"], model]}
+                await send(message)
+
+            await answer(exc, call.anthropic)({"type": "http"}, _no_receive, with_model)
 
     async def _declared(self, send: Send, demand: Demand) -> None:
         """A declared model's request: held while no backend is ready (in the admission queue
@@ -159,15 +179,65 @@ class ProxyCall(Response):
     async def _attempts(self, send: Send) -> None:
         parts = self.parts
         call = self.call
-        attempts = await attempts_for(parts, call, send)
-        try:
+        route = call.fallback
+        if route is not None and route.chains.context_window is not None:
+            self._fits()
+        while True:
+            attempts = await attempts_for(parts, call, send)
             try:
-                await parts.failover.run(attempts)
-            except Broken as broken:
-                await carry_on(parts, call, send, broken, attempts.again, attempts.exclude)
-        except (Retry, NoneLeft):  # attempts, deadline, budget or backends ran out
-            if not await attempts.resend_whole():
-                await attempts.give_up()
+                try:
+                    await parts.failover.run(attempts)
+                except Broken as broken:
+                    elsewhere = self._elsewhere(send) if route is not None else None
+                    await carry_on(
+                        parts, call, send, broken, attempts.again, attempts.exclude, elsewhere
+                    )
+            # attempts, deadline, budget or backends ran out; or the admission queue's
+            # wait did (a NoCapacity)
+            except (Retry, NoneLeft, NoCapacity) as ended:
+                if isinstance(ended, NoCapacity) or not await attempts.resend_whole():
+                    if fall_back(parts, call, FallbackReason.ERROR):
+                        continue
+                    if isinstance(ended, NoCapacity):
+                        raise
+                    await attempts.give_up()
+            except Refusal as refusal:  # a context-window or content-policy refusal
+                if fall_back(parts, call, refusal.reason):
+                    continue
+                await answer_whole(call, send, refusal.response)
+            return
+
+    def _fits(self) -> None:
+        """The context-window check before the call: a prompt its model's engines cannot take
+        goes to the model's context-window fallback at once."""
+        parts = self.parts
+        call = self.call
+        if parts.readings is None:
+            return
+        if too_long(call.held_bytes, call.parsed(), call.backends, parts.readings()):
+            fall_back(parts, call, FallbackReason.CONTEXT_WINDOW)
+
+    def _elsewhere(self, send: Send) -> Callable[[], Awaitable[Again | None]]:
+        """For a broken stream none of its model's engines continued: its next fallback model's
+        attempts (None: no model is left, or its chain says `mid_stream: error`)."""
+        parts = self.parts
+        call = self.call
+
+        async def elsewhere() -> Again | None:
+            route = call.fallback
+            assert route is not None
+            target = route.next(
+                FallbackReason.MID_STREAM, call.snapshot.by_model, call.endpoint.errors
+            )
+            if target is None:
+                return None
+            moved(parts, call, target, FallbackReason.MID_STREAM)
+            attempts = await attempts_for(parts, call, send)
+            if call.plan is not None and call.plan.skip_openai:
+                attempts.exclude.update(b.name for b in call.backends if b.kind == "openai")
+            return attempts.again
+
+        return elsewhere
 
 
 def settle(parts: Parts, call: Call) -> None:

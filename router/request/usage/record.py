@@ -43,6 +43,7 @@ class RequestRecord:
     # split model) and the prefill engine its answer followed (None: served whole).
     pd: str | None = None
     prefill_backend: str | None = None
+    fallback_from: str | None = None  # the model asked for, when a fallback model served
 
     def emit(self) -> None:
         if not log.isEnabledFor(logging.INFO):
@@ -67,6 +68,7 @@ class RequestRecord:
                     "prefix_chars": self.prefix_chars,
                     "tokens_estimated": self.tokens_estimated,
                     "migrations": self.migrations,
+                    "fallback_from": self.fallback_from,
                     "prefill_backend": self.prefill_backend,
                     "disaggregation": self.pd,
                 }

@@ -8,7 +8,8 @@ after its client went away, and recent requests with the headers tests check). T
 deterministic: ``tok0 tok1 ...``. What goes on the wire is vLLM 0.32's (router/tools/mock/wire.py:
 field sets, the role-only first chat event, the finish reason on the last token's event, usage
 with `prompt_tokens_details`, errors), held to a real engine by tests_engine/test_conformance.py.
-Behaviour can be changed while running with `POST /control` (fail_status, hang, ttft_ms, itl_ms,
+Behaviour can be changed while running with `POST /control` (fail_status, fail_body,
+require_key (a cloud API's key check), hang, ttft_ms, itl_ms,
 tokens, half_event, gzip, retry_after, health_status, max_running, role_chunk, metrics_status,
 metrics_delay_ms, metrics_body, background, usage_nulls, split_tail_ms, end_gap_ms,
 tokenize_count, hold; `reset_prefix_cache` empties the engine's prefix cache) so fault tests
@@ -107,6 +108,9 @@ class Behaviour:
     tokens: int = 16
     fail_status: int = 0
     fail_count: int = -1  # how many requests fail_status applies to; -1 = all
+    fail_body: str | None = None  # the body fail_status answers with (a provider's own error)
+    # A cloud API's key: a request without `Authorization: Bearer <it>` gets OpenAI's 401.
+    require_key: str | None = None
     retry_after: float | None = None
     hang: bool = False  # accept, read the request, never answer
     half_event_after: int = -1  # send this many tokens, then half an event, then close
@@ -465,6 +469,8 @@ class MockUpstream:
             "query": scope.get("query_string", b"").decode("latin-1"),
         }
         st.recent.append(rec)
+        if await self._key_refused(headers, path, send):
+            return
         chat = path == "/v1/chat/completions"
         start = 0  # where the answer begins: past a continued answer's tokens
         try:
@@ -484,6 +490,7 @@ class MockUpstream:
             await _json(send, exc.status, exc.body)
             return
         rec["model"] = model = req.get("model") or self.default_model
+        rec["fields"] = list(req)  # the body's member names: what a router forwarded
         if bh.fail_status and bh.fail_count != 0:
             if bh.fail_count > 0:
                 bh.fail_count -= 1
@@ -491,7 +498,8 @@ class MockUpstream:
             failing = wire.error(
                 bh.fail_status, f"{self.name} failing on purpose", "server_error", None
             )
-            await _json(send, bh.fail_status, failing.body, extra)
+            answer = json.loads(bh.fail_body) if bh.fail_body is not None else failing.body
+            await _json(send, bh.fail_status, answer, extra)
             st.completed += 1
             return
 
@@ -587,6 +595,30 @@ class MockUpstream:
             await _raw(send, 200, apis.dumps(stored))
         self.stats.completed += 1
 
+    async def _key_refused(self, headers: dict[str, str], path: str, send: Send) -> bool:
+        """A cloud API's key check (`require_key`): OpenAI's bearer key, or Anthropic's
+        `x-api-key` with an `anthropic-version` on the Messages API. True when refused."""
+        key = self.behaviour.require_key
+        if key is None:
+            return False
+        if path.startswith("/v1/messages"):
+            if headers.get("x-api-key") == key and headers.get("anthropic-version"):
+                return False
+            refused = apis.anthropic_error("authentication_error", "invalid x-api-key")
+        else:
+            if headers.get("authorization") == "Bearer " + key:
+                return False
+            refused = {
+                "error": {
+                    "message": "Incorrect API key provided.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
+        await _json(send, 401, refused)
+        return True
+
     async def _failing(self, send: Send, anthropic: bool = False) -> bool:
         """Answer with the configured failure, if one applies; True when it did."""
         bh = self.behaviour
@@ -597,7 +629,9 @@ class MockUpstream:
         extra = [(b"retry-after", str(bh.retry_after).encode())] if bh.retry_after else []
         message = f"{self.name} failing on purpose"
         body: dict[str, Any] = (
-            apis.anthropic_error("api_error", message)
+            json.loads(bh.fail_body)
+            if bh.fail_body is not None
+            else apis.anthropic_error("api_error", message)
             if anthropic
             else {"error": {"message": message, "type": "server_error", "code": bh.fail_status}}
         )
@@ -625,6 +659,8 @@ class MockUpstream:
             "query": scope.get("query_string", b"").decode("latin-1"),
         }
         st.recent.append(rec)
+        if await self._key_refused(headers, path, send):
+            return
         anthropic = path.startswith("/v1/messages")
         req = _form(body, headers.get("content-type")) if path.startswith("/v1/audio/") else None
         if req is None:

@@ -216,6 +216,7 @@
     refresh = Math.max(500, data.refresh * 1000);
     renderFleet(data);
     fill("reasons", Object.entries(data.routing.reasons), ([k, v]) => [k, num(v, 2)], "no decisions in the last minute");
+    fill("fallbacks", data.fallbacks || [], (f) => [f.model, f.kind, f.to.join(" → "), f.mid_stream || "–"], "no fallback chains configured");
     const bands = data.admission;
     fill("admission", bands ? Object.entries(bands) : [], ([k, v]) => [k, String(v.depth), v.depth ? v.oldest_wait.toFixed(1) + " s" : "–"],
       bands ? "" : "admission queue off (admission: not configured)");
