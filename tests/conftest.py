@@ -1,13 +1,34 @@
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 
+import httpx._transports.default
 import pytest
 
 from tests.support.fake_kube import FakeKube
 from tests.support.harness import Cluster, free_port
 from tests.support.hostile_backend import HostileBackend
 from tests.support.otlp_receiver import Receiver
+
+# Every httpx client (each `httpx.get`/`post`, each SDK client, each poll of `wait_http` and of
+# the checks `wait_for` runs every 20 ms) builds the default SSL context from certifi's bundle:
+# ~35 ms of CPU against ~2 ms for the plain-HTTP loopback request itself, paid thousands of times
+# a run. The default context is built once and shared (the suite's TLS tests pass their own
+# `verify`, which is built as asked).
+_build_ssl_context = httpx._transports.default.create_ssl_context
+_DEFAULT_SSL_CONTEXT = _build_ssl_context()
+
+
+def _ssl_context(
+    verify: ssl.SSLContext | str | bool = True, cert: object = None, trust_env: bool = True
+) -> ssl.SSLContext:
+    if verify is True and cert is None:
+        return _DEFAULT_SSL_CONTEXT
+    return _build_ssl_context(verify=verify, cert=cert, trust_env=trust_env)  # type: ignore[arg-type]
+
+
+httpx._transports.default.create_ssl_context = _ssl_context
 
 
 @pytest.fixture
