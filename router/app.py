@@ -27,7 +27,7 @@ from router.core.errors import (
     error_response,
 )
 from router.core.netpolicy import NetPolicy
-from router.core.redis_client import RedisConfig
+from router.core.redis_config import RedisConfig
 from router.core.runner import Runner
 from router.core.settings import Settings
 from router.discovery.runner import Discovery

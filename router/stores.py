@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from balancers.inflight.base import InflightStore
 from balancers.inflight.local import LocalInflight
-from router.core.redis_client import Client, RedisConfig, RedisTarget
+from router.core.redis_config import RedisConfig, RedisTarget
 from router.core.runner import Runner
 from router.core.settings import Settings
 from router.ops.metrics import Metrics
@@ -29,6 +29,7 @@ from router.request.usage.book import UsageBook, UsageStore
 from router.scaling.demand import DemandBook, LocalDemand
 
 if TYPE_CHECKING:
+    from router.core.redis_client import Client
     from router.request.placement.affinity_store import SharedPrefixIndex
 
 T = TypeVar("T")

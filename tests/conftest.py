@@ -1,13 +1,41 @@
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
+from types import ModuleType
+from typing import cast
 
+import httpx._transports.default
+import httpx2._transports.default
 import pytest
 
 from tests.support.fake_kube import FakeKube
 from tests.support.harness import Cluster, free_port
 from tests.support.hostile_backend import HostileBackend
 from tests.support.otlp_receiver import Receiver
+
+
+# Every httpx client (each `httpx.get`/`post`, each poll of `wait_http` and of the checks
+# `wait_for` runs every 20 ms) and every SDK client (openai and anthropic are built on httpx2)
+# builds the default SSL context from the CA bundle: ~35 ms of CPU against ~2 ms for the
+# plain-HTTP loopback request itself, paid thousands of times a run. The default context is built
+# once per library and shared (the suite's TLS tests pass their own `verify`, built as asked).
+def _share_default_ssl_context(transports: ModuleType) -> None:
+    build = transports.create_ssl_context
+    shared = build()
+
+    def create_ssl_context(
+        verify: ssl.SSLContext | str | bool = True, cert: object = None, trust_env: bool = True
+    ) -> ssl.SSLContext:
+        if verify is True and cert is None:
+            return cast(ssl.SSLContext, shared)
+        return cast(ssl.SSLContext, build(verify=verify, cert=cert, trust_env=trust_env))
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_default_ssl_context(httpx._transports.default)
+_share_default_ssl_context(httpx2._transports.default)
 
 
 @pytest.fixture

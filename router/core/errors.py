@@ -92,14 +92,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import httpx
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.responses import Response
 
 # Upstream or our own message text never carries secrets: messages are built here from fixed
@@ -509,24 +508,47 @@ def refusal_reason(status: int, body: bytes) -> FallbackReason | None:
     return None
 
 
-# Redis Cluster's own errors (no slot map, no node reachable) are no RedisError.
-STORE_FAILURES: tuple[type[BaseException], ...] = (
-    RedisError,
-    RedisClusterException,
-    OSError,
-    TimeoutError,
-)
-# A pooled connection that died with a Redis restart: reading again on a fresh one is safe.
-STORE_STALE_CONNECTION: tuple[type[BaseException], ...] = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    ConnectionError,
-)
+# redis-py's tree is imported on first use (PEP 562), by the modules that talk to Redis: a
+# process without Redis never loads redis-py (a third of the router's import time).
+if TYPE_CHECKING:
+    STORE_FAILURES: tuple[type[BaseException], ...]
+    STORE_STALE_CONNECTION: tuple[type[BaseException], ...]
+
+
+def __getattr__(name: str) -> tuple[type[BaseException], ...]:
+    if name == "STORE_FAILURES":
+        from redis.exceptions import RedisClusterException, RedisError
+
+        # Redis Cluster's own errors (no slot map, no node reachable) are no RedisError.
+        found: tuple[type[BaseException], ...] = (
+            RedisError,
+            RedisClusterException,
+            OSError,
+            TimeoutError,
+        )
+    elif name == "STORE_STALE_CONNECTION":
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        # A pooled connection that died with a Redis restart: reading again on a fresh one is
+        # safe.
+        found = (RedisConnectionError, RedisTimeoutError, ConnectionError)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = found
+    return found
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """A Redis call's failure; without redis-py loaded only OSError and TimeoutError can be."""
+    if isinstance(exc, OSError | TimeoutError):
+        return True
+    return "redis" in sys.modules and isinstance(exc, __getattr__("STORE_FAILURES"))
 
 
 def store_unavailable(exc: BaseException) -> StoreUnavailable:
     """The one map from a Redis call's failure to ours. Raises `exc` again when it is not one."""
-    if isinstance(exc, STORE_FAILURES):
+    if is_store_failure(exc):
         # The exception's own text may carry the Redis address; its type name is enough.
         return StoreUnavailable(f"The shared store (Redis) is unavailable ({type(exc).__name__}).")
     raise exc

@@ -32,11 +32,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.core.errors import STORE_FAILURES
+from router.core.errors import is_store_failure
 
 log = logging.getLogger("sluicegate.runner")
-# A dependency away (a backend, Redis): its name is the news. Anything else is a bug: traceback.
-_EXPECTED: tuple[type[BaseException], ...] = (OSError, TimeoutError, *STORE_FAILURES)
 
 Sleep = Callable[[float], Awaitable[None]]
 Interval = float | Callable[[], float]
@@ -203,7 +201,9 @@ class Runner:
             if stats.streak == 1:
                 log.warning(
                     f"{name} failed",
-                    exc_info=not isinstance(exc, _EXPECTED),
+                    # A dependency away (a backend, Redis): its name is the news. Anything else is
+                    # a bug: traceback.
+                    exc_info=not is_store_failure(exc),
                     extra={"fields": {"chore": name, "error": stats.last_error}},
                 )
             else:

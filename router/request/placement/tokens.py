@@ -31,24 +31,24 @@ approximate index), never an error: the engine answers for the request itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import threading
 from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-from tokenizers import Tokenizer
 
 from router.core.backend import Backend
 from router.core.settings import PoolLimits, Timeouts
 from router.upstream.pools import Pools
+
+if TYPE_CHECKING:
+    import jinja2
+    import jinja2.ext
 
 # Ids kept across pieces: 30-45 MB (measured 31 bytes an id with the piece keys, on a
 # 4k vocabulary; a large one's ids are int objects of their own, ~42 bytes each).
@@ -94,6 +94,8 @@ def _token_text(v: Any) -> str | None:
 
 def _loops_over_content(template: str, env: jinja2.Environment) -> bool:
     """vLLM's content-format detection, simplified: does the template iterate a `content`?"""
+    import jinja2.nodes
+
     try:
         ast = env.parse(template)
     except jinja2.TemplateSyntaxError:
@@ -123,25 +125,41 @@ def _tojson(
 
 
 def _raise(message: str) -> None:
+    import jinja2
+
     raise jinja2.TemplateError(message)
 
 
-class _Generation(jinja2.ext.Extension):
+# jinja2 and tokenizers load with the first router-side tokenizer: most configurations have none,
+# and every router start would pay their import.
+@functools.cache
+def _generation_tag() -> type[jinja2.ext.Extension]:
     """transformers' `{% generation %}` tag: renders its body unchanged."""
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.parser
 
-    tags = {"generation"}
+    class _Generation(jinja2.ext.Extension):
+        tags = {"generation"}
 
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+            return call.set_lineno(lineno)
 
-    def _body(self, caller: Any) -> str:
-        return str(caller())
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    return _Generation
 
 
 class RouterTokenizer:
     def __init__(self, path: str) -> None:
+        import jinja2.ext
+        import jinja2.sandbox
+        from tokenizers import Tokenizer
+
         where = Path(path)
         if not where.is_dir():
             hub = _hub_dir(path)
@@ -176,7 +194,9 @@ class RouterTokenizer:
             if text is not None:
                 self.specials[key] = text
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_generation_tag(), jinja2.ext.loopcontrols],
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise

@@ -17,6 +17,7 @@ import openai
 import pytest
 import redis
 
+from router.core.settings import ServerConfig
 from tests.support.harness import (
     Cluster,
     Proc,
@@ -88,12 +89,18 @@ def kill9_tree(proc: Proc) -> None:
 
 
 def aclient(router: Proc) -> openai.AsyncOpenAI:
+    # A kept-alive connection is dropped here well before the router closes it (its
+    # `server.keepalive_timeout`): at httpx's default, equal to it, a request sent on a
+    # connection the router was closing failed to connect (seen on a loaded machine).
+    keepalive = ServerConfig().keepalive_timeout / 2
     return openai.AsyncOpenAI(
         base_url=router.url + "/v1",
         api_key="k",
         max_retries=0,
         http_client=httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=400, max_keepalive_connections=100),
+            limits=httpx.Limits(
+                max_connections=400, max_keepalive_connections=100, keepalive_expiry=keepalive
+            ),
             timeout=httpx.Timeout(120, connect=10),
         ),
     )

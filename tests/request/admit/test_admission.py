@@ -1,6 +1,7 @@
 """The admission queue through a real router and real mock engines: a full fleet makes requests
-wait (instead of 503) in priority order; deadlines, a full queue and bad headers answer at once;
-a client that leaves while queued never reaches a backend; nothing stays counted."""
+wait (instead of 503) in priority order; deadlines and bad headers answer at once; a client that
+leaves while queued never reaches a backend; nothing stays counted. A full queue's shedding is
+timed by the app's clock: tests/request/lifecycle/test_inprocess.py."""
 
 from __future__ import annotations
 
@@ -234,56 +235,6 @@ def test_max_wait_and_the_timeout_header_answer_503_with_retry_after(
     assert metric(router, "sluicegate_shed_total", reason="deadline") >= 1
     assert "expire-late" not in served_ids(mock_a)
     assert_idle(router)
-
-
-def test_a_full_queue_sheds_the_lowest_band_first(fleet: dict[str, Proc]) -> None:
-    tight, mock = fleet["tight"], fleet["b"]
-
-    async def main() -> dict[str, httpx.Response]:
-        async with httpx.AsyncClient(timeout=15) as http:
-
-            def post(rid: str, band: str = "standard") -> asyncio.Task[httpx.Response]:
-                return asyncio.create_task(
-                    http.post(
-                        tight.url + CHAT,
-                        json={"model": "m", "messages": []},
-                        headers={"x-request-id": rid, "x-sluicegate-priority": band},
-                    )
-                )
-
-            blocker = post("full-blocker")
-            await asyncio.to_thread(
-                wait_for, lambda: in_flight(tight) == 1, "the blocker in flight"
-            )
-            shed = post("full-shed", "sheddable")
-            await asyncio.to_thread(wait_for, lambda: depth(tight) == 1, "one queued")
-            first = post("full-std-1")
-            await asyncio.to_thread(wait_for, lambda: depth(tight) == 2, "two queued: max_queue")
-            second = post("full-std-2")  # takes the sheddable one's place
-            shed_answer = await shed
-            assert not second.done()
-            late = await post("full-shed-late", "sheddable")  # the newcomer is the lowest
-            return {
-                "blocker": await blocker,
-                "shed": shed_answer,
-                "late": late,
-                "first": await first,
-                "second": await second,
-            }
-
-    answers = asyncio.run(main())
-    assert answers["blocker"].status_code == 200
-    for name in ("shed", "late"):
-        assert answers[name].status_code == 503
-        assert answers[name].json()["error"]["code"] == "queue_full"
-        assert int(answers[name].headers["retry-after"]) >= 1
-    # The standard ones waited for their turn (and here ran out of max_wait, 1.5 s).
-    for name in ("first", "second"):
-        assert answers[name].json()["error"]["code"] == "queue_timeout"
-    assert metric(tight, "sluicegate_shed_total", reason="queue_full") >= 2
-    ids = served_ids(mock)
-    assert not {"full-shed", "full-shed-late", "full-std-1", "full-std-2"} & set(ids)
-    assert_idle(tight)
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ from router.app import create_app
 from router.core.backend import Backend
 from router.core.clock import SYSTEM, Clock
 from router.core.settings import (
+    AdmissionConfig,
     BackendConfig,
     HealthConfig,
     MigrationConfig,
@@ -61,6 +62,7 @@ Headers = list[tuple[bytes, bytes]]
 SSE: Headers = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
 BACKENDS = ("a", "b")
 CHAT = "/v1/chat/completions"
+PRIORITY = b"x-sluicegate-priority"
 
 
 class Exchange:
@@ -945,3 +947,66 @@ def test_an_error_answer_cut_short_is_relayed_with_a_length_that_matches() -> No
         assert call.status == 503 and call.body == b'{"error":'
 
     serve(scenario)
+
+
+# 6. A full admission queue.
+
+
+def test_a_full_queue_sheds_the_lowest_band_first() -> None:
+    """One slot, held; `max_queue: 2`. A sheddable request waiting gives its place to a
+    standard newcomer, and a sheddable newcomer to a queue of standard ones is refused itself:
+    both at once, 503 `queue_full` with a Retry-After, never sent to a backend. The standard
+    ones wait for their turn until `max_wait` of the app's clock has passed, not before (on real
+    time a loaded machine let the sheddable one expire before the newcomer came)."""
+    clock = ManualClock()
+    max_wait = 1.5
+
+    def post(r: Router, rid: str, band: str = "standard") -> Call:
+        body = b'{"model":"m","messages":[]}'
+        return r.post(CHAT, body, [(b"x-request-id", rid.encode()), (PRIORITY, band.encode())])
+
+    async def depth(r: Router) -> float:
+        return await r.metric("sluicegate_queue_depth")
+
+    async def queued(r: Router, n: int) -> None:
+        async with asyncio.timeout(GUARD):
+            while await depth(r) != n:  # noqa: ASYNC110 (the app's tasks move it)
+                await asyncio.sleep(0)
+
+    def refused_full(call: Call) -> None:
+        assert call.status == 503, call.body
+        assert call.json()["error"]["code"] == "queue_full"
+        assert float(call.header("retry-after") or 0) >= 1
+
+    async def scenario(r: Router) -> None:
+        blocker = post(r, "full-blocker")
+        held = await r.upstreams.next()  # the only slot, held until the end
+        shed = post(r, "full-shed", "sheddable")
+        await queued(r, 1)
+        first = post(r, "full-std-1")
+        await queued(r, 2)
+        second = post(r, "full-std-2")  # takes the sheddable one's place
+        refused_full(await shed.done())
+        await queued(r, 2)
+        assert not second.complete
+        refused_full(await post(r, "full-shed-late", "sheddable").done())  # the lowest: itself
+        assert await r.metric("sluicegate_shed_total", reason="queue_full") == 2
+        clock.advance(max_wait - 0.1)
+        await settle()
+        assert not first.complete and not second.complete and await depth(r) == 2
+        clock.advance(0.2)  # past max_wait: both leave the queue, 503 queue_timeout
+        for waited in (await first.done(), await second.done()):
+            assert waited.status == 503
+            assert waited.json()["error"]["code"] == "queue_timeout"
+        assert await depth(r) == 0
+        held.answer(200, [(b"content-type", b"application/json")])
+        held.end(b'{"choices":[]}')
+        assert (await blocker.done()).status == 200
+        assert [ex.sent_headers["x-request-id"] for ex in r.upstreams.exchanges] == ["full-blocker"]
+
+    serve(
+        scenario,
+        [backend("a", max_inflight=1)],
+        clock=clock,
+        admission=AdmissionConfig(max_wait=max_wait, max_queue=2),
+    )
