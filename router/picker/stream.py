@@ -317,12 +317,9 @@ class PickerStream:
             call = await get_in(
                 app.proxy, request, endpoint, None, None, "standard", 1.0, None, None
             )
-            head = dict(self._headers)
-            fairness = next((head[h] for h in FAIRNESS if h in head), None)
-            if fairness is not None and call.ticket is not None:
-                # The admission queue's tenant: hashed into a bounded set, so that the ids a
-                # client sends cannot grow the queue's per-tenant tags without bound.
-                call.ticket.tenant = f"fairness-{zlib.crc32(fairness) % FAIRNESS_BUCKETS}"
+            tenant = tenant_of(dict(self._headers))
+            if tenant is not None and call.ticket is not None:
+                call.ticket.tenant = tenant
             return call
         key = keys.check(request)
         return await get_in(
@@ -450,6 +447,16 @@ class PickerStream:
             if self._entered:
                 app.lifecycle.leave()
             settle(app.proxy, call)
+
+
+def tenant_of(head: dict[str, bytes]) -> str | None:
+    """The admission queue's tenant named by the fairness header (None: no header). Hashed into
+    `FAIRNESS_BUCKETS` tenants, so that the ids a client makes up cannot grow the queue's
+    per-tenant tags without bound."""
+    fairness = next((head[h] for h in FAIRNESS if h in head), None)
+    if fairness is None:
+        return None
+    return f"fairness-{zlib.crc32(fairness) % FAIRNESS_BUCKETS}"
 
 
 def _subset(msg: ProcessingRequest) -> list[str] | None:

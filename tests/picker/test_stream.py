@@ -32,6 +32,7 @@ from router.picker.proto.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
+from router.picker.stream import FAIRNESS, FAIRNESS_BUCKETS, tenant_of
 from tests.support.harness import Cluster, Proc, backend, expected_text, metric, stream_text
 from tests.support.picker import (
     CHAT,
@@ -222,6 +223,18 @@ def test_buffered_bodies_count_in_the_body_budget(fleet: dict[str, Proc]) -> Non
     destination(picked)  # room again: picked
     wait_for(lambda: held(picker) == len(data), "held by the request until its end")
     finish_response(again, fleet)
+
+
+def test_fairness_ids_hash_into_a_bounded_set_of_tenants() -> None:
+    """Each made-up id would be a tenant of its own in the admission queue's fair tags; hashed,
+    20,000 of them name at most `FAIRNESS_BUCKETS` tenants, still told apart."""
+    made_up = {tenant_of({FAIRNESS[i % 2]: f"user-{i}".encode()}) for i in range(20_000)}
+    assert None not in made_up
+    assert FAIRNESS_BUCKETS // 2 < len(made_up) <= FAIRNESS_BUCKETS
+    gateway, llm_d = FAIRNESS
+    assert tenant_of({gateway: b"team-a"}) == tenant_of({llm_d: b"team-a"})  # one id, one tenant
+    assert tenant_of({gateway: b"team-a"}) != tenant_of({gateway: b"team-b"})
+    assert tenant_of({"x-other": b"team-a"}) is None  # no header: the request's own tenant
 
 
 def test_trailers_end_the_request_body(fleet: dict[str, Proc]) -> None:
