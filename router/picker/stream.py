@@ -9,6 +9,12 @@ the usage and the end are seen. `close` gives back what the stream took, in reve
 however it ended (the response's end, the gateway cancelling the stream, an error): the lease,
 the drain count, then getting in's holds closed with the tokens used (`settle`).
 
+While the body comes, its bytes are held in the process's body budget (`max_held_body_bytes`,
+the proxy's `bodies`) chunk by chunk, as the proxy holds a body it reads: a chunk that would not
+fit is answered 503 `bodies_over_budget` with Retry-After, one over the largest body any
+endpoint takes 413. At the pick they pass to getting in's validation, which holds the same body
+until `settle`; a stream that ends before the pick gives them back in `close`.
+
 Message order (Envoy's FULL_DUPLEX_STREAMED body modes): request headers, body chunks (the last
 with end_of_stream, or followed by trailers), then response headers, body chunks, trailers;
 headers with end_of_stream mean no body. Nothing is answered until the request's body is whole:
@@ -34,7 +40,6 @@ from router.core.errors import (
     ProxyError,
     Refused,
     SluicegateError,
-    TooLarge,
     Unavailable,
     answer,
 )
@@ -45,6 +50,7 @@ from router.picker.proto.external_processor_pb2 import (
 )
 from router.request.admit.admission import PRIORITY_HEADER, QueueFull
 from router.request.admit.hops import HOP_HEADER
+from router.request.admit.validate import over_budget, request_id_of, too_big
 from router.request.lifecycle.attempt import Attempts, attempts_for
 from router.request.lifecycle.call import Call
 from router.request.lifecycle.endings import NoneLeft
@@ -86,6 +92,7 @@ class PickerStream:
         "_entered",
         "_headers",
         "_headers_only",
+        "_held",
         "_readable",
         "_status",
         "_subset",
@@ -97,6 +104,7 @@ class PickerStream:
         self._app = app
         self._headers: list[tuple[str, bytes]] = []
         self._body = bytearray()
+        self._held = 0  # bytes of `_body` held in the body budget until the pick
         self._subset: list[str] | None = None
         self.call: Call | None = None  # once it got in
         self._attempts: Attempts | None = None
@@ -129,12 +137,12 @@ class PickerStream:
         if kind == "request_body":
             if self.call is not None:
                 return _NOTHING  # the body was answered whole already (its trailers follow)
-            self._body += msg.request_body.body
-            # The largest body any endpoint takes (validation applies the endpoint's own).
-            limit = max(self._app.settings.max_upload_bytes, self._app.settings.max_body_bytes)
-            if len(self._body) > limit:
+            chunk = msg.request_body.body
+            refused = self._hold(chunk)
+            if refused is not None:
                 self._ended = True
-                return [_refusal(TooLarge(f"Request body over {limit} bytes."))]
+                return [_refusal(refused, _is_anthropic(self._headers))]
+            self._body += chunk
             if msg.request_body.end_of_stream:
                 return await self._pick(False)
             return _NOTHING
@@ -162,9 +170,32 @@ class PickerStream:
 
     # -- the request ------------------------------------------------------------------------
 
+    def _hold(self, chunk: bytes) -> Refused | None:
+        """Hold `chunk` in the body budget; the refusal when it may not be held."""
+        settings = self._app.settings
+        # The largest body any endpoint takes (validation applies the endpoint's own).
+        limit = max(settings.max_upload_bytes, settings.max_body_bytes)
+        if len(self._body) + len(chunk) > limit:
+            return too_big(limit, self._request_id())
+        if not self._app.proxy.bodies.take(len(chunk)):
+            return over_budget(self._request_id())
+        self._held += len(chunk)
+        return None
+
+    def _let_go_body(self) -> None:
+        """The buffered body's bytes back to the body budget (at the pick, getting in's
+        validation takes them again at once, for the request's whole life)."""
+        if self._held:
+            self._app.proxy.bodies.give(self._held)
+            self._held = 0
+
+    def _request_id(self) -> str:
+        return request_id_of(dict(self._headers).get("x-request-id", b"").decode("latin-1"))
+
     async def _pick(self, trailers: bool) -> Out:
         """Get in, pick and lease; the headers' answer naming the backend, then the body."""
         app = self._app
+        self._let_go_body()
         try:
             request, endpoint = self._request()
             call = await self._get_in(request, endpoint)
@@ -252,7 +283,7 @@ class PickerStream:
             if isinstance(payload, dict):
                 payload["model"] = rewrite.decode("latin-1")
                 body = json.dumps(payload).encode()
-                self._body = bytearray(body)
+        self._body = bytearray()  # the body is held once, by the request from here
         headers = [(k.encode("latin-1"), v) for k, v in self._headers if not k.startswith(":")]
         headers = _mapped(headers, head)
         scope = {
@@ -286,12 +317,9 @@ class PickerStream:
             call = await get_in(
                 app.proxy, request, endpoint, None, None, "standard", 1.0, None, None
             )
-            head = dict(self._headers)
-            fairness = next((head[h] for h in FAIRNESS if h in head), None)
-            if fairness is not None and call.ticket is not None:
-                # The admission queue's tenant: hashed into a bounded set, so that the ids a
-                # client sends cannot grow the queue's per-tenant tags without bound.
-                call.ticket.tenant = f"fairness-{zlib.crc32(fairness) % FAIRNESS_BUCKETS}"
+            tenant = tenant_of(dict(self._headers))
+            if tenant is not None and call.ticket is not None:
+                call.ticket.tenant = tenant
             return call
         key = keys.check(request)
         return await get_in(
@@ -399,6 +427,7 @@ class PickerStream:
 
     async def close(self) -> None:
         """Give back what the stream took, however it ended."""
+        self._let_go_body()
         call = self.call
         if call is None:
             return
@@ -418,6 +447,16 @@ class PickerStream:
             if self._entered:
                 app.lifecycle.leave()
             settle(app.proxy, call)
+
+
+def tenant_of(head: dict[str, bytes]) -> str | None:
+    """The admission queue's tenant named by the fairness header (None: no header). Hashed into
+    `FAIRNESS_BUCKETS` tenants, so that the ids a client makes up cannot grow the queue's
+    per-tenant tags without bound."""
+    fairness = next((head[h] for h in FAIRNESS if h in head), None)
+    if fairness is None:
+        return None
+    return f"fairness-{zlib.crc32(fairness) % FAIRNESS_BUCKETS}"
 
 
 def _subset(msg: ProcessingRequest) -> list[str] | None:

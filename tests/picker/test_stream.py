@@ -8,7 +8,8 @@ the official openai SDK.
 
 The fleet: engines `a` and `b` serve `m`; `c` serves `tight`, one request at a time
 (`max_inflight: 1`), slowly, behind an admission queue of one; the picker (`balancer:
-cache_aware`) and the example Envoy in front of it. The only addition to the example: a
+cache_aware`, bodies bounded at 200 kB each and in all: `BODIES`) and the example Envoy in
+front of it. The only addition to the example: a
 header_to_metadata filter, which stands for the gateway logic that writes the subset hint
 (`envoy.lb.subset_hint`) in a real deployment.
 """
@@ -29,7 +30,9 @@ from router.picker.proto.base_pb2 import HeaderMap
 from router.picker.proto.external_processor_pb2 import (
     HttpTrailers,
     ProcessingRequest,
+    ProcessingResponse,
 )
+from router.picker.stream import FAIRNESS, FAIRNESS_BUCKETS, tenant_of
 from tests.support.harness import Cluster, Proc, backend, expected_text, metric, stream_text
 from tests.support.picker import (
     CHAT,
@@ -50,6 +53,8 @@ from tests.support.picker import (
 from tests.support.wait import wait_for
 
 SUBSET_HEADER = "x-test-subset"
+# max_body_bytes, max_upload_bytes and max_held_body_bytes: one body's bound and all bodies'.
+BODIES = 200_000
 SUBSET_FILTER = {
     "name": "envoy.filters.http.header_to_metadata",
     "typed_config": {
@@ -87,6 +92,9 @@ def fleet() -> Iterator[dict[str, Any]]:
                 "expose_backend_header": True,
                 "admission": {"max_queue": 1, "max_wait": 10},
                 "health": {"interval": 60},
+                "max_body_bytes": BODIES,
+                "max_upload_bytes": BODIES,
+                "max_held_body_bytes": BODIES,
             },
         )
         envoy = envoy_in_front(procs, picker, [SUBSET_FILTER])
@@ -100,8 +108,23 @@ def address(mock: Proc) -> str:
 
 
 def back_to_zero(fleet: dict[str, Proc]) -> None:
+    """No lease and no body byte held."""
     picker = fleet["picker"]
     wait_for(lambda: set(in_flight(picker).values()) == {0}, "in-flight counts back to 0")
+    wait_for(lambda: held(picker) == 0, "the body budget back to 0")
+
+
+def held(picker: Proc) -> float:
+    return metric(picker, "sluicegate_body_bytes_held")
+
+
+def refusal(answer: ProcessingResponse) -> tuple[int, dict[str, bytes], dict[str, Any]]:
+    """An immediate response's status, headers and OpenAI-shaped error."""
+    reply = answer.immediate_response
+    headers = {o.header.key: o.header.raw_value for o in reply.headers.set_headers}
+    error = json.loads(reply.body)["error"]
+    assert error["message"] and error["type"]
+    return reply.status.code, headers, error
 
 
 def finish_response(s: Session, fleet: dict[str, Proc]) -> None:
@@ -159,6 +182,59 @@ def test_no_body_is_answered_at_once_in_openai_shape(fleet: dict[str, Proc]) -> 
     assert json.loads(answer.immediate_response.body)["error"]["message"]
     s.end()
     back_to_zero(fleet)
+
+
+def test_a_body_over_the_bound_is_answered_413_in_openai_shape(fleet: dict[str, Proc]) -> None:
+    s = Session(fleet["picker"])  # type: ignore[arg-type]
+    s.send(head(**{"x-request-id": "too-big"}))
+    s.send(body(b"x" * 150_000, False))
+    s.send(body(b"x" * (BODIES - 150_000 + 1), False))  # one byte over, before the body's end
+    (answer,) = s.recv()
+    status, _, error = refusal(answer)
+    assert status == 413
+    assert error["code"] == "request_too_large"
+    assert str(BODIES) in error["message"]
+    s.end()
+    back_to_zero(fleet)
+
+
+def test_buffered_bodies_count_in_the_body_budget(fleet: dict[str, Proc]) -> None:
+    picker = fleet["picker"]
+    first = Session(picker)  # type: ignore[arg-type]
+    first.send(head())
+    first.send(body(b"x" * 150_000, False))  # held while it waits for the rest
+    wait_for(lambda: held(picker) == 150_000, "the first body's bytes held")
+    second = Session(picker)  # type: ignore[arg-type]
+    second.send(head())
+    second.send(body(b"y" * 60_000, False))  # fits its own bound, not the budget's room
+    (answer,) = second.recv()
+    status, headers, error = refusal(answer)
+    assert (status, error["code"]) == (503, "bodies_over_budget")
+    assert float(headers["retry-after"]) > 0
+    second.end()
+    assert held(picker) == 150_000  # the refused chunk was never held
+    first.reset()
+    back_to_zero(fleet)  # the reset gave the first body back
+    again = Session(picker)  # type: ignore[arg-type]
+    data = chat("y" * 60_000)
+    again.send(head())
+    again.send(body(data, True))
+    picked, *_ = again.recv(2)
+    destination(picked)  # room again: picked
+    wait_for(lambda: held(picker) == len(data), "held by the request until its end")
+    finish_response(again, fleet)
+
+
+def test_fairness_ids_hash_into_a_bounded_set_of_tenants() -> None:
+    """Each made-up id would be a tenant of its own in the admission queue's fair tags; hashed,
+    20,000 of them name at most `FAIRNESS_BUCKETS` tenants, still told apart."""
+    made_up = {tenant_of({FAIRNESS[i % 2]: f"user-{i}".encode()}) for i in range(20_000)}
+    assert None not in made_up
+    assert FAIRNESS_BUCKETS // 2 < len(made_up) <= FAIRNESS_BUCKETS
+    gateway, llm_d = FAIRNESS
+    assert tenant_of({gateway: b"team-a"}) == tenant_of({llm_d: b"team-a"})  # one id, one tenant
+    assert tenant_of({gateway: b"team-a"}) != tenant_of({gateway: b"team-b"})
+    assert tenant_of({"x-other": b"team-a"}) is None  # no header: the request's own tenant
 
 
 def test_trailers_end_the_request_body(fleet: dict[str, Proc]) -> None:

@@ -173,11 +173,13 @@ def _form(
     return ValidRequest(body, {"model": model, "stream": stream}, model, backends, stream, span)
 
 
-def _too_big(limit: int, request_id: str) -> TooLarge:
+def too_big(limit: int, request_id: str) -> TooLarge:
+    """A body over `limit` bytes (also the endpoint picker's, which buffers bodies itself)."""
     return TooLarge(f"The request body exceeds {limit} bytes.", request_id=request_id)
 
 
-def _over_budget(request_id: str) -> OverBudget:
+def over_budget(request_id: str) -> OverBudget:
+    """A body the body budget (`max_held_body_bytes`) has no room for."""
     return OverBudget(
         "The router holds as many request bodies as it may (max_held_body_bytes); retry shortly.",
         request_id=request_id,
@@ -192,10 +194,10 @@ async def _read_body(request: Request, limit: int, bodies: ByteBudget, request_i
     if declared is not None and declared.isdigit():
         taken = int(declared)
         if taken > limit:
-            raise _too_big(limit, request_id)
+            raise too_big(limit, request_id)
         # Held before the first byte is read: a body that cannot fit is not read at all.
         if not bodies.take(taken):
-            raise _over_budget(request_id)
+            raise over_budget(request_id)
     chunks: list[bytes] = []
     size = 0
     whole = False
@@ -204,9 +206,9 @@ async def _read_body(request: Request, limit: int, bodies: ByteBudget, request_i
             size += len(chunk)
             if size > taken:  # no length declared (chunked), or more than it said
                 if size > limit:
-                    raise _too_big(limit, request_id)
+                    raise too_big(limit, request_id)
                 if not bodies.take(size - taken):
-                    raise _over_budget(request_id)
+                    raise over_budget(request_id)
                 taken = size
             chunks.append(chunk)
         whole = True
