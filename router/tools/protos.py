@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from google.protobuf import descriptor_pb2
+from google.protobuf.descriptor import FileDescriptor
 
 SOURCE = Path(__file__).resolve().parents[1] / "picker" / "proto"
 PACKAGE = "router.picker.proto"
@@ -48,6 +49,7 @@ _DUMP = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from google.protobuf import descriptor_pb2
+from google.protobuf.descriptor import FileDescriptor
 from envoy.service.ext_proc.v3 import external_processor_pb2 as m
 out, seen = descriptor_pb2.FileDescriptorSet(), set()
 def walk(fd):
@@ -226,14 +228,13 @@ def committed_descriptors() -> descriptor_pb2.FileDescriptorSet:
 
     out, seen = descriptor_pb2.FileDescriptorSet(), set()
 
-    def walk(fd: object) -> None:
-        name = fd.name  # type: ignore[attr-defined]
-        if name in seen:
+    def walk(fd: FileDescriptor) -> None:
+        if fd.name in seen:
             return
-        seen.add(name)
-        for dep in fd.dependencies:  # type: ignore[attr-defined]
+        seen.add(fd.name)
+        for dep in fd.dependencies:
             walk(dep)
-        out.file.add().MergeFromString(fd.serialized_pb)  # type: ignore[attr-defined]
+        out.file.add().MergeFromString(fd.serialized_pb)
 
     walk(external_processor_pb2.DESCRIPTOR)
     return out

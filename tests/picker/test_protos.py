@@ -53,7 +53,10 @@ WIRE: dict[str, dict[str, tuple[int, str | int]]] = {
         "set_headers": (1, f"{CORE}.HeaderValueOption"),
         "remove_headers": (2, STR),
     },
-    f"{EXT}.BodyMutation": {"body": (1, B), "streamed_response": (3, f"{EXT}.StreamedBodyResponse")},
+    f"{EXT}.BodyMutation": {
+        "body": (1, B),
+        "streamed_response": (3, f"{EXT}.StreamedBodyResponse"),
+    },
     f"{EXT}.StreamedBodyResponse": {"body": (1, B), "end_of_stream": (2, BOOL)},
     f"{EXT}.ImmediateResponse": {
         "status": (1, "envoy.type.v3.HttpStatus"),
@@ -96,7 +99,9 @@ def test_the_committed_descriptors_are_trimmed() -> None:
     assert trim(committed) == committed
     envoy = [f for f in committed.file if f.name.startswith("envoy/")]
     assert {d for f in envoy for d in f.dependency} <= {f.name for f in committed.file}
-    assert all(not d.startswith(("udpa/", "validate/", "xds/")) for f in envoy for d in f.dependency)
+    assert all(
+        not d.startswith(("udpa/", "validate/", "xds/")) for f in envoy for d in f.dependency
+    )
     assert all(not f.HasField("options") for f in envoy)
 
 
