@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install redis-server chromium system-deps bench bench-quick bench-hop nginx \
-	engines test-engine engine-venv lock image-test docs keda-proto
+	engines test-engine engine-venv lock image-test docs keda-proto \
+	picker-proto
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +96,11 @@ docs: $(STAMP)
 keda-proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
 		router/scaling/keda/externalscaler.proto
+
+# The endpoint picker's messages: regenerated from xds-protos' descriptors of Envoy's API,
+# installed into a temporary directory (needs the package index; router/tools/protos.py).
+picker-proto: $(STAMP)
+	$(PY) -m router.tools.protos
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

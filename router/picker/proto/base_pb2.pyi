@@ -1,3 +1,4 @@
+# Generated from xds-protos 1.85.0's descriptors of Envoy's API (Apache-2.0) by router/tools/protos.py.
 from google.protobuf import any_pb2 as _any_pb2
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import wrappers_pb2 as _wrappers_pb2

@@ -1,3 +1,4 @@
+# Generated from xds-protos 1.85.0's descriptors of Envoy's API (Apache-2.0) by router/tools/protos.py.
 import datetime
 
 from router.picker.proto import base_pb2 as _base_pb2
@@ -56,7 +57,7 @@ class ProcessingRequest(_message.Message):
     def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., metadata_context: _Optional[_Union[_base_pb2.Metadata, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ..., protocol_config: _Optional[_Union[ProtocolConfiguration, _Mapping]] = ...) -> None: ...
 
 class ProcessingResponse(_message.Message):
-    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "immediate_response", "dynamic_metadata", "mode_override", "override_message_timeout")
+    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "immediate_response", "dynamic_metadata", "mode_override", "request_drain", "override_message_timeout")
     REQUEST_HEADERS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BODY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +67,7 @@ class ProcessingResponse(_message.Message):
     IMMEDIATE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_METADATA_FIELD_NUMBER: _ClassVar[int]
     MODE_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DRAIN_FIELD_NUMBER: _ClassVar[int]
     OVERRIDE_MESSAGE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     request_headers: HeadersResponse
     response_headers: HeadersResponse
@@ -76,8 +78,9 @@ class ProcessingResponse(_message.Message):
     immediate_response: ImmediateResponse
     dynamic_metadata: _struct_pb2.Struct
     mode_override: _processing_mode_pb2.ProcessingMode
+    request_drain: bool
     override_message_timeout: _duration_pb2.Duration
-    def __init__(self, request_headers: _Optional[_Union[HeadersResponse, _Mapping]] = ..., response_headers: _Optional[_Union[HeadersResponse, _Mapping]] = ..., request_body: _Optional[_Union[BodyResponse, _Mapping]] = ..., response_body: _Optional[_Union[BodyResponse, _Mapping]] = ..., request_trailers: _Optional[_Union[TrailersResponse, _Mapping]] = ..., response_trailers: _Optional[_Union[TrailersResponse, _Mapping]] = ..., immediate_response: _Optional[_Union[ImmediateResponse, _Mapping]] = ..., dynamic_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., mode_override: _Optional[_Union[_processing_mode_pb2.ProcessingMode, _Mapping]] = ..., override_message_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_headers: _Optional[_Union[HeadersResponse, _Mapping]] = ..., response_headers: _Optional[_Union[HeadersResponse, _Mapping]] = ..., request_body: _Optional[_Union[BodyResponse, _Mapping]] = ..., response_body: _Optional[_Union[BodyResponse, _Mapping]] = ..., request_trailers: _Optional[_Union[TrailersResponse, _Mapping]] = ..., response_trailers: _Optional[_Union[TrailersResponse, _Mapping]] = ..., immediate_response: _Optional[_Union[ImmediateResponse, _Mapping]] = ..., dynamic_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., mode_override: _Optional[_Union[_processing_mode_pb2.ProcessingMode, _Mapping]] = ..., request_drain: _Optional[bool] = ..., override_message_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class HttpHeaders(_message.Message):
     __slots__ = ("headers", "attributes", "end_of_stream")
@@ -97,12 +100,16 @@ class HttpHeaders(_message.Message):
     def __init__(self, headers: _Optional[_Union[_base_pb2.HeaderMap, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
 
 class HttpBody(_message.Message):
-    __slots__ = ("body", "end_of_stream")
+    __slots__ = ("body", "end_of_stream", "end_of_stream_without_message", "grpc_message_compressed")
     BODY_FIELD_NUMBER: _ClassVar[int]
     END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    END_OF_STREAM_WITHOUT_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    GRPC_MESSAGE_COMPRESSED_FIELD_NUMBER: _ClassVar[int]
     body: bytes
     end_of_stream: bool
-    def __init__(self, body: _Optional[bytes] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
+    end_of_stream_without_message: bool
+    grpc_message_compressed: bool
+    def __init__(self, body: _Optional[bytes] = ..., end_of_stream: _Optional[bool] = ..., end_of_stream_without_message: _Optional[bool] = ..., grpc_message_compressed: _Optional[bool] = ...) -> None: ...
 
 class HttpTrailers(_message.Message):
     __slots__ = ("trailers",)
@@ -177,12 +184,16 @@ class HeaderMutation(_message.Message):
     def __init__(self, set_headers: _Optional[_Iterable[_Union[_base_pb2.HeaderValueOption, _Mapping]]] = ..., remove_headers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamedBodyResponse(_message.Message):
-    __slots__ = ("body", "end_of_stream")
+    __slots__ = ("body", "end_of_stream", "end_of_stream_without_message", "grpc_message_compressed")
     BODY_FIELD_NUMBER: _ClassVar[int]
     END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    END_OF_STREAM_WITHOUT_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    GRPC_MESSAGE_COMPRESSED_FIELD_NUMBER: _ClassVar[int]
     body: bytes
     end_of_stream: bool
-    def __init__(self, body: _Optional[bytes] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
+    end_of_stream_without_message: bool
+    grpc_message_compressed: bool
+    def __init__(self, body: _Optional[bytes] = ..., end_of_stream: _Optional[bool] = ..., end_of_stream_without_message: _Optional[bool] = ..., grpc_message_compressed: _Optional[bool] = ...) -> None: ...
 
 class BodyMutation(_message.Message):
     __slots__ = ("body", "clear_body", "streamed_response")

@@ -1,3 +1,4 @@
+# Generated from xds-protos 1.85.0's descriptors of Envoy's API (Apache-2.0) by router/tools/protos.py.
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

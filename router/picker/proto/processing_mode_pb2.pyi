@@ -1,3 +1,4 @@
+# Generated from xds-protos 1.85.0's descriptors of Envoy's API (Apache-2.0) by router/tools/protos.py.
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -22,11 +23,13 @@ class ProcessingMode(_message.Message):
         BUFFERED: _ClassVar[ProcessingMode.BodySendMode]
         BUFFERED_PARTIAL: _ClassVar[ProcessingMode.BodySendMode]
         FULL_DUPLEX_STREAMED: _ClassVar[ProcessingMode.BodySendMode]
+        GRPC: _ClassVar[ProcessingMode.BodySendMode]
     NONE: ProcessingMode.BodySendMode
     STREAMED: ProcessingMode.BodySendMode
     BUFFERED: ProcessingMode.BodySendMode
     BUFFERED_PARTIAL: ProcessingMode.BodySendMode
     FULL_DUPLEX_STREAMED: ProcessingMode.BodySendMode
+    GRPC: ProcessingMode.BodySendMode
     REQUEST_HEADER_MODE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_HEADER_MODE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BODY_MODE_FIELD_NUMBER: _ClassVar[int]
