@@ -20,7 +20,9 @@ SluicegateError                  every error raised on purpose; str() is safe to
   │     ├── UpstreamTimeout      (504, a backend did not answer in time)
   │     └── NoCapacity           (503, every candidate is full, ejected or cooling down)
   │           ├── QueueTimeout   (request/admit/admission.py: it waited past its deadline)
-  │           └── QueueFull      (request/admit/admission.py: shed from a full queue)
+  │           ├── QueueFull      (request/admit/admission.py: shed from a full queue)
+  │           └── SloUnattainable (429, request/lifecycle/attempt.py: a sheddable request no
+  │                              engine is predicted to serve within its SLO, `balancer: latency`)
   ├── StoreUnavailable           a shared store (Redis) did not answer; callers fall back or 503
   │     └── ScriptFailed         (state/store.py: a store's script failed on its arguments: no
   │                              outage; a quota check answers it 429)
@@ -308,6 +310,14 @@ class NoCapacity(ProxyError):
     status = 503
     type_ = "service_unavailable"
     code = "no_capacity"
+
+
+class SloUnattainable(NoCapacity):
+    """Shed at once, not queued: waiting would only make its SLO further out of reach."""
+
+    status = 429
+    type_ = "rate_limit_exceeded"
+    code = "slo_unattainable"
 
 
 class StoreUnavailable(SluicegateError):

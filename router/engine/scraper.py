@@ -349,6 +349,7 @@ class EngineScraper:
                 lora_waiting=lora[2] if lora else frozenset(),
                 adapters=t.adapters,
                 inflight_at=inflight_at,
+                tokens_waiting=parsed.tokens_waiting,
             )
         self._publish_one(b.name)
         if adapters_changed and self.on_adapters is not None:

@@ -59,6 +59,7 @@ def proxy_endpoints(proxy: Proxy, keys: ClientKeys | None = None) -> dict[Endpoi
                     key.limits,
                     response_id,
                     key.owner,
+                    key.slo,
                 )
             except Refused as refused:
                 return answer(refused, anthropic)

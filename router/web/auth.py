@@ -103,6 +103,7 @@ class ClientKey:
     weight: float = 1.0  # share within the band
     limits: KeyLimits | None = None  # rpm / tpm / max_parallel, when the entry sets any
     owner: str = ANONYMOUS  # the stored responses it may reach (response_ids.owner_of)
+    slo: tuple[float | None, float | None] = (None, None)  # default (ttft, tpot) ms objectives
 
 
 class ClientKeys:
@@ -146,6 +147,7 @@ class ClientKeys:
                 e.weight,
                 limits,
                 owner_of(e.sha256),
+                (e.slo_ttft_ms, e.slo_tpot_ms),
             )
         self._keys = keys
 
