@@ -24,6 +24,7 @@ Pure: the models, token loads and readings arrive as data; its only state is its
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import ClassVar
@@ -31,7 +32,7 @@ from typing import ClassVar
 from balancers.base import Candidate, Choice
 from balancers.cache_aware import CHARS_PER_TOKEN
 from balancers.context import NO_CONTEXT, LatencyInputs, PickContext
-from balancers.latency_model import Features, Fit
+from balancers.latency_model import Features
 from balancers.least_load import LeastLoad
 
 EXPLORE = 0.02  # share of picks without an SLO that explore
@@ -51,10 +52,20 @@ class Latency:
         self._load = LeastLoad(self._rng)
 
     def _fallback(self, candidates: Sequence[Candidate], ctx: PickContext) -> Choice | None:
+        """least_load's pick; with the inputs, its features still go along: the samples that
+        teach the first models come from these picks."""
         choice = self._load.pick(candidates, ctx)
+        lat = ctx.latency
         if choice is None or ctx.adapter is not None:
             return choice
-        return Choice(choice.candidate, "latency_fallback")
+        c = choice.candidate
+        if lat is None:
+            return Choice(c, "latency_fallback")
+        cached = _cached(ctx, lat.prompt_tokens)
+        features = self._features(c, lat, cached)
+        held = ctx.hints.held.get(c.name, 0) if ctx.hints is not None else 0
+        tokens = cached.get(c.name, 0) if cached else 0
+        return Choice(c, "latency_fallback", held, tokens, None, features)
 
     def pick(self, candidates: Sequence[Candidate], ctx: PickContext = NO_CONTEXT) -> Choice | None:
         lat = ctx.latency
@@ -67,88 +78,118 @@ class Latency:
         fresh = [c for c in pool if c.engine is None or not c.engine.stale]
         if not fresh:
             return self._fallback(pool, ctx)
-        scored = self._predict(fresh, ctx, lat)
-        best = min(scored, key=_ttft)
+        cached = _cached(ctx, lat.prompt_tokens)
+        scored = self._predict(fresh, lat, cached)
+        best = min(scored, key=_first)
         chosen = best
-        reason = best[4]
+        reason = ""
         pinned = lat.pinned
         slo = ctx.slo_ttft_ms
         tpot_slo = ctx.slo_tpot_ms
         if pinned is not None:
             for s in scored:
-                if s[0].name == pinned:
-                    if s[1] - best[1] <= lat.break_s:
-                        return _choice(s, "session", ctx)
+                if s[1].name == pinned:
+                    if s[0] - best[0] <= lat.break_s:
+                        return self._choice(s, "session", ctx, lat, cached)
                     break
         if slo is not None or tpot_slo is not None:
-            ttft_cap = slo / 1000 if slo is not None else float("inf")
-            tpot_cap = tpot_slo / 1000 if tpot_slo is not None else float("inf")
-            meet = [s for s in scored if s[1] <= ttft_cap and (s[2] or 0.0) <= tpot_cap]
+            ttft_cap = slo / 1000 if slo is not None else math.inf
+            meet = [s for s in scored if s[0] <= ttft_cap]
+            if tpot_slo is not None:
+                tpot_cap = tpot_slo / 1000
+                meet = [s for s in meet if self._tpot(s, lat, cached) <= tpot_cap]
             if meet:
                 # Least positive headroom: the slowest engine still within the SLO.
-                chosen = max(meet, key=_ttft)
-                reason = chosen[4]
+                chosen = max(meet, key=_first)
             elif lat.shed and ctx.priority == "sheddable":
-                return _choice(best, UNATTAINABLE, ctx)
+                reason = UNATTAINABLE
         elif len(scored) > 1 and self._rng.random() < EXPLORE:
-            near = best[1] * EXPLORE_SLACK + 0.05
+            near = best[0] * EXPLORE_SLACK + 0.05
             counts = lat.models.samples
             chosen = min(
-                (s for s in scored if s[1] <= near), key=lambda s: counts.get(s[0].name, 0)
+                (s for s in scored if s[0] <= near), key=lambda s: counts.get(s[1].name, 0)
             )
-            reason = chosen[4]
-        return _choice(chosen, reason, ctx)
+        return self._choice(chosen, reason, ctx, lat, cached)
 
+    @staticmethod
     def _predict(
-        self, pool: Sequence[Candidate], ctx: PickContext, lat: LatencyInputs
-    ) -> list[tuple[Candidate, float, float | None, Features, str, int]]:
-        """(candidate, predicted TTFT s, predicted TPOT s, features, reason, cached tokens)."""
+        pool: Sequence[Candidate], lat: LatencyInputs, cached: dict[str, int] | None
+    ) -> list[tuple[float, Candidate]]:
+        """(predicted TTFT s, candidate) of each; inline, since this is the per-request cost
+        (bench/oneoff/latency_pick.py)."""
         models = lat.models
         engines = models.engines
         pooled = models.pooled
         assert pooled is not None
         prompt = lat.prompt_tokens
-        cached_of = _cached(ctx, prompt)
         prefill = lat.prefill
         decode = lat.decode
-        out: list[tuple[Candidate, float, float | None, Features, str, int]] = []
+        out: list[tuple[float, Candidate]] = []
         for c in pool:
             name = c.name
-            cached = cached_of.get(name, 0) if cached_of else 0
-            queued = float(prefill.get(name, 0))
+            f = engines.get(name) or pooled
+            w = f.ttft
+            q = prefill.get(name, 0)
             r = c.engine
-            if r is None:
-                waiting = running = kv = 0.0
-            else:
-                waiting, running, kv = r.waiting, r.running, r.kv_usage
-                if r.tokens_waiting is not None and r.tokens_waiting > queued:
-                    queued = r.tokens_waiting
-            x: Features = (
-                float(prompt - cached),
-                queued,
-                float(decode.get(name, 0)),
-                waiting,
-                running,
-                kv,
-            )
-            f: Fit | None = engines.get(name)
-            reason = "latency_model"
-            if f is None:
-                f, reason = pooled, "latency_pooled"
-            out.append((c, f.ttft_s(x), f.tpot_s(x), x, reason, cached))
+            y = w[0] + w[1] * (prompt - (cached.get(name, 0) if cached else 0))
+            y += w[3] * decode.get(name, 0)
+            if r is not None:
+                t = r.tokens_waiting
+                if t is not None and t > q:
+                    q = t
+                y += w[4] * r.waiting + w[5] * r.running + w[6] * r.kv_usage
+            y += w[2] * q
+            out.append((0.0 if y < 0.0 else (f.ceiling if y > f.ceiling else y), c))
         return out
 
+    @staticmethod
+    def _features(c: Candidate, lat: LatencyInputs, cached: dict[str, int] | None) -> Features:
+        name = c.name
+        q = float(lat.prefill.get(name, 0))
+        r = c.engine
+        waiting = running = kv = 0.0
+        if r is not None:
+            waiting, running, kv = r.waiting, r.running, r.kv_usage
+            if r.tokens_waiting is not None and r.tokens_waiting > q:
+                q = r.tokens_waiting
+        held = cached.get(name, 0) if cached else 0
+        return (
+            float(lat.prompt_tokens - held),
+            q,
+            float(lat.decode.get(name, 0)),
+            waiting,
+            running,
+            kv,
+        )
 
-def _ttft(s: tuple[Candidate, float, float | None, Features, str, int]) -> float:
-    return s[1]
+    def _tpot(
+        self, s: tuple[float, Candidate], lat: LatencyInputs, cached: dict[str, int] | None
+    ) -> float:
+        models = lat.models
+        f = models.engines.get(s[1].name) or models.pooled
+        assert f is not None
+        got = f.tpot_s(self._features(s[1], lat, cached))
+        return 0.0 if got is None else got
+
+    def _choice(
+        self,
+        s: tuple[float, Candidate],
+        reason: str,
+        ctx: PickContext,
+        lat: LatencyInputs,
+        cached: dict[str, int] | None,
+    ) -> Choice:
+        c = s[1]
+        if not reason:
+            reason = "latency_model" if c.name in lat.models.engines else "latency_pooled"
+        hints = ctx.hints
+        held = hints.held.get(c.name, 0) if hints is not None else 0
+        tokens = cached.get(c.name, 0) if cached else 0
+        return Choice(c, reason, held, tokens, s[0], self._features(c, lat, cached))
 
 
-def _choice(
-    s: tuple[Candidate, float, float | None, Features, str, int], reason: str, ctx: PickContext
-) -> Choice:
-    hints = ctx.hints
-    held = hints.held.get(s[0].name, 0) if hints is not None else 0
-    return Choice(s[0], reason, held, s[5], s[1], s[3])
+def _first(s: tuple[float, Candidate]) -> float:
+    return s[0]
 
 
 def _cached(ctx: PickContext, prompt: int) -> dict[str, int] | None:

@@ -18,6 +18,7 @@ samples (bench/oneoff/latency_pick.py), off the request path (a runner chore).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ Features = tuple[float, float, float, float, float, float]
 STRATA = (256, 1024, 4096)  # uncached prompt tokens: below each a stratum, then one above all
 PER_STRATUM = 64  # samples kept per stratum and engine: 256 per engine at most
 POOLED_MAX = 1024  # samples the pooled fit reads at most (every k-th)
-RIDGE = 1e-3  # relative to the samples' count: keeps a fit of a flat feature solvable
+RIDGE = 1e-4  # relative to the samples' count: keeps a fit of a flat feature solvable
 CEILING = 4.0  # a prediction is at most this times the slowest TTFT the engine was seen to take
 
 
@@ -153,8 +154,9 @@ def fit(samples: Sequence[Sample]) -> Fit | None:
 def _fit_line(xs: Sequence[Features], ys: Sequence[float]) -> tuple[float, ...] | None:
     n = len(xs)
     k = len(FEATURES)
-    # Scale each feature by its largest magnitude, so that one ridge weight fits all.
-    scale = [max(abs(x[j]) for x in xs) or 1.0 for j in range(k)]
+    # Scale each feature by its root mean square (not its largest: one long prompt of a long
+    # tail would shrink the rest to nothing), so that one ridge weight fits all.
+    scale = [math.sqrt(sum(x[j] * x[j] for x in xs) / n) or 1.0 for j in range(k)]
     rows = [(1.0, *(x[j] / scale[j] for j in range(k))) for x in xs]
     m = k + 1
     xtx = [[0.0] * m for _ in range(m)]
