@@ -129,7 +129,7 @@ class Latency:
             name = c.name
             f = engines.get(name) or pooled
             w = f.ttft
-            q = prefill.get(name, 0)
+            q: float = prefill.get(name, 0)
             r = c.engine
             y = w[0] + w[1] * (prompt - (cached.get(name, 0) if cached else 0))
             y += w[3] * decode.get(name, 0)
