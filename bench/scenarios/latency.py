@@ -48,7 +48,7 @@ ENGINES = {
 # The informed reference's weights: each engine's speed relative to a slow one (the hidden
 # load's share guessed at half its engine).
 WEIGHTS = {"fast1": 4.0, "fast2": 4.0, "slow1": 1.0, "slow2": 1.0, "hidden": 2.0}
-SLO_MS = 250.0
+SLO_MS = 60.0
 POLICIES = (
     ("least_inflight", "least_inflight", False, False),
     ("least_load", "least_load", False, False),
