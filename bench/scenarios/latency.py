@@ -110,7 +110,7 @@ def _metric_lines(router: Proc, name: str) -> list[tuple[str, float]]:
 
 def _ratio_quantiles(router: Proc) -> dict[str, float | None]:
     """Observed / predicted TTFT from the router's histogram: its p50 and p90 bucket bounds and
-    the share within [0.67, 1.5]."""
+    the share within [0.5, 1.5]."""
     buckets = [
         (float(re.search(r'le="([^"]+)"', labels).group(1)), v)  # type: ignore[union-attr]
         for labels, v in _metric_lines(router, "sluicegate_ttft_prediction_ratio_bucket")
