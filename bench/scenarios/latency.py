@@ -49,6 +49,8 @@ ENGINES = {
 # load's share guessed at half its engine).
 WEIGHTS = {"fast1": 4.0, "fast2": 4.0, "slow1": 1.0, "slow2": 1.0, "hidden": 2.0}
 SLO_MS = 60.0
+OVER_SLOTS = 2  # max_inflight per backend in the overload case
+OVER_SLO_MS = 500.0  # its TTFT SLO (queueing included)
 POLICIES = (
     ("least_inflight", "least_inflight", False, False),
     ("least_load", "least_load", False, False),
@@ -174,8 +176,8 @@ def _row(
 
 def run(c: Cluster, quick: bool) -> dict[str, Any]:
     rate = 18.0 if quick else 24.0
-    seconds = 10.0 if quick else 30.0
-    warm = 6.0 if quick else 15.0
+    seconds = 8.0 if quick else 30.0
+    warm = 5.0 if quick else 15.0
     mocks = {name: c.mock(name, engine_args=[*COMMON, *args]) for name, args in ENGINES.items()}
     trace = _trace(1, rate, seconds)
     warmup = _trace(2, rate, warm)
@@ -223,7 +225,99 @@ def run(c: Cluster, quick: bool) -> dict[str, Any]:
         "slo_ms": SLO_MS,
         "requests": len(trace),
         "policies": rows,
+        "overload": overload(c, mocks, quick),
     }
+
+
+def _closed(port: int, trace: list[tuple[float, bytes, int]], users: int, seconds: float) -> int:
+    """Answers completed by `users` clients sending back to back for `seconds`."""
+
+    async def go() -> int:
+        client = Client("127.0.0.1", port, "", 30)
+        stop = time.perf_counter() + seconds
+        done = 0
+
+        async def user(i: int) -> None:
+            nonlocal done
+            j = i
+            while time.perf_counter() < stop:
+                got = await client.send(trace[j % len(trace)][1])
+                done += got.status == 200
+                j += users
+
+        try:
+            await asyncio.gather(*(user(i) for i in range(users)))
+        finally:
+            client.close()
+        return done
+
+    return uvloop.run(go())
+
+
+async def _both(
+    port: int,
+    std: list[tuple[float, bytes, int]],
+    shed: list[tuple[float, bytes, int]],
+    slo: str,
+) -> tuple[list[tuple[Outcome, int]], list[tuple[Outcome, int]]]:
+    """Standard and sheddable traffic at once, on connections of their own."""
+    sheddable = slo + "x-sluicegate-priority: sheddable\r\n"
+    a, b = await asyncio.gather(_replay(port, std, slo, 30), _replay(port, shed, sheddable, 30))
+    return a, b
+
+
+def overload(c: Cluster, mocks: dict[str, Proc], quick: bool) -> dict[str, Any]:
+    """1.3x the pool's capacity (OVER_SLOTS per backend, measured with a closed loop through
+    `least_load`), a third of the requests `sheddable`, every one with a TTFT SLO of
+    OVER_SLO_MS; `least_load` with admission against `latency` with admission (which sheds a
+    sheddable request no engine is predicted to serve in time). Standard traffic's SLO
+    attainment (its answers within the SLO over its requests) is what shedding is for."""
+    seconds = 8.0 if quick else 20.0
+    trace = _trace(3, 10.0, 60.0)
+    backends = [
+        {"name": n, "url": m.url, "models": {"m": "mock-model"}, "max_inflight": OVER_SLOTS}
+        for n, m in mocks.items()
+    ]
+    base = {
+        "backends": backends,
+        "engine_metrics": {"interval": 0.25},
+        "admission": {"max_wait": 3.0},
+        "health": {"interval": 60},
+    }
+    out: dict[str, Any] = {"slo_ms": OVER_SLO_MS, "seconds": seconds}
+    for label, balancer in (
+        ("least_load + admission", "least_load"),
+        ("latency + shedding", "latency"),
+    ):
+        _settle(mocks)
+        proc = c.router({**base, "balancer": balancer}, env={"SLUICEGATE_LOG_LEVEL": "warning"})
+        try:
+            users = OVER_SLOTS * len(mocks)
+            warm = 3.0 if quick else 8.0
+            capacity = _closed(proc.port, trace, users, warm) / warm
+            out.setdefault("capacity_rps", round(capacity, 1))
+            rate = 1.3 * out["capacity_rps"]
+            load = _trace(4, rate, seconds)
+            slo = f"x-slo-ttft-ms: {OVER_SLO_MS:g}\r\n"
+            shed = [x for i, x in enumerate(load) if i % 3 == 2]
+            std = [x for i, x in enumerate(load) if i % 3 != 2]
+
+            got_std, got_shed = uvloop.run(_both(proc.port, std, shed, slo))
+            met = sum(1 for o, _ in got_std if o.status == 200 and o.first * 1000 <= OVER_SLO_MS)
+            out[label] = {
+                "rate": round(rate, 1),
+                "standard_attainment": round(met / max(1, len(got_std)), 3),
+                "standard_ok": sum(1 for o, _ in got_std if o.status == 200),
+                "standard": len(got_std),
+                "sheddable_ok": sum(1 for o, _ in got_shed if o.status == 200),
+                "sheddable_429": sum(1 for o, _ in got_shed if o.status == 429),
+                "sheddable_503": sum(1 for o, _ in got_shed if o.status == 503),
+                "sheddable": len(got_shed),
+            }
+            print(f"latency bench: overload, {label}: {out[label]}", flush=True)
+        finally:
+            proc.stop()
+    return out
 
 
 def section(res: dict[str, Any], date: str) -> list[str]:
@@ -261,4 +355,24 @@ def section(res: dict[str, Any], date: str) -> list[str]:
             f"answers, warm-up included): p50 bucket <= {pred['p50']}, p90 bucket <= "
             f"{pred['p90']}, {pred['within_1.5x']:.0%} within [0.5, 1.5].",
         ]
+    over = res.get("overload") or {}
+    rows_over = [(k, v) for k, v in over.items() if isinstance(v, dict)]
+    if rows_over:
+        out += [
+            "",
+            f"Sheddable overload: 1.3x the pool's measured capacity ({over['capacity_rps']:g} "
+            f"req/s with {OVER_SLOTS} slots per backend) for {over['seconds']:g} s, a third "
+            f"`sheddable`, every request with a TTFT SLO of {over['slo_ms']:g} ms (queueing "
+            "included), admission on (`max_wait` 3 s).",
+            "",
+            "| policy | standard SLO attainment | standard answered | sheddable answered | "
+            "sheddable 429 slo_unattainable | sheddable 503 |",
+            "|---|---|---|---|---|---|",
+        ]
+        for label, r in rows_over:
+            out.append(
+                f"| {label} | {r['standard_attainment']:.3f} | {r['standard_ok']}/"
+                f"{r['standard']} | {r['sheddable_ok']}/{r['sheddable']} | "
+                f"{r['sheddable_429']} | {r['sheddable_503']} |"
+            )
     return [*out, ""]
