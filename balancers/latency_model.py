@@ -30,6 +30,10 @@ STRATA = (256, 1024, 4096)  # uncached prompt tokens: below each a stratum, then
 PER_STRATUM = 64  # samples kept per stratum and engine: 256 per engine at most
 POOLED_MAX = 1024  # samples the pooled fit reads at most (every k-th)
 RIDGE = 1e-4  # relative to the samples' count: keeps a fit of a flat feature solvable
+# Plus this, in RMS-scaled units: with few samples (fewer than the 7 terms) the slopes shrink
+# towards 0 and the fit towards the engine's mean TTFT, instead of a wild slope on whichever
+# reading happened to vary (negligible once an engine has a hundred samples).
+RIDGE_MIN = 1.0
 CEILING = 4.0  # a prediction is at most this times the slowest TTFT the engine was seen to take
 
 
@@ -173,7 +177,7 @@ def _fit_line(xs: Sequence[Features], ys: Sequence[float]) -> tuple[float, ...] 
     for i in range(m):
         for j in range(i):
             xtx[i][j] = xtx[j][i]
-    ridge = RIDGE * n
+    ridge = RIDGE * n + RIDGE_MIN
     active = list(range(m))
     while True:
         w = _solve(

@@ -245,7 +245,7 @@ class AppParts:
             self.health,
             lambda: engine.readings,
             self.kv_events.status,
-            self.proxy.latency.tokens.view,
+            self.proxy.latency.view,
         )
 
     # --- what one part tells the others -----------------------------------------------------

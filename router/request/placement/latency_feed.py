@@ -50,6 +50,19 @@ class LatencyFeed:
             self.learner.add(flight.backend, Sample(features, ttft, tpot))
         return ttft, tpot
 
+    def view(self, backend: str) -> dict[str, object]:
+        """What `/admin/backends` shows: the token load, and the engine's model as last fitted
+        (samples held, whether it has its own, its learnt prefill seconds per uncached token)."""
+        fit = self.models.engines.get(backend)
+        return {
+            **self.tokens.view(backend),
+            "samples": self.models.samples.get(backend, 0),
+            "own_model": fit is not None,
+            "prefill_s_per_token": fit.ttft[1] if fit is not None else None,
+            # its TTFT line: intercept, then a slope per balancers/latency_model.FEATURES
+            "ttft_line": [float(f"{w:.4g}") for w in fit.ttft] if fit is not None else None,
+        }
+
     async def refit(self) -> None:
         self.models = self.learner.refit()
 
