@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence, Set
+from typing import NoReturn
 
 import httpx
 from starlette.types import Send
@@ -48,6 +49,7 @@ from router.request.lifecycle.pump import pump
 from router.request.placement.affinity import RequestAffinity
 from router.request.placement.pd import with_members
 from router.request.placement.session_token import HEADER as SESSION_HEADER
+from router.request.placement.slo import NO_SLO
 from router.request.wire.headers import downstream_response_headers, upstream_request_headers
 from router.upstream.transport import Answer
 
@@ -282,6 +284,8 @@ class Attempts:
         admission = parts.admission
         if admission is not None and call.ticket is not None and number == 1:
             if not call.record.attempts:  # not a migration's first attempt
+                if self.balancer.needs_tokens and call.slo != NO_SLO:
+                    self._shed_early()  # a sheddable request out of reach: not queued first
                 return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
         self.readings = parts.readings() if parts.readings and self.engine_aware else None
@@ -349,16 +353,39 @@ class Attempts:
         if choice.predicted is not None:
             parts.metrics.predicted_ttft.labels(call.model).observe(choice.predicted)
         if choice.reason == UNATTAINABLE:
-            parts.metrics.shed("slo_unattainable")
-            raise SloUnattainable(
-                f"No backend serving `{call.model}` is predicted to meet this request's latency "
-                "objective; retry later.",
-                retry_after=max(1.0, (choice.predicted or 0.0) - (call.slo[0] or 0.0) / 1000),
-            )
+            self._refuse(choice)
         prompt = _prompt_tokens(self.affinity, call)
         completion = max(0, call.estimate - len(call.body) // 4)
         self.held.tokens = parts.latency.tokens.dispatched(
             backend, prompt - choice.cached, completion, choice.features, choice.predicted
+        )
+
+    def _shed_early(self) -> None:
+        """With admission, before a `sheddable` request with an SLO queues: the balancer's
+        judgement on the eligible backends as they are (in-flight counts aside: `latency` weighs
+        token loads and readings), and the 429 at once when none would serve it in time."""
+        call = self.call
+        ticket = call.ticket
+        if ticket is None or BANDS[ticket.band] != "sheddable":
+            return
+        parts = self.parts
+        eligible = parts.health.eligible(call.backends, call.model)
+        readings = parts.readings() if parts.readings else None
+        candidates = [
+            Candidate(b.name, b.weight, 0, readings.get(b.name) if readings else None)
+            for b in eligible
+        ]
+        choice = self.balancer.pick(candidates, self._context(eligible, self.exclude))
+        if choice is not None and choice.reason == UNATTAINABLE:
+            self._refuse(choice)
+
+    def _refuse(self, choice: Choice) -> NoReturn:
+        call = self.call
+        self.parts.metrics.shed("slo_unattainable")
+        raise SloUnattainable(
+            f"No backend serving `{call.model}` is predicted to meet this request's latency "
+            "objective; retry later.",
+            retry_after=max(1.0, (choice.predicted or 0.0) - (call.slo[0] or 0.0) / 1000),
         )
 
     async def _take_prefill(self, number: int, decode: Lease) -> None:
