@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 
 from balancers.base import Balancer, Candidate, Choice
 from balancers.cache_aware import CacheAware
+from balancers.latency import Latency
 from balancers.least_inflight import LeastInflight
 from balancers.least_load import LeastLoad
 from balancers.plugin import adapted
@@ -19,6 +20,7 @@ BUILTIN: dict[str, type[Balancer]] = {
     LeastInflight.name: LeastInflight,
     LeastLoad.name: LeastLoad,
     CacheAware.name: CacheAware,
+    Latency.name: Latency,
 }
 
 __all__ = [

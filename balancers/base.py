@@ -13,7 +13,9 @@ balancer (a balancer is shared by concurrent requests). Every balancer declares 
   is not scraped); when False, `engine` stays None (a request for a LoRA adapter reads them
   whatever the balancer);
 - `needs_hints`: True when it reads `ctx.hints`: only then does the request hash its prompt,
-  look it up in the prefix index and match its tokens against KV events.
+  look it up in the prefix index and match its tokens against KV events;
+- `needs_tokens`: True when it reads `ctx.latency` (`latency`): only then does the request
+  count its tokens on the engine it goes to, and feed what it observed back to the models.
 A balancer may also offer its policy in the Redis store's own language (`RedisForm`): the store
 then picks and counts in one atomic script across replicas, instead of reading counts, picking
 here and adding the lease (two round trips, and a race between them); such a choice's reason is
@@ -53,6 +55,9 @@ class Choice:
     reason: str = "load"
     held: int = 0  # leading prefix blocks the chosen backend holds (`cache_aware`)
     cached: int = 0  # prompt tokens it holds, per its KV events (`cache_aware` with KV hints)
+    # `latency`: its predicted TTFT (s) and the features it rests on (the learning sample's)
+    predicted: float | None = None
+    features: tuple[float, ...] | None = None
 
 
 @runtime_checkable
@@ -61,6 +66,7 @@ class Balancer(Protocol):
     needs_counts: ClassVar[bool]
     needs_engine: ClassVar[bool]
     needs_hints: ClassVar[bool]
+    needs_tokens: ClassVar[bool]
 
     def pick(self, candidates: Sequence[Candidate], ctx: PickContext = NO_CONTEXT) -> Choice | None:
         """One of `candidates` not in `ctx.exclude`, or None when none is left."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
+from balancers.latency_model import NO_MODELS, Models
+
 
 @dataclass(frozen=True, slots=True)
 class KvHints:
@@ -54,12 +56,29 @@ class AdapterWant:
 
 
 @dataclass(frozen=True, slots=True)
+class LatencyInputs:
+    """What `balancer: latency` reads besides the candidates: the learnt models, the router's
+    own token load per engine (read during the pick only: the request path moves it between
+    picks), the prompt's length in tokens, and the engine an echoed `x-session-token` names."""
+
+    models: Models = NO_MODELS
+    prefill: Mapping[str, int] = field(default_factory=dict)  # backend -> prompt tokens queued
+    decode: Mapping[str, int] = field(default_factory=dict)  # backend -> decode tokens left
+    prompt_tokens: int = 0
+    pinned: str | None = None
+    break_s: float = 0.2  # affinity.session_break_ms: a pin's allowance over the best
+    shed: bool = False  # admission is on: a sheddable request may be refused for its SLO
+
+
+@dataclass(frozen=True, slots=True)
 class PickContext:
     """One attempt's inputs to a pick. `exclude`: backends this request already tried (the
     stores leave them out too); `hints`: the prompt's prefix and session (built only for a
     balancer that declares `needs_hints`); `adapter`: the LoRA adapter wanted; `load_factor`:
     the bounded-load factor of affinity (`affinity.load_factor`); `slo_ttft_ms`,
-    `slo_tpot_ms` and `priority`: the request's latency objectives and admission band."""
+    `slo_tpot_ms` and `priority`: the request's latency objectives and admission band;
+    `latency`: the models and token loads (built only for a balancer that declares
+    `needs_tokens`)."""
 
     exclude: Set[str] = frozenset()
     hints: Hints | None = None
@@ -68,6 +87,7 @@ class PickContext:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     priority: str | None = None
+    latency: LatencyInputs | None = None
 
     @property
     def plain(self) -> bool:

@@ -66,6 +66,7 @@ class LeastInflight:
     needs_counts: ClassVar[bool] = True
     needs_engine: ClassVar[bool] = False
     needs_hints: ClassVar[bool] = False
+    needs_tokens: ClassVar[bool] = False
     redis_pick: ClassVar[str] = _REDIS_PICK
 
     def __init__(self, rng: random.Random | None = None) -> None:

@@ -65,6 +65,7 @@ class LeastLoad:
     needs_counts: ClassVar[bool] = True
     needs_engine: ClassVar[bool] = True
     needs_hints: ClassVar[bool] = False
+    needs_tokens: ClassVar[bool] = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()

@@ -29,6 +29,7 @@ class Plugin:
     needs_counts: ClassVar[bool]
     needs_engine: ClassVar[bool]
     needs_hints: ClassVar[bool] = False
+    needs_tokens: ClassVar[bool] = False
     plugin: ClassVar[type]
 
     def __init__(self) -> None:

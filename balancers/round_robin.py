@@ -15,6 +15,7 @@ class RoundRobin:
     needs_counts: ClassVar[bool] = False
     needs_engine: ClassVar[bool] = False
     needs_hints: ClassVar[bool] = False
+    needs_tokens: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._current: dict[str, float] = {}

@@ -265,7 +265,12 @@ class AppParts:
             runner=runner,
         )
         self.rows = BackendRows(
-            self.fleet, store, self.health, lambda: engine.readings, self.kv_events.status
+            self.fleet,
+            store,
+            self.health,
+            lambda: engine.readings,
+            self.kv_events.status,
+            self.proxy.latency.view,
         )
 
     # --- what one part tells the others -----------------------------------------------------
@@ -396,7 +401,15 @@ class AppParts:
             runner.every("lora_sweep", self.lora_sweep, 1.0)
         if settings.api_keys_file:
             runner.every("client_keys_reload", self.reload_keys, settings.api_keys_reload)
+        if "latency" in {settings.balancer, *settings.model_balancers.values()}:
+            runner.every("latency_refit", self.latency_refit, settings.latency.refit_interval)
         runner.start()
+
+    async def latency_refit(self) -> None:
+        """`balancer: latency`'s models, refitted on the samples of the backends still here."""
+        feed = self.proxy.latency
+        feed.forget(self.registry.snapshot.by_name)
+        await feed.refit()
 
     def _log_started(self) -> None:
         if (
@@ -502,6 +515,8 @@ def _routes(app: FastAPI, p: AppParts, proxy_routes: bool = True) -> None:
         if p.affinity.shared is not None:
             metrics.affinity_shared_entries.set(p.affinity.shared.entries)
         metrics.engine_readings(p.engine.readings, time.time())
+        tokens = p.proxy.latency.tokens
+        metrics.token_load(tokens.prefill, tokens.decode)
         metrics.body_bytes_held.set(p.proxy.bodies.held)
         p.kv_events.flush()
         metrics.kv_state(p.kv_events.blocks(), p.kv_events.lags())

@@ -24,6 +24,7 @@ from bench.scenarios import (
     hop,
     kv_real,
     kv_workload,
+    latency,
     lora,
     noisy,
     pd,
@@ -157,6 +158,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _of("console", lambda res, date: console.section(res)),
         console.targets,
     ),
+    Scenario("latency", _stored("latency", latency.run), _of("latency", latency.section)),
     Scenario("hop", _hop, _of("hop", lambda res, date: hop.lines(res))),
     Scenario("pd", _pd, _of("pd", lambda res, date: pd.section(res))),
     Scenario("picker", _stored("picker", picker.run), _of("picker", picker.section)),
@@ -175,7 +177,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 # and the Targets table's order of rows: the order they read in, not the order they run in.
 SECTION_ORDER = (
     "hop", "overhead", "compare", "streaming", "storm", "soak", "multi", "engine", "prefix",
-    "lora", "pd", "picker", "console", "real", "kv", "kv_real", "noisy", "admission",
+    "lora", "pd", "picker", "console", "real", "kv", "kv_real", "latency", "noisy", "admission",
 )  # fmt: skip
 TARGET_ORDER = ("overhead", "console", "streaming", "storm", "engine", "prefix", "multi")
 

@@ -42,6 +42,9 @@ class EngineReading:
     # the engine (pairing when the reading is first seen counted them, and a follow-up turn
     # saw its own finished first turn queued on its holder).
     inflight_at: int | None = None
+    # Prompt tokens in the engine's queue, not yet prefilled (vllm:num_tokens_waiting, or
+    # vllm:approximate_uncached_tokens_waiting: its cached part left out) when it exports them.
+    tokens_waiting: float | None = None
 
     def serves(self, adapter: str) -> bool:
         """The engine can run `adapter` without a load (listed, or seen running or waiting)."""
@@ -64,6 +67,7 @@ class EngineReading:
             "prefill_s_per_token": self.prefill_s_per_token,
             "step_s_per_seq": self.step_s_per_seq,
             "max_model_len": self.max_model_len,
+            "tokens_waiting": self.tokens_waiting,
             "lora": None
             if self.max_lora is None and not self.adapters
             else {

@@ -23,8 +23,10 @@ SluicegateError                  every error raised on purpose; str() is safe to
   │           ├── QueueFull      (request/admit/admission.py: shed from a full queue)
   │           ├── NoBackend      (request/admit/holding.py: a declared model's request held
   │           │                  past its timeout with no backend ready)
-  │           └── TooManyHeld    (request/admit/holding.py: max_held of the model's requests
-  │                              are held already)
+  │           ├── TooManyHeld    (request/admit/holding.py: max_held of the model's requests
+  │           │                  are held already)
+  │           └── SloUnattainable (429, request/lifecycle/attempt.py: a sheddable request no
+  │                              engine is predicted to serve within its SLO, `balancer: latency`)
   ├── StoreUnavailable           a shared store (Redis) did not answer; callers fall back or 503
   │     └── ScriptFailed         (state/store.py: a store's script failed on its arguments: no
   │                              outage; a quota check answers it 429)
@@ -325,6 +327,14 @@ class NoBackend(NoCapacity):
 
 class TooManyHeld(NoCapacity):
     code = "too_many_held"
+
+
+class SloUnattainable(NoCapacity):
+    """Shed at once, not queued: waiting would only make its SLO further out of reach."""
+
+    status = 429
+    type_ = "rate_limit_exceeded"
+    code = "slo_unattainable"
 
 
 class StoreUnavailable(SluicegateError):

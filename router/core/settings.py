@@ -410,7 +410,22 @@ class AffinityConfig(_Strict):
     load_factor: float = Field(1.25, ge=1.0, le=100.0)
     # Session affinity: the first of these headers present names the session (then the body's
     # prompt_cache_key, then user).
-    session_headers: list[str] = Field(default_factory=lambda: ["x-session-id"], max_length=16)
+    # Coding agents' own: Claude Code's, Codex's, OpenCode's, then the generic one.
+    session_headers: list[str] = Field(
+        default_factory=lambda: [
+            "x-claude-code-session-id",
+            "session-id",
+            "x-session-affinity",
+            "x-session-id",
+        ],
+        max_length=16,
+    )
+    # `balancer: latency`: an echoed x-session-token's engine is kept unless its predicted TTFT
+    # is worse than the best by more than this (milliseconds).
+    session_break_ms: float = Field(200.0, ge=0, le=3_600_000)
+    # The HMAC key of x-session-token (router/request/placement/session_token.py); replicas that
+    # share it read each other's tokens. Unset: a random key per process.
+    session_token_key: SecretStr | None = None
     # With Redis: seconds after its last use a block leaves the shared index (and a backend's
     # key after its last record), so a gone fleet leaves nothing. Capacity, not this, bounds it.
     ttl: float = Field(3600.0, ge=1, le=7 * 86400)
@@ -430,6 +445,15 @@ class AffinityConfig(_Strict):
             if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}", name):
                 raise ValueError(f"{name!r} is not a header name")
         return [name.lower() for name in v]
+
+
+class LatencyConfig(_Strict):
+    """`balancer: latency`'s learning (balancers/latency_model.py, router/request/placement/
+    latency_feed.py): how often the models are refitted and how many samples make one."""
+
+    refit_interval: float = Field(2.0, gt=0, le=3600)  # seconds between refits
+    # Samples an engine needs for its own model (and the pool for the pooled one).
+    min_samples: int = Field(24, ge=4, le=100_000)
 
 
 class SaturationConfig(_Strict):
@@ -813,6 +837,11 @@ class ClientKeyConfig(_Strict):
     max_parallel: int | None = Field(None, ge=1, le=1_000_000)  # requests in flight at once
     # False: the key's requests never go to a fallback model (docs/fallbacks.md).
     fallbacks: bool = True
+    # Time-to-first-token objective (ms) of the key's requests without x-slo-ttft-ms
+    # (`balancer: latency`).
+    slo_ttft_ms: float | None = Field(None, gt=0, le=3_600_000)
+    # Time-per-output-token objective (ms) of the key's requests without x-slo-tpot-ms.
+    slo_tpot_ms: float | None = Field(None, gt=0, le=3_600_000)
 
     @model_validator(mode="before")
     @classmethod
@@ -901,6 +930,8 @@ class Settings(BaseSettings):
     outlier: OutlierConfig = OutlierConfig()
     retries: RetryConfig = RetryConfig()
     migration: MigrationConfig = MigrationConfig()
+    # `balancer: latency`: how its TTFT models learn (docs/balancers.md#latency).
+    latency: LatencyConfig = LatencyConfig()
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # multipart/form-data bodies (audio uploads): OpenAI's own limit is 25 MB
     max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1024)

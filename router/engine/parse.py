@@ -45,6 +45,9 @@ VLLM = {
     "vllm:prompt_tokens_cached_total": "cached_tokens",
     "vllm:inter_token_latency_seconds_sum": "itl_s",
     "vllm:inter_token_latency_seconds_count": "itl_n",
+    # The queue in prompt tokens (newer vLLM): balancers/latency.py's queued prefill.
+    "vllm:num_tokens_waiting": "tokens_waiting",
+    "vllm:approximate_uncached_tokens_waiting": "uncached_waiting",
 }
 COUNTERS = ("prefill_s", "prompt_tokens", "cached_tokens", "itl_s", "itl_n")
 SGLANG = {
@@ -81,6 +84,8 @@ class Parsed:
     counters: dict[str, float] | None = None  # COUNTERS found (cumulative)
     # (max_lora, running adapters, waiting adapters) from the newest lora_requests_info series
     lora: tuple[int, frozenset[str], frozenset[str]] | None = None
+    # Prompt tokens waiting: the uncached count when exported, else the whole (None: neither)
+    tokens_waiting: float | None = None
 
 
 _NEEDLES = {
@@ -220,4 +225,5 @@ def parse(text: bytes, kind: str, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS) ->
         block_size,
         counters or None,
         parse_lora(text) if kind == "vllm" else None,
+        sums.get("uncached_waiting", sums.get("tokens_waiting")),
     )

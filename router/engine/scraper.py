@@ -353,6 +353,7 @@ class EngineScraper:
                 adapters=t.adapters,
                 max_model_len=t.max_model_len,
                 inflight_at=inflight_at,
+                tokens_waiting=parsed.tokens_waiting,
             )
         self._publish_one(b.name)
         if adapters_changed and self.on_adapters is not None:

@@ -385,6 +385,47 @@ ROWS: tuple[Row, ...] = (
         mode="livemin",
     ),
     Row(
+        "engine_inflight_tokens",
+        Gauge,
+        "sluicegate_engine_inflight_tokens",
+        "This process's tokens in flight on the engine (`balancer: latency`): phase `prefill`, "
+        "prompt tokens sent and not yet first-tokened (less the predicted cached part); "
+        "`decode`, tokens still to come (max_tokens less those streamed).",
+        ("backend", "phase"),
+        mode="livesum",
+    ),
+    Row(
+        "predicted_ttft",
+        Histogram,
+        "sluicegate_predicted_ttft_seconds",
+        "TTFT `balancer: latency` predicted for the engine it picked, at each pick by a model.",
+        ("model",),
+        buckets=TTFT_BUCKETS,
+    ),
+    Row(
+        "ttft_prediction_ratio",
+        Histogram,
+        "sluicegate_ttft_prediction_ratio",
+        "Observed over predicted TTFT of streamed requests `balancer: latency` picked by a model.",
+        (),
+        buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0),
+    ),
+    Row(
+        "slo_requests",
+        Counter,
+        "sluicegate_slo_requests_total",
+        "Requests with a latency objective (x-slo-* headers or the key's), by kind (ttft, tpot), "
+        "counted when observed.",
+        ("kind",),
+    ),
+    Row(
+        "slo_violations",
+        Counter,
+        "sluicegate_slo_violations_total",
+        "Requests that missed their latency objective, by kind (ttft, tpot).",
+        ("kind",),
+    ),
+    Row(
         "engine_scrape_errors",
         Counter,
         "sluicegate_engine_scrape_errors_total",
@@ -485,7 +526,7 @@ ROWS: tuple[Row, ...] = (
         Counter,
         "sluicegate_shed_total",
         "Requests refused by the admission queue: max_wait, deadline (the client's "
-        "x-sluicegate-timeout) or queue_full.",
+        "x-sluicegate-timeout), queue_full, or slo_unattainable (`balancer: latency`).",
         ("reason",),
     ),
     Row(
@@ -571,6 +612,11 @@ class Metrics:
     engine_kv_usage: Gauge
     engine_scrape_age: Gauge
     engine_scrape_errors: Counter
+    engine_inflight_tokens: Gauge
+    predicted_ttft: Histogram
+    ttft_prediction_ratio: Histogram
+    slo_requests: Counter
+    slo_violations: Counter
     discovery_backends: Gauge
     discovery_events: Counter
     discovery_last_sync: Gauge
@@ -597,6 +643,7 @@ class Metrics:
         self.live = Live()
         self._multiproc = multiprocess_dir()
         self._kv_children: dict[tuple[str, str], Any] = {}
+        self._token_backends: set[str] = set()  # backends with a token-load gauge set
         self._routed: dict[tuple[str, str, str, str], Any] = {}
         self._by_usage: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         # Label lookups take a lock and validate; resolve each combination once.
@@ -793,6 +840,38 @@ class Metrics:
 
     def lora_load(self, backend: str, adapter: str, result: str) -> None:
         self.lora_loads.labels(backend, adapter, result).inc()
+
+    def token_load(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
+        """Move the token-load gauges (called at each /metrics); a backend with none is 0."""
+        seen = self._token_backends
+        for name in seen - prefill.keys() - decode.keys():
+            self.engine_inflight_tokens.labels(name, "prefill").set(0)
+            self.engine_inflight_tokens.labels(name, "decode").set(0)
+        seen.clear()
+        for name in {*prefill, *decode}:
+            seen.add(name)
+            self.engine_inflight_tokens.labels(name, "prefill").set(prefill.get(name, 0))
+            self.engine_inflight_tokens.labels(name, "decode").set(decode.get(name, 0))
+
+    def latency_observed(
+        self,
+        ttft: float,
+        tpot: float | None,
+        predicted: float | None,
+        slo_ttft_ms: float | None,
+        slo_tpot_ms: float | None,
+    ) -> None:
+        """A streamed request of `balancer: latency` reached its end: its SLOs, its prediction."""
+        if predicted is not None and predicted > 0:
+            self.ttft_prediction_ratio.observe(ttft / predicted)
+        if slo_ttft_ms is not None:
+            self.slo_requests.labels("ttft").inc()
+            if ttft * 1000 > slo_ttft_ms:
+                self.slo_violations.labels("ttft").inc()
+        if slo_tpot_ms is not None and tpot is not None:
+            self.slo_requests.labels("tpot").inc()
+            if tpot * 1000 > slo_tpot_ms:
+                self.slo_violations.labels("tpot").inc()
 
     def engine_scrape_failed(self, backend: str) -> None:
         self.engine_scrape_errors.labels(backend).inc()

@@ -103,12 +103,14 @@ class BackendRows:
         health: HealthBook,
         engine_readings: Callable[[], Mapping[str, EngineReading]] | None = None,
         kv_status: Callable[[str], dict[str, Any] | None] | None = None,
+        token_load: Callable[[str], dict[str, object]] | None = None,
     ) -> None:
         self.fleet = fleet
         self.store = store
         self.health = health
         self.engine_readings = engine_readings
         self.kv_status = kv_status
+        self.token_load = token_load
 
     async def __call__(self, backends: tuple[Backend, ...]) -> list[dict[str, Any]]:
         store, health, kv_status = self.store, self.health, self.kv_status
@@ -125,6 +127,9 @@ class BackendRows:
                 "engine": _engine_view(readings.get(b.name)),
                 # KV-cache events: state, lag, blocks indexed, per-publisher seq (None: off)
                 "kv_events_state": kv_status(b.name) if kv_status is not None else None,
+                # This process's tokens in flight there (prefill: prompt; decode: to come) and
+                # `balancer: latency`'s model of it
+                "inflight_tokens": self.token_load(b.name) if self.token_load else None,
             }
             for b in backends
         ]

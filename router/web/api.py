@@ -60,6 +60,7 @@ def proxy_endpoints(proxy: Proxy, keys: ClientKeys | None = None) -> dict[Endpoi
                     response_id,
                     key.owner,
                     key.fallbacks,
+                    key.slo,
                 )
             except Refused as refused:
                 return answer(refused, anthropic)

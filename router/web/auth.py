@@ -104,6 +104,7 @@ class ClientKey:
     limits: KeyLimits | None = None  # rpm / tpm / max_parallel, when the entry sets any
     owner: str = ANONYMOUS  # the stored responses it may reach (response_ids.owner_of)
     fallbacks: bool = True  # False: never sent to a fallback model
+    slo: tuple[float | None, float | None] = (None, None)  # default (ttft, tpot) ms objectives
 
 
 class ClientKeys:
@@ -148,6 +149,7 @@ class ClientKeys:
                 limits,
                 owner_of(e.sha256),
                 e.fallbacks,
+                (e.slo_ttft_ms, e.slo_tpot_ms),
             )
         self._keys = keys
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence, Set
+from typing import NoReturn
 
 import httpx
 from starlette.types import Send
@@ -24,6 +25,7 @@ from balancers.base import Candidate, Choice
 from balancers.context import AdapterWant, PickContext
 from balancers.disaggregation import decide
 from balancers.inflight.base import Lease, Readings
+from balancers.latency import UNATTAINABLE
 from router.core.backend import Backend
 from router.core.errors import (
     UPSTREAM_FAILURES,
@@ -31,10 +33,12 @@ from router.core.errors import (
     InvalidUpstreamResponse,
     NoCapacity,
     ProxyError,
+    SloUnattainable,
     refusal_reason,
     upstream_failure,
 )
 from router.engine.lora_loads import LoadFailed
+from router.request.admit.admission import BANDS
 from router.request.admit.hops import HOP_HEADER
 from router.request.lifecycle.call import Call, Held
 from router.request.lifecycle.endings import Broken, NoneLeft, Refusal, Retry
@@ -46,6 +50,8 @@ from router.request.lifecycle.prefill_leg import first_phase
 from router.request.lifecycle.pump import pump
 from router.request.placement.affinity import RequestAffinity
 from router.request.placement.pd import with_members
+from router.request.placement.session_token import HEADER as SESSION_HEADER
+from router.request.placement.slo import NO_SLO
 from router.request.wire.headers import downstream_response_headers, upstream_request_headers
 from router.upstream.transport import Answer
 
@@ -90,6 +96,7 @@ class Attempts:
         "last",
         "p_exclude",
         "parts",
+        "pinned",
         "readings",
         "refused",
         "send",
@@ -115,6 +122,10 @@ class Attempts:
         self.want: AdapterWant | None = None
         self.readings: Readings | None = None
         self.held = AttemptLease(parts, call)  # the attempt's, one at a time
+        # The backend an echoed x-session-token names (`balancer: latency`), looked up once.
+        self.pinned: str | None = None
+        if balancer.needs_tokens:
+            self.pinned = _pinned(parts, call)
 
     async def __call__(self, number: int, answered: Callable[[], None]) -> None:
         """Attempt `number`; `answered()` once its answer started (the retry slot's end)."""
@@ -256,7 +267,20 @@ class Attempts:
         self.want = want
         affinity = self.affinity
         hints = parts.affinity.hints(affinity, eligible) if affinity else None
-        return PickContext(exclude, hints, want, parts.settings.affinity.load_factor)
+        load_factor = parts.settings.affinity.load_factor
+        if not self.balancer.needs_tokens:
+            return PickContext(exclude, hints, want, load_factor)
+        call = self.call
+        ticket = call.ticket
+        latency = parts.latency.inputs(
+            _prompt_tokens(affinity, call),
+            self.pinned,
+            parts.settings.affinity.session_break_ms,
+            parts.admission is not None,
+        )
+        slo_ttft, slo_tpot = call.slo
+        priority = BANDS[ticket.band] if ticket is not None else None
+        return PickContext(exclude, hints, want, load_factor, slo_ttft, slo_tpot, priority, latency)
 
     # `_take` and `_try_admit` hand back the lease's own awaitable, not a coroutine of their
     # own: a frame less per attempt.
@@ -270,6 +294,8 @@ class Attempts:
         admission = parts.admission
         if admission is not None and call.ticket is not None and number == 1:
             if not call.record.attempts:  # not a migration's first attempt
+                if self.balancer.needs_tokens and call.slo != NO_SLO:
+                    self._shed_early()  # a sheddable request out of reach: not queued first
                 return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
         self.readings = parts.readings() if parts.readings and self.engine_aware else None
@@ -323,6 +349,8 @@ class Attempts:
             )
         )
         parts.metrics.routed(call.model, self.balancer.name, lease.backend, rec.reason)
+        if self.balancer.needs_tokens:
+            self._count_tokens(lease.backend, choice)
         affinity = self.affinity
         if affinity:
             held = choice.held
@@ -337,6 +365,49 @@ class Attempts:
         call.trace.picked(lease.backend, rec.reason)
         call.trace.attempt(lease.backend, number)
         rec.attempts += 1  # a migration's attempts count on from the first stream's
+
+    def _count_tokens(self, backend: str, choice: Choice) -> None:
+        """`balancer: latency`'s pick: refused for its SLO (a sheddable request none would
+        serve in time), or its tokens counted on `backend` until the attempt ends."""
+        parts = self.parts
+        call = self.call
+        if choice.predicted is not None:
+            parts.metrics.predicted_ttft.labels(call.model).observe(choice.predicted)
+        if choice.reason == UNATTAINABLE:
+            self._refuse(choice)
+        prompt = _prompt_tokens(self.affinity, call)
+        completion = max(0, call.estimate - len(call.body) // 4)
+        self.held.tokens = parts.latency.tokens.dispatched(
+            backend, prompt - choice.cached, completion, choice.features, choice.predicted
+        )
+
+    def _shed_early(self) -> None:
+        """With admission, before a `sheddable` request with an SLO queues: the balancer's
+        judgement on the eligible backends as they are (in-flight counts aside: `latency` weighs
+        token loads and readings), and the 429 at once when none would serve it in time."""
+        call = self.call
+        ticket = call.ticket
+        if ticket is None or BANDS[ticket.band] != "sheddable":
+            return
+        parts = self.parts
+        eligible = parts.health.eligible(call.backends, call.model)
+        readings = parts.readings() if parts.readings else None
+        candidates = [
+            Candidate(b.name, b.weight, 0, readings.get(b.name) if readings else None)
+            for b in eligible
+        ]
+        choice = self.balancer.pick(candidates, self._context(eligible, self.exclude))
+        if choice is not None and choice.reason == UNATTAINABLE:
+            self._refuse(choice)
+
+    def _refuse(self, choice: Choice) -> NoReturn:
+        call = self.call
+        self.parts.metrics.shed("slo_unattainable")
+        raise SloUnattainable(
+            f"No backend serving `{call.model}` is predicted to meet this request's latency "
+            "objective; retry later.",
+            retry_after=max(1.0, (choice.predicted or 0.0) - (call.slo[0] or 0.0) / 1000),
+        )
 
     async def _take_prefill(self, number: int, decode: Lease) -> None:
         """A lease on the prefill engine for this attempt when the prompt should be split
@@ -457,12 +528,14 @@ async def exchange(
     streaming = call.stream and status < 400
     if call.started:  # a migration: the client has its response head already
         answered()
-        await pump(parts, call, send, response, backend, streaming, held.flight)
+        await pump(parts, call, send, response, backend, streaming, held.flight, held.tokens)
         return
     headers = downstream_response_headers(response.headers.raw, rec.request_id, streaming)
     headers.append((MODEL_HEADER, call.model.encode()))
     if parts.settings.expose_backend_header:
         headers.append((b"x-sluicegate-backend", backend.name.encode()))
+    if held.tokens is not None:  # `balancer: latency`: the session's engine, opaque
+        headers.append((SESSION_HEADER, parts.session_tokens.token(backend.name)))
     if call.reservation is not None:
         headers.extend(call.reservation.headers)
     rec.status = status
@@ -472,7 +545,7 @@ async def exchange(
     answered()
     # Its success is counted when the answer has come whole (router/request/lifecycle/pump.py):
     # one breaking mid-answer is a failure, not a success then a failure.
-    await pump(parts, call, send, response, backend, streaming, held.flight)
+    await pump(parts, call, send, response, backend, streaming, held.flight, held.tokens)
 
 
 async def _refused(
@@ -530,6 +603,21 @@ async def _retryable_status(
         headers = [(k, v) for k, v in headers if k != b"content-length"]
     err = ProxyError(f"Backend `{backend.name}` answered {status}.")
     raise Retry(err, FailureKind.STATUS, (status, headers, body))
+
+
+def _prompt_tokens(affinity: RequestAffinity | None, call: Call) -> int:
+    """The prompt's length in tokens: its ids' when tokenized, else the body's bytes / 4."""
+    if affinity is not None and affinity.tokens is not None:
+        return affinity.token_count
+    return len(call.body) // 4
+
+
+def _pinned(parts: Parts, call: Call) -> str | None:
+    """The backend the request's x-session-token names, if it names one of its model's."""
+    for name, value in call.client_headers:
+        if name.lower() == SESSION_HEADER:
+            return parts.session_tokens.backend(value, (b.name for b in call.backends))
+    return None
 
 
 def _retry_after(value: str | None) -> float | None:

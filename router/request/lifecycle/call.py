@@ -29,6 +29,7 @@ from router.request.migration.stitch import Stitch
 from router.request.placement.fallbacks import Route
 from router.request.placement.pd import RolePools, client_body
 from router.request.placement.response_ids import ANONYMOUS
+from router.request.placement.slo import NO_SLO, Slo
 from router.request.usage.record import RequestRecord
 from router.request.usage.strip import inject, needs_injection, with_usage
 from router.request.wire.multipart import replace_span
@@ -76,6 +77,7 @@ class Call:
         "remembers",
         "reservation",
         "segment",
+        "slo",
         "snapshot",
         "started",
         "stitch",
@@ -135,6 +137,7 @@ class Call:
         # Remember a new stored response's id with its backend (`store: false`: none is kept).
         self.remembers = endpoint.state == "creates" and payload.get("store") is not False
         self.owner = ANONYMOUS  # the client key's tag on stored responses (set on getting in)
+        self.slo: Slo = NO_SLO  # (ttft ms, tpot ms): read only for `balancer: latency`
         self.stored_id: str | None = None  # the id remembered for this response, once it is
         self._injected: bytes | None = None  # the body with include_usage, made once
         self.started = False  # the response head reached the client

@@ -29,6 +29,7 @@ from router.request.lifecycle.call import Call
 from router.request.lifecycle.parts import Parts
 from router.request.placement.fallbacks import BODY_MEMBER, body_fallbacks
 from router.request.placement.response_ids import ANONYMOUS, Holder
+from router.request.placement.slo import NO_SLO, Slo, slo_of
 from router.request.usage.record import RequestRecord
 
 
@@ -44,6 +45,7 @@ async def get_in(
     response_id: str | None,
     owner: str = ANONYMOUS,
     fallbacks: bool = True,
+    slo: Slo = NO_SLO,
 ) -> Call:
     """The request's `Call`; raises a `Refused` (with the request's id) when it may not get in.
     `fallbacks` False: the client key's entry turned model fallbacks off."""
@@ -96,6 +98,7 @@ async def get_in(
             weight,
             limits,
             owner,
+            slo,
         )
     except BaseException:
         parts.bodies.give(held)
@@ -132,6 +135,7 @@ async def _hold(
     weight: float,
     limits: KeyLimits | None,
     owner: str,
+    slo: Slo,
 ) -> Call:
     """A valid request's estimate, admission ticket and quota reservation, as its `Call`."""
     history = 0  # the stored conversation a request continues, in tokens (0: none, unknown)
@@ -185,6 +189,8 @@ async def _hold(
         checked.model_span,
     )
     call.owner = owner
+    if call.balancer.needs_tokens:  # only `latency` routes on them
+        call.slo = slo_of(call.client_headers, slo, request_id)
     if limits is not None and endpoint.limited:
         call.reservation = await parts.quotas.admit(
             limits_for(endpoint, limits), estimate, request_id

@@ -30,11 +30,13 @@ from router.upstream.transport import Answer
 
 if TYPE_CHECKING:
     from router.engine.kv_events import Flight
+    from router.request.placement.token_load import TokenFlight
 
 
 class AttemptLease:
     __slots__ = (
         "_by_name",
+        "_call",
         "_flying",
         "_model",
         "_parts",
@@ -46,15 +48,18 @@ class AttemptLease:
         "lease",
         "load_adapter",
         "prefill",
+        "tokens",
     )
 
     def __init__(self, parts: Parts, call: Call) -> None:
         self._parts = parts
+        self._call = call
         self._by_name: Mapping[str, Backend] = call.snapshot.by_name
         self._model = call.model
         self.lease: Lease | None = None
         self.backend: Backend | None = None  # the lease's, as the call's snapshot has it
         self.flight: Flight | None = None  # its prompt on an engine with KV events
+        self.tokens: TokenFlight | None = None  # its tokens there (`balancer: latency`)
         self.prefill: Lease | None = None  # until its leg is done (`prefill_done`, `aside`)
         self.load_adapter = False  # the adapter must be loaded on the backend first
         self._flying = False  # counted in the adapter flights (placement/adapter_flights.py)
@@ -152,6 +157,11 @@ class AttemptLease:
                 parts.flights.end(backend.name, self._model)
         self.load_adapter = False
         self.prefill_done()
+        tokens = self.tokens
+        if tokens is not None:
+            self.tokens = None
+            tokens.end()
+            self._observed(tokens)
         flight = self.flight
         if flight is not None:
             self.flight = None
@@ -165,6 +175,16 @@ class AttemptLease:
             parts.store.release(lease)
             if parts.admission is not None:
                 parts.admission.released()
+
+    def _observed(self, tokens: TokenFlight) -> None:
+        """A `balancer: latency` attempt ended: what it observed, to the models and metrics."""
+        call = self._call
+        if not tokens.streaming or call.continuation is not None or call.record.error:
+            return  # no first token to time (a whole body, a continuation, a failure)
+        got = self._parts.latency.observe(tokens, call.record.usage)
+        if got is not None:
+            slo_ttft, slo_tpot = call.slo
+            self._parts.metrics.latency_observed(*got, tokens.predicted, slo_ttft, slo_tpot)
 
 
 def _releasing(store: InflightStore, lease: Lease) -> Callable[[asyncio.Task[None]], None]:

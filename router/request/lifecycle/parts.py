@@ -28,8 +28,10 @@ from router.request.migration.policy import Migration
 from router.request.placement.adapter_flights import AdapterFlights
 from router.request.placement.affinity import Affinity
 from router.request.placement.fallbacks import Fallbacks
+from router.request.placement.latency_feed import LatencyFeed
 from router.request.placement.pd import Disaggregation
 from router.request.placement.response_ids import ResponseIds, ResponseIdStore
+from router.request.placement.session_token import SessionTokens
 from router.request.usage.book import UsageBook, UsageStore
 from router.upstream.pools import Pools
 
@@ -77,6 +79,10 @@ class Parts:
         self.inject_usage = settings.usage_accounting == "active"
         # The prefix index and prompt hashing, for balancers that route on cached prefixes.
         self.affinity = affinity or Affinity(settings.affinity)
+        # `balancer: latency`: the token load, the samples and models, the session tokens.
+        self.latency = LatencyFeed(settings.latency)
+        key = settings.affinity.session_token_key
+        self.session_tokens = SessionTokens(key.get_secret_value().encode() if key else None)
         self.tracing = tracing
         # The engine scraper's latest readings, for balancers that score engine load.
         self.readings = readings

@@ -47,6 +47,7 @@ from router.request.lifecycle.parts import Parts
 from router.request.lifecycle.watch import run_watched
 from router.request.placement.fallbacks import too_long
 from router.request.placement.response_ids import ANONYMOUS
+from router.request.placement.slo import NO_SLO, Slo
 
 CHAT = BY_ROUTE[("POST", "/v1/chat/completions")]
 
@@ -66,15 +67,16 @@ class Proxy(Parts):
         response_id: str | None = None,
         owner: str = ANONYMOUS,
         fallbacks: bool = True,
+        slo: Slo = NO_SLO,
     ) -> ProxyCall:
         """`endpoint`: its row (`router/core/endpoints.py`); `allowed_models`: the public names
         the client's key may use (None: any); `priority`, `weight`: the key's admission band
         and share; `response_id`: the id in the path of an endpoint that follows a stored
         response; `owner`: the key's tag on the stored responses it makes and may reach
         (router/request/placement/response_ids.py); `fallbacks` False: the key's entry turned
-        model fallbacks off. A request that may not get in raises a
-        `Refused`, which the web face answers in the endpoint's format; a `ProxyCall` answers
-        its own `ProxyError` with the same `answer()`."""
+        model fallbacks off; `slo`: the key's default objectives. A request that may not get in
+        raises a `Refused`, which the web face answers in the endpoint's format; a `ProxyCall`
+        answers its own `ProxyError` with the same `answer()`."""
         call = await get_in(
             self,
             request,
@@ -87,6 +89,7 @@ class Proxy(Parts):
             response_id,
             owner,
             fallbacks,
+            slo,
         )
         return ProxyCall(self, call)
 

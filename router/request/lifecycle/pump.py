@@ -36,6 +36,7 @@ from router.upstream.transport import Answer
 
 if TYPE_CHECKING:
     from router.engine.kv_events import Flight
+    from router.request.placement.token_load import TokenFlight
 
 _DONE = b"data: [DONE]\n\n"
 _DONE_TAIL = _DONE[-4:]
@@ -52,12 +53,17 @@ async def pump(
     backend: Backend,
     streaming: bool,
     flight: Flight | None,
+    tokens: TokenFlight | None = None,
 ) -> None:
     """Relay `response` from `backend` to the client; `flight`: the attempt's KV flight there,
-    told when the prompt is computed (the first chunk)."""
+    told when the prompt is computed (the first chunk); `tokens`: its token load there
+    (`balancer: latency`), told the first chunk and each batch of tokens counted."""
     rec = call.record
     tail = b"\n\n"
     usage = rec.usage = ResponseUsage(call.endpoint.usage)
+    if tokens is not None:
+        usage.on_count = tokens.streamed
+        tokens.streaming = streaming
     # A new stored response: its id is remembered before the client can see it.
     seen: bytes | None = b"" if call.remembers and response.status_code < 400 else None
     readable = response.headers.get("content-encoding", "identity") == "identity"
@@ -106,6 +112,8 @@ async def pump(
                 rec.ttfb_ms = round((time.perf_counter() - rec.started) * 1000, 2)
                 if flight is not None:
                     flight.prefilled()
+                if tokens is not None:
+                    tokens.first_token()
                 if sink is not None:  # after the first chunk: it times the first byte
                     response.stream.divert(sink)
             # Four bytes: the end of a choices event (CHOICES_END), of [DONE], or of neither,

@@ -75,6 +75,7 @@ class ResponseUsage:
         "first_token_at",
         "input_tokens",
         "last_token_at",
+        "on_count",
         "reported_tokens",
         "sink",
     )
@@ -97,6 +98,8 @@ class ResponseUsage:
         self.cached_tokens: int | None = None  # prompt_tokens_details.cached_tokens
         self._end = b""  # the last bytes, kept at close for response_model
         self.sink: Callable[[bytes], None] | None = None
+        # Told each batch's count of content events (the token load's decode tokens left).
+        self.on_count: Callable[[int], None] | None = None
 
     def feed(self, chunk: bytes) -> None:
         """One chunk of an uncompressed SSE stream, as it goes to the client."""
@@ -124,6 +127,8 @@ class ResponseUsage:
             return
         self.first_token_at = self.last_token_at = time.perf_counter()
         self._events = buf.count(self._key, found.start())
+        if self.on_count is not None:
+            self.on_count(self._events)
         # Shorter than the key: a key wholly inside it was counted here, not again.
         self._carry = buf[1 - len(self._key) :]
         self._tail = buf[-_TAIL:]
@@ -143,6 +148,8 @@ class ResponseUsage:
             # The batch's last chunk: for TPOT, close enough (engines end with the finish event
             # and [DONE] right after the last token).
             self.last_token_at = time.perf_counter()
+            if self.on_count is not None:
+                self.on_count(n)
         self._carry = buf[1 - len(self._key) :]
         self._tail = (self._tail + joined)[-_TAIL:] if len(joined) < _TAIL else joined[-_TAIL:]
 

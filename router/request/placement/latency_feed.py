@@ -1,0 +1,70 @@
+"""What `balancer: latency` learns from: each request's observed TTFT and TPOT, fed back off the
+balancer, and the models refitted from them as a runner chore.
+
+The request path records one sample per streamed attempt that reached its first token, at the
+attempt's end (`observe`, from its lease): the features its pick saw and what came of them. A
+non-streamed answer's first byte is its last, not a first token: it teaches nothing. `refit`
+runs every `latency.refit_interval` seconds on the app's runner and clock, and swaps the frozen
+`Models` the next picks read (balancers/latency_model.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from balancers.context import LatencyInputs
+from balancers.latency_model import NO_MODELS, Learner, Models, Sample
+from router.core.settings import LatencyConfig
+from router.request.placement.token_load import TokenFlight, TokenLoad
+from router.request.usage.parse import ResponseUsage
+
+
+class LatencyFeed:
+    def __init__(self, config: LatencyConfig) -> None:
+        self.config = config
+        self.learner = Learner(config.min_samples)
+        self.models: Models = NO_MODELS
+        self.tokens = TokenLoad()
+
+    def inputs(
+        self, prompt_tokens: int, pinned: str | None, break_ms: float, shed: bool
+    ) -> LatencyInputs:
+        tokens = self.tokens
+        return LatencyInputs(
+            self.models, tokens.prefill, tokens.decode, prompt_tokens, pinned, break_ms / 1000, shed
+        )
+
+    def observe(
+        self, flight: TokenFlight, usage: ResponseUsage | None
+    ) -> tuple[float, float | None] | None:
+        """`flight` ended having streamed its first token: its (TTFT, TPOT) in seconds, and a
+        sample for the models when its pick recorded features; None when it never did."""
+        first = flight.first_at
+        if first is None:
+            return None
+        ttft = first - flight.sent_at
+        tpot = usage.time_per_output_token() if usage is not None else None
+        x = flight.features
+        if x is not None and len(x) == 6:
+            features = (x[0], x[1], x[2], x[3], x[4], x[5])
+            self.learner.add(flight.backend, Sample(features, ttft, tpot))
+        return ttft, tpot
+
+    def view(self, backend: str) -> dict[str, object]:
+        """What `/admin/backends` shows: the token load, and the engine's model as last fitted
+        (samples held, whether it has its own, its learnt prefill seconds per uncached token)."""
+        fit = self.models.engines.get(backend)
+        return {
+            **self.tokens.view(backend),
+            "samples": self.models.samples.get(backend, 0),
+            "own_model": fit is not None,
+            "prefill_s_per_token": fit.ttft[1] if fit is not None else None,
+            # its TTFT line: intercept, then a slope per balancers/latency_model.FEATURES
+            "ttft_line": [float(f"{w:.4g}") for w in fit.ttft] if fit is not None else None,
+        }
+
+    async def refit(self) -> None:
+        self.models = self.learner.refit()
+
+    def forget(self, keep: Iterable[str]) -> None:
+        self.learner.forget(keep)

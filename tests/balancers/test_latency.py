@@ -1,0 +1,221 @@
+"""`balancer: latency` as a pure policy, and its model: a per-engine line converges on synthetic
+engines, predictions stay bounded, the reservoir keeps its bound, the fallback order is engine
+model -> pooled model -> least_load, SLOs pack, a sheddable request no engine meets is marked,
+an echoed session's engine is kept within the break allowance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from balancers.base import Candidate
+from balancers.context import Hints, LatencyInputs, PickContext
+from balancers.latency import EXPLORE, UNATTAINABLE, Latency
+from balancers.latency_model import (
+    CEILING,
+    NO_MODELS,
+    PER_STRATUM,
+    STRATA,
+    Features,
+    Learner,
+    Models,
+    Sample,
+    fit,
+)
+from router.core.engine import EngineReading
+
+
+def reading(running: float = 0, waiting: float = 0, kv: float = 0.0, **kw: object) -> EngineReading:
+    return EngineReading(waiting, running, kv, None, None, 1.0, 1, **kw)  # type: ignore[arg-type]
+
+
+def engine_ttft(x: Features, per_token: float, base: float) -> float:
+    """A synthetic engine: queued plus own prefill at `per_token`, a step share per running."""
+    return base + per_token * (x[0] + x[1]) + 0.002 * x[4]
+
+
+def samples(
+    gen: random.Random, n: int, per_token: float, base: float, noise: float = 0.0
+) -> list[Sample]:
+    out = []
+    for _ in range(n):
+        x: Features = (
+            float(int(gen.paretovariate(1.2) * 200)),  # long-tailed prompts
+            float(gen.randint(0, 4000)),
+            float(gen.randint(0, 2000)),
+            float(gen.randint(0, 3)),
+            float(gen.randint(0, 16)),
+            gen.random(),
+        )
+        y = engine_ttft(x, per_token, base) * (1 + gen.uniform(-noise, noise))
+        out.append(Sample(x, y, 0.01 + 0.001 * x[4]))
+    return out
+
+
+def test_a_line_converges_on_each_synthetic_engine() -> None:
+    gen = random.Random(5)
+    for per_token, base in ((20e-6, 0.01), (80e-6, 0.05)):
+        f = fit(samples(gen, 200, per_token, base, noise=0.05))
+        assert f is not None
+        probe: Features = (3000.0, 1000.0, 500.0, 1.0, 8.0, 0.5)
+        assert f.ttft_s(probe) == pytest.approx(engine_ttft(probe, per_token, base), rel=0.1)
+        assert f.ttft[1] == pytest.approx(per_token, rel=0.15)  # its per-token prefill time
+        tpot = f.tpot_s(probe)
+        assert tpot == pytest.approx(0.018, rel=0.05)
+
+
+def test_slopes_stay_non_negative_and_predictions_bounded() -> None:
+    gen = random.Random(2)
+    got = samples(gen, 100, 20e-6, 0.01)
+    # A feature that falls as TTFT rises (collinearity in a short window): no negative slope.
+    skewed = [
+        Sample((s.x[0], s.x[1], s.x[2], 100.0 - s.ttft * 100, s.x[4], s.x[5]), s.ttft, None)
+        for s in got
+    ]
+    f = fit(skewed)
+    assert f is not None
+    assert all(w >= 0.0 for w in f.ttft[1:])
+    assert f.tpot is None  # no sample carried one
+    slowest = max(s.ttft for s in skewed)
+    huge: Features = (1e9, 1e9, 1e9, 1e6, 1e6, 1.0)
+    assert f.ttft_s(huge) == pytest.approx(CEILING * slowest)
+    assert f.ttft_s((0.0, 0.0, 0.0, 0.0, 0.0, 0.0)) >= 0.0
+
+
+def test_the_reservoir_is_bounded_per_stratum_and_keeps_rare_long_prompts() -> None:
+    learner = Learner(min_samples=8)
+    short: Features = (10.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    long: Features = (50_000.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    for i in range(10_000):
+        learner.add("a", Sample(long if i % 1000 == 0 else short, 0.1, None))
+    held = learner.samples("a")
+    assert len(held) <= PER_STRATUM * (len(STRATA) + 1)
+    assert sum(1 for s in held if s.x[0] == long[0]) == 10  # every one of the rare ones
+    learner.forget(["b"])
+    assert learner.samples("a") == []
+
+
+def test_fallback_order_engine_then_pooled_then_least_load() -> None:
+    gen = random.Random(3)
+    learner = Learner(min_samples=24)
+    bal = Latency(random.Random(1))
+    a = Candidate("a", 1.0, 0, reading(running=1))
+    b = Candidate("b", 1.0, 0, reading(running=9))
+
+    def ctx(models: Models) -> PickContext:
+        return PickContext(latency=LatencyInputs(models, prompt_tokens=500))
+
+    # Nothing learnt: least_load's pick, said so.
+    choice = bal.pick([a, b], ctx(learner.refit()))
+    assert choice is not None and choice.reason == "latency_fallback"
+    assert choice.candidate == a and choice.predicted is None
+    assert bal.pick([a, b], PickContext()).reason == "latency_fallback"  # type: ignore[union-attr]
+    # Too few samples for any model: still least_load.
+    for s in samples(gen, 20, 20e-6, 0.01):
+        learner.add("a", s)
+    assert learner.refit().pooled is None
+    # Enough for the pool's, none for an engine's own.
+    for s in samples(gen, 10, 20e-6, 0.01):
+        learner.add("b", s)
+    models = learner.refit()
+    assert models.pooled is not None and not models.engines
+    choice = bal.pick([a, b], ctx(models))
+    assert choice is not None and choice.reason == "latency_pooled"
+    # Then `a` has its own.
+    for s in samples(gen, 10, 20e-6, 0.01):
+        learner.add("a", s)
+    models = learner.refit()
+    assert models.pooled is not None and set(models.engines) == {"a"}
+    got = {bal.pick([a, b], ctx(models)).reason for _ in range(50)}  # type: ignore[union-attr]
+    assert got <= {"latency_model", "latency_pooled"}
+    # `b` alone: its own model is not there yet, the pool's is.
+    choice = bal.pick([b], ctx(models))
+    assert choice is not None and choice.reason == "latency_pooled"
+    assert choice.predicted is not None and choice.features is not None
+
+
+def models_for(speeds: dict[str, float]) -> Models:
+    gen = random.Random(11)
+    learner = Learner(min_samples=24)
+    for name, per_token in speeds.items():
+        for s in samples(gen, 120, per_token, 0.01):
+            learner.add(name, s)
+    return learner.refit()
+
+
+def test_it_learns_which_engine_is_slow_and_sends_long_prompts_to_the_fast_one() -> None:
+    models = models_for({"fast": 20e-6, "slow": 80e-6})
+    bal = Latency(random.Random(1))
+    fast = Candidate("fast", 1.0, 0, reading(running=4))
+    slow = Candidate("slow", 1.0, 0, reading(running=0))  # idler, but 4x slower to prefill
+    ctx = PickContext(latency=LatencyInputs(models, prompt_tokens=4000))
+    picks = [bal.pick([fast, slow], ctx) for _ in range(200)]
+    assert all(p is not None for p in picks)
+    chosen = [p.candidate.name for p in picks if p is not None]
+    assert chosen.count("fast") >= 200 * (1 - EXPLORE) - 10
+    assert picks[0] is not None and picks[0].reason == "latency_model"
+    # Prefix credit: the slow engine holding the whole prompt is now the quicker one.
+    held = Hints(blocks=64, block_chars=256, held={"slow": 64})
+    ctx = PickContext(hints=held, latency=LatencyInputs(models, prompt_tokens=4000))
+    choice = bal.pick(
+        [fast, slow],
+        ctx,
+    )
+    assert choice is not None and choice.candidate == slow and choice.cached == 4000
+    assert choice.held == 64
+
+
+def test_an_slo_packs_onto_the_slowest_engine_that_meets_it() -> None:
+    models = models_for({"fast": 20e-6, "slow": 80e-6})
+    bal = Latency(random.Random(1))
+    fast = Candidate("fast", 1.0, 0, reading())
+    slow = Candidate("slow", 1.0, 0, reading())
+    lat = LatencyInputs(models, prompt_tokens=1000)
+    fast_s = models.engines["fast"].ttft_s((1000.0, 0, 0, 0, 0, 0))
+    slow_s = models.engines["slow"].ttft_s((1000.0, 0, 0, 0, 0, 0))
+    assert fast_s < slow_s
+    loose = PickContext(slo_ttft_ms=slow_s * 1000 * 1.5, latency=lat)
+    assert bal.pick([fast, slow], loose).candidate == slow  # type: ignore[union-attr]
+    tight = PickContext(slo_ttft_ms=(fast_s + slow_s) / 2 * 1000, latency=lat)
+    assert bal.pick([fast, slow], tight).candidate == fast  # type: ignore[union-attr]
+    # None meets it: the most headroom (the fastest); shed only a sheddable one with admission.
+    none = PickContext(slo_ttft_ms=fast_s * 1000 / 2, latency=lat, priority="sheddable")
+    choice = bal.pick([fast, slow], none)
+    assert choice is not None and choice.candidate == fast and choice.reason == "latency_model"
+    shed = LatencyInputs(models, prompt_tokens=1000, shed=True)
+    for priority, reason in (("sheddable", UNATTAINABLE), ("standard", "latency_model")):
+        ctx = PickContext(slo_ttft_ms=fast_s * 1000 / 2, latency=shed, priority=priority)
+        assert bal.pick([fast, slow], ctx).reason == reason  # type: ignore[union-attr]
+
+
+def test_a_session_stays_on_its_engine_unless_it_is_worse_by_more_than_the_break() -> None:
+    models = models_for({"fast": 20e-6, "slow": 80e-6})
+    bal = Latency(random.Random(1))
+    fast = Candidate("fast", 1.0, 0, reading())
+    slow = Candidate("slow", 1.0, 0, reading())
+    x: Features = (1000.0, 0, 0, 0, 0, 0)
+    gap = models.engines["slow"].ttft_s(x) - models.engines["fast"].ttft_s(x)
+    kept = LatencyInputs(models, prompt_tokens=1000, pinned="slow", break_s=gap * 2)
+    choice = bal.pick([fast, slow], PickContext(latency=kept))
+    assert choice is not None and choice.candidate == slow and choice.reason == "session"
+    broken = LatencyInputs(models, prompt_tokens=1000, pinned="slow", break_s=gap / 2)
+    assert bal.pick([fast, slow], PickContext(latency=broken)).candidate == fast  # type: ignore[union-attr]
+    gone = LatencyInputs(models, prompt_tokens=1000, pinned="gone", break_s=10.0)
+    assert bal.pick([fast, slow], PickContext(latency=gone)).candidate == fast  # type: ignore[union-attr]
+    # Excluded (it failed this request): not kept.
+    ctx = PickContext(exclude={"slow"}, latency=kept)
+    assert bal.pick([fast, slow], ctx).candidate == fast  # type: ignore[union-attr]
+
+
+def test_stale_engines_are_passed_over_and_no_model_means_least_load() -> None:
+    models = models_for({"fast": 20e-6, "slow": 80e-6})
+    bal = Latency(random.Random(1))
+    fast = Candidate("fast", 1.0, 0, reading(stale=True))
+    slow = Candidate("slow", 1.0, 0, reading())
+    ctx = PickContext(latency=LatencyInputs(models, prompt_tokens=100))
+    assert all(bal.pick([fast, slow], ctx).candidate == slow for _ in range(20))  # type: ignore[union-attr]
+    assert bal.pick([], ctx) is None
+    assert bal.pick([fast, slow], PickContext(latency=LatencyInputs(NO_MODELS))).reason == (  # type: ignore[union-attr]
+        "latency_fallback"
+    )
