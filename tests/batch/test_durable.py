@@ -1,14 +1,19 @@
 """A batch job survives its router: SIGKILLed mid-job and restarted on the same Redis and
 storage it completes with every custom_id once; two replicas share one job's lines; a cancel
-stops new lines within one tick and keeps what finished, the rest marked."""
+stops new lines within one tick and keeps what finished, the rest marked.
+
+One redis-server, one mock engine and two routers for the module (router starts dominate the
+time on a loaded machine); the last test stops one and kills the other."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import openai
+import pytest
 
 from tests.batch.test_batches import chat_line, jsonl
 from tests.support.harness import Cluster, Proc, backend, metric, stats
@@ -49,32 +54,16 @@ def rows(c: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(x) for x in c.files.content(file_id).content.splitlines()]
 
 
-def test_sigkilled_mid_job_the_restarted_router_completes_it_each_line_once(
-    procs: Cluster,
-) -> None:
-    redis = procs.redis()
-    mock = procs.mock(ttft_ms=60, tokens=2)
-    cfg = config(procs, redis, mock)
-    first = procs.router(cfg)
-    c, job_id = submit(first, 60)
-    wait_for(lambda: c.batches.retrieve(job_id).request_counts.completed >= 12, "a fifth done")
-    first.kill9()
-    assert c.batches  # the client outlives the router
-    second = procs.router(cfg)
-    c2 = openai.OpenAI(base_url=second.url + "/v1", api_key="none", max_retries=0)
-    wait_for(lambda: c2.batches.retrieve(job_id).status == "completed", "the job completes")
-    done = c2.batches.retrieve(job_id)
-    assert done.request_counts.completed == 60 and done.request_counts.failed == 0
-    ids = Counter(r["custom_id"] for r in rows(c2, done.output_file_id))
-    assert ids == Counter(f"req-{i}" for i in range(60))
-    assert rows(c2, done.error_file_id) == []
+@pytest.fixture(scope="module")
+def fleet(module_procs: Cluster) -> Iterator[tuple[Cluster, Proc, Proc, Proc, Proc]]:
+    redis = module_procs.redis()
+    mock = module_procs.mock(ttft_ms=60, tokens=2)
+    cfg = config(module_procs, redis, mock)
+    yield module_procs, mock, module_procs.router(cfg), module_procs.router(cfg), redis
 
 
-def test_two_replicas_share_one_jobs_lines(procs: Cluster) -> None:
-    redis = procs.redis()
-    mock = procs.mock(ttft_ms=40, tokens=2)
-    cfg = config(procs, redis, mock, per_engine=2)
-    one, two = procs.router(cfg), procs.router(cfg)
+def test_two_replicas_share_one_jobs_lines(fleet: tuple[Cluster, Proc, Proc, Proc, Proc]) -> None:
+    _, _, one, two, _ = fleet
     c, job_id = submit(one, 40)
     wait_for(lambda: c.batches.retrieve(job_id).status == "completed", "the job completes")
     done = c.batches.retrieve(job_id)
@@ -85,19 +74,19 @@ def test_two_replicas_share_one_jobs_lines(procs: Cluster) -> None:
     assert all(n > 0 for n in ran) and sum(ran) == 40, ran
 
 
-def test_cancel_stops_new_lines_within_a_tick_and_keeps_what_finished(procs: Cluster) -> None:
-    redis = procs.redis()
-    mock = procs.mock(ttft_ms=100, tokens=2)
-    router = procs.router(config(procs, redis, mock, per_engine=3))
-    c, job_id = submit(router, 60)
+def test_cancel_stops_new_lines_within_a_tick_and_keeps_what_finished(
+    fleet: tuple[Cluster, Proc, Proc, Proc, Proc],
+) -> None:
+    _, mock, one, _, _ = fleet
+    c, job_id = submit(one, 60)
     wait_for(lambda: c.batches.retrieve(job_id).request_counts.completed >= 6, "some done")
     job = c.batches.cancel(job_id)
     sent_at_cancel = stats(mock)["requests"]
     assert job.status in ("cancelling", "cancelled")
     wait_for(lambda: c.batches.retrieve(job_id).status == "cancelled", "the job is cancelled")
-    # Only lines in flight at the cancel (at most per_engine) or started within the tick that
-    # was under way may reach the engine after it.
-    assert stats(mock)["requests"] - sent_at_cancel <= 3 * 2
+    # Only lines in flight at the cancel (per_engine on each of the two replicas) may reach
+    # the engine after it: no replica starts one once the job is cancelling.
+    assert stats(mock)["requests"] - sent_at_cancel <= 2 * 4
     done = c.batches.retrieve(job_id)
     assert done.cancelled_at is not None and done.request_counts.total == 60
     kept, marked = rows(c, done.output_file_id), rows(c, done.error_file_id)
@@ -105,3 +94,21 @@ def test_cancel_stops_new_lines_within_a_tick_and_keeps_what_finished(procs: Clu
     assert {r["error"]["code"] for r in marked} == {"batch_cancelled"}
     ids = Counter(r["custom_id"] for r in kept + marked)
     assert ids == Counter(f"req-{i}" for i in range(60))
+
+
+def test_sigkilled_mid_job_the_restarted_router_completes_it_each_line_once(
+    fleet: tuple[Cluster, Proc, Proc, Proc, Proc],
+) -> None:
+    procs, mock, first, other, redis = fleet
+    other.stop()  # the killed router's lines must be taken again by the restarted one
+    c, job_id = submit(first, 60)
+    wait_for(lambda: c.batches.retrieve(job_id).request_counts.completed >= 12, "a fifth done")
+    first.kill9()
+    second = procs.router(config(procs, redis, mock))
+    c2 = openai.OpenAI(base_url=second.url + "/v1", api_key="none", max_retries=0)
+    wait_for(lambda: c2.batches.retrieve(job_id).status == "completed", "the job completes")
+    done = c2.batches.retrieve(job_id)
+    assert done.request_counts.completed == 60 and done.request_counts.failed == 0
+    ids = Counter(r["custom_id"] for r in rows(c2, done.output_file_id))
+    assert ids == Counter(f"req-{i}" for i in range(60))
+    assert rows(c2, done.error_file_id) == []
