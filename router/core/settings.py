@@ -472,12 +472,11 @@ class BatchConfig(_Strict):
     # replica that died is taken again this long after its last renewal.
     lease_ttl: float = Field(60.0, gt=0, le=86400)
     tick: float = Field(0.25, ge=0.01, le=60)  # seconds between the runner's looks at the fleet
-    # Lines in flight per engine that shows room, and in all on this replica.
-    per_engine: int = Field(4, ge=1, le=1024)
-    max_inflight: int = Field(64, ge=1, le=100_000)
-    # An engine has room for batch work below both: fewer waiting, less of its KV cache in use.
+    per_engine: int = Field(4, ge=1, le=1024)  # lines in flight per engine that shows room
+    max_inflight: int = Field(64, ge=1, le=100_000)  # lines in flight on this replica, at most
+    # An engine has room for batch work with fewer than this many requests waiting...
     room_waiting: float = Field(1, gt=0)
-    room_kv_usage: float = Field(0.8, gt=0, le=1)
+    room_kv_usage: float = Field(0.8, gt=0, le=1)  # ...and less than this share of KV in use
     # Share of a key's tpm batch lines may use of what its interactive traffic left unused.
     tpm_share: float = Field(1.0, gt=0, le=1)
 
