@@ -47,7 +47,14 @@ from router.request.lifecycle.proxy import Proxy
 log = logging.getLogger("sluicegate.batch")
 
 MAX_ANSWER_BYTES = 64 * 1024 * 1024  # one line's answer held before it is written
-RETRY_STATUSES = frozenset({429, 503})  # no room after all: handed back, taken again later
+RETRY_STATUSES = frozenset({429, 503})
+# Redis or the volume failed under a line: its lease ends and any replica runs it again.
+LINE_FAILURES: tuple[type[BaseException], ...] = (
+    *STORE_FAILURES,
+    OSError,
+    ValueError,
+    KeyError,
+)  # no room after all: handed back, taken again later
 
 
 class BatchKey(Protocol):
@@ -156,7 +163,9 @@ class BatchRunner:
         if proxy.admission is not None and proxy.admission.depth > 0:
             return 0  # an interactive request waits: it goes first
         backends = proxy.registry.snapshot.by_model.get(model, ())
-        readings: Mapping[str, EngineReading] = proxy.readings()
+        readings: Mapping[str, EngineReading] = (
+            proxy.readings() if proxy.readings is not None else {}
+        )
         free = 0
         for b in backends:
             r = readings.get(b.name)
@@ -220,7 +229,7 @@ class BatchRunner:
                 await self.end(job, "completed", None)
         except asyncio.CancelledError:
             raise
-        except (*STORE_FAILURES, OSError, ValueError, KeyError) as exc:
+        except LINE_FAILURES as exc:
             # Redis or the volume failed: the lease ends and any replica runs the line again.
             log.warning("batch line failed", extra={"fields": {"error": type(exc).__name__}})
         finally:

@@ -146,7 +146,7 @@ class BatchStore:
         ids = await self._r.zrevrange(self._k("files", owner), 0, limit - 1)
         if not ids:
             return []
-        raws = await self._r.mget([self._k("file", i.decode()) for i in ids])
+        raws = await self._r.mget([self._k("file", _s(i)) for i in ids])
         return [json.loads(r) for r in raws if r is not None]
 
     async def drop_file(self, file_id: str, owner: str) -> None:
@@ -175,18 +175,18 @@ class BatchStore:
         raw = await self._r.hgetall(self._k("job", job_id))
         if not raw:
             return None
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return {_s(k): _s(v) for k, v in raw.items()}
 
     async def job_ids(self, owner: str, after: str | None, limit: int) -> list[str]:
         key = self._k("jobs", owner)
         start = 0
         if after is not None:
-            rank = await self._r.zrevrank(key, after)
+            rank: Any = await self._r.zrevrank(key, after)
             start = 0 if rank is None else int(rank) + 1
-        return [i.decode() for i in await self._r.zrevrange(key, start, start + limit - 1)]
+        return [_s(i) for i in await self._r.zrevrange(key, start, start + limit - 1)]
 
     async def active(self) -> list[str]:
-        return sorted(m.decode() for m in await self._r.smembers(self._k("active")))
+        return sorted(_s(m) for m in await self._r.smembers(self._k("active")))
 
     async def counts(self) -> dict[str, int]:
         """Jobs by status, of those not yet ended (for the metrics gauge)."""
@@ -194,12 +194,11 @@ class BatchStore:
         for job_id in await self.active():
             status = await self._r.hget(self._k("job", job_id), "status")
             if status is not None:
-                out[status.decode()] = out.get(status.decode(), 0) + 1
+                out[_s(status)] = out.get(_s(status), 0) + 1
         return out
 
     async def cancel(self, job_id: str, now: int) -> str:
-        got = await self._scripts["cancel"](keys=[self._k("job", job_id)], args=[now])
-        return got.decode() if isinstance(got, bytes) else str(got)
+        return _s(await self._scripts["cancel"](keys=[self._k("job", job_id)], args=[now]))
 
     async def end(self, job_id: str, owner: str, fields: dict[str, str]) -> bool:
         flat = [x for kv in fields.items() for x in kv]
@@ -252,3 +251,8 @@ class BatchStore:
     async def lock(self, job_id: str, owner: str, seconds: int) -> bool:
         """One replica at a time writes a job's results."""
         return bool(await self._r.set(self._k("final", job_id), owner, nx=True, ex=seconds))
+
+
+def _s(value: Any) -> str:
+    """A reply of the client (bytes: it does not decode) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)

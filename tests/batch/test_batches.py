@@ -28,9 +28,7 @@ def chat_line(i: int, url: str = "/v1/chat/completions", **body: Any) -> dict[st
 
 
 def jsonl(lines: list[Any]) -> bytes:
-    return b"".join(
-        (x if isinstance(x, bytes) else json.dumps(x).encode()) + b"\n" for x in lines
-    )
+    return b"".join((x if isinstance(x, bytes) else json.dumps(x).encode()) + b"\n" for x in lines)
 
 
 @pytest.fixture(scope="module")
