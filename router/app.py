@@ -483,6 +483,7 @@ def _routes(app: FastAPI, p: AppParts) -> None:
             p.client_keys,
             p.admin_auth.configured,
             settings.console.refresh,
+            batch=p.batch.runner.view if p.batch is not None else None,
         )
         app.include_router(console_routes(settings.console, p.admin_auth, live))
 

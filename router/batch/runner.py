@@ -46,6 +46,7 @@ from router.request.lifecycle.proxy import Proxy
 
 log = logging.getLogger("sluicegate.batch")
 
+MAX_SHOWN = 100  # jobs the console lists
 MAX_ANSWER_BYTES = 64 * 1024 * 1024  # one line's answer held before it is written
 RETRY_STATUSES = frozenset({429, 503})
 # Redis or the volume failed under a line: its lease ends and any replica runs it again.
@@ -108,7 +109,12 @@ class BatchRunner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._cooling: dict[str, float] = {}  # job -> monotonic time it may take lines again
         self.inflight = 0
+        self._seen: list[dict[str, Any]] = []  # the jobs of the last tick, for the console
         runner.every("batch", self.tick, cfg.tick)
+
+    def view(self) -> list[dict[str, Any]]:
+        """The jobs not yet ended as the last tick read them (the console's Batch panel)."""
+        return self._seen
 
     # --- the tick --------------------------------------------------------------------------
 
@@ -118,11 +124,22 @@ class BatchRunner:
             if job.lines:
                 await store.renew(job.id, sorted(job.lines), cfg.lease_ttl)
         now = time.time()
+        seen: list[dict[str, Any]] = []
         for job_id in await store.active():
             fields = await store.job(job_id)
             if fields is None:
                 continue
             status = fields["status"]
+            seen.append(
+                {
+                    "id": job_id,
+                    "model": fields.get("model"),
+                    "status": status,
+                    "total": int(fields.get("total", 0)),
+                    "completed": int(fields.get("completed", 0)),
+                    "failed": int(fields.get("failed", 0)),
+                }
+            )
             if status in ENDED:
                 self._jobs.pop(job_id, None)
                 continue
@@ -138,6 +155,7 @@ class BatchRunner:
                 await self.end(job, "completed", None)
                 continue
             await self._fill(job)
+        self._seen = seen[:MAX_SHOWN]
         proxy = self.proxy
         proxy.metrics.batch_inflight.set(self.inflight)
         counts = await store.counts()

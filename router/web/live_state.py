@@ -6,8 +6,9 @@ Sections: `backends` (compact admin rows: health and reason, draining, in flight
 last reading, KV-index size, adapters, when the engine was last read and last sent a KV event),
 `routing` (router/ops/live.py: requests/s per backend and per reason, TTFT p50/p99 per backend
 over the last minute, per-second series), `admission` (depth and oldest wait per band), `quotas`
-(each named key's limits and what this process counts against them). Usage by the hour comes
-from `GET /admin/usage`, which the page reads on its own, slower clock.
+(each named key's limits and what this process counts against them), `batch` (the jobs not
+yet ended, as the batch runner last read them from Redis; None without `batch:`). Usage by the
+hour comes from `GET /admin/usage`, which the page reads on its own, slower clock.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class LiveState:
         actions: bool,
         refresh: float,
         wall: Callable[[], float] = time.time,
+        batch: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self._rows = rows
         self._live = live
@@ -74,6 +76,7 @@ class LiveState:
         self._actions = actions
         self._refresh = refresh
         self._wall = wall
+        self._batch = batch  # the batch runner's jobs as of its last tick (None: batch off)
 
     def _quota_rows(self) -> list[dict[str, Any]]:
         out = []
@@ -106,4 +109,5 @@ class LiveState:
             "routing": self._live.view(),
             "admission": None if admission is None else admission.bands(),
             "quotas": {"scope": self._quotas.kind, "keys": self._quota_rows()},
+            "batch": None if self._batch is None else self._batch(),
         }

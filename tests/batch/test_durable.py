@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -27,6 +28,7 @@ def config(procs: Cluster, redis: Proc, mock: Proc, **batch: Any) -> dict[str, A
     return {
         "backends": [backend("a", mock)],
         "redis_url": redis.url,
+        "console": {"enabled": True},
         "batch": {
             "storage_dir": str(procs.tmp / "batch"),
             "tick": TICK,
@@ -35,6 +37,16 @@ def config(procs: Cluster, redis: Proc, mock: Proc, **batch: Any) -> dict[str, A
             **batch,
         },
     }
+
+
+def live(router: Proc) -> dict[str, Any]:
+    return dict(httpx.get(router.url + "/console/api/live", timeout=5).json())
+
+
+def wait_for_value(get: Callable[[], Any], what: str) -> Any:
+    found: list[Any] = []
+    wait_for(lambda: found.append(get()) or found[-1], what)
+    return found[-1]
 
 
 def submit(router: Proc, n: int) -> tuple[openai.OpenAI, str]:
@@ -80,6 +92,11 @@ def test_cancel_stops_new_lines_within_a_tick_and_keeps_what_finished(
     _, mock, one, _, _ = fleet
     c, job_id = submit(one, 60)
     wait_for(lambda: c.batches.retrieve(job_id).request_counts.completed >= 6, "some done")
+    # The console lists the running job with its progress.
+    shown = wait_for_value(
+        lambda: next((j for j in live(one)["batch"] if j["id"] == job_id), None), "on the console"
+    )
+    assert shown["status"] == "in_progress" and shown["total"] == 60
     job = c.batches.cancel(job_id)
     sent_at_cancel = stats(mock)["requests"]
     assert job.status in ("cancelling", "cancelled")
