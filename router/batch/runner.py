@@ -196,8 +196,8 @@ class BatchRunner:
         return min(cfg.max_inflight, free * cfg.per_engine)
 
     async def _fill(self, job: _Job) -> None:
-        if self._cooling.get(job.id, 0.0) > time.monotonic():
-            return
+        if self.proxy.lifecycle.draining or self._cooling.get(job.id, 0.0) > time.monotonic():
+            return  # a draining router takes no new line: another replica will
         room = self.room(job.model) - self.inflight
         while room > 0:
             line = await self.store.take(job.id, job.total, self.cfg.lease_ttl)

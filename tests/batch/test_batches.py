@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from pydantic import ValidationError
 
-from tests.support.harness import Cluster, Proc, backend, expected_text, metric, sha
+from router.core.settings import Settings
+from tests.support.harness import Cluster, Proc, backend, booked, expected_text, metric, sha
 from tests.support.wait import wait_for
 
 KEY = "sk-batch-one"
 OTHER = "sk-batch-two"
+LIMITED = "sk-batch-three"
+ADMIN = "adm-batch"
 
 
 def chat_line(i: int, url: str = "/v1/chat/completions", **body: Any) -> dict[str, Any]:
@@ -35,13 +41,17 @@ def jsonl(lines: list[Any]) -> bytes:
 def router(module_procs: Cluster) -> Iterator[Proc]:
     redis = module_procs.redis()
     mock = module_procs.mock(tokens=4)
+    slow = module_procs.mock(name="slow", ttft_ms=8000, tokens=1)  # its lines stay in flight
     config = {
-        "backends": [backend("a", mock)],
+        "backends": [backend("a", mock), backend("b", slow, models={"s": "mock-model"})],
         "redis_url": redis.url,
         "api_keys": [
             {"sha256": sha(KEY), "name": "one"},
             {"sha256": sha(OTHER), "name": "two"},
+            {"sha256": sha(LIMITED), "name": "three", "tpm": 1000},
         ],
+        "admin_token": ADMIN,
+        "drain_grace": 0.5,  # the slow engine's line in flight does not hold the teardown
         "max_body_bytes": 4096,
         "batch": {
             "storage_dir": str(module_procs.tmp / "batch"),
@@ -128,20 +138,64 @@ def test_a_file_over_max_file_bytes_is_refused_while_it_streams(router: Proc) ->
 
 def test_too_many_jobs_per_key(router: Proc) -> None:
     c = client(router, OTHER)
-    f = c.files.create(file=("in.jsonl", jsonl([chat_line(0, max_tokens=4)])), purpose="batch")
-    jobs = []
-    for _ in range(2):
-        jobs.append(
-            c.batches.create(
-                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
+    line = chat_line(0, max_tokens=1)
+    line["body"]["model"] = "s"  # served by an engine that answers after 8 s
+    f = c.files.create(file=("in.jsonl", jsonl([line])), purpose="batch")
+    jobs = [
+        c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-    # Both may have ended already; the limit counts jobs not yet ended, so cancel none and
-    # ask for a third while at least... the first two are open only until they end.
-    statuses = [c.batches.retrieve(j.id).status for j in jobs]
-    if all(s == "in_progress" for s in statuses):
-        with pytest.raises(openai.RateLimitError) as err:
-            c.batches.create(
-                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-        assert "max_jobs_per_key" in err.value.body["message"]  # type: ignore[index]
+        for _ in range(2)
+    ]
+    with pytest.raises(openai.RateLimitError) as err:
+        c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert "max_jobs_per_key" in err.value.body["message"]  # type: ignore[index]
+    assert all(c.batches.cancel(j.id).status in ("cancelling", "cancelled") for j in jobs)
+
+
+def test_batch_tokens_never_push_the_keys_interactive_requests_into_429(router: Proc) -> None:
+    c = client(router, LIMITED)
+    f = c.files.create(
+        file=("in.jsonl", jsonl([chat_line(i, max_tokens=2) for i in range(40)])), purpose="batch"
+    )
+    job = c.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    wait_for(lambda: c.batches.retrieve(job.id).status == "completed", "the job completes")
+    assert c.batches.retrieve(job.id).request_counts.completed == 40
+    spent = booked(router, "three:batch", ADMIN)
+    assert spent["requests"] == 40  # booked once per line, with the batch marker
+    batch_tokens = spent["prompt_tokens"] + spent["completion_tokens"]
+    # An interactive request whose estimate (its ~20 prompt tokens, by body bytes / 4, and
+    # max_tokens) fits the key's tpm only if the batch's tokens are not in its window gets in.
+    assert batch_tokens >= 100
+    budget = 1000 - 40 - batch_tokens // 2
+    answer = c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=budget
+    )
+    assert answer.choices[0].message.content
+    assert booked(router, "three", ADMIN)["requests"] == 1
+
+
+def test_batch_without_redis_refuses_to_start_naming_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError) as err:
+        Settings.model_validate({"batch": {"storage_dir": str(tmp_path)}})
+    assert "batch" in str(err.value) and "redis_url" in str(err.value)
+
+
+def test_an_upload_that_is_no_form_or_not_purpose_batch_is_refused(router: Proc) -> None:
+    headers = {"authorization": f"Bearer {KEY}"}
+    r = httpx.post(router.url + "/v1/files", content=b"{}", headers=headers, timeout=5)
+    assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+    cut = b'--xx\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\nabc'
+    r = httpx.post(
+        router.url + "/v1/files",
+        content=cut,
+        headers={**headers, "content-type": "multipart/form-data; boundary=xx"},
+        timeout=5,
+    )
+    assert r.status_code == 400 and "closing boundary" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        client(router).files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
