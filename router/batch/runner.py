@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ from starlette.types import Message
 
 from router.batch.files import Storage
 from router.batch.store import ENDED, BatchStore
+from router.core.backend import Backend
 from router.core.endpoints import BY_ROUTE
 from router.core.engine import EngineReading
 from router.core.errors import STORE_FAILURES, Refused, answer
@@ -176,24 +177,14 @@ class BatchRunner:
         return job
 
     def room(self, model: str) -> int:
-        """Lines that may be in flight now for `model`, from admission's queue and the readings."""
-        proxy, cfg = self.proxy, self.cfg
-        if proxy.admission is not None and proxy.admission.depth > 0:
-            return 0  # an interactive request waits: it goes first
-        backends = proxy.registry.snapshot.by_model.get(model, ())
-        readings: Mapping[str, EngineReading] = (
-            proxy.readings() if proxy.readings is not None else {}
+        """Lines that may be in flight now for `model` (`room`, from this process's view)."""
+        proxy = self.proxy
+        return room(
+            self.cfg,
+            proxy.registry.snapshot.by_model.get(model, ()),
+            proxy.readings() if proxy.readings is not None else {},
+            proxy.admission.depth if proxy.admission is not None else 0,
         )
-        free = 0
-        for b in backends:
-            r = readings.get(b.name)
-            if (
-                r is None
-                or r.stale
-                or (r.waiting < cfg.room_waiting and r.kv_usage < cfg.room_kv_usage)
-            ):
-                free += 1
-        return min(cfg.max_inflight, free * cfg.per_engine)
 
     async def _fill(self, job: _Job) -> None:
         if self.proxy.lifecycle.draining or self._cooling.get(job.id, 0.0) > time.monotonic():
@@ -401,6 +392,29 @@ class BatchRunner:
                 await self.store.release(job_id, line)
             except STORE_FAILURES:
                 pass
+
+
+def room(
+    cfg: BatchConfig,
+    backends: Sequence[Backend],
+    readings: Mapping[str, EngineReading],
+    queued: int,
+) -> int:
+    """Lines that may be in flight: none while `queued` interactive requests wait in admission;
+    else `per_engine` for each backend whose fresh reading shows room (one without a fresh
+    reading counts as room), at most `max_inflight`."""
+    if queued > 0:
+        return 0
+    free = 0
+    for b in backends:
+        r = readings.get(b.name)
+        if (
+            r is None
+            or r.stale
+            or (r.waiting < cfg.room_waiting and r.kv_usage < cfg.room_kv_usage)
+        ):
+            free += 1
+    return min(cfg.max_inflight, free * cfg.per_engine)
 
 
 _EXPIRED = "The batch expired before this request could be run."
