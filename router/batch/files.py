@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from collections.abc import AsyncIterator, Mapping, Set
 from dataclasses import dataclass
@@ -71,6 +72,13 @@ class Storage:
             tmp.unlink(missing_ok=True)
             raise
         return form
+
+    def share(self, name: str, as_name: str) -> None:
+        """`name` also as `as_name`: a hard link, or a copy where the volume has none."""
+        try:
+            os.link(self.path(name), self.path(as_name))
+        except OSError:
+            shutil.copyfile(self.path(name), self.path(as_name))
 
     def remove(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)

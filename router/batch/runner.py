@@ -48,7 +48,7 @@ from router.request.lifecycle.proxy import Proxy
 log = logging.getLogger("sluicegate.batch")
 
 MAX_SHOWN = 100  # jobs the console lists
-MAX_ANSWER_BYTES = 64 * 1024 * 1024  # one line's answer held before it is written
+MAX_ANSWER_BYTES = 8 * 1024 * 1024  # one line's answer held before it is written
 RETRY_STATUSES = frozenset({429, 503})
 # Redis or the volume failed under a line: its lease ends and any replica runs it again.
 LINE_FAILURES: tuple[type[BaseException], ...] = (
@@ -159,7 +159,9 @@ class BatchRunner:
         self._seen = seen[:MAX_SHOWN]
         proxy = self.proxy
         proxy.metrics.batch_inflight.set(self.inflight)
-        counts = await store.counts()
+        counts: dict[str, int] = {}
+        for row in seen:
+            counts[row["status"]] = counts.get(row["status"], 0) + 1
         for status in ("validating", "in_progress", "finalizing", "cancelling"):
             proxy.metrics.batch_jobs.labels(status).set(counts.get(status, 0))
 

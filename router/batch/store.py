@@ -18,6 +18,7 @@ once: the caller charges only when its claim won.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from router.core.redis_client import Client
@@ -81,6 +82,8 @@ if st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' t
 redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[1])))
 redis.call('SREM', KEYS[2], ARGV[2])
 redis.call('SREM', KEYS[3], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[4])
 return 1
 """
 
@@ -91,6 +94,9 @@ redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
 return 'cancelling'
 """
 
+# An ended job's record is kept this long (s), then Redis lets it go: a key's thousands of
+# small jobs never pile up (its files count against `batch.max_files_per_key`).
+KEEP_ENDED = 30 * 24 * 3600
 ENDED = frozenset({"completed", "failed", "cancelled", "expired"})
 INT_FIELDS = (
     "created_at",
@@ -188,23 +194,20 @@ class BatchStore:
     async def active(self) -> list[str]:
         return sorted(_s(m) for m in await self._r.smembers(self._k("active")))
 
-    async def counts(self) -> dict[str, int]:
-        """Jobs by status, of those not yet ended (for the metrics gauge)."""
-        out: dict[str, int] = {}
-        for job_id in await self.active():
-            status = await self._r.hget(self._k("job", job_id), "status")
-            if status is not None:
-                out[_s(status)] = out.get(_s(status), 0) + 1
-        return out
-
     async def cancel(self, job_id: str, now: int) -> str:
         return _s(await self._scripts["cancel"](keys=[self._k("job", job_id)], args=[now]))
 
     async def end(self, job_id: str, owner: str, fields: dict[str, str]) -> bool:
         flat = [x for kv in fields.items() for x in kv]
+        now = int(time.time())
         won = await self._scripts["end"](
-            keys=[self._k("job", job_id), self._k("open", owner), self._k("active")],
-            args=[json.dumps(flat), job_id],
+            keys=[
+                self._k("job", job_id),
+                self._k("open", owner),
+                self._k("active"),
+                self._k("jobs", owner),
+            ],
+            args=[json.dumps(flat), job_id, KEEP_ENDED, now - KEEP_ENDED],
         )
         if won:
             pipe = self._r.pipeline(transaction=False)

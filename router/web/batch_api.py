@@ -190,7 +190,7 @@ def batch_routes(
         job_id = f"batch_{os.urandom(12).hex()}"
         src, idx = names(job_id)
         # The job reads its own link to the file: deleting the upload leaves the job whole.
-        os.link(storage.path(record["path"]), storage.path(src))
+        await asyncio.to_thread(storage.share, record["path"], src)
         try:
             checked = await asyncio.to_thread(
                 storage.check,
