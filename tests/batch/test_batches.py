@@ -21,6 +21,7 @@ from tests.support.wait import wait_for
 KEY = "sk-batch-one"
 OTHER = "sk-batch-two"
 LIMITED = "sk-batch-three"
+COUNTED = "sk-batch-four"
 ADMIN = "adm-batch"
 
 
@@ -49,6 +50,7 @@ def router(module_procs: Cluster) -> Iterator[Proc]:
             {"sha256": sha(KEY), "name": "one"},
             {"sha256": sha(OTHER), "name": "two"},
             {"sha256": sha(LIMITED), "name": "three", "tpm": 1000},
+            {"sha256": sha(COUNTED), "name": "four", "rpm": 2},
         ],
         "admin_token": ADMIN,
         "drain_grace": 0.5,  # the slow engine's line in flight does not hold the teardown
@@ -199,3 +201,13 @@ def test_an_upload_that_is_no_form_or_not_purpose_batch_is_refused(router: Proc)
     assert r.status_code == 400 and "closing boundary" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         client(router).files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
+
+
+def test_the_batch_routes_count_against_the_keys_limits(router: Proc) -> None:
+    c = client(router, COUNTED)
+    c.batches.list()
+    c.files.list()
+    with pytest.raises(openai.RateLimitError):
+        c.batches.list()
+    with pytest.raises(openai.AuthenticationError):
+        client(router, "sk-unknown").batches.list()
