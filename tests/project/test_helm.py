@@ -500,3 +500,14 @@ def test_backend_tls_files_come_from_mounted_secrets() -> None:
     assert pod["securityContext"]["fsGroup"] == 10001  # the group the key is readable by
     (backend,) = yaml.safe_load(_rendered_config(values))["backends"]
     assert backend["tls"] == tls
+
+
+def test_batch_storage_mounts_an_existing_claim_in_every_router_pod() -> None:
+    docs = manifests({"batchStorage": {"existingClaim": "sg-batch"}})
+    pod = router_deployment(docs)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mounts["/var/lib/sluicegate/batch"]]
+    assert volume["persistentVolumeClaim"] == {"claimName": "sg-batch"}
+    plain = router_deployment(manifests(None))["spec"]["template"]["spec"]
+    assert not [v for v in plain["volumes"] if "persistentVolumeClaim" in v]
