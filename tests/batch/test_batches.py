@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from router.core.settings import Settings
-from tests.support.harness import Cluster, Proc, backend, booked, expected_text, metric, sha
+from tests.support.harness import Cluster, Proc, _cli, backend, booked, expected_text, metric, sha
 from tests.support.wait import wait_for
 
 KEY = "sk-batch-one"
@@ -39,8 +39,12 @@ def jsonl(lines: list[Any]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def router(module_procs: Cluster) -> Iterator[Proc]:
-    redis = module_procs.redis()
+def redis(module_procs: Cluster) -> Proc:
+    return module_procs.redis()
+
+
+@pytest.fixture(scope="module")
+def router(module_procs: Cluster, redis: Proc) -> Iterator[Proc]:
     mock = module_procs.mock(tokens=4)
     slow = module_procs.mock(name="slow", ttft_ms=8000, tokens=1)  # its lines stay in flight
     config = {
@@ -211,3 +215,20 @@ def test_the_batch_routes_count_against_the_keys_limits(router: Proc) -> None:
         c.batches.list()
     with pytest.raises(openai.AuthenticationError):
         client(router, "sk-unknown").batches.list()
+
+
+def test_an_expired_job_keeps_what_finished_and_marks_the_rest(router: Proc, redis: Proc) -> None:
+    c = client(router)
+    slow = chat_line(1, max_tokens=1)
+    slow["body"]["model"] = "s"  # its engine answers after 8 s: the line is still running
+    f = c.files.create(file=("in.jsonl", jsonl([{**slow, "custom_id": "late"}])), purpose="batch")
+    job = c.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    # Its 24 h window over: the job's expiry in Redis moved to the past.
+    _cli(redis.port, "HSET", "{sluicegate:batch}:job:" + job.id, "expires_at", "1")
+    wait_for(lambda: c.batches.retrieve(job.id).status == "expired", "the job expires")
+    done = c.batches.retrieve(job.id)
+    assert done.expired_at is not None and done.output_file_id is None
+    (row,) = [json.loads(x) for x in c.files.content(done.error_file_id or "").content.splitlines()]
+    assert row["custom_id"] == "late" and row["error"]["code"] == "batch_expired"
