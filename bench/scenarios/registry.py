@@ -17,6 +17,7 @@ from bench.kit.cluster import ROOT, Bench
 from bench.kit.report import Page, Row, Section, Targets
 from bench.scenarios import (
     admission,
+    batch,
     compare,
     console,
     core,
@@ -156,6 +157,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _of("console", lambda res, date: console.section(res)),
         console.targets,
     ),
+    Scenario("batch", _stored("batch", batch.run), _of("batch", batch.section)),
     Scenario("hop", _hop, _of("hop", lambda res, date: hop.lines(res))),
     Scenario("pd", _pd, _of("pd", lambda res, date: pd.section(res))),
     # Not in a full run: they need the real-engine venv (make engine-venv); `--only real`.
@@ -173,7 +175,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 # and the Targets table's order of rows: the order they read in, not the order they run in.
 SECTION_ORDER = (
     "hop", "overhead", "compare", "streaming", "storm", "soak", "multi", "engine", "prefix",
-    "lora", "pd", "console", "real", "kv", "kv_real", "noisy", "admission",
+    "lora", "pd", "console", "real", "kv", "kv_real", "noisy", "admission", "batch",
 )  # fmt: skip
 TARGET_ORDER = ("overhead", "console", "streaming", "storm", "engine", "prefix", "multi")
 
