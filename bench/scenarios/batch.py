@@ -81,7 +81,11 @@ async def _fixed(url: str, seconds: float, clients: int) -> int:
 
 
 def _ttft(samples: list[float]) -> dict[str, float]:
-    return {"p50_ms": pct(samples, 50) * 1000, "p90_ms": pct(samples, 90) * 1000, "n": len(samples)}
+    return {
+        "p50_ms": pct(samples, 0.5) * 1000,
+        "p90_ms": pct(samples, 0.9) * 1000,
+        "n": len(samples),
+    }
 
 
 async def _with_batch(url: str, seconds: float, lines: int) -> tuple[list[float], float]:
