@@ -107,7 +107,8 @@ class BatchRunner:
         self._key_of = key_of  # None: no client keys configured (every job anonymous)
         self.replica = os.urandom(6).hex()  # names this process's part files
         self._jobs: dict[str, _Job] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], float] = {}  # lines in flight -> when begun
+        self._preempted: set[asyncio.Task[None]] = set()
         self._cooling: dict[str, float] = {}  # job -> monotonic time it may take lines again
         self.inflight = 0
         self._seen: list[dict[str, Any]] = []  # the jobs of the last tick, for the console
@@ -157,6 +158,8 @@ class BatchRunner:
                 continue
             await self._fill(job)
         self._seen = seen[:MAX_SHOWN]
+        if cfg.preempt:
+            self._preempt()
         proxy = self.proxy
         proxy.metrics.batch_inflight.set(self.inflight)
         counts: dict[str, int] = {}
@@ -188,6 +191,26 @@ class BatchRunner:
             proxy.admission.depth if proxy.admission is not None else 0,
         )
 
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+        self._preempted.discard(task)
+
+    def _preempt(self) -> None:
+        """`batch.preempt`: for each interactive request waiting in admission's queue, the
+        youngest line in flight here is cancelled (handed back by `_line`, run again later)."""
+        admission = self.proxy.admission
+        waiting = admission.depth if admission is not None else 0
+        if not waiting:
+            return
+        young = sorted(
+            (t for t in self._tasks if t not in self._preempted),
+            key=self._tasks.__getitem__,
+            reverse=True,
+        )
+        for task in young[:waiting]:
+            self._preempted.add(task)
+            task.cancel()
+
     async def _fill(self, job: _Job) -> None:
         if self.proxy.lifecycle.draining or self._cooling.get(job.id, 0.0) > time.monotonic():
             return  # a draining router takes no new line: another replica will
@@ -200,8 +223,8 @@ class BatchRunner:
             self.inflight += 1
             job.lines.add(line)
             task = asyncio.get_running_loop().create_task(self._line(job, line))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks[task] = time.monotonic()
+            task.add_done_callback(self._ended)
 
     # --- one line --------------------------------------------------------------------------
 
@@ -239,7 +262,12 @@ class BatchRunner:
             if ended >= job.total:
                 await self.end(job, "completed", None)
         except asyncio.CancelledError:
-            raise
+            me = asyncio.current_task()
+            if me is None or me not in self._preempted:
+                raise
+            # Preempted for an interactive request: handed back, its work counted as waste.
+            metrics.batch_lines.labels("preempted").inc()
+            await self.store.release(job.id, i)
         except LINE_FAILURES as exc:
             # Redis or the volume failed: the lease ends and any replica runs the line again.
             log.warning("batch line failed", extra={"fields": {"error": type(exc).__name__}})

@@ -479,6 +479,9 @@ class BatchConfig(_Strict):
     room_kv_usage: float = Field(0.8, gt=0, le=1)  # ...and less than this share of KV in use
     # Share of a key's tpm batch lines may use of what its interactive traffic left unused.
     tpm_share: float = Field(1.0, gt=0, le=1)
+    # While interactive requests wait in admission's queue, each tick cancels as many of this
+    # replica's youngest batch lines in flight; they are handed back and run again later.
+    preempt: bool = False
 
 
 # Never backends unless an operator says so: cloud metadata services (AWS, GCP, Azure, OpenStack

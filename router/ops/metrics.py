@@ -248,7 +248,8 @@ ROWS: tuple[Row, ...] = (
         "sluicegate_batch_lines_total",
         "Batch lines this process ended, by outcome: `completed` (2xx), `failed`, `duplicate` "
         "(ran again after its lease ended; written and charged once), `retried` (handed back: "
-        "429 or 503).",
+        "429 or 503), `preempted` (cancelled for a waiting interactive request: wasted work, "
+        "run again).",
         ("outcome",),
     ),
     Row(
