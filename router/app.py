@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
@@ -29,7 +29,7 @@ from router.core.errors import (
 from router.core.netpolicy import NetPolicy
 from router.core.redis_config import RedisConfig
 from router.core.runner import Runner
-from router.core.settings import Settings
+from router.core.settings import BatchConfig, Settings
 from router.discovery.runner import Discovery
 from router.engine.adapters import routes as adapter_routes
 from router.engine.kv_events import KvEvents
@@ -60,6 +60,7 @@ from router.web.live_state import LiveState
 from router.web.usage_admin import usage_routes
 
 if TYPE_CHECKING:
+    from router.batch.runner import BatchRunner
     from router.scaling.scaler import Scaler
 
 log = logging.getLogger("sluicegate.app")
@@ -264,6 +265,9 @@ class AppParts:
             policy=policy,
             runner=runner,
         )
+        self.batch: BatchParts | None = None
+        if settings.batch is not None:
+            self.batch = _batch_parts(settings.batch, self)
         self.rows = BackendRows(
             self.fleet,
             store,
@@ -356,6 +360,7 @@ class AppParts:
             ("prefix_index", shared.start if shared else None, shared.aclose if shared else None),
             ("quotas", self.quotas.start, self.quotas.aclose),
             ("inflight", self.store.start, self.store.aclose),
+            ("batch", None, self.batch.runner.aclose if self.batch else None),
             ("pools", None, self.pools.aclose),
             ("lora", None, self.lora.aclose),
             ("kv_events", self.kv_events.start, self.kv_events.aclose),
@@ -451,6 +456,34 @@ class AppParts:
         stop_logging()
 
 
+class BatchParts:
+    """The Batch API's parts (docs/batch.md), built only with `batch:` configured."""
+
+    def __init__(self, runner: BatchRunner, routes: APIRouter) -> None:
+        self.runner = runner
+        self.routes = routes
+
+
+def _batch_parts(cfg: BatchConfig, p: AppParts) -> BatchParts:
+    # Imported here: a router without `batch:` never loads the Batch API's code.
+    from router.batch.files import Storage
+    from router.batch.runner import BatchRunner
+    from router.batch.store import BatchStore
+    from router.web.batch_api import batch_routes
+
+    assert p.redis_client is not None  # settings refuse `batch` without Redis
+    store = BatchStore(p.redis_client, p.settings.redis_prefix)
+    storage = Storage(cfg.storage_dir)
+    keys = p.client_keys
+    runner = BatchRunner(
+        cfg, store, storage, p.proxy, keys.by_owner if keys.enabled else None, p.runner
+    )
+    routes = batch_routes(
+        cfg, store, storage, p.registry, keys, p.quotas, p.settings.max_body_bytes
+    )
+    return BatchParts(runner, routes)
+
+
 def _learn_secrets(backends: Sequence[Backend]) -> None:
     # Keys of backends added through the admin API are secrets from now on, in logs too.
     register_secret(
@@ -491,6 +524,8 @@ def _routes(app: FastAPI, p: AppParts, proxy_routes: bool = True) -> None:
         )
     )
     app.include_router(usage_routes(p.proxy.usage, p.admin_auth))
+    if proxy_routes and p.batch is not None:  # its lines run through the proxy's lifecycle
+        app.include_router(p.batch.routes)
     if settings.console.enabled:
         live = LiveState(
             p.rows,
@@ -501,6 +536,7 @@ def _routes(app: FastAPI, p: AppParts, proxy_routes: bool = True) -> None:
             p.admin_auth.configured,
             settings.console.refresh,
             fallbacks=p.proxy.fallbacks.table(),
+            batch=p.batch.runner.view if p.batch is not None else None,
         )
         app.include_router(console_routes(settings.console, p.admin_auth, live))
 

@@ -17,6 +17,7 @@ from bench.kit.cluster import ROOT, Bench
 from bench.kit.report import Page, Row, Section, Targets
 from bench.scenarios import (
     admission,
+    batch,
     compare,
     console,
     core,
@@ -159,6 +160,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         console.targets,
     ),
     Scenario("latency", _stored("latency", latency.run), _of("latency", latency.section)),
+    Scenario("batch", _stored("batch", batch.run), _of("batch", batch.section)),
     Scenario("hop", _hop, _of("hop", lambda res, date: hop.lines(res))),
     Scenario("pd", _pd, _of("pd", lambda res, date: pd.section(res))),
     Scenario("picker", _stored("picker", picker.run), _of("picker", picker.section)),
@@ -178,6 +180,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 SECTION_ORDER = (
     "hop", "overhead", "compare", "streaming", "storm", "soak", "multi", "engine", "prefix",
     "lora", "pd", "picker", "console", "real", "kv", "kv_real", "latency", "noisy", "admission",
+    "batch",
 )  # fmt: skip
 TARGET_ORDER = ("overhead", "console", "streaming", "storm", "engine", "prefix", "multi")
 

@@ -184,6 +184,28 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
 )
 
+# The Batch API's routes (router/web/batch_api.py, only with `batch:` configured): answered by
+# the router itself, never proxied, so not in ENDPOINTS' fast path; their rows say how the
+# key's limits treat them. Their lines' requests run as rows of ENDPOINTS, in the key's tpm.
+_BATCH_ROUTES: tuple[tuple[str, str, BodyKind], ...] = (
+    ("POST", "/v1/files", "multipart"),
+    ("GET", "/v1/files", "none"),
+    ("GET", "/v1/files/{file_id}", "none"),
+    ("GET", "/v1/files/{file_id}/content", "none"),
+    ("DELETE", "/v1/files/{file_id}", "none"),
+    ("POST", "/v1/batches", "json"),
+    ("GET", "/v1/batches", "none"),
+    ("GET", "/v1/batches/{batch_id}", "none"),
+    ("POST", "/v1/batches/{batch_id}/cancel", "none"),
+)
+BATCH_ENDPOINTS: tuple[Endpoint, ...] = tuple(
+    Endpoint(
+        path, method, body=body, usage="none", tested="mock", rpm=True, parallel=True, tpm="none"
+    )
+    for method, path, body in _BATCH_ROUTES
+)
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+
 RESPONSES_PREFIX = "/v1/responses/"
 
 

@@ -74,6 +74,8 @@ happens (an error of the tree above, a reading or event dropped, a log line, a C
   engine/kv_wire.py              WireError: a KV-event message refused
   engine/kv_endpoints.py         EndpointRefused: a KV-event endpoint refused
   core/settings.py               ConfigError: a configuration that cannot start the router
+  batch/files.py                 BadFile, TooBig: a batch input refused; a BadRequest, a TooLarge
+  batch/upload.py                BadUpload: an upload's form refused; a BadRequest
   core/tls.py                    TlsError: a TLS setting that cannot make a context
   tools/status.py                StatusError: `sluicegate status` could not ask the router
   tools/mock/wire.py             RequestError: the mock engine's refusal of a request

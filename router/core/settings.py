@@ -511,6 +511,33 @@ class ScaleFromZeroConfig(_Strict):
         return v
 
 
+class BatchConfig(_Strict):
+    """The Batch API (`/v1/files`, `/v1/batches`, docs/batch.md): jobs in Redis (required),
+    files under `storage_dir`, lines run in the fleet's idle capacity in the `sheddable` band."""
+
+    # Where uploaded files, job outputs and line offsets live: a volume every replica mounts
+    # (a ReadWriteMany PVC on Kubernetes) so any replica can resume or finish any job.
+    storage_dir: str = Field(min_length=1)
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024, le=1 << 40)  # one upload
+    max_lines: int = Field(50_000, ge=1, le=10_000_000)  # requests in one job's file
+    max_jobs_per_key: int = Field(100, ge=1, le=100_000)  # jobs of one key not yet finished
+    max_files_per_key: int = Field(1000, ge=1, le=1_000_000)  # files one key keeps
+    # Seconds a replica's claim on a line lasts unless renewed (each tick): a line held by a
+    # replica that died is taken again this long after its last renewal.
+    lease_ttl: float = Field(60.0, gt=0, le=86400)
+    tick: float = Field(0.25, ge=0.01, le=60)  # seconds between the runner's looks at the fleet
+    per_engine: int = Field(4, ge=1, le=1024)  # lines in flight per engine that shows room
+    max_inflight: int = Field(64, ge=1, le=100_000)  # lines in flight on this replica, at most
+    # An engine has room for batch work with fewer than this many requests waiting...
+    room_waiting: float = Field(1, gt=0)
+    room_kv_usage: float = Field(0.8, gt=0, le=1)  # ...and less than this share of KV in use
+    # Share of a key's tpm batch lines may use of what its interactive traffic left unused.
+    tpm_share: float = Field(1.0, gt=0, le=1)
+    # While interactive requests wait in admission's queue, each tick cancels as many of this
+    # replica's youngest batch lines in flight; they are handed back and run again later.
+    preempt: bool = False
+
+
 # Never backends unless an operator says so: cloud metadata services (AWS, GCP, Azure, OpenStack
 # and others at 169.254.169.254; AWS over IPv6; Alibaba Cloud), link-local, and "this host" /
 # unspecified addresses (0.0.0.0 reaches the router's own host and slips past an allow-list).
@@ -961,6 +988,8 @@ class Settings(BaseSettings):
     admission: AdmissionConfig | None = None
     # Declared models held while their pool wakes, and the KEDA scaler (docs/scale-from-zero.md).
     scale_from_zero: ScaleFromZeroConfig | None = None
+    # The Batch API (docs/batch.md); absent: /v1/files and /v1/batches answer 404. Needs Redis.
+    batch: BatchConfig | None = None
     # Token usage per request (router/request/usage/strip.py): `active` asks a stream's backend
     # for its usage when the client did not and hides that event; `passive` counts content events.
     usage_accounting: Literal["active", "passive"] = "active"
@@ -1061,6 +1090,14 @@ class Settings(BaseSettings):
             cycle = fallback_cycle(chains)
             if cycle is not None:
                 raise ValueError(f"{key}: a cycle: {' -> '.join(cycle)}")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_needs_redis(self) -> Settings:
+        if self.batch is not None and self.redis_url is None and not self.redis_sentinels:
+            raise ValueError(
+                "batch: the Batch API keeps its jobs in Redis; set redis_url (or redis_sentinels)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -244,6 +244,31 @@ ROWS: tuple[Row, ...] = (
         buckets=TTFT_BUCKETS,
     ),
     Row(
+        "batch_jobs",
+        Gauge,
+        "sluicegate_batch_jobs",
+        "Batch jobs not yet ended, by status, as Redis holds them (every replica's).",
+        ("status",),
+        mode="livemax",
+    ),
+    Row(
+        "batch_lines",
+        Counter,
+        "sluicegate_batch_lines_total",
+        "Batch lines this process ended, by outcome: `completed` (2xx), `failed`, `duplicate` "
+        "(ran again after its lease ended; written and charged once), `retried` (handed back: "
+        "429 or 503), `preempted` (cancelled for a waiting interactive request: wasted work, "
+        "run again).",
+        ("outcome",),
+    ),
+    Row(
+        "batch_inflight",
+        Gauge,
+        "sluicegate_batch_inflight",
+        "Batch lines in flight from this router (summed over live workers).",
+        mode="livesum",
+    ),
+    Row(
         "in_flight",
         Gauge,
         "sluicegate_backend_in_flight",
@@ -634,6 +659,9 @@ class Metrics:
     background_runs: Counter
     loops_refused: Counter
     tracing_headers_dropped: Counter
+    batch_jobs: Gauge
+    batch_lines: Counter
+    batch_inflight: Gauge
 
     def __init__(self) -> None:
         reg = self.registry = CollectorRegistry(auto_describe=True)

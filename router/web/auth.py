@@ -153,6 +153,13 @@ class ClientKeys:
             )
         self._keys = keys
 
+    def by_owner(self, owner: str) -> ClientKey | None:
+        """The key whose stored things carry `owner` (a batch job's key, on any replica)."""
+        for key in self._keys.values():
+            if key.owner == owner:
+                return key
+        return None
+
     def limited(self) -> list[KeyLimits]:
         """The limits of every named key that has some (unnamed keys have no name to show)."""
         return [k.limits for k in self._keys.values() if k.limits is not None and k.name]

@@ -7,8 +7,9 @@ last reading, KV-index size, adapters, when the engine was last read and last se
 `routing` (router/ops/live.py: requests/s per backend and per reason, TTFT p50/p99 per backend
 over the last minute, per-second series), `admission` (depth and oldest wait per band), `quotas`
 (each named key's limits and what this process counts against them), `fallbacks` (the model
-fallback chains, docs/fallbacks.md). Usage by the hour comes
-from `GET /admin/usage`, which the page reads on its own, slower clock.
+fallback chains, docs/fallbacks.md), `batch` (the jobs not yet ended, as the batch runner last
+read them from Redis; None without `batch:`). Usage by the hour comes from `GET /admin/usage`,
+which the page reads on its own, slower clock.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class LiveState:
         refresh: float,
         wall: Callable[[], float] = time.time,
         fallbacks: list[dict[str, Any]] | None = None,
+        batch: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self._fallbacks = fallbacks or []
         self._rows = rows
@@ -77,6 +79,7 @@ class LiveState:
         self._actions = actions
         self._refresh = refresh
         self._wall = wall
+        self._batch = batch  # the batch runner's jobs as of its last tick (None: batch off)
 
     def _quota_rows(self) -> list[dict[str, Any]]:
         out = []
@@ -110,4 +113,5 @@ class LiveState:
             "admission": None if admission is None else admission.bands(),
             "quotas": {"scope": self._quotas.kind, "keys": self._quota_rows()},
             "fallbacks": self._fallbacks,
+            "batch": None if self._batch is None else self._batch(),
         }

@@ -748,3 +748,14 @@ def test_the_keda_schema_refuses_a_broken_scaled_object(broken: Any) -> None:
     jsonschema.validate(good, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**good, "spec": broken(good["spec"])}, schema)
+
+
+def test_batch_storage_mounts_an_existing_claim_in_every_router_pod() -> None:
+    docs = manifests({"batchStorage": {"existingClaim": "sg-batch"}})
+    pod = router_deployment(docs)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mounts["/var/lib/sluicegate/batch"]]
+    assert volume["persistentVolumeClaim"] == {"claimName": "sg-batch"}
+    plain = router_deployment(manifests(None))["spec"]["template"]["spec"]
+    assert not [v for v in plain["volumes"] if "persistentVolumeClaim" in v]

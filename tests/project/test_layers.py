@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     # scaler (gRPC, its generated protocol in router/scaling/keda/): apart from any other gRPC.
     "router.scaling": 4,
     "router.request.lifecycle": 5,  # the steps and their order (proxy)
+    "router.batch": 6,  # the Batch API: its store, files and runner (runs lines as requests)
     "router.web": 7,  # the HTTP face, admin routes, the console
     "router.app": 8,
     "router.stores": 8,  # each concern's store, the process's own or shared: the one table

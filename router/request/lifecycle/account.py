@@ -122,8 +122,10 @@ def book(parts: Parts, call: Call, used: Tokens) -> None:
     into the usage book and metrics, then the log line, the request's metrics and its trace
     span."""
     rec = call.record
-    if call.endpoint.counts_tokens and (
-        used.whole or (rec.usage is not None and 200 <= rec.status < 300)
+    if (
+        call.endpoint.counts_tokens
+        and not rec.batch
+        and (used.whole or (rec.usage is not None and 200 <= rec.status < 300))
     ):
         key = rec.key_name or "unnamed"
         prompt = round(used.prompt)

@@ -32,6 +32,9 @@ class RequestRecord:
     disconnected: bool = False
     error: str | None = None
     key_name: str | None = None  # the client key's configured name, never the key
+    # A Batch API line (router/batch/runner.py): its usage is booked by the batch runner, once
+    # per line however often it ran, so the lifecycle's `account.book` leaves it out.
+    batch: bool = False
     usage: ResponseUsage | None = None  # tokens and their timing, read from the response
     reason: str | None = None  # why the last attempt's backend: prefix, session, load, spill
     prefix_chars: int | None = None  # prompt characters that backend was known to hold

@@ -223,6 +223,8 @@
     $("quota-scope").textContent = data.quotas.scope === "local" ? "this process" : "this process's share of the shared count";
     fill("quotas", data.quotas.keys, (q) => [q.key, headroom(q.rpm_used, q.rpm), headroom(q.tpm_used, q.tpm), headroom(q.parallel, q.max_parallel)],
       "no key has limits");
+    fill("batch", data.batch || [], (j) => [j.id, j.model, j.status, j.completed + j.failed + " / " + j.total, String(j.failed)],
+      data.batch ? "no batch job running" : "Batch API off (batch: not configured)");
     const s = data.routing.series;
     spark("spark-throughput", s.throughput, "");
     spark("spark-ttft", s.ttft_p50, "ms");

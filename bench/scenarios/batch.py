@@ -1,0 +1,184 @@
+"""The Batch API in idle capacity (`python -m bench.run --only batch`).
+
+One mock engine with `SLOTS` batch slots (vLLM's max_num_seqs: more requests wait in its queue),
+32-token answers. Measured, each for `seconds`:
+1. capacity: the engine flat out (2 x SLOTS clients through the router): its tokens/s;
+2. idle: one interactive streaming client alone: its TTFT p50/p90 (the idle fleet's);
+3. sluicegate batch: a job of many lines through the Batch API (`per_engine` SLOTS - 1: one
+   slot left for interactive requests), the interactive client alongside: the batch's tokens/s
+   over capacity (the fill ratio) and the interactive TTFT;
+4. fixed concurrency: the same lines sent at a fixed concurrency (`FIXED`, what LiteLLM's batch
+   runner does whatever the fleet is doing), the interactive client alongside: the same figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from bench.kit.stats import pct
+from tests.support.harness import Cluster, Proc, control
+
+SLOTS = 8
+TOKENS = 32
+FIXED = 16
+CHAT = "/v1/chat/completions"
+
+
+def _body(i: int, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": f"q{i}"}],
+        "max_tokens": TOKENS,
+        "stream": stream,
+    }
+
+
+async def _interactive(url: str, seconds: float) -> list[float]:
+    """One streaming client, closed loop with a 50 ms pause: TTFT (first body byte) samples."""
+    out: list[float] = []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+        i = 0
+        while loop.time() < end:
+            t = time.perf_counter()
+            first = None
+            async with h.stream("POST", CHAT, json=_body(i, True)) as r:
+                async for _ in r.aiter_raw():
+                    if first is None:
+                        first = time.perf_counter() - t
+            if first is not None:
+                out.append(first)
+            i += 1
+            await asyncio.sleep(0.05)
+    return out
+
+
+async def _fixed(url: str, seconds: float, clients: int) -> int:
+    """`clients` senders, each one request after another: completion tokens answered."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    done = 0
+
+    async def one(h: httpx.AsyncClient, k: int) -> None:
+        nonlocal done
+        i = k
+        while loop.time() < end:
+            r = await h.post(CHAT, json=_body(i))
+            if r.status_code == 200:
+                done += int(r.json()["usage"]["completion_tokens"])
+            i += clients
+
+    limits = httpx.Limits(max_connections=clients + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as h:
+        await asyncio.gather(*(one(h, k) for k in range(clients)))
+    return done
+
+
+def _ttft(samples: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": pct(samples, 0.5) * 1000,
+        "p90_ms": pct(samples, 0.9) * 1000,
+        "n": len(samples),
+    }
+
+
+async def _with_batch(url: str, seconds: float, lines: int) -> tuple[list[float], float]:
+    """A job of `lines` through the Batch API and the interactive client: TTFT samples and the
+    batch's completion tokens/s over the interactive client's time."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+        data = b"".join(
+            json.dumps(
+                {"custom_id": f"b{i}", "method": "POST", "url": CHAT, "body": _body(i)}
+            ).encode()
+            + b"\n"
+            for i in range(lines)
+        )
+        f = await h.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
+        job = await h.post(
+            "/v1/batches",
+            json={"input_file_id": f.json()["id"], "endpoint": CHAT, "completion_window": "24h"},
+        )
+        job_id = job.json()["id"]
+
+        async def done() -> int:
+            r = await h.get(f"/v1/batches/{job_id}")
+            return int(r.json()["request_counts"]["completed"])
+
+        await asyncio.sleep(1.0)  # the runner's first lines are in flight
+        before, t0 = await done(), time.perf_counter()
+        samples = await _interactive(url, seconds)
+        after, t1 = await done(), time.perf_counter()
+        await h.post(f"/v1/batches/{job_id}/cancel")
+    return samples, (after - before) * TOKENS / (t1 - t0)
+
+
+def run(c: Cluster, quick: bool) -> dict[str, Any]:
+    seconds = 8.0 if quick else 30.0
+    engine = c.mock("batch-engine", ttft_ms=30, itl_ms=5, tokens=TOKENS)
+    control(engine, max_running=SLOTS)
+    redis = c.redis()
+    router: Proc = c.router(
+        {
+            "backends": [{"name": "e", "url": engine.url, "models": {"m": "mock-model"}}],
+            "redis_url": redis.url,
+            "batch": {"storage_dir": str(c.tmp / "batch"), "per_engine": SLOTS - 1, "tick": 0.1},
+        },
+        env={"SLUICEGATE_LOG_LEVEL": "warning"},
+    )
+    capacity = asyncio.run(_fixed(router.url, seconds, 2 * SLOTS)) / seconds
+    idle = asyncio.run(_interactive(router.url, seconds))
+    lines = int(capacity / TOKENS * seconds * 3) + 100  # more than the window can finish
+    ours, ours_tps = asyncio.run(_with_batch(router.url, seconds, lines))
+
+    async def fixed_beside() -> tuple[list[float], int]:
+        samples, tokens = await asyncio.gather(
+            _interactive(router.url, seconds), _fixed(router.url, seconds, FIXED)
+        )
+        return samples, tokens
+
+    theirs, theirs_tokens = asyncio.run(fixed_beside())
+    return {
+        "seconds": seconds,
+        "slots": SLOTS,
+        "tokens": TOKENS,
+        "fixed_concurrency": FIXED,
+        "capacity_tps": capacity,
+        "idle": _ttft(idle),
+        "sluicegate": {**_ttft(ours), "fill": ours_tps / capacity, "tps": ours_tps},
+        "fixed": {
+            **_ttft(theirs),
+            "fill": theirs_tokens / seconds / capacity,
+            "tps": theirs_tokens / seconds,
+        },
+    }
+
+
+def section(r: dict[str, Any], date: str) -> list[str]:
+    rows = []
+    for name, label in (
+        ("idle", "idle fleet"),
+        ("sluicegate", "sluicegate Batch API"),
+        ("fixed", f"fixed concurrency {r['fixed_concurrency']}"),
+    ):
+        x = r[name]
+        fill = f"{x['fill']:.2f}" if "fill" in x else "-"
+        rows.append(f"| {label} | {x['p50_ms']:.1f} | {x['p90_ms']:.1f} | {fill} |")
+    return [
+        "## Batch: filling idle capacity",
+        "",
+        f"One mock engine with {r['slots']} slots, {r['tokens']}-token answers, flat out "
+        f"{r['capacity_tps']:.0f} tokens/s; one interactive streaming client for "
+        f"{r['seconds']:.0f} s alone, beside a Batch API job, and beside the same lines sent at a "
+        "fixed concurrency (what LiteLLM's runner does). Fill: the batch's tokens/s over the "
+        f"engine's flat-out tokens/s (bench/scenarios/batch.py, {date}).",
+        "",
+        "| batch | interactive TTFT p50 ms | p90 ms | fill |",
+        "|---|---|---|---|",
+        *rows,
+    ]
