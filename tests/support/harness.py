@@ -67,8 +67,11 @@ def _log_tail(proc: subprocess.Popen[bytes]) -> str:
 
 
 def wait_http(
-    url: str, deadline_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None
+    url: str, deadline_s: float = 90.0, proc: subprocess.Popen[bytes] | None = None
 ) -> None:
+    """Until `url` answers below 500. `deadline_s` bounds only a start that never comes (a
+    process that exits fails at once): several routers of two workers starting together on a
+    loaded 2-core machine were seen to take over 30 s, so it is generous."""
     end = time.monotonic() + deadline_s
     last: Exception | None = None
     while time.monotonic() < end:
