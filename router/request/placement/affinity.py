@@ -34,6 +34,7 @@ from balancers.base import Balancer
 from balancers.cache_aware import CHARS_PER_TOKEN
 from balancers.context import Hints, KvHints
 from balancers.inflight.base import Readings
+from balancers.prefix_homes import PrefixHomes
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
@@ -100,6 +101,7 @@ class Affinity:
             else:
                 self._tokenizers[model] = EngineTokenizer(pools)
         self.index = index or PrefixIndex()
+        self.homes = PrefixHomes()  # where each prefix group lives, kept past evictions
         self.shared = shared  # None: the local index is all there is
         self._on_fallback = on_fallback  # a shared lookup answered locally
         self._headers = [h.lower().encode("latin-1") for h in config.session_headers]
@@ -299,7 +301,14 @@ class Affinity:
         else:
             held = {b.name: known[b.name] for b in eligible if b.name in known}
         kv = self._kv_hints(request, eligible, held) if request.tokens is not None else None
-        return Hints(len(request.hashes), self.config.block_chars, held, request.session, kv)
+        home, depth, new = None, 0, False
+        if request.hashes:
+            weights = {b.name: b.weight for b in eligible}
+            home, depth = self.homes.find(request.hashes, weights)
+            if home is None:  # a new group, or its home is gone: where homes are fewest
+                home, depth, new = self.homes.place(weights), len(request.hashes), True
+        n = len(request.hashes)
+        return Hints(n, self.config.block_chars, held, request.session, kv, home, depth, new)
 
     def dispatched(self, hashes: list[bytes], backend: str, readings: Readings | None) -> None:
         """`backend` was sent this prompt: from now on it holds the prefix."""
@@ -311,6 +320,7 @@ class Affinity:
         )
         block_tokens = max(1, self.config.block_chars // CHARS_PER_TOKEN)
         self.index.record(hashes, backend, capacity // block_tokens)
+        self.homes.record(hashes, backend)
         if self.shared is not None:
             self.shared.record(hashes, backend, capacity // block_tokens)
 
