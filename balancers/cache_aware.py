@@ -1,18 +1,21 @@
 """Send a prompt to the engine that probably still caches its prefix, unless that engine queues.
 
 With the prompt's hints (`PickContext.hints`: the blocks the prefix index says each candidate
-holds, the session's ring point, and with KV events the tokens each engine's own events say it
-holds), each candidate's cost is the time this prompt would take there, its own prefill and the
-work queued ahead of it, in prefills (`_by_time`) or, with KV events, in seconds from the
-engine's own rates (`_by_cost`); lowest wins, `least_load`'s score breaks ties. A holder over
-the bounded-load guardrail (ceil(load_factor x (total + 1) / n) requests, SPILL_MIN_GAP above
-the least loaded, and its engine queuing) is passed over (`spill`). A session key goes to its
-home on a consistent-hash ring with bounded loads first. A new prompt (no holder) with live
-events goes where the cache has room (`_with_room`). A LoRA request weighs only the engines that
-may run its adapter, each with the adapter's tier (balancers/lora.py). Without hints the pick
-is `least_load`'s. Reasons: `session`, `prefix`, `prefix_exact`, `prefix_approx`, `spill`,
-`load`. The whole rule, its terms and the measurements behind each choice:
-docs/balancers.md#cache_aware. Pure: the match arrives as data in the context.
+holds, the prompt's home (balancers/prefix_homes.py), the session's ring point, and with KV
+events the tokens each engine's own events say it holds), each candidate's cost is the time
+this prompt would take there, its own prefill and the work queued ahead of it, in prefills
+(`_by_time`) or, with KV events, in seconds from the engine's own rates (`_by_cost`), plus the
+prefill a copy off the prompt's holder or home displaces (`_displaced`: the copy evicts as much
+there, prefilled again later); lowest wins, `least_load`'s score breaks ties. A prompt held
+nowhere goes to its home (`home`) unless the home's queue costs more than that. Without engine
+readings a holder over the bounded-load guardrail (ceil(load_factor x (total + 1) / n)
+requests, SPILL_MIN_GAP above the least loaded) is passed over (`spill`). A session key goes to
+its home on a consistent-hash ring with bounded loads first. A new prompt with no home known
+and live events goes where the cache has room (`_with_room`). A LoRA request weighs only the
+engines that may run its adapter, each with the adapter's tier (balancers/lora.py). Without
+hints the pick is `least_load`'s. Reasons: `session`, `prefix`, `prefix_exact`,
+`prefix_approx`, `home`, `spill`, `load`. The whole rule, its terms and the measurements behind
+each choice: docs/balancers.md#cache_aware. Pure: the match arrives as data in the context.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class CacheAware:
         if kv is not None:
             return self._by_cost(ctx, hints, kv, live, pool, over)
         if all(c.engine is not None for _, c in live):
-            return self._by_time(ctx, hints, live, pool, over)
+            return self._by_time(ctx, hints, live, pool)
         per_token = hints.block_chars / CHARS_PER_TOKEN / TOKENS_PER_LOAD
         options: list[tuple[float, Candidate]] = []
         passed_over = False
@@ -150,13 +153,12 @@ class CacheAware:
         hints: Hints,
         live: Sequence[tuple[float, Candidate]],
         pool: Sequence[Candidate],
-        over: Callable[[Candidate], bool],
     ) -> Choice | None:
         """Every live candidate has a fresh reading: the cost in prefills of this prompt."""
         held = hints.held
         prompt = max(1.0, hints.blocks * hints.block_chars / CHARS_PER_TOKEN)
         n = max(1, hints.blocks)
-        best = min(1.0, max((held.get(c.name, 0) for _, c in live), default=0) / n)
+        most = min(1.0, max((held.get(c.name, 0) for _, c in live), default=0) / n)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
         for s, c in live:
@@ -167,7 +169,7 @@ class CacheAware:
             share = min(1.0, blocks / n)
             # What a copy here throws away of the holder's (or home's) and evicts as much of
             # another prefix here, prefilled once more later (docs/balancers.md#cache_aware).
-            moved = _displaced(hints, c.name, share, best, n)
+            moved = _displaced(hints, c.name, share, most, n)
             options.append(((ahead + (1.0 - share + moved) * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
             return self._spill(ctx, [c for _, c in live if c.name not in held] or pool)
@@ -237,7 +239,7 @@ class CacheAware:
         """The expected time to first token on each candidate (module docstring)."""
         prompt = max(1, kv.tokens)
         p_untaught, q_untaught = _peers_rates(live)
-        best = min(prompt, max((kv.cached.get(c.name, 0) for _, c in live), default=0))
+        most = min(prompt, max((kv.cached.get(c.name, 0) for _, c in live), default=0))
         n = max(1, hints.blocks)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
@@ -258,7 +260,7 @@ class CacheAware:
             before = max(0.0, kv.pending.get(c.name, 0) * p - kv.pending_age.get(c.name, 0.0))
             # A copy here evicts as much of another prefix, prefilled once more later, unless
             # this engine's events show room for it (docs/balancers.md#cache_aware).
-            moved = _displaced(hints, c.name, cached / prompt, best / prompt, n) * prompt
+            moved = _displaced(hints, c.name, cached / prompt, most / prompt, n) * prompt
             if moved and self._has_room(kv, c, prompt):
                 moved = 0.0
             uncached = prompt - cached + moved

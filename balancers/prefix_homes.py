@@ -6,7 +6,8 @@ prefix to another engine, which evicted another there (issue 52's thrash). The p
 remember where a prefix went; so does this table. Keys are the same chained block hashes
 (router/request/placement/prefix.py: hash i covers blocks 0..i); each maps to the backend the
 first prompt with that block was sent to. A record never moves a home (a prompt spilled
-elsewhere leaves its group's home where it was); a group is the run of blocks homed together.
+elsewhere leaves its group's home where it was, and its own new blocks join that home); a
+group is the run of blocks homed together.
 
 `find()` answers the deepest homed block among the prompt's chain and its home; a prompt whose
 homed run is under half its blocks (vllm-router's `cache_threshold`, 0.5) starts a group of its
@@ -64,7 +65,8 @@ class PrefixHomes:
         return best
 
     def record(self, hashes: Sequence[bytes], backend: str) -> None:
-        """`backend` was sent this prompt: the blocks with no home yet get it. Only a new
+        """`backend` was sent this prompt: the blocks with no home yet get it, or, the prompt
+        being of a known group, the group's home. Only a new
         group's blocks count toward its home's share (`place()`): a group's own tails (each
         request's question) would otherwise make a busy home look full of groups."""
         homes, count = self._home, self._count
@@ -74,13 +76,15 @@ class PrefixHomes:
                 break
             known += 1
         counted = known < GROUP_SHARE * len(hashes)
+        # A known group's new blocks (a request's own tail) join its home, wherever it was sent.
+        owner = backend if counted else homes[hashes[known - 1]][0]
         for h in hashes:
             if h in homes:
                 homes.move_to_end(h)
                 continue
-            homes[h] = (backend, counted)
+            homes[h] = (owner, counted)
             if counted:
-                count[backend] = count.get(backend, 0) + 1
+                count[owner] = count.get(owner, 0) + 1
         while len(homes) > self._max:
             gone, was_counted = homes.popitem(last=False)[1]
             if not was_counted:
