@@ -26,7 +26,8 @@ request is served without session affinity, never refused: the key is a routing 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
     from router.upstream.pools import Pools
 
 MAX_SESSION_KEY_CHARS = 256
+
+log = logging.getLogger("sluicegate.affinity")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,7 @@ class Affinity:
     ) -> None:
         self.config = config
         self.kv = kv
+        self._pools = pools
         self._tokenizers: dict[str, RouterTokenizer | EngineTokenizer] = {}
         for model, tc in config.tokenizers.items():
             if tc.via == "router":
@@ -159,13 +163,32 @@ class Affinity:
                 self._on_fallback()
         return RequestAffinity(request.hashes, request.session, held)
 
+    def default_tokenizers(self, models: Iterable[str]) -> list[str]:
+        """Models whose backends publish KV events and that `affinity.tokenizers` does not name
+        get the engine's own `/tokenize` (`via: engine`): without token ids the events cannot be
+        matched and the router silently routed on the approximate index (issue 52: 4 of 6
+        hidden prefixes found, against 6 of 6 with a tokenizer). Logged once per model;
+        returns the models it gave one."""
+        added = []
+        for model in models:
+            if model not in self._tokenizers:
+                self._tokenizers[model] = EngineTokenizer(self._pools)
+                added.append(model)
+                log.info(
+                    "model %r: its backends publish KV events and affinity.tokenizers names no "
+                    "tokenizer for it; using the engines' own /tokenize (via: engine). Name "
+                    "one under affinity.tokenizers (via: router) to tokenize in the router",
+                    model,
+                )
+        return added
+
     def wants_tokens(self, model: str, backends: Sequence[Backend]) -> bool:
         kv = self.kv
-        return (
-            kv is not None
-            and model in self._tokenizers
-            and any(kv.configured(b.name) for b in backends)
-        )
+        if kv is None or not any(kv.configured(b.name) for b in backends):
+            return False
+        if model not in self._tokenizers:  # a backend with events added since the start
+            self.default_tokenizers((model,))
+        return True
 
     async def with_tokens(
         self,
