@@ -169,7 +169,7 @@ class CacheAware:
             share = min(1.0, blocks / n)
             # What a copy here throws away of the holder's (or home's) and evicts as much of
             # another prefix here, prefilled once more later (docs/balancers.md#cache_aware).
-            moved = _displaced(hints, c.name, share, most, n)
+            moved = 0.0 if c.name in hints.roomy else _displaced(hints, c.name, share, most, n)
             options.append(((ahead + (1.0 - share + moved) * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
             return self._spill(ctx, [c for _, c in live if c.name not in held] or pool)
@@ -259,9 +259,10 @@ class CacheAware:
             # The prefills sent ahead of ours, less what the engine has had time to do of them.
             before = max(0.0, kv.pending.get(c.name, 0) * p - kv.pending_age.get(c.name, 0.0))
             # A copy here evicts as much of another prefix, prefilled once more later, unless
-            # this engine's events show room for it (docs/balancers.md#cache_aware).
+            # its cache has room: per its live events, else per the index's count.
             moved = _displaced(hints, c.name, cached / prompt, most / prompt, n) * prompt
-            if moved and self._has_room(kv, c, prompt):
+            live_room = c.name in kv.exact and self._has_room(kv, c, prompt)
+            if moved and (live_room or (c.name not in kv.exact and c.name in hints.roomy)):
                 moved = 0.0
             uncached = prompt - cached + moved
             cost = (ahead * prompt * p + uncached * p + before + batch * q) / c.weight

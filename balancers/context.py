@@ -42,6 +42,8 @@ class Hints:
     home: str | None = None
     home_blocks: int = 0
     home_new: bool = False  # `home` is only proposed: no prompt of its group was sent yet
+    # Backends whose cache, as the index counts it, takes this prompt without evicting.
+    roomy: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -331,7 +331,9 @@ class Affinity:
             if home is None:  # a new group, or its home is gone: where homes are fewest
                 home, depth, new = self.homes.place(weights), len(request.hashes), True
         n = len(request.hashes)
-        return Hints(n, self.config.block_chars, held, request.session, kv, home, depth, new)
+        room = self.index.room
+        roomy = frozenset(b.name for b in eligible if (r := room(b.name)) is None or r >= n)
+        return Hints(n, self.config.block_chars, held, request.session, kv, home, depth, new, roomy)
 
     def dispatched(self, hashes: list[bytes], backend: str, readings: Readings | None) -> None:
         """`backend` was sent this prompt: from now on it holds the prefix."""
