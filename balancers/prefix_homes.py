@@ -69,6 +69,8 @@ class PrefixHomes:
         being of a known group, the group's home. Only a new
         group's blocks count toward its home's share (`place()`): a group's own tails (each
         request's question) would otherwise make a busy home look full of groups."""
+        if not hashes:
+            return
         homes, count = self._home, self._count
         known = 0
         for h in hashes:

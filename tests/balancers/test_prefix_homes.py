@@ -37,6 +37,7 @@ def test_a_short_shared_header_starts_a_group_of_its_own() -> None:
 
 def test_new_groups_spread_by_homed_blocks_per_weight_and_tails_do_not_count() -> None:
     homes = PrefixHomes()
+    homes.record([], "b")  # a session-only request has no blocks
     assert homes.place(BOTH) == "a"
     homes.record(chain("one", 16), "a")
     assert homes.place(BOTH) == "b"
