@@ -64,6 +64,7 @@ PEER_TARGETS = {  # target -> (peer, its policy)
 }
 TARGETS = OURS + tuple(PEER_TARGETS)
 REFERENCE = "vllm-router cache_aware"  # what the done-when compares against
+START_S = 600.0  # engines' start on a shared, loaded machine (4 min was seen to be too short)
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
@@ -309,7 +310,7 @@ def _size(
     fleet = Fleet(python, model_dir, count=2, options=options)
     out: dict[str, Any] = {}
     try:
-        fleet.start()
+        fleet.start(timeout_s=START_S)
         model = fleet.engines[0].model
         for e in fleet.engines:  # a fresh engine's first answer is slower
             httpx.post(
