@@ -17,7 +17,9 @@ homes spread so the fleet's KV capacity holds as many prefixes as it can (the pe
 tree").
 
 Bounded: at most MAX_HOME_BLOCKS entries (~190 bytes each, ~25 MB at the cap), least recently
-found or recorded first out. No I/O, no clock: the request path records a dispatch, the
+recorded first out. Cost: a lookup and a record walk the prompt's chain, about three dict
+operations per block (128 for a 32k-character prompt): tens of microseconds, paid only by
+`cache_aware` (74 us measured on a machine at load average 25; not measured idle). No I/O, no clock: the request path records a dispatch, the
 balancer receives `find()`'s answer as data (`Hints.home`).
 """
 
@@ -48,7 +50,6 @@ class PrefixHomes:
             owner = homes.get(h)
             if owner is None:
                 break
-            homes.move_to_end(h)
             home, depth = owner[0], i + 1
         if home is None or home not in names or depth < GROUP_SHARE * len(hashes):
             return None, 0
@@ -77,6 +78,10 @@ class PrefixHomes:
             if h not in homes:
                 break
             known += 1
+        if known == len(hashes):  # all homed already: only their recency moves
+            for h in hashes:
+                homes.move_to_end(h)
+            return
         counted = known < GROUP_SHARE * len(hashes)
         # A known group's new blocks (a request's own tail) join its home, wherever it was sent.
         owner = backend if counted else homes[hashes[known - 1]][0]
