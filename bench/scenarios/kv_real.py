@@ -140,6 +140,8 @@ def _bench_serve(
     env = {
         **os.environ,
         "PYTHONPATH": str(shim),
+        # Without it the client imports vLLM's kernels for another target: SIGILL at import.
+        "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
@@ -349,6 +351,7 @@ def run(
     quick: bool = False,
     sizes: tuple[str, ...] = tuple(SIZES),
     rounds: int = ROUNDS,
+    targets: tuple[str, ...] = TARGETS,
 ) -> dict[str, Any]:
     from router.tools.enginefleet.install import engine_home, ensure_venv
     from router.tools.enginefleet.model import write_model
@@ -368,9 +371,9 @@ def run(
     shim = _shim(tmp)
     seed = 0
     for size in sizes:
-        plan = [("prefix", TARGETS, rounds)]
+        plan = [("prefix", targets, rounds)]
         if size == "roomy":  # random prompts: cache-aware must lose nothing to least_load
-            plan.append(("random", (*OURS, REFERENCE), 1))
+            plan.append(("random", tuple(t for t in (*OURS, REFERENCE) if t in targets), 1))
         res, seed = _size(cluster, python, model_dir, bin_dir, tmp, shim, SIZES[size], plan, seed)
         out["sizes"][size] = {"kv_blocks": SIZES[size], **res}
     return out
@@ -382,10 +385,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--targets", nargs="+", choices=list(TARGETS), default=list(TARGETS))
     args = ap.parse_args()
     c = Cluster()
     try:
-        print(json.dumps(run(c, sizes=tuple(args.sizes), rounds=args.rounds), indent=2))
+        res = run(c, sizes=tuple(args.sizes), rounds=args.rounds, targets=tuple(args.targets))
+        print(json.dumps(res, indent=2))
     finally:
         c.close()
 
