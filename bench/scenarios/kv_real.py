@@ -167,6 +167,9 @@ def _peer(fleet: Any, bin_dir: Path, tmp: Path, target: str) -> peers.Peer:
     kind, policy = PEER_TARGETS[target]
     extra: list[str] = []
     if policy == "kv_aware":  # the engines' KV events, where the fleet has them publish
+        if not all(e.kv_events_endpoint.startswith("tcp://") for e in fleet.engines):
+            # vllm-router 0.1.17 takes only tcp://HOST:PORT; the fleet publishes on ipc paths.
+            raise RuntimeError("vllm-router kv_aware needs the engines' events on tcp://")
         for e in fleet.engines:
             extra += ["--kv-event-source", f"{e.url}={e.kv_events_endpoint}"]
             extra += ["--kv-event-replay-source", f"{e.url}={e.kv_replay_endpoint}"]
