@@ -19,8 +19,9 @@ tree").
 Bounded: at most MAX_HOME_BLOCKS entries (~190 bytes each, ~25 MB at the cap), least recently
 recorded first out. Cost: a lookup and a record walk the prompt's chain, about three dict
 operations per block (128 for a 32k-character prompt): tens of microseconds, paid only by
-`cache_aware` (74 us measured on a machine at load average 25; not measured idle). No I/O, no clock: the request path records a dispatch, the
-balancer receives `find()`'s answer as data (`Hints.home`).
+`cache_aware` (74 us measured on a machine at load average 25; not measured idle).
+No I/O, no clock: the request path records a dispatch, the balancer receives `find()`'s answer
+as data (`Hints.home`).
 """
 
 from __future__ import annotations
