@@ -260,7 +260,9 @@ class CacheAware:
             before = max(0.0, kv.pending.get(c.name, 0) * p - kv.pending_age.get(c.name, 0.0))
             # A copy here evicts as much of another prefix, prefilled once more later, unless
             # its cache has room: per its live events, else per the index's count.
-            moved = _displaced(hints, c.name, cached / prompt, most / prompt, n) * prompt
+            # Exact holdings (live events) are the truth: where one is cached, the home yields.
+            truth = bool(most) and any(kv.cached.get(x) for x in kv.exact)
+            moved = _displaced(hints, c.name, cached / prompt, most / prompt, n, truth) * prompt
             live_room = c.name in kv.exact and self._has_room(kv, c, prompt)
             if moved and (live_room or (c.name not in kv.exact and c.name in hints.roomy)):
                 moved = 0.0
@@ -300,14 +302,17 @@ class CacheAware:
         return Choice(chosen, "spill" if passed_over else "load", 0)
 
 
-def _displaced(hints: Hints, name: str, share: float, best: float, blocks: int) -> float:
+def _displaced(
+    hints: Hints, name: str, share: float, best: float, blocks: int, truth: bool = False
+) -> float:
     """The share of the prompt that a pick of `name` (holding `share` of it; the best holder
     `best`) copies away from where it belongs, evicting as much there, to be prefilled again
     later. Off an established home: the homed share, cached here or not (a guest copy takes the
-    room of a prefix homed here). Otherwise the best holder's surplus (the truth wins), and
+    room of a prefix homed here), unless `truth` (live events say where it is cached). Otherwise
+    the best holder's surplus (the truth wins), and
     when nobody holds it, off the home proposed for a new group: all of it."""
     home = hints.home
-    if home is not None and not hints.home_new:
+    if home is not None and not hints.home_new and not truth:
         return 0.0 if name == home else min(1.0, hints.home_blocks / blocks)
     if best > 0:
         return max(0.0, best - share)
