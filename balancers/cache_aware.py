@@ -1,18 +1,21 @@
 """Send a prompt to the engine that probably still caches its prefix, unless that engine queues.
 
 With the prompt's hints (`PickContext.hints`: the blocks the prefix index says each candidate
-holds, the session's ring point, and with KV events the tokens each engine's own events say it
-holds), each candidate's cost is the time this prompt would take there, its own prefill and the
-work queued ahead of it, in prefills (`_by_time`) or, with KV events, in seconds from the
-engine's own rates (`_by_cost`); lowest wins, `least_load`'s score breaks ties. A holder over
-the bounded-load guardrail (ceil(load_factor x (total + 1) / n) requests, SPILL_MIN_GAP above
-the least loaded, and its engine queuing) is passed over (`spill`). A session key goes to its
-home on a consistent-hash ring with bounded loads first. A new prompt (no holder) with live
-events goes where the cache has room (`_with_room`). A LoRA request weighs only the engines that
-may run its adapter, each with the adapter's tier (balancers/lora.py). Without hints the pick
-is `least_load`'s. Reasons: `session`, `prefix`, `prefix_exact`, `prefix_approx`, `spill`,
-`load`. The whole rule, its terms and the measurements behind each choice:
-docs/balancers.md#cache_aware. Pure: the match arrives as data in the context.
+holds, the prompt's home (balancers/prefix_homes.py), the session's ring point, and with KV
+events the tokens each engine's own events say it holds), each candidate's cost is the time
+this prompt would take there, its own prefill and the work queued ahead of it, in prefills
+(`_by_time`) or, with KV events, in seconds from the engine's own rates (`_by_cost`), plus the
+prefill a copy off the prompt's holder or home displaces (`_displaced`: the copy evicts as much
+there, prefilled again later); lowest wins, `least_load`'s score breaks ties. A prompt held
+nowhere goes to its home (`home`) unless the home's queue costs more than that. Without engine
+readings a holder over the bounded-load guardrail (ceil(load_factor x (total + 1) / n)
+requests, SPILL_MIN_GAP above the least loaded) is passed over (`spill`). A session key goes to
+its home on a consistent-hash ring with bounded loads first. A new prompt with no home known
+and live events goes where the cache has room (`_with_room`). A LoRA request weighs only the
+engines that may run its adapter, each with the adapter's tier (balancers/lora.py). Without
+hints the pick is `least_load`'s. Reasons: `session`, `prefix`, `prefix_exact`,
+`prefix_approx`, `home`, `spill`, `load`. The whole rule, its terms and the measurements behind
+each choice: docs/balancers.md#cache_aware. Pure: the match arrives as data in the context.
 """
 
 from __future__ import annotations
@@ -92,10 +95,11 @@ class CacheAware:
         if not pool:
             return None
         kv = hints.kv
+        homed = hints.home is not None and any(c.name == hints.home for c in pool)
         if kv is not None and hints.session is None:
-            if not any(kv.cached.get(c.name) for c in pool):
+            if not homed and not any(kv.cached.get(c.name) for c in pool):
                 return self._least(ctx, self._with_room(ctx, kv, pool))
-        elif hints.session is None and not any(c.name in held for c in pool):
+        elif hints.session is None and not homed and not any(c.name in held for c in pool):
             return self._least(ctx, pool)
         score = self._load.score
         live = [
@@ -125,12 +129,15 @@ class CacheAware:
         if kv is not None:
             return self._by_cost(ctx, hints, kv, live, pool, over)
         if all(c.engine is not None for _, c in live):
-            return self._by_time(ctx, hints, live, pool, over)
+            return self._by_time(ctx, hints, live, pool)
         per_token = hints.block_chars / CHARS_PER_TOKEN / TOKENS_PER_LOAD
         options: list[tuple[float, Candidate]] = []
         passed_over = False
+        nobody = not any(c.name in held for _, c in live)
         for s, c in live:
-            blocks = held.get(c.name, 0)
+            blocks = held.get(c.name, 0) or (
+                hints.home_blocks if nobody and c.name == hints.home else 0
+            )
             if blocks and over(c):
                 passed_over = True
                 continue
@@ -147,11 +154,12 @@ class CacheAware:
         hints: Hints,
         live: Sequence[tuple[float, Candidate]],
         pool: Sequence[Candidate],
-        over: Callable[[Candidate], bool],
     ) -> Choice | None:
         """Every live candidate has a fresh reading: the cost in prefills of this prompt."""
         held = hints.held
         prompt = max(1.0, hints.blocks * hints.block_chars / CHARS_PER_TOKEN)
+        n = max(1, hints.blocks)
+        most = min(1.0, max((held.get(c.name, 0) for _, c in live), default=0) / n)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
         for s, c in live:
@@ -159,11 +167,11 @@ class CacheAware:
             assert r is not None
             ahead, batch = self._ahead_and_batch(ctx, c, r, prompt)
             blocks = held.get(c.name, 0)
-            if blocks and ahead and over(c):
-                passed_over = True
-                continue
-            uncached = 1.0 - min(1.0, blocks / max(1, hints.blocks))
-            options.append(((ahead + uncached * (1.0 + batch)) / c.weight, s, c))
+            share = min(1.0, blocks / n)
+            # What a copy here throws away of the holder's (or home's) and evicts as much of
+            # another prefix here, prefilled once more later (docs/balancers.md#cache_aware).
+            moved = 0.0 if c.name in hints.roomy else _displaced(hints, c.name, share, most, n)
+            options.append(((ahead + (1.0 - share + moved) * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
             return self._spill(ctx, [c for _, c in live if c.name not in held] or pool)
         best = min(options, key=lambda o: o[:2])[:2]
@@ -232,6 +240,8 @@ class CacheAware:
         """The expected time to first token on each candidate (module docstring)."""
         prompt = max(1, kv.tokens)
         p_untaught, q_untaught = _peers_rates(live)
+        most = min(prompt, max((kv.cached.get(c.name, 0) for _, c in live), default=0))
+        n = max(1, hints.blocks)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
         for s, c in live:
@@ -244,12 +254,21 @@ class CacheAware:
                 p = r.prefill_s_per_token or p_untaught
                 q = r.step_s_per_seq or q_untaught
                 ahead, batch = self._ahead_and_batch(ctx, c, r, prompt)
-            if cached and (ahead or r is None) and over(c):
+            if cached and r is None and over(c):
                 passed_over = True
                 continue
             # The prefills sent ahead of ours, less what the engine has had time to do of them.
             before = max(0.0, kv.pending.get(c.name, 0) * p - kv.pending_age.get(c.name, 0.0))
-            cost = (ahead * prompt * p + (prompt - cached) * p + before + batch * q) / c.weight
+            # A copy here evicts as much of another prefix, prefilled once more later, unless
+            # its cache has room: per its live events, else per the index's count.
+            # Exact holdings (live events) are the truth: where one is cached, the home yields.
+            truth = bool(most) and any(kv.cached.get(x) for x in kv.exact)
+            moved = _displaced(hints, c.name, cached / prompt, most / prompt, n, truth) * prompt
+            live_room = c.name in kv.exact and self._has_room(kv, c, prompt)
+            if moved and (live_room or (c.name not in kv.exact and c.name in hints.roomy)):
+                moved = 0.0
+            uncached = prompt - cached + moved
+            cost = (ahead * prompt * p + uncached * p + before + batch * q) / c.weight
             options.append((cost, s, c))
         if not options:
             return self._spill(ctx, [c for _, c in live if not kv.cached.get(c.name)] or pool)
@@ -259,14 +278,46 @@ class CacheAware:
         cached = min(prompt, kv.cached.get(chosen.name, 0))
         if cached:
             reason = "prefix_exact" if chosen.name in kv.exact else "prefix_approx"
+        elif chosen.name == hints.home:
+            reason = "home"
         else:
             reason = "spill" if passed_over else "load"
         return Choice(chosen, reason, hints.held.get(chosen.name, 0), cached)
 
+    @staticmethod
+    def _has_room(kv: KvHints, c: Candidate, prompt: int) -> bool:
+        """Its live events say its cache takes the prompt without evicting."""
+        r = c.engine
+        stored = kv.stored.get(c.name)
+        if r is None or stored is None or not r.kv_capacity_tokens:
+            return False
+        return stored + kv.pending.get(c.name, 0) + prompt <= r.kv_capacity_tokens
+
     def _settle(self, hints: Hints, tied: Sequence[Candidate], passed_over: bool) -> Choice:
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._rng.random())
         held = hints.held.get(chosen.name, 0)
-        return Choice(chosen, "prefix" if held else ("spill" if passed_over else "load"), held)
+        if held:
+            return Choice(chosen, "prefix", held)
+        if chosen.name == hints.home:
+            return Choice(chosen, "home", 0)
+        return Choice(chosen, "spill" if passed_over else "load", 0)
+
+
+def _displaced(
+    hints: Hints, name: str, share: float, best: float, blocks: int, truth: bool = False
+) -> float:
+    """The share of the prompt that a pick of `name` (holding `share` of it; the best holder
+    `best`) copies away from where it belongs, evicting as much there, to be prefilled again
+    later. Off an established home: the homed share, cached here or not (a guest copy takes the
+    room of a prefix homed here), unless `truth` (live events say where it is cached). Otherwise
+    the best holder's surplus (the truth wins), and
+    when nobody holds it, off the home proposed for a new group: all of it."""
+    home = hints.home
+    if home is not None and not hints.home_new and not truth:
+        return 0.0 if name == home else min(1.0, hints.home_blocks / blocks)
+    if best > 0:
+        return max(0.0, best - share)
+    return 0.0 if home is None or name == home else min(1.0, hints.home_blocks / blocks)
 
 
 def _peers_rates(live: Sequence[tuple[float, Candidate]]) -> tuple[float, float]:

@@ -39,6 +39,13 @@ class Hints:
     held: Mapping[str, int]  # backend -> how many leading blocks the index says it holds
     session: int | None = None  # the session key's point on the ring (None: no session)
     kv: KvHints | None = None  # token-level holdings, when the model's backends publish events
+    # The prompt's home (balancers/prefix_homes.py): where its group lives, or where a new group
+    # goes; `home_blocks`: its leading blocks homed there (the whole prompt for a new group).
+    home: str | None = None
+    home_blocks: int = 0
+    home_new: bool = False  # `home` is only proposed: no prompt of its group was sent yet
+    # Backends whose cache, as the index counts it, takes this prompt without evicting.
+    roomy: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,13 @@ class PrefixIndex:
         # backend -> its blocks, least recently used first; backends in least recent order too
         self._lru: OrderedDict[str, OrderedDict[bytes, None]] = OrderedDict()
         self._max_backends = max_backends
+        self._limits: dict[str, int] = {}  # backend -> its bound at its last record
         self.entries = 0  # (block, backend) pairs held: the index's size
+
+    def room(self, backend: str) -> int | None:
+        """Blocks `backend`'s share takes before it evicts (None: never recorded, so empty)."""
+        lru = self._lru.get(backend)
+        return None if lru is None else self._limits[backend] - len(lru)
 
     def match(self, hashes: Sequence[bytes], names: Iterable[str]) -> dict[str, int]:
         """For each of `names` holding at least the first block: how many leading blocks."""
@@ -83,13 +89,14 @@ class PrefixIndex:
                 else:
                     held.add(backend)
                 self.entries += 1
-        limit = max(1, min(max_blocks, MAX_BLOCKS_PER_BACKEND))
+        limit = self._limits[backend] = max(1, min(max_blocks, MAX_BLOCKS_PER_BACKEND))
         while len(lru) > limit:
             self._drop(lru.popitem(last=False)[0], backend)
 
     def forget(self, backend: str) -> None:
         """Drop everything `backend` held (it left the fleet, or room is needed)."""
         lru = self._lru.pop(backend, None)
+        self._limits.pop(backend, None)
         for h in lru or ():
             self._drop(h, backend)
 

@@ -221,6 +221,13 @@ class AppParts:
             kv=self.kv_events,
             pools=pools,
         )
+        self.affinity.default_tokenizers(  # models routed cache_aware on KV events
+            sorted(
+                m
+                for m in {m for b in settings.backends if b.kv_events for m in b.models}
+                if settings.model_balancers.get(m, settings.balancer) == "cache_aware"
+            )
+        )
         self.quotas = build(STORES.quotas, wiring)
         self.proxy = Proxy(
             settings,

@@ -1,4 +1,4 @@
-"""KV-event routing on 2 real vLLM engines, with vLLM's own client (`--only kv_real`, ~3 min).
+"""Placement on 2 real vLLM engines against the peers, with vLLM's own client (`--only kv_real`).
 
 The run the issue started from, as a new user would make it: `vllm bench serve`, dataset
 `prefix_repetition` (PREFIXES prefixes of PREFIX_LEN tokens, a SUFFIX_LEN-token suffix each,
@@ -11,7 +11,14 @@ the caches, and a shared machine's slow minute falls on every target alike):
 - `cache_aware_approx`: `cache_aware` without events (the prompt's characters, the LRU guess);
 - `cache_aware_events`: `cache_aware` with each engine's KV events (discovered from its
   `GET /kv_event_sources`) and the model's own tokenizer in the router (`via: router`).
-Each run has its own seed, so none finds another's prefixes cached. Measured per target, over
+- the peers (bench/kit/peers.py, from the package index into the benchmark's own venv): the vLLM
+  router's `cache_aware`, `kv_aware` (on the engines' KV events) and `power_of_two`, and the
+  SGLang gateway's (smg) `cache_aware`.
+At two KV sizes (SIZES: `roomy`, the prefixes fit with room to spare; `pressured`, they fit only
+when partitioned between the engines), each with the engines restarted at that size, plus
+`random` prompts (no shared prefix) at the roomy size. Every engine's prefix cache is emptied
+before every run (`POST /reset_prefix_cache`, served with VLLM_SERVER_DEV_MODE=1), and each run
+has its own seed, so none finds another's prefixes cached. Measured per target, over
 all its rounds' requests: TTFT p50/p90/p99 and ITL p50 (vLLM's own per-request figures, its
 `--save-detailed` result file), output tokens/s (the rounds' median), and the engines' prefix
 hit rate (deltas of `vllm:prefix_cache_hits_total` / `queries_total` over the target's runs);
@@ -34,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from bench.kit import peers
 from bench.kit.chat import routing_reasons
 from bench.kit.page import fmt, table
 from tests.support.harness import Cluster, wait_http
@@ -45,8 +53,18 @@ OUTPUT_LEN = 32
 PROMPTS = 80
 RATE = 8.0
 KV_BLOCKS = 64
-ROUNDS = 3
-TARGETS = ("least_load", "cache_aware_approx", "cache_aware_events")
+SIZES = {"roomy": 64, "pressured": 40}  # KV blocks of 128 tokens per engine
+ROUNDS = 2
+OURS = ("least_load", "cache_aware_approx", "cache_aware_events")
+PEER_TARGETS = {  # target -> (peer, its policy)
+    "vllm-router cache_aware": ("vllm-router", "cache_aware"),
+    "vllm-router kv_aware": ("vllm-router", "kv_aware"),
+    "vllm-router power_of_two": ("vllm-router", "power_of_two"),
+    "smg cache_aware": ("smg", "cache_aware"),
+}
+TARGETS = OURS + tuple(PEER_TARGETS)
+REFERENCE = "vllm-router cache_aware"  # what the done-when compares against
+START_S = 600.0  # engines' start on a shared, loaded machine (4 min was seen to be too short)
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
@@ -83,18 +101,37 @@ def _config(fleet: Any, target: str) -> dict[str, Any]:
     return cfg
 
 
-def _bench_serve(
-    python: Path, shim: Path, url: str, model: str, tokenizer: Path, out: Path, seed: int
-) -> dict[str, Any]:
-    args = [
-        str(python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-        "--backend", "vllm", "--base-url", url, "--model", model,
-        "--tokenizer", str(tokenizer),
+def _dataset(kind: str) -> list[str]:
+    if kind == "random":  # no shared prefix: prompts as long as the prefix workload's
+        return [
+            "--dataset-name", "random",
+            "--random-input-len", str(PREFIX_LEN + SUFFIX_LEN),
+            "--random-output-len", str(OUTPUT_LEN),
+        ]  # fmt: skip
+    return [
         "--dataset-name", "prefix_repetition",
         "--prefix-repetition-num-prefixes", str(PREFIXES),
         "--prefix-repetition-prefix-len", str(PREFIX_LEN),
         "--prefix-repetition-suffix-len", str(SUFFIX_LEN),
         "--prefix-repetition-output-len", str(OUTPUT_LEN),
+    ]  # fmt: skip
+
+
+def _bench_serve(
+    python: Path,
+    shim: Path,
+    url: str,
+    model: str,
+    tokenizer: Path,
+    out: Path,
+    seed: int,
+    dataset: str = "prefix",
+) -> dict[str, Any]:
+    args = [
+        str(python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "vllm", "--base-url", url, "--model", model,
+        "--tokenizer", str(tokenizer),
+        *_dataset(dataset),
         "--num-prompts", str(PROMPTS), "--request-rate", str(RATE), "--seed", str(seed),
         "--ignore-eos", "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed",
@@ -103,6 +140,8 @@ def _bench_serve(
     env = {
         **os.environ,
         "PYTHONPATH": str(shim),
+        # Without it the client imports vLLM's kernels for another target: SIGILL at import.
+        "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
@@ -124,14 +163,51 @@ def _pct(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
+def _peer(fleet: Any, bin_dir: Path, tmp: Path, target: str) -> peers.Peer:
+    kind, policy = PEER_TARGETS[target]
+    extra: list[str] = []
+    if policy == "kv_aware":  # the engines' KV events, where the fleet has them publish
+        if not all(e.kv_events_endpoint.startswith("tcp://") for e in fleet.engines):
+            # vllm-router 0.1.17 takes only tcp://HOST:PORT; the fleet publishes on ipc paths.
+            raise RuntimeError("vllm-router kv_aware needs the engines' events on tcp://")
+        for e in fleet.engines:
+            extra += ["--kv-event-source", f"{e.url}={e.kv_events_endpoint}"]
+            extra += ["--kv-event-replay-source", f"{e.url}={e.kv_replay_endpoint}"]
+        extra += ["--kv-event-block-size", "128", "--kv-event-model", fleet.engines[0].model]
+    urls = [e.url for e in fleet.engines]
+    return peers.start(bin_dir, kind, policy, urls, tmp / f"{kind}-{policy}.log", extra)
+
+
+def _reset(fleet: Any) -> None:
+    """Every engine's prefix cache emptied (vLLM's dev-mode endpoint)."""
+    for e in fleet.engines:
+        httpx.post(e.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
 def _one(
-    cluster: Cluster, fleet: Any, python: Path, shim: Path, tmp: Path, target: str, seed: int
+    cluster: Cluster,
+    fleet: Any,
+    python: Path,
+    shim: Path,
+    tmp: Path,
+    target: str,
+    seed: int,
+    bin_dir: Path | None = None,
+    dataset: str = "prefix",
 ) -> dict[str, Any]:
-    """One run of `vllm bench serve` through a fresh router: per-request figures and counts."""
+    """One run of `vllm bench serve` through a fresh router (ours or a peer): per-request
+    figures and counts."""
     model_dir = fleet.engines[0].model_dir
-    router = cluster.router(_config(fleet, target), env={"SLUICEGATE_LOG_LEVEL": "warning"})
+    _reset(fleet)
+    router: Any
+    if target in PEER_TARGETS:
+        assert bin_dir is not None
+        router = _peer(fleet, bin_dir, tmp, target)
+    else:
+        router = cluster.router(_config(fleet, target), env={"SLUICEGATE_LOG_LEVEL": "warning"})
     try:
-        wait_http(router.url + "/readyz")
+        if target not in PEER_TARGETS:
+            wait_http(router.url + "/readyz")
         if target == "cache_aware_events":
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
@@ -143,16 +219,20 @@ def _one(
         before = [_counts(e.url) for e in fleet.engines]
         res = _bench_serve(
             python, shim, router.url, fleet.engines[0].model, model_dir,
-            tmp / f"{target}-{seed}.json", seed,
+            tmp / f"{target.replace(' ', '-')}-{seed}.json", seed, dataset,
         )  # fmt: skip
         after = [_counts(e.url) for e in fleet.engines]
-        reasons = {k: int(v) for k, v in routing_reasons(router.url).items() if v}
-        rates = {
-            r["name"]: {
-                k: (r.get("engine") or {}).get(k) for k in ("prefill_s_per_token", "step_s_per_seq")
+        reasons: dict[str, int] = {}
+        rates: dict[str, Any] = {}
+        if target not in PEER_TARGETS:
+            reasons = {k: int(v) for k, v in routing_reasons(router.url).items() if v}
+            rates = {
+                r["name"]: {
+                    k: (r.get("engine") or {}).get(k)
+                    for k in ("prefill_s_per_token", "step_s_per_seq")
+                }
+                for r in httpx.get(router.url + "/admin/backends", timeout=5).json()
             }
-            for r in httpx.get(router.url + "/admin/backends", timeout=5).json()
-        }
     finally:
         router.stop()
     ok = [not e for e in res.get("errors") or [""] * len(res["ttfts"])]
@@ -171,28 +251,71 @@ def _one(
     }
 
 
-def run(cluster: Cluster, quick: bool = False) -> dict[str, Any]:
-    from router.tools.enginefleet.fleet import EngineOptions, Fleet
-    from router.tools.enginefleet.install import engine_home, ensure_venv
-    from router.tools.enginefleet.model import write_model
-
-    rounds = 1 if quick else ROUNDS
-    home = engine_home()
-    python = ensure_venv(home)
-    model_dir = write_model(home / "models")
-    fleet = Fleet(python, model_dir, count=2, options=EngineOptions(kv_blocks=KV_BLOCKS))
-    out: dict[str, Any] = {
-        "workload": f"prefix_repetition: {PREFIXES} prefixes x {PREFIX_LEN} tokens, "
-        f"suffix {SUFFIX_LEN}, {PROMPTS} prompts at {RATE:g}/s, {OUTPUT_LEN} tokens out",
-        "rounds": rounds,
-        "targets": {},
-        "per_round": [],
+def _pool(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One target's runs pooled: hit rate over all their queries, percentiles over all their
+    requests."""
+    ttfts = [t for one in rs for t in one["ttfts_ms"]]
+    itls = [t for one in rs for t in one["itls_ms"]]
+    queries = sum(one["queries"] for one in rs)
+    reasons: dict[str, int] = {}
+    for one in rs:
+        for k, v in one["reasons"].items():
+            reasons[k] = reasons.get(k, 0) + v
+    return {
+        "completed": sum(one["completed"] or 0 for one in rs),
+        "failed": sum(one["failed"] or 0 for one in rs),
+        "hit_rate": round(sum(one["hits"] for one in rs) / queries, 3) if queries else None,
+        "hit_rates": [
+            round(one["hits"] / one["queries"], 3) if one["queries"] else None for one in rs
+        ],
+        "ttft_p50_ms": round(_pct(ttfts, 0.5), 1),
+        "ttft_p90_ms": round(_pct(ttfts, 0.9), 1),
+        "ttft_p99_ms": round(_pct(ttfts, 0.99), 1),
+        "itl_p50_ms": round(_pct(itls, 0.5), 1),
+        "output_tokens_s": round(statistics.median(one["output_tokens_s"] for one in rs), 1),
+        "busier_share": round(
+            statistics.mean(max(one["split"]) / max(1.0, sum(one["split"])) for one in rs), 3
+        ),
+        "reasons": reasons,
+        "rates": rs[-1]["rates"],
     }
-    runs: dict[str, list[dict[str, Any]]] = {t: [] for t in TARGETS}
-    tmp = Path(tempfile.mkdtemp(prefix="sg-bench-kvreal-"))
-    shim = _shim(tmp)
+
+
+def _against(targets: dict[str, Any]) -> dict[str, Any]:
+    """Each target's hit rate less the reference's, and its TTFT p50/p90 over the reference's."""
+    ref = targets.get(REFERENCE)
+    if not ref:
+        return {}
+    out = {}
+    for name, t in targets.items():
+        out[name] = {
+            "hit_rate_diff": round((t["hit_rate"] or 0) - (ref["hit_rate"] or 0), 3),
+            "ttft_p50_x": round(t["ttft_p50_ms"] / ref["ttft_p50_ms"], 2),
+            "ttft_p90_x": round(t["ttft_p90_ms"] / ref["ttft_p90_ms"], 2),
+        }
+    return out
+
+
+def _size(
+    cluster: Cluster,
+    python: Path,
+    model_dir: Path,
+    bin_dir: Path,
+    tmp: Path,
+    shim: Path,
+    blocks: int,
+    plan: list[tuple[str, tuple[str, ...], int]],
+    seed: int,
+) -> tuple[dict[str, Any], int]:
+    """The engines started at `blocks` KV blocks each, then each (dataset, targets, rounds) of
+    `plan`: every round in another order."""
+    from router.tools.enginefleet.fleet import EngineOptions, Fleet
+
+    options = EngineOptions(kv_blocks=blocks, extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+    fleet = Fleet(python, model_dir, count=2, options=options)
+    out: dict[str, Any] = {}
     try:
-        fleet.start()
+        fleet.start(timeout_s=START_S)
         model = fleet.engines[0].model
         for e in fleet.engines:  # a fresh engine's first answer is slower
             httpx.post(
@@ -200,71 +323,77 @@ def run(cluster: Cluster, quick: bool = False) -> dict[str, Any]:
                 json={"model": model, "prompt": "warm", "max_tokens": 4},
                 timeout=60,
             )
-        seed = 0
-        for r in range(rounds):
-            order = TARGETS[r % len(TARGETS) :] + TARGETS[: r % len(TARGETS)]
-            this: dict[str, dict[str, float]] = {}
-            for target in order:
-                seed += 1
-                one = _one(cluster, fleet, python, shim, tmp, target, seed)
-                runs[target].append(one)
-                t = one["ttfts_ms"]
-                this[target] = {"p50": _pct(t, 0.5), "p99": _pct(t, 0.99)}
-                brief = {k: v for k, v in one.items() if k not in ("ttfts_ms", "itls_ms")}
-                split = one["split"]
-                print(
-                    f"kv_real round {r + 1} {target}: TTFT p50 {this[target]['p50']:.1f} "
-                    f"p99 {this[target]['p99']:.1f} ITL p50 {_pct(one['itls_ms'], 0.5):.1f} "
-                    f"busier engine's share {max(split) / max(1.0, sum(split)):.2f} "
-                    f"{json.dumps(brief)}",
-                    flush=True,
-                )
-            if "cache_aware_events" not in this or "least_load" not in this:
-                continue
-            ev, ll = this["cache_aware_events"], this["least_load"]
-            out["per_round"].append(
-                {
-                    "order": list(order),
-                    "events_vs_least_load_p50": round(ev["p50"] / ll["p50"], 3),
-                    "events_vs_least_load_p99": round(ev["p99"] / ll["p99"], 3),
-                }
-            )
+        for dataset, targets, rounds in plan:
+            runs: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
+            for r in range(rounds):
+                order = targets[r % len(targets) :] + targets[: r % len(targets)]
+                if r % 2:
+                    order = order[::-1]
+                for target in order:
+                    seed += 1
+                    one = _one(cluster, fleet, python, shim, tmp, target, seed, bin_dir, dataset)
+                    runs[target].append(one)
+                    split = one["split"]
+                    print(
+                        f"kv_real {blocks} blocks {dataset} round {r + 1} {target}: hit "
+                        f"{one['hits'] / max(1.0, one['queries']):.3f} TTFT p50 "
+                        f"{_pct(one['ttfts_ms'], 0.5):.0f} p90 {_pct(one['ttfts_ms'], 0.9):.0f} "
+                        f"busier engine {max(split) / max(1.0, sum(split)):.2f} "
+                        f"{json.dumps(one['reasons'])}",
+                        flush=True,
+                    )
+            pooled = {t: _pool(rs) for t, rs in runs.items()}
+            out[dataset] = {"rounds": rounds, "targets": pooled, "against": _against(pooled)}
     finally:
         fleet.stop()
-    for target, rs in runs.items():
-        ttfts = [t for one in rs for t in one["ttfts_ms"]]
-        itls = [t for one in rs for t in one["itls_ms"]]
-        queries = sum(one["queries"] for one in rs)
-        reasons: dict[str, int] = {}
-        for one in rs:
-            for k, v in one["reasons"].items():
-                reasons[k] = reasons.get(k, 0) + v
-        out["targets"][target] = {
-            "completed": sum(one["completed"] or 0 for one in rs),
-            "failed": sum(one["failed"] or 0 for one in rs),
-            "hit_rate": round(sum(one["hits"] for one in rs) / queries, 3) if queries else None,
-            "ttft_p50_ms": round(_pct(ttfts, 0.5), 1),
-            "ttft_p90_ms": round(_pct(ttfts, 0.9), 1),
-            "ttft_p99_ms": round(_pct(ttfts, 0.99), 1),
-            "itl_p50_ms": round(_pct(itls, 0.5), 1),
-            "output_tokens_s": round(statistics.median(one["output_tokens_s"] for one in rs), 1),
-            "reasons": reasons,
-            "rates": rs[-1]["rates"],
-        }
-    t = out["targets"]
-    if "cache_aware_events" in t and "least_load" in t:
-        ev, ll = t["cache_aware_events"], t["least_load"]
-        out["events_vs_least_load"] = {
-            k: round(ev[k] / ll[k], 3) if ll[k] else None
-            for k in ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_s")
-        }
+    return out, seed
+
+
+def run(
+    cluster: Cluster,
+    quick: bool = False,
+    sizes: tuple[str, ...] = tuple(SIZES),
+    rounds: int = ROUNDS,
+    targets: tuple[str, ...] = TARGETS,
+) -> dict[str, Any]:
+    from router.tools.enginefleet.install import engine_home, ensure_venv
+    from router.tools.enginefleet.model import write_model
+
+    rounds = 1 if quick else rounds
+    home = engine_home()
+    python = ensure_venv(home)
+    bin_dir = peers.ensure_peers(home)
+    model_dir = write_model(home / "models")
+    out: dict[str, Any] = {
+        "workload": f"prefix_repetition: {PREFIXES} prefixes x {PREFIX_LEN} tokens, "
+        f"suffix {SUFFIX_LEN}, {PROMPTS} prompts at {RATE:g}/s, {OUTPUT_LEN} tokens out",
+        "peers": dict(peers.PEERS),
+        "sizes": {},
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="sg-bench-kvreal-"))
+    shim = _shim(tmp)
+    seed = 0
+    for size in sizes:
+        plan = [("prefix", targets, rounds)]
+        if size == "roomy":  # random prompts: cache-aware must lose nothing to least_load
+            plan.append(("random", tuple(t for t in (*OURS, REFERENCE) if t in targets), 1))
+        res, seed = _size(cluster, python, model_dir, bin_dir, tmp, shim, SIZES[size], plan, seed)
+        out["sizes"][size] = {"kv_blocks": SIZES[size], **res}
     return out
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--targets", nargs="+", choices=list(TARGETS), default=list(TARGETS))
+    args = ap.parse_args()
     c = Cluster()
     try:
-        print(json.dumps(run(c), indent=2))
+        res = run(c, sizes=tuple(args.sizes), rounds=args.rounds, targets=tuple(args.targets))
+        print(json.dumps(res, indent=2))
     finally:
         c.close()
 
@@ -274,39 +403,47 @@ if __name__ == "__main__":
 
 
 def section(res: dict[str, Any], date: str) -> list[str]:
-    rows: list[tuple[str, ...]] = [
-        ("target", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms",
-         "output tokens/s", "failed"),
-    ]  # fmt: skip
-    for name, r in res["targets"].items():
-        rows.append(
-            (
-                name,
-                fmt(r["hit_rate"]),
-                fmt(r["ttft_p50_ms"]),
-                fmt(r["ttft_p90_ms"]),
-                fmt(r["ttft_p99_ms"]),
-                fmt(r["itl_p50_ms"]),
-                fmt(r["output_tokens_s"]),
-                str(r["failed"]),
-            )
-        )
-    rounds = res.get("per_round") or []
-    per_round = ", ".join(
-        f"{r['events_vs_least_load_p50']:.2f}x / {r['events_vs_least_load_p99']:.2f}x"
-        for r in rounds
-    )
-    return [
-        "## KV events on real engines (2 x vLLM 0.32 CPU, `vllm bench serve`)",
+    lines = [
+        "## Placement on real engines against the peers (2 x vLLM 0.32 CPU, `vllm bench serve`)",
         "",
         f"`python -m bench.run --only kv_real`, {date}: vLLM's own client, {res['workload']}, "
-        "through one sluicegate in front of 2 engines (64 KV blocks of 128 tokens each); "
-        f"{res.get('rounds', 1)} rounds of every target, each round in another order "
-        "(bench/scenarios/kv_real.py). TTFT and ITL over all rounds' requests; hit rate: the "
-        "engines' prefix-cache hits over queries during the target's runs.",
-        "",
-        table(rows),
-        "",
-        f"Events' TTFT p50 / p99 over least_load's, round by round: {per_round}.",
+        "through one router in front of 2 engines: sluicegate's targets, and the peers "
+        f"({', '.join(res.get('peers', {}).values())}, bench/kit/peers.py); every target's runs "
+        "alternating in order, every engine's prefix cache emptied before each run "
+        "(bench/scenarios/kv_real.py). TTFT over all rounds' requests; hit rate: the engines' "
+        "prefix-cache hits over queries during the target's runs; against: hit rate less "
+        f"{REFERENCE}'s, TTFT over its.",
         "",
     ]
+    for size, r in res.get("sizes", {}).items():
+        for dataset, d in r.items():
+            if not isinstance(d, dict) or "targets" not in d:
+                continue
+            rows: list[tuple[str, ...]] = [
+                ("target", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
+                 "vs ref: hit", "p50", "p90", "busier engine", "failed"),
+            ]  # fmt: skip
+            for name, t in d["targets"].items():
+                vs = d["against"].get(name, {})
+                rows.append(
+                    (
+                        name,
+                        fmt(t["hit_rate"]),
+                        fmt(t["ttft_p50_ms"]),
+                        fmt(t["ttft_p90_ms"]),
+                        fmt(t["ttft_p99_ms"]),
+                        fmt(vs.get("hit_rate_diff")),
+                        fmt(vs.get("ttft_p50_x")),
+                        fmt(vs.get("ttft_p90_x")),
+                        fmt(t["busier_share"]),
+                        str(t["failed"]),
+                    )
+                )
+            lines += [
+                f"**{size}** ({r['kv_blocks']} KV blocks per engine), {dataset} prompts, "
+                f"{d['rounds']} rounds:",
+                "",
+                table(rows),
+                "",
+            ]
+    return lines

@@ -430,7 +430,7 @@ class AffinityConfig(_Strict):
     # key after its last record), so a gone fleet leaves nothing. Capacity, not this, bounds it.
     ttl: float = Field(3600.0, ge=1, le=7 * 86400)
     # Public model name -> how to tokenize its prompts, for backends with `kv_events`; a model
-    # without one is routed on the approximate index only.
+    # routed cache_aware whose backends publish events gets `via: engine` when not named here.
     tokenizers: dict[str, TokenizerConfig] = Field(default_factory=dict)
     # A prompt longer than this (characters) is tokenized in a worker thread, off the event loop.
     tokenize_inline_chars: int = Field(8192, ge=0, le=1 << 24)

@@ -67,9 +67,7 @@ def test_pending_dispatches_spread_a_burst() -> None:
 
 def test_pending_prefills_count_what_is_left_of_them() -> None:
     """A prompt whose first request still prefills on `a` (it counts as held there): the second
-    waits for the rest of that prefill rather than computing it all again on an idle `b`, once
-    `a` has had time to do part of it; sent just now, the two cost the same and b's empty
-    batch decides."""
+    waits for the rest of that prefill rather than computing it all again on an idle `b`."""
     p, q = 130e-6, 4e-3  # the real CPU engines' rates
     cands = [
         Candidate("a", 1.0, 1, reading(0, p=p, q=q)),
@@ -80,8 +78,13 @@ def test_pending_prefills_count_what_is_left_of_them() -> None:
     def second(age: float) -> tuple[str, str]:
         return pick(cands, KvHints(1088, {"a": 1024}, names, {"a": 1088}, {}, {"a": age}))
 
-    assert second(0.0) == ("b", "load")
+    # Sent just now, a copy on b would cost what waiting does, and evict as much there.
+    assert second(0.0) == ("a", "prefix_exact")
     assert second(0.05) == ("a", "prefix_exact")
+    # With room in b's cache (its events say so) the copy evicts nothing: the two cost the
+    # same and b's empty batch decides.
+    roomy = KvHints(1088, {"a": 1024}, names, {"a": 1088}, {"b": 0}, {"a": 0.0})
+    assert pick(cands, roomy) == ("b", "load")
     # Hits answered on the holder are no longer pending: an idle holder with the prompt wins.
     assert pick(cands, KvHints(1088, {"a": 1024}, names)) == ("a", "prefix_exact")
 

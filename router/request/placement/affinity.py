@@ -26,7 +26,8 @@ request is served without session affinity, never refused: the key is a routing 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from balancers.base import Balancer
 from balancers.cache_aware import CHARS_PER_TOKEN
 from balancers.context import Hints, KvHints
 from balancers.inflight.base import Readings
+from balancers.prefix_homes import PrefixHomes
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
     from router.upstream.pools import Pools
 
 MAX_SESSION_KEY_CHARS = 256
+
+log = logging.getLogger("sluicegate.affinity")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,7 @@ class Affinity:
     ) -> None:
         self.config = config
         self.kv = kv
+        self._pools = pools
         self._tokenizers: dict[str, RouterTokenizer | EngineTokenizer] = {}
         for model, tc in config.tokenizers.items():
             if tc.via == "router":
@@ -100,6 +105,7 @@ class Affinity:
             else:
                 self._tokenizers[model] = EngineTokenizer(pools)
         self.index = index or PrefixIndex()
+        self.homes = PrefixHomes()  # where each prefix group lives, kept past evictions
         self.shared = shared  # None: the local index is all there is
         self._on_fallback = on_fallback  # a shared lookup answered locally
         self._headers = [h.lower().encode("latin-1") for h in config.session_headers]
@@ -157,13 +163,32 @@ class Affinity:
                 self._on_fallback()
         return RequestAffinity(request.hashes, request.session, held)
 
+    def default_tokenizers(self, models: Iterable[str]) -> list[str]:
+        """Models whose backends publish KV events and that `affinity.tokenizers` does not name
+        get the engine's own `/tokenize` (`via: engine`): without token ids the events cannot be
+        matched and the router silently routed on the approximate index (issue 52: 4 of 6
+        hidden prefixes found, against 6 of 6 with a tokenizer). Logged once per model;
+        returns the models it gave one."""
+        added = []
+        for model in models:
+            if model not in self._tokenizers:
+                self._tokenizers[model] = EngineTokenizer(self._pools)
+                added.append(model)
+                log.info(
+                    "model %r: its backends publish KV events and affinity.tokenizers names no "
+                    "tokenizer for it; using the engines' own /tokenize (via: engine). Name "
+                    "one under affinity.tokenizers (via: router) to tokenize in the router",
+                    model,
+                )
+        return added
+
     def wants_tokens(self, model: str, backends: Sequence[Backend]) -> bool:
         kv = self.kv
-        return (
-            kv is not None
-            and model in self._tokenizers
-            and any(kv.configured(b.name) for b in backends)
-        )
+        if kv is None or not any(kv.configured(b.name) for b in backends):
+            return False
+        if model not in self._tokenizers:  # a backend with events added since the start
+            self.default_tokenizers((model,))
+        return True
 
     async def with_tokens(
         self,
@@ -299,7 +324,16 @@ class Affinity:
         else:
             held = {b.name: known[b.name] for b in eligible if b.name in known}
         kv = self._kv_hints(request, eligible, held) if request.tokens is not None else None
-        return Hints(len(request.hashes), self.config.block_chars, held, request.session, kv)
+        home, depth, new = None, 0, False
+        if request.hashes:
+            weights = {b.name: b.weight for b in eligible}
+            home, depth = self.homes.find(request.hashes, weights)
+            if home is None:  # a new group, or its home is gone: where homes are fewest
+                home, depth, new = self.homes.place(weights), len(request.hashes), True
+        n = len(request.hashes)
+        room = self.index.room
+        roomy = frozenset(b.name for b in eligible if (r := room(b.name)) is None or r >= n)
+        return Hints(n, self.config.block_chars, held, request.session, kv, home, depth, new, roomy)
 
     def dispatched(self, hashes: list[bytes], backend: str, readings: Readings | None) -> None:
         """`backend` was sent this prompt: from now on it holds the prefix."""
@@ -311,6 +345,7 @@ class Affinity:
         )
         block_tokens = max(1, self.config.block_chars // CHARS_PER_TOKEN)
         self.index.record(hashes, backend, capacity // block_tokens)
+        self.homes.record(hashes, backend)
         if self.shared is not None:
             self.shared.record(hashes, backend, capacity // block_tokens)
 
