@@ -9,8 +9,8 @@ import httpx._transports.default
 import httpx2._transports.default
 import pytest
 
-from tests.support.fake_kube import FakeKube
-from tests.support.harness import Cluster, free_port
+from tests.support.fake_kube import FakeKube, serving
+from tests.support.harness import Cluster
 from tests.support.hostile_backend import HostileBackend
 from tests.support.otlp_receiver import Receiver
 
@@ -70,11 +70,8 @@ def hostile() -> Iterator[HostileBackend]:
 @pytest.fixture(scope="module")
 def kube() -> Iterator[FakeKube]:
     """A fake Kubernetes API server (EndpointSlices, watches, bookmarks) for a module's tests."""
-    fk = FakeKube(free_port(), bookmark_every=0.3)
-    try:
+    with serving() as fk:
         yield fk
-    finally:
-        fk.close()
 
 
 @pytest.fixture(scope="module")

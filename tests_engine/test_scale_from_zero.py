@@ -19,18 +19,15 @@ import pytest
 from router.scaling.keda import externalscaler_pb2 as pb
 from router.scaling.keda.externalscaler_pb2_grpc import ExternalScalerStub
 from router.tools.enginefleet.fleet import Engine, Fleet
-from tests.support.fake_kube import FakeKube, kube_source
+from tests.support.fake_kube import FakeKube, kube_source, serving
 from tests.support.harness import Cluster, free_port
 from tests.support.wait import wait_for
 
 
 @pytest.fixture
 def kube() -> Iterator[FakeKube]:
-    fk = FakeKube(free_port(), bookmark_every=0.3)
-    try:
+    with serving() as fk:
         yield fk
-    finally:
-        fk.close()
 
 
 class ScalerLoop:

@@ -77,6 +77,33 @@ class Bench:
             "loadgen_cpu_share": r.cpu_s / r.elapsed if r.elapsed else 0.0,
         }
 
+    def rounds(
+        self,
+        targets: dict[tuple[str, int], Proc],
+        body: dict[str, Any],
+        concurrency: int,
+        rounds: int,
+        seconds: float,
+    ) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+        """Each router (its own hop) warmed up, then loaded in turn for `rounds` rounds, each round
+        starting one further along so no setting always runs first; per setting (a key's first
+        part): the hop's CPU seconds, the requests answered, the errors."""
+        names = dict.fromkeys(name for name, _ in targets)
+        cpu = dict.fromkeys(names, 0.0)
+        ok = dict.fromkeys(names, 0)
+        errors = dict.fromkeys(names, 0)
+        for router in targets.values():  # warm-up
+            self.measured(router, router, body, concurrency, duration=1.0)
+        keys = list(targets)
+        for rnd in range(rounds):
+            for name, i in keys[rnd % len(keys) :] + keys[: rnd % len(keys)]:
+                router = targets[(name, i)]
+                m = self.measured(router, router, body, concurrency, duration=seconds)
+                cpu[name] += m["hop_cpu_s"]
+                ok[name] += m["ok"]
+                errors[name] += m["errors"]
+        return cpu, ok, errors
+
     def close(self) -> None:
         self.cluster.close()
 

@@ -55,19 +55,7 @@ def main(baseline: str) -> int:
         }
         msgs = [{"role": "user", "content": "hi"}]
         body = {"model": "m", "stream": True, "max_tokens": 64, "messages": msgs}
-        cpu = dict.fromkeys(sides, 0.0)
-        ok = dict.fromkeys(sides, 0)
-        errors = dict.fromkeys(sides, 0)
-        for router in targets.values():  # warm-up
-            bench.measured(router, router, body, CONCURRENCY, duration=1.0)
-        keys = list(targets)
-        for rnd in range(ROUNDS):
-            for side, i in keys[rnd % len(keys) :] + keys[: rnd % len(keys)]:
-                router = targets[(side, i)]
-                m = bench.measured(router, router, body, CONCURRENCY, duration=SECONDS)
-                cpu[side] += m["hop_cpu_s"]
-                ok[side] += m["ok"]
-                errors[side] += m["errors"]
+        cpu, ok, errors = bench.rounds(targets, body, CONCURRENCY, ROUNDS, SECONDS)
         per = {k: cpu[k] / ok[k] * 1000 for k in sides}
         print(
             json.dumps(

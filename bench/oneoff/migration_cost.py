@@ -39,17 +39,7 @@ def main() -> int:
         }
         msgs = [{"role": "user", "content": "hi"}]  # a call that may migrate has messages
         body = {"model": "m", "stream": True, "max_tokens": 64, "messages": msgs}
-        cpu = dict.fromkeys(settings, 0.0)
-        ok = dict.fromkeys(settings, 0)
-        for router in targets.values():  # warm-up
-            bench.measured(router, router, body, CONCURRENCY, duration=1.0)
-        keys = list(targets)
-        for rnd in range(ROUNDS):
-            for name, i in keys[rnd % len(keys) :] + keys[: rnd % len(keys)]:
-                router = targets[(name, i)]
-                m = bench.measured(router, router, body, CONCURRENCY, duration=SECONDS)
-                cpu[name] += m["hop_cpu_s"]
-                ok[name] += m["ok"]
+        cpu, ok, _ = bench.rounds(targets, body, CONCURRENCY, ROUNDS, SECONDS)
         per = {k: cpu[k] / ok[k] * 1000 for k in settings}
         print(
             json.dumps(

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, admin_backends, backend
+from tests.support.harness import Cluster, Proc, admin_backends, backend, streamed_chat
 from tests.support.wait import wait_for
 
 KEY = "test-session-key"
@@ -55,22 +55,9 @@ def chat(
     router: Proc, headers: dict[str, str] | None = None, max_tokens: int = 4
 ) -> httpx.Response:
     """One streamed request, read to its end; its response (status, headers, body)."""
-    with httpx.stream(
-        "POST",
-        router.url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "stream": True,
-            "max_tokens": max_tokens,
-            # Each prompt new (its number first): no engine's prefix cache, nor the index,
-            # makes the slow one quick for it.
-            "messages": [{"role": "user", "content": f"{next(_sent)} {PROMPT}"}],
-        },
-        headers=headers or {},
-        timeout=30,
-    ) as r:
-        r.read()
-        return r
+    # Each prompt new (its number first): no engine's prefix cache, nor the index, makes the
+    # slow one quick for it.
+    return streamed_chat(router, f"{next(_sent)} {PROMPT}", max_tokens, headers)
 
 
 def metric(router: Proc, name: str, labels: str = "") -> float:

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from router.tools.status import run as status
-from tests.support.harness import Cluster, Proc, backend, control, stats
+from tests.support.harness import Cluster, Proc, backend, control, stats, streamed_chat
 from tests.support.wait import wait_for
 
 INTERVAL = 0.1
@@ -67,21 +67,9 @@ def burst(router: Proc, n: int, max_tokens: int = 20) -> Counter[str]:
     """n concurrent streamed requests; which backend answered each (x-sluicegate-backend)."""
 
     def one(_: int) -> str:
-        with httpx.stream(
-            "POST",
-            router.url + "/v1/chat/completions",
-            json={
-                "model": "m",
-                "stream": True,
-                "max_tokens": max_tokens,
-                "messages": [{"role": "user", "content": "hi " * 50}],
-            },
-            timeout=30,
-        ) as r:
-            assert r.status_code == 200
-            for _ in r.iter_bytes():
-                pass
-            return r.headers["x-sluicegate-backend"]
+        r = streamed_chat(router, "hi " * 50, max_tokens)
+        assert r.status_code == 200
+        return r.headers["x-sluicegate-backend"]
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         return Counter(pool.map(one, range(n)))

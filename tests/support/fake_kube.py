@@ -32,13 +32,14 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from tests.support.harness import Proc
+from tests.support.harness import Proc, free_port
 
 # Path prefix -> (resource, its kind, its apiVersion).
 _RESOURCES = {
@@ -458,6 +459,16 @@ class FakeKube:
                 await event("BOOKMARK", {**mark, "metadata": {"resourceVersion": str(self.rv)}})
         writer.write(b"0\r\n\r\n")
         await writer.drain()
+
+
+@contextlib.contextmanager
+def serving(bookmark_every: float = 0.3) -> Iterator[FakeKube]:
+    """A FakeKube on a free loopback port, closed on the way out (the suites' `kube` fixtures)."""
+    fk = FakeKube(free_port(), bookmark_every=bookmark_every)
+    try:
+        yield fk
+    finally:
+        fk.close()
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:

@@ -377,6 +377,26 @@ def admin_backends(
     return {row["url"]: row for row in r.json()}
 
 
+def streamed_chat(
+    router: Proc, content: str, max_tokens: int, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    """One streamed chat completion for model `m`, read to its end; its response."""
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": content}],
+        },
+        headers=headers or {},
+        timeout=30,
+    ) as r:
+        r.read()
+        return r
+
+
 def in_flight(router: Proc) -> int:
     """The router's in-flight count over all its backends, as its admin API reports it."""
     r = httpx.get(router.url + "/admin/backends", timeout=5)

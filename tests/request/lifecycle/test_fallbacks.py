@@ -17,7 +17,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletionNamedToolChoiceParam, ChatCompletionToolParam
 
 from tests.support.harness import (
     Cluster,
@@ -30,6 +29,7 @@ from tests.support.harness import (
     stats,
 )
 from tests.support.otlp_receiver import Receiver, Span
+from tests.support.tool_call import NAMED, TOOLS
 from tests.support.wait import wait_for
 
 TOKEN = "fallbacks-admin-token"
@@ -38,19 +38,6 @@ MSG = [{"role": "user", "content": "hi"}]
 LONG = [{"role": "user", "content": "x" * 2400}]  # ~600 tokens by any count: over 300
 SMALL = ("s1", "s2")
 ALL = ("s1", "s2", "big", "cloud")
-TOOLS: list[ChatCompletionToolParam] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
-NAMED: ChatCompletionNamedToolChoiceParam = {
-    "type": "function",
-    "function": {"name": "get_weather"},
-}
 POLICY = (
     '{"error": {"message": "Your request was rejected as a result of our safety system.", '
     '"type": "invalid_request_error", "param": null, "code": "content_policy_violation"}}'

@@ -24,8 +24,6 @@ import openai
 import pytest
 from openai.types.chat import (
     ChatCompletionMessageParam,
-    ChatCompletionNamedToolChoiceParam,
-    ChatCompletionToolParam,
 )
 
 from tests.support.harness import (
@@ -39,25 +37,13 @@ from tests.support.harness import (
     stats,
 )
 from tests.support.otlp_receiver import Receiver, Span
+from tests.support.tool_call import NAMED, TOOLS
 from tests.support.wait import wait_for
 
 MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a long story"}]
 SERVER = 2  # OTLP SpanKind
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 ITL_MS = 100  # the continuation's pace when the client leaves while it streams (2.8 s left)
-TOOLS: list[ChatCompletionToolParam] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
-NAMED: ChatCompletionNamedToolChoiceParam = {
-    "type": "function",
-    "function": {"name": "get_weather"},
-}
 
 
 @pytest.fixture(scope="module")
