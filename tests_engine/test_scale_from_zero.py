@@ -51,13 +51,17 @@ class ScalerLoop:
                 self.seen.append(answer.result)
                 if answer.result and self.activated_at is None:
                     self.activated_at = time.monotonic()
-                    self.engine.start()  # the scale-up: 0 -> 1
-                    self.engine.wait_ready()
-                    self.ready_at = time.monotonic()
-                    ports = [{"name": "http", "port": self.engine.port}]
-                    self.kube.put_slice("pool-pod", [_ready("127.0.0.1")], ports)
         except grpc.RpcError:
             pass  # cancelled at the end
+
+    def scale_up(self) -> None:
+        """The scale-up, 0 -> 1, from the test's main thread: the engine dies with the thread
+        that started it (the fleet's PR_SET_PDEATHSIG), and this loop's thread ends first."""
+        self.engine.start()
+        self.engine.wait_ready()
+        self.ready_at = time.monotonic()
+        ports = [{"name": "http", "port": self.engine.port}]
+        self.kube.put_slice("pool-pod", [_ready("127.0.0.1")], ports)
 
     def close(self) -> None:
         self.call.cancel()
@@ -90,20 +94,34 @@ def test_a_request_held_at_zero_is_served_by_the_engine_the_scaler_loop_starts(
         client = openai.OpenAI(
             base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=300
         )
+        got: dict[str, object] = {}
+
+        def ask() -> None:  # the client, held while the pool wakes
+            stream = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+            )
+            text = ""
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    got.setdefault("first", time.monotonic())
+                    text += chunk.choices[0].delta.content
+            got["text"] = text
+
         sent = time.monotonic()
-        stream = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "hello"}],
-            max_tokens=8,
-            temperature=0,
-            stream=True,
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        wait_for(
+            lambda: loop.activated_at is not None, what="the scaler told of the demand", within=30
         )
-        first: float | None = None
-        text = ""
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                first = first or time.monotonic()
-                text += chunk.choices[0].delta.content
+        loop.scale_up()
+        asking.join(300)
+        first = got.get("first")
+        text = got.get("text")
+        assert isinstance(first, float)
         assert text and first is not None
         assert loop.activated_at is not None and loop.ready_at is not None
         hold = first - sent
