@@ -411,7 +411,7 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
         3,
     )
     assert f"http://127.0.0.5:{port}" not in backends(router)
-    assert "models: auto" in router.log()
+    wait_for(lambda: "models: auto" in router.log(), "the failure logged", 5)  # the log queue
 
     # The server fails: the last set stays, the source is stale.
     answers.failing = True
