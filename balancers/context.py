@@ -66,7 +66,8 @@ class AdapterWant:
 class LatencyInputs:
     """What `balancer: latency` reads besides the candidates: the learnt models, the router's
     own token load per engine (read during the pick only: the request path moves it between
-    picks), the prompt's length in tokens, and the engine an echoed `x-session-token` names."""
+    picks), the prompt's length in tokens, the engine an echoed `x-session-token` names, and
+    the time the request spends in the admission queue before it is sent."""
 
     models: Models = NO_MODELS
     prefill: Mapping[str, int] = field(default_factory=dict)  # backend -> prompt tokens queued
@@ -75,6 +76,9 @@ class LatencyInputs:
     pinned: str | None = None
     break_s: float = 0.2  # affinity.session_break_ms: a pin's allowance over the best
     shed: bool = False  # admission is on: a sheddable request may be refused for its SLO
+    # Seconds in the admission queue before dispatch (waited, or predicted to wait if it
+    # would queue now): added to each engine's predicted TTFT where it is held against the SLO.
+    queued_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

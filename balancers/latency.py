@@ -10,11 +10,13 @@ engine holds: the prefix credit), the router's own prefill and decode tokens in 
 KV usage readings. A stale reading's engine is passed over while a fresh one is left.
 
 - No SLO: the lowest predicted TTFT wins.
-- An SLO (`ctx.slo_ttft_ms`, `ctx.slo_tpot_ms`): among the engines predicted to meet it, the
-  one with the least headroom (packing: fast engines stay free for tight SLOs); when none is,
-  the most headroom (the lowest predicted TTFT). A `sheddable` request none meets, with
-  admission on (`LatencyInputs.shed`), is chosen with the reason `slo_unattainable`: the
-  request path refuses it (429) and gives the lease back.
+- An SLO (`ctx.slo_ttft_ms`, `ctx.slo_tpot_ms`), less the time the request spends in the
+  admission queue (`LatencyInputs.queued_s`): among the engines predicted to meet it with their
+  model's margin (prediction x `Fit.spread`), the one with the least headroom (packing: fast
+  engines stay free for tight SLOs); when none is, the most headroom (the lowest predicted
+  TTFT). A `sheddable` request none reaches even on the bare prediction (or, before any model,
+  whose queue wait alone exceeds it), with admission on (`LatencyInputs.shed`), is chosen with
+  the reason `slo_unattainable`: the request path refuses it (429) and gives the lease back.
 - A pinned engine (an echoed `x-session-token`) is kept unless its predicted TTFT is worse than
   the best by more than `LatencyInputs.break_s` (reason `session`).
 - Exploration: EXPLORE of the picks without an SLO go to the least-sampled engine predicted
@@ -61,11 +63,15 @@ class Latency:
         c = choice.candidate
         if lat is None:
             return Choice(c, "latency_fallback")
+        reason = "latency_fallback"
+        slo = ctx.slo_ttft_ms
+        if slo is not None and lat.queued_s * 1000 > slo and _sheds(ctx, lat):
+            reason = UNATTAINABLE  # no model yet, but the queue alone takes longer
         cached = _cached(ctx, lat.prompt_tokens)
         features = self._features(c, lat, cached)
         held = ctx.hints.held.get(c.name, 0) if ctx.hints is not None else 0
         tokens = cached.get(c.name, 0) if cached else 0
-        return Choice(c, "latency_fallback", held, tokens, None, features)
+        return Choice(c, reason, held, tokens, None, features)
 
     def pick(self, candidates: Sequence[Candidate], ctx: PickContext = NO_CONTEXT) -> Choice | None:
         lat = ctx.latency
@@ -79,6 +85,7 @@ class Latency:
         if not fresh:
             return self._fallback(pool, ctx)
         cached = _cached(ctx, lat.prompt_tokens)
+        pooled = lat.models.pooled
         scored = self._predict(fresh, lat, cached)
         best = min(scored, key=_first)
         chosen = best
@@ -93,15 +100,22 @@ class Latency:
                         return self._choice(s, "session", ctx, lat, cached)
                     break
         if slo is not None or tpot_slo is not None:
-            ttft_cap = slo / 1000 if slo is not None else math.inf
-            meet = [s for s in scored if s[0] <= ttft_cap]
+            # The SLO counts from the request's arrival: its time in the queue is spent.
+            ttft_cap = slo / 1000 - lat.queued_s if slo is not None else math.inf
+            reach = [s for s in scored if s[0] <= ttft_cap]
             if tpot_slo is not None:
                 tpot_cap = tpot_slo / 1000
-                meet = [s for s in meet if self._tpot(s, lat, cached) <= tpot_cap]
+                reach = [s for s in reach if self._tpot(s, lat, cached) <= tpot_cap]
+            models = lat.models
+            meet = [
+                s
+                for s in reach
+                if s[0] * (models.engines.get(s[1].name) or pooled).spread <= ttft_cap
+            ]
             if meet:
                 # Least positive headroom: the slowest engine still within the SLO.
                 chosen = max(meet, key=_first)
-            elif lat.shed and ctx.priority == "sheddable":
+            elif not reach and _sheds(ctx, lat):
                 reason = UNATTAINABLE
         elif len(scored) > 1 and self._rng.random() < EXPLORE:
             near = best[0] * EXPLORE_SLACK + 0.05
@@ -186,6 +200,11 @@ class Latency:
         held = hints.held.get(c.name, 0) if hints is not None else 0
         tokens = cached.get(c.name, 0) if cached else 0
         return Choice(c, reason, held, tokens, s[0], self._features(c, lat, cached))
+
+
+def _sheds(ctx: PickContext, lat: LatencyInputs) -> bool:
+    """A request this balancer may refuse for its SLO: `sheddable`, with admission on."""
+    return lat.shed and ctx.priority == "sheddable"
 
 
 def _first(s: tuple[float, Candidate]) -> float:

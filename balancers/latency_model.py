@@ -35,6 +35,10 @@ RIDGE = 1e-4  # relative to the samples' count: keeps a fit of a flat feature so
 # reading happened to vary (negligible once an engine has a hundred samples).
 RIDGE_MIN = 1.0
 CEILING = 4.0  # a prediction is at most this times the slowest TTFT the engine was seen to take
+# A fit's `spread`: this quantile of observed / predicted TTFT over its own samples. An SLO is
+# counted as met by an engine when its prediction times its spread is within it: packing aims
+# at the SLO's edge, and on the bare prediction half of what it packs there lands past it.
+SPREAD_QUANTILE = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,7 @@ class Fit:
     samples: int
     ceiling: float
     tpot_ceiling: float = 0.0
+    spread: float = 1.0  # SPREAD_QUANTILE of observed / predicted TTFT, in [1, CEILING]
 
     def ttft_s(self, x: Features) -> float:
         w = self.ttft
@@ -152,7 +157,12 @@ def fit(samples: Sequence[Sample]) -> Fit | None:
         tpot = _fit_line([s.x for s in with_tpot], ys)
         tpot_ceiling = CEILING * max(ys)
     ceiling = CEILING * max(s.ttft for s in samples)
-    return Fit(ttft, tpot, len(samples), ceiling, tpot_ceiling)
+    f = Fit(ttft, tpot, len(samples), ceiling, tpot_ceiling)
+    ratios = sorted(s.ttft / p for s in samples if (p := f.ttft_s(s.x)) > 0.0)
+    if not ratios:
+        return f
+    spread = ratios[int(SPREAD_QUANTILE * (len(ratios) - 1))]
+    return Fit(ttft, tpot, len(samples), ceiling, tpot_ceiling, min(CEILING, max(1.0, spread)))
 
 
 def _fit_line(xs: Sequence[Features], ys: Sequence[float]) -> tuple[float, ...] | None:

@@ -152,11 +152,12 @@ class _Band:
 
 
 class _ModelQueue:
-    __slots__ = ("bands", "live", "pending", "waking")
+    __slots__ = ("bands", "last", "live", "pending", "waking")
 
     def __init__(self) -> None:
         self.bands = (_Band(), _Band(), _Band())
         self.live = 0  # in the heaps
+        self.last = 0.0  # when it last let one through, or began to wait (the admission clock)
         # One woken request at a time, always the head: the fair order holds exactly.
         self.waking = 0  # 1 while a woken request tries for a lease
         self.pending = False  # room may have freed while it tried
@@ -201,6 +202,9 @@ class Admission:
         self._bytes = ByteBudget(cfg.max_queue_bytes)  # their bodies' bytes
         self._seq = 0
         self._mean_wait = 1.0  # seconds, a moving average: the Retry-After of a refusal
+        # Model -> seconds between two requests leaving its queue while it is busy, a moving
+        # average (`wait_ahead`). Bounded by the models routed (cleared past 4096).
+        self._drain: dict[str, float] = {}
         # Queued tickets by deadline (on `clock`); an entry whose ticket left is dropped when
         # it comes up, or when they outnumber the queue (`_expire_later`).
         self._deadlines: list[tuple[float, int, Ticket]] = []
@@ -236,6 +240,22 @@ class Admission:
                         row["oldest_wait"] = max(row["oldest_wait"], round(now - t.entered, 3))
         return out
 
+    def wait_ahead(self, t: Ticket) -> float:
+        """Seconds `t` is predicted to wait if it queued now: the entries of its model ahead of
+        it (its band and the bands above; later arrivals of a higher band that pass it are not
+        foreseen) times the recent interval between two leaving that queue. 0 when none waits,
+        or no queue of its model has let one through yet. O(bands); read only by
+        `balancer: latency` for a request with an SLO."""
+        q = self._queues.get(t.model)
+        if q is None:
+            return 0.0
+        ahead = q.waking + sum(b.live for b in q.bands[: t.band + 1])
+        return ahead * self._drain.get(t.model, 0.0) if ahead else 0.0
+
+    def waited(self, t: Ticket) -> float:
+        """Seconds `t` has waited in the queue so far (0 if it never queued)."""
+        return self._clock() - t.entered if t.queue is not None else 0.0
+
     def saturated(self, backend: Backend, readings: Readings) -> bool:
         r = readings.get(backend.name)
         if r is None or r.stale:
@@ -265,6 +285,8 @@ class Admission:
             q = self._queues.setdefault(t.model, _ModelQueue())
         # Someone waits already (it goes first, unless this one ranks before it) or no room.
         entered = t.entered = self._clock()
+        if q.live == 0 and q.waking == 0:
+            q.last = entered  # the queue begins to wait: the drain interval counts from here
         due = entered + (t.deadline - _REQUEST_CLOCK())  # the deadline on the queue's clock
         self._tag(t)
         try:
@@ -286,8 +308,11 @@ class Admission:
                     t.admitted = True
                     band = q.bands[t.band]
                     band.vtime = max(band.vtime, t.start)
-                    waited = self._clock() - entered
+                    now = self._clock()
+                    waited = now - entered
                     self._mean_wait += (waited - self._mean_wait) * 0.2
+                    self._drained(t.model, now - q.last)
+                    q.last = now
                     self._metrics.queue_wait(t.model, BANDS[t.band], waited)
                     self._wake(q)  # more room may have freed than this one slot
                     return lease
@@ -306,6 +331,13 @@ class Admission:
                 self._wake(q)
             if q.live == 0 and q.waking == 0 and self._queues.get(t.model) is q:
                 del self._queues[t.model]
+
+    def _drained(self, model: str, gap: float) -> None:
+        drain = self._drain
+        prev = drain.get(model)
+        if prev is None and len(drain) >= 4096:
+            drain.clear()
+        drain[model] = gap if prev is None else prev + (gap - prev) * 0.2
 
     def settle(self, t: Ticket, used_tokens: float) -> None:
         """The request ended having used `used_tokens`: its tenant's later requests in the band

@@ -97,6 +97,7 @@ class Attempts:
         "p_exclude",
         "parts",
         "pinned",
+        "queued",
         "readings",
         "refused",
         "send",
@@ -124,6 +125,7 @@ class Attempts:
         self.held = AttemptLease(parts, call)  # the attempt's, one at a time
         # The backend an echoed x-session-token names (`balancer: latency`), looked up once.
         self.pinned: str | None = None
+        self.queued = 0.0  # `latency`, with an SLO: seconds in the admission queue, as last told
         if balancer.needs_tokens:
             self.pinned = _pinned(parts, call)
 
@@ -255,9 +257,12 @@ class Attempts:
 
     # -- picking ------------------------------------------------------------------------------
 
-    def _context(self, eligible: Sequence[Backend], exclude: Set[str]) -> PickContext:
+    def _context(
+        self, eligible: Sequence[Backend], exclude: Set[str], ahead: bool = False
+    ) -> PickContext:
         """What this pick is told of the request: its exclusions, the prompt's hints for the
-        eligible backends, the adapter it wants."""
+        eligible backends, the adapter it wants; for `latency`, with an SLO and admission, the
+        time it has waited in the queue (`ahead`: the time it is predicted to wait there)."""
         parts = self.parts
         adapter = self.call.adapter
         want = None
@@ -272,11 +277,17 @@ class Attempts:
             return PickContext(exclude, hints, want, load_factor)
         call = self.call
         ticket = call.ticket
+        admission = parts.admission
+        queued = 0.0
+        if admission is not None and ticket is not None and call.slo != NO_SLO:
+            queued = admission.wait_ahead(ticket) if ahead else admission.waited(ticket)
+        self.queued = queued
         latency = parts.latency.inputs(
             _prompt_tokens(affinity, call),
             self.pinned,
             parts.settings.affinity.session_break_ms,
-            parts.admission is not None,
+            admission is not None,
+            queued,
         )
         slo_ttft, slo_tpot = call.slo
         priority = BANDS[ticket.band] if ticket is not None else None
@@ -396,7 +407,7 @@ class Attempts:
             Candidate(b.name, b.weight, 0, readings.get(b.name) if readings else None)
             for b in eligible
         ]
-        choice = self.balancer.pick(candidates, self._context(eligible, self.exclude))
+        choice = self.balancer.pick(candidates, self._context(eligible, self.exclude, True))
         if choice is not None and choice.reason == UNATTAINABLE:
             self._refuse(choice)
 
@@ -406,7 +417,9 @@ class Attempts:
         raise SloUnattainable(
             f"No backend serving `{call.model}` is predicted to meet this request's latency "
             "objective; retry later.",
-            retry_after=max(1.0, (choice.predicted or 0.0) - (call.slo[0] or 0.0) / 1000),
+            retry_after=max(
+                1.0, (choice.predicted or 0.0) + self.queued - (call.slo[0] or 0.0) / 1000
+            ),
         )
 
     async def _take_prefill(self, number: int, decode: Lease) -> None:

@@ -27,11 +27,23 @@ class LatencyFeed:
         self.tokens = TokenLoad()
 
     def inputs(
-        self, prompt_tokens: int, pinned: str | None, break_ms: float, shed: bool
+        self,
+        prompt_tokens: int,
+        pinned: str | None,
+        break_ms: float,
+        shed: bool,
+        queued_s: float = 0.0,
     ) -> LatencyInputs:
         tokens = self.tokens
         return LatencyInputs(
-            self.models, tokens.prefill, tokens.decode, prompt_tokens, pinned, break_ms / 1000, shed
+            self.models,
+            tokens.prefill,
+            tokens.decode,
+            prompt_tokens,
+            pinned,
+            break_ms / 1000,
+            shed,
+            queued_s,
         )
 
     def observe(
