@@ -219,3 +219,62 @@ def test_stale_engines_are_passed_over_and_no_model_means_least_load() -> None:
     assert bal.pick([fast, slow], PickContext(latency=LatencyInputs(NO_MODELS))).reason == (  # type: ignore[union-attr]
         "latency_fallback"
     )
+
+
+def test_a_fits_spread_is_its_p90_error_and_packing_keeps_within_it() -> None:
+    gen = random.Random(7)
+    exact = fit(samples(gen, 200, 20e-6, 0.01))
+    noisy = fit(samples(gen, 200, 80e-6, 0.01, noise=0.5))
+    assert exact is not None and noisy is not None
+    assert 1.0 <= exact.spread < 1.05
+    assert 1.2 < noisy.spread <= 1.5  # uniform +-50 % noise: its p90 is about 1.4
+    learner = Learner(min_samples=24)
+    for s in samples(gen, 120, 20e-6, 0.01):
+        learner.add("fast", s)
+    for s in samples(gen, 120, 80e-6, 0.01, noise=0.5):
+        learner.add("slow", s)
+    models = learner.refit()
+    bal = Latency(random.Random(1))
+    fast = Candidate("fast", 1.0, 0, reading())
+    slow = Candidate("slow", 1.0, 0, reading())
+    lat = LatencyInputs(models, prompt_tokens=1000)
+    x: Features = (1000.0, 0, 0, 0, 0, 0)
+    slow_f = models.engines["slow"]
+    slow_s = slow_f.ttft_s(x)
+    # Within the slow engine's bare prediction, not within its spread: packing leaves it.
+    edge = PickContext(slo_ttft_ms=slow_s * 1000 * 1.05, latency=lat)
+    assert bal.pick([fast, slow], edge).candidate == fast  # type: ignore[union-attr]
+    roomy = PickContext(slo_ttft_ms=slow_s * slow_f.spread * 1000 * 1.05, latency=lat)
+    assert bal.pick([fast, slow], roomy).candidate == slow  # type: ignore[union-attr]
+
+
+def test_the_queue_wait_counts_against_the_slo_and_only_sheddable_work_is_shed() -> None:
+    models = models_for({"fast": 20e-6, "slow": 80e-6})
+    bal = Latency(random.Random(1))
+    fast = Candidate("fast", 1.0, 0, reading())
+    slow = Candidate("slow", 1.0, 0, reading())
+    fast_s = models.engines["fast"].ttft_s((1000.0, 0, 0, 0, 0, 0))
+    slo_ms = fast_s * 1000 * 2
+    for queued, priority, reason in (
+        (0.0, "sheddable", "latency_model"),  # the engines alone meet it
+        (fast_s * 1.5, "sheddable", UNATTAINABLE),  # the queue eats all but half its TTFT
+        (fast_s * 1.5, "standard", "latency_model"),  # never shed: the most headroom
+    ):
+        lat = LatencyInputs(models, prompt_tokens=1000, shed=True, queued_s=queued)
+        ctx = PickContext(slo_ttft_ms=slo_ms, latency=lat, priority=priority)
+        choice = bal.pick([fast, slow], ctx)
+        assert choice is not None and choice.reason == reason, (queued, priority)
+        assert choice.candidate == fast
+    # No model yet: only the queue's wait can be judged.
+    for queued, priority, reason in (
+        (0.2, "sheddable", UNATTAINABLE),
+        (0.05, "sheddable", "latency_fallback"),
+        (0.2, "standard", "latency_fallback"),
+    ):
+        lat = LatencyInputs(NO_MODELS, shed=True, queued_s=queued)
+        ctx = PickContext(slo_ttft_ms=100.0, latency=lat, priority=priority)
+        assert bal.pick([fast, slow], ctx).reason == reason  # type: ignore[union-attr]
+    # Without admission nothing is shed, whatever the queue.
+    lat = LatencyInputs(NO_MODELS, shed=False, queued_s=1.0)
+    ctx = PickContext(slo_ttft_ms=100.0, latency=lat, priority="sheddable")
+    assert bal.pick([fast, slow], ctx).reason == "latency_fallback"  # type: ignore[union-attr]
