@@ -12,8 +12,9 @@ slope is dropped and the rest refitted). `Models` is the frozen result the balan
 Why linear: TTFT on an engine is close to (queued prefill tokens + this prompt's) x the engine's
 per-token prefill time, plus a step's share per running sequence; a line per engine learns the
 per-token time of a slow GPU, a hidden load's intercept, and needs neither numpy nor a tuning
-knob. A 7x7 normal system per engine is solved in pure Python: refit cost ~2 ms per engine of 256
-samples (bench/oneoff/latency_pick.py), off the request path (a runner chore).
+knob. The queued tokens' slope is kept at least the own prompt's (`fit`). A 7x7 normal system
+per engine is solved in pure Python: refit cost ~2 ms per engine of 256 samples
+(bench/oneoff/latency_pick.py), off the request path (a runner chore).
 """
 
 from __future__ import annotations
@@ -146,7 +147,15 @@ def fit(samples: Sequence[Sample]) -> Fit | None:
     if not samples:
         return None
     xs = [s.x for s in samples]
-    ttft = _fit_line(xs, [s.ttft for s in samples])
+    # TTFT is fitted on (uncached + queued prefill, queued prefill, ...): the queue's slope is
+    # then the own prompt's plus a non-negative extra. A prompt's tokens take as long to
+    # prefill queued ahead as they do as this one's own; the own-prompt slope is learnt from
+    # every sample (prompt sizes vary), the queue's seldom (an engine the router never loaded
+    # has seen no queue), and with no floor the ridge shrinks it to 0: an engine about to be
+    # flooded would be predicted idle until the flood's first answers came back.
+    ttft = _fit_line([(x[0] + x[1], *x[1:]) for x in xs], [s.ttft for s in samples])
+    if ttft is not None:
+        ttft = (ttft[0], ttft[1], ttft[1] + ttft[2], *ttft[3:])
     if ttft is None:
         return None
     with_tpot = [s for s in samples if s.tpot is not None]

@@ -278,3 +278,20 @@ def test_the_queue_wait_counts_against_the_slo_and_only_sheddable_work_is_shed()
     lat = LatencyInputs(NO_MODELS, shed=False, queued_s=1.0)
     ctx = PickContext(slo_ttft_ms=100.0, latency=lat, priority="sheddable")
     assert bal.pick([fast, slow], ctx).reason == "latency_fallback"  # type: ignore[union-attr]
+
+
+def test_queued_prefill_costs_at_least_the_own_prompts_slope_though_never_seen() -> None:
+    # Samples of an engine the router never loaded: no prefill ever queued ahead.
+    gen = random.Random(11)
+    quiet = [
+        Sample((s.x[0], 0.0, s.x[2], s.x[3], s.x[4], s.x[5]), 0.01 + 40e-6 * s.x[0], None)
+        for s in samples(gen, 200, 40e-6, 0.01)
+    ]
+    f = fit(quiet)
+    assert f is not None
+    assert f.ttft[1] == pytest.approx(40e-6, rel=0.1)
+    assert f.ttft[2] >= f.ttft[1]
+    # 8000 tokens dispatched there and not yet first-tokened: predicted behind them.
+    idle = f.ttft_s((500.0, 0, 0, 0, 0, 0))
+    flooded = f.ttft_s((500.0, 8000.0, 0, 0, 0, 0))
+    assert flooded - idle == pytest.approx(8000 * 40e-6, rel=0.1)
