@@ -8,6 +8,7 @@ balancers (the prefix index, KV events, the LoRA registry) and never changed onc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
@@ -79,6 +80,9 @@ class LatencyInputs:
     # Seconds in the admission queue before dispatch (waited, or predicted to wait if it
     # would queue now): added to each engine's predicted TTFT where it is held against the SLO.
     queued_s: float = 0.0
+    # The tightest TTFT SLO (ms) among the recent requests that carried one: packing keeps
+    # fast engines free only when there is a tighter SLO to keep them for.
+    tightest_ms: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,12 @@ KV usage readings. A stale reading's engine is passed over while a fresh one is 
 - An SLO (`ctx.slo_ttft_ms`, `ctx.slo_tpot_ms`), less the time the request spends in the
   admission queue (`LatencyInputs.queued_s`): among the engines predicted to meet it with their
   model's margin (prediction x `Fit.spread`), the one with the least headroom (packing: fast
-  engines stay free for tight SLOs); when none is, the most headroom (the lowest predicted
-  TTFT). A `sheddable` request none reaches even on the bare prediction (or, before any model,
-  whose queue wait alone exceeds it), with admission on (`LatencyInputs.shed`), is chosen with
-  the reason `slo_unattainable`: the request path refuses it (429) and gives the lease back.
+  engines stay free for tight SLOs) when recent requests carried a tighter TTFT SLO
+  (`LatencyInputs.tightest_ms`), else the lowest predicted; when none is, the most headroom
+  (the lowest predicted TTFT). A `sheddable` request none reaches even on the bare prediction
+  (or, before any model, whose queue wait alone exceeds it), with admission on
+  (`LatencyInputs.shed`), is chosen with the reason `slo_unattainable`: the request path
+  refuses it (429) and gives the lease back.
 - A pinned engine (an echoed `x-session-token`) is kept unless its predicted TTFT is worse than
   the best by more than `LatencyInputs.break_s` (reason `session`).
 - Exploration: EXPLORE of the picks without an SLO go to the least-sampled engine predicted
@@ -113,8 +115,12 @@ class Latency:
                 if s[0] * (models.engines.get(s[1].name) or pooled).spread <= ttft_cap
             ]
             if meet:
-                # Least positive headroom: the slowest engine still within the SLO.
-                chosen = max(meet, key=_first)
+                if slo is not None and slo > lat.tightest_ms:
+                    # Least positive headroom: the slowest engine still within the SLO, the
+                    # faster ones kept for the tighter SLOs that recent requests carried.
+                    chosen = max(meet, key=_first)
+                else:  # none tighter to keep them for: the lowest prediction within it
+                    chosen = min(meet, key=_first)
             elif not reach and _sheds(ctx, lat):
                 reason = UNATTAINABLE
         elif len(scored) > 1 and self._rng.random() < EXPLORE:

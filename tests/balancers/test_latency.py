@@ -24,6 +24,7 @@ from balancers.latency_model import (
     fit,
 )
 from router.core.engine import EngineReading
+from router.request.placement.latency_feed import RecentMin
 
 
 def reading(running: float = 0, waiting: float = 0, kv: float = 0.0, **kw: object) -> EngineReading:
@@ -171,12 +172,17 @@ def test_an_slo_packs_onto_the_slowest_engine_that_meets_it() -> None:
     bal = Latency(random.Random(1))
     fast = Candidate("fast", 1.0, 0, reading())
     slow = Candidate("slow", 1.0, 0, reading())
-    lat = LatencyInputs(models, prompt_tokens=1000)
     fast_s = models.engines["fast"].ttft_s((1000.0, 0, 0, 0, 0, 0))
     slow_s = models.engines["slow"].ttft_s((1000.0, 0, 0, 0, 0, 0))
     assert fast_s < slow_s
+    # Recent requests carried a tighter SLO: the fast engine is kept for them.
+    lat = LatencyInputs(models, prompt_tokens=1000, tightest_ms=fast_s * 1000)
     loose = PickContext(slo_ttft_ms=slow_s * 1000 * 1.5, latency=lat)
     assert bal.pick([fast, slow], loose).candidate == slow  # type: ignore[union-attr]
+    # None tighter than its own: nothing to keep the fast engine for, the lowest prediction.
+    same = LatencyInputs(models, prompt_tokens=1000, tightest_ms=slow_s * 1000 * 1.5)
+    alone = PickContext(slo_ttft_ms=slow_s * 1000 * 1.5, latency=same)
+    assert bal.pick([fast, slow], alone).candidate == fast  # type: ignore[union-attr]
     tight = PickContext(slo_ttft_ms=(fast_s + slow_s) / 2 * 1000, latency=lat)
     assert bal.pick([fast, slow], tight).candidate == fast  # type: ignore[union-attr]
     # None meets it: the most headroom (the fastest); shed only a sheddable one with admission.
@@ -237,7 +243,7 @@ def test_a_fits_spread_is_its_p90_error_and_packing_keeps_within_it() -> None:
     bal = Latency(random.Random(1))
     fast = Candidate("fast", 1.0, 0, reading())
     slow = Candidate("slow", 1.0, 0, reading())
-    lat = LatencyInputs(models, prompt_tokens=1000)
+    lat = LatencyInputs(models, prompt_tokens=1000, tightest_ms=1.0)  # packing
     x: Features = (1000.0, 0, 0, 0, 0, 0)
     slow_f = models.engines["slow"]
     slow_s = slow_f.ttft_s(x)
@@ -295,3 +301,11 @@ def test_queued_prefill_costs_at_least_the_own_prompts_slope_though_never_seen()
     idle = f.ttft_s((500.0, 0, 0, 0, 0, 0))
     flooded = f.ttft_s((500.0, 8000.0, 0, 0, 0, 0))
     assert flooded - idle == pytest.approx(8000 * 40e-6, rel=0.1)
+
+
+def test_the_tightest_recent_slo_is_the_minimum_of_the_last_window_or_two() -> None:
+    recent = RecentMin(window=4)
+    assert recent.saw(500.0) == 500.0
+    assert recent.saw(50.0) == 50.0
+    assert [recent.saw(500.0) for _ in range(2)] == [50.0, 50.0]  # the bucket rotates at 4
+    assert [recent.saw(500.0) for _ in range(4)] == [50.0, 50.0, 50.0, 500.0]

@@ -288,6 +288,7 @@ class Attempts:
             parts.settings.affinity.session_break_ms,
             admission is not None,
             queued,
+            call.slo[0],
         )
         slo_ttft, slo_tpot = call.slo
         priority = BANDS[ticket.band] if ticket is not None else None

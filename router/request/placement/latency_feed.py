@@ -10,6 +10,7 @@ runs every `latency.refit_interval` seconds on the app's runner and clock, and s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from balancers.context import LatencyInputs
@@ -19,12 +20,33 @@ from router.request.placement.token_load import TokenFlight, TokenLoad
 from router.request.usage.parse import ResponseUsage
 
 
+class RecentMin:
+    """The smallest of the last `window` to 2 x `window` values seen (two buckets, rotated by
+    count): the tightest TTFT SLO of the recent requests. O(1), no clock."""
+
+    def __init__(self, window: int = 128) -> None:
+        self._window = window
+        self._now = math.inf
+        self._before = math.inf
+        self._n = 0
+
+    def saw(self, value: float) -> float:
+        """Count `value`; the recent minimum, it included."""
+        if value < self._now:
+            self._now = value
+        self._n += 1
+        if self._n >= self._window:
+            self._before, self._now, self._n = self._now, math.inf, 0
+        return min(self._now, self._before, value)
+
+
 class LatencyFeed:
     def __init__(self, config: LatencyConfig) -> None:
         self.config = config
         self.learner = Learner(config.min_samples)
         self.models: Models = NO_MODELS
         self.tokens = TokenLoad()
+        self.slos = RecentMin()
 
     def inputs(
         self,
@@ -33,8 +55,12 @@ class LatencyFeed:
         break_ms: float,
         shed: bool,
         queued_s: float = 0.0,
+        slo_ms: float | None = None,
     ) -> LatencyInputs:
         tokens = self.tokens
+        tightest = math.inf
+        if slo_ms is not None:
+            tightest = self.slos.saw(slo_ms)
         return LatencyInputs(
             self.models,
             tokens.prefill,
@@ -44,6 +70,7 @@ class LatencyFeed:
             break_ms / 1000,
             shed,
             queued_s,
+            tightest,
         )
 
     def observe(
