@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, streamed_chat
+from tests.support.harness import Cluster, Proc, backend, in_flight, streamed_chat
 from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "8", "--decode-ms", "20"]
@@ -111,6 +111,7 @@ def test_a_sheddable_request_is_refused_for_the_queue_it_would_wait_in(router: P
         assert standard.result(timeout=20).status_code == 200
         assert also.result(timeout=20).status_code == 200
     assert shed() == before + 2
-    # Nothing queued, no model to judge the engine by: the same request is served.
-    wait_for(lambda: depth(router) == 0, "the queue emptied")
+    # Nothing queued, the slot free, no model to judge the engine by: the same request is
+    # served (its slot is given back just after its answer's last byte: waited for).
+    wait_for(lambda: depth(router) == 0 and in_flight(router) == 0, "the slot freed")
     assert chat(router, SHEDDABLE).status_code == 200
