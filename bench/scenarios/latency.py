@@ -7,7 +7,9 @@ router, which its readings show as running). One open-loop trace of long-tailed 
 than another) and `max_tokens` from 16 to 64, the same seed for every policy, through a router
 with `least_inflight`, `least_load`, `least_load` with hand-set weights (each backend's `weight`
 set to its engine's speed: the informed reference), `cache_aware`, `latency`, and `latency`
-with every request carrying `x-slo-ttft-ms` (its packing rule). Each router gets a warm-up of
+with every request carrying `x-slo-ttft-ms` (one SLO for all: routed as lowest predicted), and
+`latency` with mixed SLOs (every other request tight, the rest loose: packing's case, each
+class's attainment beside `latency` without SLOs on the same trace). Each router gets a warm-up of
 the same kind of traffic (another seed; `latency` learns from it, `cache_aware` calibrates)
 before the measured trace. Reported per policy: TTFT p50/p90/p99 (the client's first body
 byte: the mock sends no role-only chunk first), output tokens per second, SLO attainment at
@@ -53,13 +55,19 @@ SLO_MS = 60.0
 OVER_SLOTS = 2  # max_inflight per backend in the overload case
 OVER_SLO_MS = 500.0  # its TTFT SLO (queueing included)
 OVER_ROUNDS = 2  # each policy's turns in the overload case, in a rotated order
-POLICIES = (
-    ("least_inflight", "least_inflight", False, False),
-    ("least_load", "least_load", False, False),
-    ("least_load, hand weights", "least_load", True, False),
-    ("cache_aware", "cache_aware", False, False),
-    ("latency", "latency", False, False),
-    ("latency, x-slo-ttft-ms", "latency", False, True),
+# Packing's own case: every other request with a tight TTFT SLO, the rest with a loose one;
+# each class's attainment against its own SLO, beside `latency` with no SLO header (lowest
+# predicted) on the same trace.
+TIGHT_MS = 30.0
+LOOSE_MS = 150.0
+POLICIES = (  # label, balancer, hand weights, SLO headers ("", "one", "mixed")
+    ("least_inflight", "least_inflight", False, ""),
+    ("least_load", "least_load", False, ""),
+    ("least_load, hand weights", "least_load", True, ""),
+    ("cache_aware", "cache_aware", False, ""),
+    ("latency", "latency", False, ""),
+    ("latency, x-slo-ttft-ms", "latency", False, "one"),
+    ("latency, mixed SLOs", "latency", False, "mixed"),
 )
 
 
@@ -102,6 +110,33 @@ async def _replay(
         return list(await asyncio.gather(*(one(a, b, n) for a, b, n in trace)))
     finally:
         client.close()
+
+
+async def _replay_as(
+    port: int, trace: list[tuple[float, bytes, int]], headers: str, mixed: bool
+) -> list[tuple[Outcome, int]]:
+    """`_replay`, or with `mixed` the even requests with TIGHT_MS and the odd with LOOSE_MS
+    (two clients at once), the results in the trace's order."""
+    if not mixed:
+        return await _replay(port, trace, headers, 60)
+    tight, loose = await asyncio.gather(
+        _replay(port, trace[0::2], f"x-slo-ttft-ms: {TIGHT_MS:g}\r\n", 60),
+        _replay(port, trace[1::2], f"x-slo-ttft-ms: {LOOSE_MS:g}\r\n", 60),
+    )
+    out: list[tuple[Outcome, int]] = []
+    for i in range(len(trace)):
+        out.append(tight[i // 2] if i % 2 == 0 else loose[i // 2])
+    return out
+
+
+def _by_class(results: list[tuple[Outcome, int]]) -> list[float]:
+    """Attainment of the even requests at TIGHT_MS and of the odd ones at LOOSE_MS."""
+    out = []
+    for start, slo in ((0, TIGHT_MS), (1, LOOSE_MS)):
+        part = results[start::2]
+        met = sum(1 for o, _ in part if o.status == 200 and o.first * 1000 <= slo)
+        out.append(round(met / max(1, len(part)), 3))
+    return out
 
 
 def _metric_lines(router: Proc, name: str) -> list[tuple[str, float]]:
@@ -202,12 +237,12 @@ def run(c: Cluster, quick: bool) -> dict[str, Any]:
             "health": {"interval": 60},
         }
         router = c.router(config, env={"SLUICEGATE_LOG_LEVEL": "warning"})
-        headers = f"x-slo-ttft-ms: {SLO_MS:g}\r\n" if slo else ""
+        headers = f"x-slo-ttft-ms: {SLO_MS:g}\r\n" if slo == "one" else ""
         try:
-            uvloop.run(_replay(router.port, warmup, headers, 60))
+            uvloop.run(_replay_as(router.port, warmup, headers, slo == "mixed"))
             before = {n: float(stats(m)["requests"]) for n, m in mocks.items()}
             t0 = time.perf_counter()
-            results = uvloop.run(_replay(router.port, trace, headers, 60))
+            results = uvloop.run(_replay_as(router.port, trace, headers, slo == "mixed"))
             wall = time.perf_counter() - t0
             after = {n: float(stats(m)["requests"]) for n, m in mocks.items()}
             total = sum(after[n] - before[n] for n in mocks) or 1.0
@@ -216,6 +251,8 @@ def run(c: Cluster, quick: bool) -> dict[str, Any]:
             if balancer == "latency":
                 row["prediction"] = _ratio_quantiles(router)
                 row["reasons"] = _reasons(router)
+                if slo != "one":
+                    row["tight_loose"] = _by_class(results)
             rows[label] = row
             print(f"latency bench: {label}: {row}", flush=True)
         finally:
@@ -378,6 +415,16 @@ def section(res: dict[str, Any], date: str) -> list[str]:
             f"{'-' if vs is None else f'{vs:.2f}x'} | "
             f"{fast:.2f}/{slow:.2f}/{share.get('hidden', 0):.2f} |"
         )
+    mixed = [(k, r["tight_loose"]) for k, r in rows.items() if "tight_loose" in r]
+    if mixed:
+        out += [
+            "",
+            f"Attainment of the even requests at {TIGHT_MS:g} ms / the odd ones at "
+            f"{LOOSE_MS:g} ms (in `latency, mixed SLOs` they carry those SLOs, and the loose "
+            "ones are packed; elsewhere they carry none): "
+            + "; ".join(f"{k} {t:.2f} / {lo:.2f}" for k, (t, lo) in mixed)
+            + ".",
+        ]
     pred = rows.get("latency", {}).get("prediction")
     if pred and pred.get("n"):
         out += [
