@@ -435,15 +435,7 @@ def room(
     reading counts as room), at most `max_inflight`."""
     if queued > 0:
         return 0
-    free = 0
-    for b in backends:
-        r = readings.get(b.name)
-        if (
-            r is None
-            or r.stale
-            or (r.waiting < cfg.room_waiting and r.kv_usage < cfg.room_kv_usage)
-        ):
-            free += 1
+    free = sum(1 for b in backends if cfg.room_in(readings.get(b.name)))
     return min(cfg.max_inflight, free * cfg.per_engine)
 
 
