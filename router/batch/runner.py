@@ -214,6 +214,10 @@ class BatchRunner:
     async def _fill(self, job: _Job) -> None:
         if self.proxy.lifecycle.draining or self._cooling.get(job.id, 0.0) > time.monotonic():
             return  # a draining router takes no new line: another replica will
+        admission = self.proxy.admission
+        if admission is not None and admission.depth:
+            self.proxy.metrics.batch_yields.inc()  # requests wait for a slot: they go first
+            return
         room = self.room(job.model) - self.inflight
         while room > 0:
             line = await self.store.take(job.id, job.total, self.cfg.lease_ttl)

@@ -33,16 +33,13 @@ def test_batch_lines_run_only_on_engines_whose_readings_show_room(procs: Cluster
         }
     )
 
-    def read() -> dict[str, dict[str, object]]:
+    def read() -> bool:
         r = httpx.get(router.url + "/admin/backends", timeout=5)
-        return {row["name"]: row["engine"] for row in r.json()}
+        seen = {row["name"]: row["engine"] for row in r.json()}
+        full, free = seen["full"], seen["free"]
+        return full is not None and full["waiting"] >= 1 and free is not None
 
-    wait_for(
-        lambda: (e := read())["full"] is not None
-        and e["full"]["waiting"] >= 1  # type: ignore[index]
-        and e["free"] is not None,
-        "fresh readings of both engines, the full one queueing",
-    )
+    wait_for(read, "fresh readings of both engines, the full one queueing")
     c = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
     f = c.files.create(
         file=("in.jsonl", jsonl([chat_line(i, max_tokens=2) for i in range(LINES)])),
