@@ -328,7 +328,7 @@ class Attempts:
         ctx = self._context(eligible, self.exclude)
         return self.held.take(eligible, self.balancer, ctx, self.readings)
 
-    def _with_room(self, eligible: Sequence[Backend]) -> Sequence[Backend]:
+    def _with_room(self, eligible: list[Backend]) -> list[Backend]:
         """A batch line's candidates (docs/batch.md): only the engines whose readings show room
         by `batch.room_waiting` and `batch.room_kv_usage`; none left means no lease (the line
         is handed back and taken again when the fleet has room)."""
