@@ -92,9 +92,11 @@ def create_app(
     time every chore of the runner waits on, and the time of health (ejections, probes),
     admission (deadlines, re-checks) and KV events (retries, flights); `tune_gc` False leaves
     the process's garbage collector as it is (`sluicegate serve` freezes the startup heap);
-    `proxy_routes` False serves no /v1 route (the endpoint picker's HTTP port: its requests
-    come through the gateway, router/picker/)."""
-    parts = AppParts(settings, transport=transport, clock=clock, tune_gc=tune_gc)
+    `proxy_routes` False serves no /v1 route and runs no batch job (the endpoint picker's HTTP
+    port: its requests come through the gateway, router/picker/)."""
+    parts = AppParts(
+        settings, transport=transport, clock=clock, tune_gc=tune_gc, batch=proxy_routes
+    )
     app = FastAPI(
         title="sluicegate",
         lifespan=_lifespan(parts),
@@ -132,6 +134,7 @@ class AppParts:
         transport: Callable[[Backend], Sender] | None = None,
         clock: Clock = SYSTEM,
         tune_gc: bool = True,
+        batch: bool = True,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -273,8 +276,12 @@ class AppParts:
             runner=runner,
         )
         self.batch: BatchParts | None = None
-        if settings.batch is not None:
+        if settings.batch is not None and batch:
             self.batch = _batch_parts(settings.batch, self)
+        elif settings.batch is not None:
+            # The endpoint picker sends nothing itself (the gateway does): jobs run on the
+            # proxy replicas that share its Redis and storage (docs/batch.md).
+            log.warning("batch: not run by the endpoint picker; proxy replicas run its jobs")
         self.rows = BackendRows(
             self.fleet,
             store,

@@ -29,16 +29,17 @@ FIXED = 16
 CHAT = "/v1/chat/completions"
 
 
-def _body(i: int, stream: bool = False) -> dict[str, Any]:
+def _body(i: int, stream: bool = False, model: str = "m", **extra: Any) -> dict[str, Any]:
     return {
-        "model": "m",
+        "model": model,
         "messages": [{"role": "user", "content": f"q{i}"}],
         "max_tokens": TOKENS,
         "stream": stream,
+        **extra,
     }
 
 
-async def _interactive(url: str, seconds: float) -> list[float]:
+async def _interactive(url: str, seconds: float, **body: Any) -> list[float]:
     """One streaming client, closed loop with a 50 ms pause: TTFT (first body byte) samples."""
     out: list[float] = []
     loop = asyncio.get_running_loop()
@@ -48,7 +49,7 @@ async def _interactive(url: str, seconds: float) -> list[float]:
         while loop.time() < end:
             t = time.perf_counter()
             first = None
-            async with h.stream("POST", CHAT, json=_body(i, True)) as r:
+            async with h.stream("POST", CHAT, json=_body(i, True, **body)) as r:
                 async for _ in r.aiter_raw():
                     if first is None:
                         first = time.perf_counter() - t
@@ -59,7 +60,7 @@ async def _interactive(url: str, seconds: float) -> list[float]:
     return out
 
 
-async def _fixed(url: str, seconds: float, clients: int) -> int:
+async def _fixed(url: str, seconds: float, clients: int, **body: Any) -> int:
     """`clients` senders, each one request after another: completion tokens answered."""
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
@@ -69,7 +70,7 @@ async def _fixed(url: str, seconds: float, clients: int) -> int:
         nonlocal done
         i = k
         while loop.time() < end:
-            r = await h.post(CHAT, json=_body(i))
+            r = await h.post(CHAT, json=_body(i, **body))
             if r.status_code == 200:
                 done += int(r.json()["usage"]["completion_tokens"])
             i += clients
@@ -88,13 +89,15 @@ def _ttft(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def _with_batch(url: str, seconds: float, lines: int) -> tuple[list[float], float]:
+async def _with_batch(
+    url: str, seconds: float, lines: int, **body: Any
+) -> tuple[list[float], float]:
     """A job of `lines` through the Batch API and the interactive client: TTFT samples and the
     batch's completion tokens/s over the interactive client's time."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as h:
         data = b"".join(
             json.dumps(
-                {"custom_id": f"b{i}", "method": "POST", "url": CHAT, "body": _body(i)}
+                {"custom_id": f"b{i}", "method": "POST", "url": CHAT, "body": _body(i, **body)}
             ).encode()
             + b"\n"
             for i in range(lines)
@@ -112,7 +115,7 @@ async def _with_batch(url: str, seconds: float, lines: int) -> tuple[list[float]
 
         await asyncio.sleep(1.0)  # the runner's first lines are in flight
         before, t0 = await done(), time.perf_counter()
-        samples = await _interactive(url, seconds)
+        samples = await _interactive(url, seconds, **body)
         after, t1 = await done(), time.perf_counter()
         await h.post(f"/v1/batches/{job_id}/cancel")
     return samples, (after - before) * TOKENS / (t1 - t0)
@@ -180,5 +183,102 @@ def section(r: dict[str, Any], date: str) -> list[str]:
         "",
         "| batch | interactive TTFT p50 ms | p90 ms | fill |",
         "|---|---|---|---|",
+        *rows,
+    ]
+
+
+# --- the same against the real vLLM engines (`--only batch_real`) ------------------------------
+
+REAL_SLOTS = 8  # requests in flight per engine (its backend's max_inflight)
+REAL_PER_ENGINE = 6  # batch lines per engine: two slots left for interactive requests
+
+
+def run_real(c: Cluster, quick: bool) -> dict[str, Any]:
+    """The four measurements of `run` against two real vLLM engines (router/tools/enginefleet/,
+    one per core, the tiny random-weight Llama), every answer TOKENS tokens (`ignore_eos`), with
+    admission on and REAL_SLOTS slots per engine: flat out is 2 x REAL_SLOTS clients."""
+    from router.tools.enginefleet.fleet import EngineOptions, Fleet
+    from router.tools.enginefleet.install import engine_home, ensure_venv
+    from router.tools.enginefleet.model import write_model
+
+    seconds = 8.0 if quick else 20.0
+    home = engine_home()
+    fleet = Fleet(ensure_venv(home), write_model(home / "models"), count=2, options=EngineOptions())
+    try:
+        fleet.start()
+        model = fleet.engines[0].model
+        body = {"model": model, "ignore_eos": True, "temperature": 0}
+        redis = c.redis()
+        router = c.router(
+            {
+                "backends": [{**b, "max_inflight": REAL_SLOTS} for b in fleet.backends()],
+                "redis_url": redis.url,
+                "engine_metrics": {"interval": 0.1, "timeout": 2.0, "stale_after": 2.0},
+                "admission": {"max_wait": 60},
+                "batch": {
+                    "storage_dir": str(c.tmp / "batch-real"),
+                    "per_engine": REAL_PER_ENGINE,
+                    "tick": 0.1,
+                },
+            },
+            env={"SLUICEGATE_LOG_LEVEL": "warning"},
+        )
+        asyncio.run(_fixed(router.url, 2.0, 4, **body))  # warm: first requests compile paths
+        flat = 2 * REAL_SLOTS
+        capacity = asyncio.run(_fixed(router.url, seconds, flat, **body)) / seconds
+        idle = asyncio.run(_interactive(router.url, seconds, **body))
+        lines = int(capacity / TOKENS * seconds * 3) + 100
+        ours, ours_tps = asyncio.run(_with_batch(router.url, seconds, lines, **body))
+
+        async def fixed_beside() -> tuple[list[float], int]:
+            return await asyncio.gather(
+                _interactive(router.url, seconds, **body),
+                _fixed(router.url, seconds, flat, **body),
+            )
+
+        theirs, theirs_tokens = asyncio.run(fixed_beside())
+    finally:
+        fleet.stop()
+    return {
+        "seconds": seconds,
+        "slots": REAL_SLOTS,
+        "per_engine": REAL_PER_ENGINE,
+        "tokens": TOKENS,
+        "fixed_concurrency": flat,
+        "capacity_tps": capacity,
+        "idle": _ttft(idle),
+        "sluicegate": {**_ttft(ours), "fill": ours_tps / capacity, "tps": ours_tps},
+        "fixed": {
+            **_ttft(theirs),
+            "fill": theirs_tokens / seconds / capacity,
+            "tps": theirs_tokens / seconds,
+        },
+    }
+
+
+def section_real(r: dict[str, Any], date: str) -> list[str]:
+    rows = []
+    for name, label in (
+        ("idle", "idle fleet"),
+        ("sluicegate", "sluicegate Batch API"),
+        ("fixed", f"fixed concurrency {r['fixed_concurrency']}"),
+    ):
+        x = r[name]
+        fill = f"{x['fill']:.2f}" if "fill" in x else "-"
+        tps = f"{x['tps']:.0f}" if "tps" in x else "-"
+        rows.append(f"| {label} | {x['p50_ms']:.1f} | {x['p90_ms']:.1f} | {tps} | {fill} |")
+    return [
+        "## Batch on real vLLM engines",
+        "",
+        f"Two real vLLM engines (CPU build, the tiny random-weight Llama, one per core), "
+        f"{r['slots']} slots each, batch lines {r['per_engine']} per engine, "
+        f"{r['tokens']}-token answers; flat out ({r['fixed_concurrency']} clients) "
+        f"{r['capacity_tps']:.0f} tokens/s. One interactive streaming client for "
+        f"{r['seconds']:.0f} s alone, beside a Batch API job, and beside the same lines at a "
+        "fixed concurrency. One run on a 2-core machine shared with other work: compare within "
+        f"the run (bench/scenarios/batch.py `run_real`, `--only batch_real`, {date}).",
+        "",
+        "| batch | interactive TTFT p50 ms | p90 ms | batch tokens/s | fill |",
+        "|---|---|---|---|---|",
         *rows,
     ]

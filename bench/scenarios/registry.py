@@ -171,6 +171,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "kv_real", _stored("kv_real", kv_real.run), _of("kv_real", kv_real.section), full=False
     ),
+    Scenario(
+        "batch_real",
+        _stored("batch_real", batch.run_real),
+        _of("batch_real", batch.section_real),
+        full=False,
+    ),
 )
 
 BY_NAME = {s.name: s for s in SCENARIOS}
@@ -180,7 +186,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 SECTION_ORDER = (
     "hop", "overhead", "compare", "streaming", "storm", "soak", "multi", "engine", "prefix",
     "lora", "pd", "picker", "console", "real", "kv", "kv_real", "latency", "noisy", "admission",
-    "batch",
+    "batch", "batch_real",
 )  # fmt: skip
 TARGET_ORDER = ("overhead", "console", "streaming", "storm", "engine", "prefix", "multi")
 

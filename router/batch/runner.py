@@ -214,6 +214,10 @@ class BatchRunner:
     async def _fill(self, job: _Job) -> None:
         if self.proxy.lifecycle.draining or self._cooling.get(job.id, 0.0) > time.monotonic():
             return  # a draining router takes no new line: another replica will
+        admission = self.proxy.admission
+        if admission is not None and admission.depth:
+            self.proxy.metrics.batch_yields.inc()  # requests wait for a slot: they go first
+            return
         room = self.room(job.model) - self.inflight
         while room > 0:
             line = await self.store.take(job.id, job.total, self.cfg.lease_ttl)
@@ -435,15 +439,7 @@ def room(
     reading counts as room), at most `max_inflight`."""
     if queued > 0:
         return 0
-    free = 0
-    for b in backends:
-        r = readings.get(b.name)
-        if (
-            r is None
-            or r.stale
-            or (r.waiting < cfg.room_waiting and r.kv_usage < cfg.room_kv_usage)
-        ):
-            free += 1
+    free = sum(1 for b in backends if cfg.room_in(readings.get(b.name)))
     return min(cfg.max_inflight, free * cfg.per_engine)
 
 

@@ -34,6 +34,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from router.core.engine import EngineReading
 from router.core.tls import TlsError, context
 from router.core.validation import check_header_name, check_header_value, check_url
 
@@ -536,6 +537,16 @@ class BatchConfig(_Strict):
     # While interactive requests wait in admission's queue, each tick cancels as many of this
     # replica's youngest batch lines in flight; they are handed back and run again later.
     preempt: bool = False
+
+    def room_in(self, reading: EngineReading | None) -> bool:
+        """An engine may take batch work: its fresh reading shows fewer than `room_waiting`
+        waiting and under `room_kv_usage` of its KV in use (no fresh reading counts as room:
+        an engine that publishes none is judged by its in-flight limit alone)."""
+        return (
+            reading is None
+            or reading.stale
+            or (reading.waiting < self.room_waiting and reading.kv_usage < self.room_kv_usage)
+        )
 
 
 # Never backends unless an operator says so: cloud metadata services (AWS, GCP, Azure, OpenStack

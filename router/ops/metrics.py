@@ -269,6 +269,13 @@ ROWS: tuple[Row, ...] = (
         mode="livesum",
     ),
     Row(
+        "batch_yields",
+        Counter,
+        "sluicegate_batch_yields_total",
+        "Runner ticks that started no line of a running job because requests waited in "
+        "admission's queue (batch work yielding to interactive work).",
+    ),
+    Row(
         "in_flight",
         Gauge,
         "sluicegate_backend_in_flight",
@@ -662,6 +669,7 @@ class Metrics:
     batch_jobs: Gauge
     batch_lines: Counter
     batch_inflight: Gauge
+    batch_yields: Counter
 
     def __init__(self) -> None:
         reg = self.registry = CollectorRegistry(auto_describe=True)

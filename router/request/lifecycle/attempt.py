@@ -310,6 +310,8 @@ class Attempts:
                     self._shed_early()  # a sheddable request out of reach: not queued first
                 return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
+        if call.record.batch:
+            eligible = self._with_room(eligible)
         self.readings = parts.readings() if parts.readings and self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
         return self.held.take(eligible, self.balancer, ctx, self.readings)
@@ -330,11 +332,24 @@ class Attempts:
         all_readings = parts.readings() if parts.readings else None
         if all_readings:
             eligible = parts.admission.open_backends(eligible, all_readings)
+            if call.record.batch:
+                eligible = self._with_room(eligible)
             if not eligible:
                 return _no_lease()
         self.readings = all_readings if self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
         return self.held.take(eligible, self.balancer, ctx, self.readings)
+
+    def _with_room(self, eligible: list[Backend]) -> list[Backend]:
+        """A batch line's candidates (docs/batch.md): only the engines whose readings show room
+        by `batch.room_waiting` and `batch.room_kv_usage`; none left means no lease (the line
+        is handed back and taken again when the fleet has room)."""
+        parts = self.parts
+        cfg = parts.settings.batch
+        readings = parts.readings() if parts.readings else None
+        if cfg is None or not readings:
+            return eligible
+        return [b for b in eligible if cfg.room_in(readings.get(b.name))]
 
     async def _after_hold(self, held: Held) -> Lease | None:
         """The held request's model has a ready backend: the hold ends (its keep-alive stopped
