@@ -26,6 +26,7 @@ from tests.support.harness import free_port
 
 PEERS = {"vllm-router": "vllm-router==0.1.17", "smg": "smg==1.13.0"}
 START_S = 60.0  # seconds a peer may take to answer /health
+LOG_LEVEL = {"vllm-router": "warning", "smg": "warn"}  # each one's spelling of it
 
 
 def venv_dir(home: Path) -> Path:
@@ -57,6 +58,14 @@ class Peer:
     proc: subprocess.Popen[bytes]
     log: Path
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
     def stop(self, grace: float = 5.0) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -69,7 +78,9 @@ class Peer:
 
 def argv(kind: str, policy: str, port: int, engines: list[str], extra: list[str]) -> list[str]:
     """One peer's command line (both take the same core flags; smg's under `launch`). Each
-    gets its own Prometheus port: both default to a fixed one, which two peers would share."""
+    gets its own Prometheus port: both default to a fixed one, which two peers would share.
+    Both log at warning level, as every router does when measured (at info the vLLM router
+    writes a line per pick)."""
     if kind not in PEERS:
         raise ValueError(f"unknown peer {kind!r}: one of {sorted(PEERS)}")
     return [
@@ -85,6 +96,8 @@ def argv(kind: str, policy: str, port: int, engines: list[str], extra: list[str]
         *engines,
         "--policy",
         policy,
+        "--log-level",
+        LOG_LEVEL[kind],
         *extra,
     ]
 
@@ -103,7 +116,12 @@ def start(
     cmd[0] = str(bin_dir / cmd[0])
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "RUST_LOG": "warn"},
+            process_group=0,
         )
     peer = Peer(kind, policy, f"http://127.0.0.1:{port}", proc, log)
     deadline = time.monotonic() + START_S

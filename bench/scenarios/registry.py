@@ -29,6 +29,7 @@ from bench.scenarios import (
     lora,
     noisy,
     pd,
+    peers,
     picker,
     prefix_workload,
     real_engine,
@@ -101,6 +102,17 @@ def _pd(bench: Bench) -> None:
     bench.results["pd"] = pd.run(bench.cluster, bench.quick, bench.baseline_src)
 
 
+def _peers(bench: Bench) -> None:
+    """Both issues' real-engine figures from one measurement: kv_real's key filled too."""
+    res = peers.run(bench.cluster, bench.quick)
+    bench.results["kv_real"] = res.pop("real")
+    bench.results["peers"] = res
+
+
+def _peers_section(r: dict[str, Any], date: str) -> list[str] | None:
+    return peers.section(r["peers"], r.get("kv_real"), date) if "peers" in r else None
+
+
 def _noisy_section(r: dict[str, Any], date: str) -> list[str] | None:
     return noisy.section(r) if "noisy" in r else None
 
@@ -171,6 +183,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "kv_real", _stored("kv_real", kv_real.run), _of("kv_real", kv_real.section), full=False
     ),
+    # The real-engine half is kv_real's run (its key filled too), then the hop beside the peers.
+    Scenario("peers", _peers, _peers_section, full=False),
 )
 
 BY_NAME = {s.name: s for s in SCENARIOS}
@@ -179,8 +193,8 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 # and the Targets table's order of rows: the order they read in, not the order they run in.
 SECTION_ORDER = (
     "hop", "overhead", "compare", "streaming", "storm", "soak", "multi", "engine", "prefix",
-    "lora", "pd", "picker", "console", "real", "kv", "kv_real", "latency", "noisy", "admission",
-    "batch",
+    "lora", "pd", "picker", "console", "real", "kv", "kv_real", "peers", "latency", "noisy",
+    "admission", "batch",
 )  # fmt: skip
 TARGET_ORDER = ("overhead", "console", "streaming", "storm", "engine", "prefix", "multi")
 
