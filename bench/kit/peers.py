@@ -66,6 +66,26 @@ class Peer:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
+    def wait_healthy(self, timeout_s: float = START_S) -> None:
+        """Until its `/health` answers 200; stopped and TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.kind} exited with {self.proc.returncode}: "
+                    f"{self.log.read_text()[-2000:]}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(
+            f"{self.kind} not healthy after {timeout_s:g} s: {self.log.read_text()[-2000:]}"
+        )
+
     def stop(self, grace: float = 5.0) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -109,8 +129,10 @@ def start(
     engines: list[str],
     log: Path,
     extra: list[str] | None = None,
+    wait: bool = True,
 ) -> Peer:
-    """`kind` (a key of PEERS) with `policy` in front of `engines`, on a free loopback port."""
+    """`kind` (a key of PEERS) with `policy` in front of `engines`, on a free loopback port;
+    healthy on return unless not `wait` (then `wait_healthy()` is the caller's)."""
     port = free_port()
     cmd = argv(kind, policy, port, engines, extra or [])
     cmd[0] = str(bin_dir / cmd[0])
@@ -124,15 +146,6 @@ def start(
             process_group=0,
         )
     peer = Peer(kind, policy, f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(peer.url + "/health", timeout=1.0).status_code == 200:
-                return peer
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    peer.stop()
-    raise TimeoutError(f"{kind} not healthy after {START_S:g} s: {log.read_text()[-2000:]}")
+    if wait:
+        peer.wait_healthy()
+    return peer

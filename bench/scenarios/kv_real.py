@@ -187,6 +187,39 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _peer(fleet: Any, bin_dir: Path, tmp: Path, target: str) -> peers.Peer:
+    """A peer in front of the engines. vllm-router's `kv_aware` trusts an engine's events only
+    once it has seen them from seq 0 with no gap (vLLM's seq restarts only with the engine), so
+    for it the engines start again under the subscribed router (about half a minute)."""
+    if PEER_TARGETS[target][1] != "kv_aware":
+        return _start_peer(fleet, bin_dir, tmp, target)
+    for e in fleet.engines:
+        e.stop()
+    peer = _start_peer(fleet, bin_dir, tmp, target, wait=False)
+    try:
+        fleet.ensure_up(START_S)
+        # Healthy once it has seen the engines healthy and subscribed to their events; the
+        # first batch (seq 0) comes with the first request, the warm-up, after a moment for
+        # the subscription to reach the engines' publishers through the forwarder.
+        peer.wait_healthy(START_S)
+        time.sleep(0.5)
+        _warm(fleet)
+    except BaseException:
+        peer.stop()
+        raise
+    return peer
+
+
+def _warm(fleet: Any) -> None:
+    """A fresh engine's first answer is slower: one short request each."""
+    for e in fleet.engines:
+        httpx.post(
+            e.url + "/v1/completions",
+            json={"model": e.model, "prompt": "warm", "max_tokens": 4},
+            timeout=60,
+        )
+
+
+def _start_peer(fleet: Any, bin_dir: Path, tmp: Path, target: str, wait: bool = True) -> peers.Peer:
     kind, policy = PEER_TARGETS[target]
     extra: list[str] = []
     if policy == "kv_aware":  # the engines' KV events, where the fleet's forwarder serves them
@@ -198,7 +231,7 @@ def _peer(fleet: Any, bin_dir: Path, tmp: Path, target: str) -> peers.Peer:
             extra += ["--kv-event-replay-source", f"{e.url}={e.kv_replay_endpoint}"]
         extra += ["--kv-event-block-size", "128", "--kv-event-model", fleet.engines[0].model]
     urls = [e.url for e in fleet.engines]
-    return peers.start(bin_dir, kind, policy, urls, tmp / f"{kind}-{policy}.log", extra)
+    return peers.start(bin_dir, kind, policy, urls, tmp / f"{kind}-{policy}.log", extra, wait)
 
 
 def _reset(fleet: Any) -> None:
@@ -338,13 +371,7 @@ def _size(
     out: dict[str, Any] = {}
     try:
         fleet.start(timeout_s=START_S)
-        model = fleet.engines[0].model
-        for e in fleet.engines:  # a fresh engine's first answer is slower
-            httpx.post(
-                e.url + "/v1/completions",
-                json={"model": model, "prompt": "warm", "max_tokens": 4},
-                timeout=60,
-            )
+        _warm(fleet)
         for dataset, targets, rounds in plan:
             runs: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
             for r in range(rounds):
