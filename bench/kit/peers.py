@@ -26,6 +26,7 @@ from tests.support.harness import free_port
 
 PEERS = {"vllm-router": "vllm-router==0.1.17", "smg": "smg==1.13.0"}
 START_S = 60.0  # seconds a peer may take to answer /health
+LOG_LEVEL = {"vllm-router": "warning", "smg": "warn"}  # each one's spelling of it
 
 
 def venv_dir(home: Path) -> Path:
@@ -57,6 +58,34 @@ class Peer:
     proc: subprocess.Popen[bytes]
     log: Path
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def wait_healthy(self, timeout_s: float = START_S) -> None:
+        """Until its `/health` answers 200; stopped and TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.kind} exited with {self.proc.returncode}: "
+                    f"{self.log.read_text()[-2000:]}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(
+            f"{self.kind} not healthy after {timeout_s:g} s: {self.log.read_text()[-2000:]}"
+        )
+
     def stop(self, grace: float = 5.0) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -69,7 +98,9 @@ class Peer:
 
 def argv(kind: str, policy: str, port: int, engines: list[str], extra: list[str]) -> list[str]:
     """One peer's command line (both take the same core flags; smg's under `launch`). Each
-    gets its own Prometheus port: both default to a fixed one, which two peers would share."""
+    gets its own Prometheus port: both default to a fixed one, which two peers would share.
+    Both log at warning level, as every router does when measured (at info the vLLM router
+    writes a line per pick)."""
     if kind not in PEERS:
         raise ValueError(f"unknown peer {kind!r}: one of {sorted(PEERS)}")
     return [
@@ -85,6 +116,8 @@ def argv(kind: str, policy: str, port: int, engines: list[str], extra: list[str]
         *engines,
         "--policy",
         policy,
+        "--log-level",
+        LOG_LEVEL[kind],
         *extra,
     ]
 
@@ -96,25 +129,23 @@ def start(
     engines: list[str],
     log: Path,
     extra: list[str] | None = None,
+    wait: bool = True,
 ) -> Peer:
-    """`kind` (a key of PEERS) with `policy` in front of `engines`, on a free loopback port."""
+    """`kind` (a key of PEERS) with `policy` in front of `engines`, on a free loopback port;
+    healthy on return unless not `wait` (then `wait_healthy()` is the caller's)."""
     port = free_port()
     cmd = argv(kind, policy, port, engines, extra or [])
     cmd[0] = str(bin_dir / cmd[0])
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "RUST_LOG": "warn"},
+            process_group=0,
         )
     peer = Peer(kind, policy, f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(peer.url + "/health", timeout=1.0).status_code == 200:
-                return peer
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    peer.stop()
-    raise TimeoutError(f"{kind} not healthy after {START_S:g} s: {log.read_text()[-2000:]}")
+    if wait:
+        peer.wait_healthy()
+    return peer

@@ -35,8 +35,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from bench.kit.loadgen import run_load
 from bench.kit.nginx import start_nginx
@@ -59,7 +60,18 @@ RATE_SHARE = 0.6  # of sluicegate's closed-loop req/s: the one rate every target
 RATE_USERS = 64
 
 
-def _body(model: str, tokens: int) -> bytes:
+class Target(Protocol):
+    """What a load is run against: a process (its tree's CPU is read) on a loopback port; a
+    harness Proc, or a peer router (bench/kit/peers.py)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def port(self) -> int: ...
+
+
+def body_of(model: str, tokens: int) -> bytes:
     msg = [{"role": "user", "content": "hi"}]
     payload = {"model": model, "stream": True, "max_tokens": tokens, "messages": msg}
     return json.dumps(payload).encode()
@@ -99,8 +111,8 @@ def _burst_router(c: Cluster, up: Proc, workers: int) -> Proc:
     return c.router(cfg, env={"SLUICEGATE_LOG_LEVEL": "info"}, workers=workers)
 
 
-def _rounds(
-    targets: dict[str, tuple[Proc, bytes]], rounds: int, **load: Any
+def load_rounds(
+    targets: Mapping[str, tuple[Target, bytes]], rounds: int, **load: Any
 ) -> dict[str, dict[str, Any]]:
     """Each target `rounds` times, the order rotating: requests, CPU, elapsed, TTFT samples."""
     agg: dict[str, dict[str, Any]] = {
@@ -120,7 +132,7 @@ def _rounds(
     return agg
 
 
-def _ratio_spread(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+def ratio_spread(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     """Round-by-round ratios of CPU per request (a / b): median, lowest, highest."""
     per = [
         (ca / na) / (cb / nb)
@@ -145,16 +157,16 @@ def run(c: Cluster, quick: bool = False, baseline_src: str | None = None) -> dic
 
     # Per request.
     short: dict[str, tuple[Proc, bytes]] = {
-        "direct": (fast, _body("mock-model", SHORT)),
-        "sluicegate": (router, _body("m", SHORT)),
-        "floor": (floor_fast, _body("mock-model", SHORT)),
+        "direct": (fast, body_of("mock-model", SHORT)),
+        "sluicegate": (router, body_of("m", SHORT)),
+        "floor": (floor_fast, body_of("mock-model", SHORT)),
     }
     if ngx_fast is not None:
-        short["nginx"] = (ngx_fast, _body("mock-model", SHORT))
+        short["nginx"] = (ngx_fast, body_of("mock-model", SHORT))
     if base is not None:
-        short["baseline"] = (base, _body("m", SHORT))
-    _rounds(short, 1, concurrency=32, duration=1.0)  # warm-up: connections, pools, caches
-    agg = _rounds(short, rounds, concurrency=32, duration=3.0)
+        short["baseline"] = (base, body_of("m", SHORT))
+    load_rounds(short, 1, concurrency=32, duration=1.0)  # warm-up: connections, pools, caches
+    agg = load_rounds(short, rounds, concurrency=32, duration=3.0)
     per_req: dict[str, Any] = {}
     for k, a in agg.items():
         per_req[k] = {
@@ -166,16 +178,16 @@ def run(c: Cluster, quick: bool = False, baseline_src: str | None = None) -> dic
     ratios: dict[str, Any] = {}
     for ref in ("nginx", "floor", "baseline"):
         if ref in agg:
-            ratios[f"cpu_vs_{ref}"] = _ratio_spread(agg["sluicegate"], agg[ref])
+            ratios[f"cpu_vs_{ref}"] = ratio_spread(agg["sluicegate"], agg[ref])
             ratios[f"rps_vs_{ref}"] = per_req["sluicegate"]["rps"] / per_req[ref]["rps"]
     if "nginx" in agg:
-        ratios["floor_cpu_vs_nginx"] = _ratio_spread(agg["floor"], agg["nginx"])
+        ratios["floor_cpu_vs_nginx"] = ratio_spread(agg["floor"], agg["nginx"])
     res["ratios"] = ratios
 
     # Per request at one rate for all (open loop).
     rate = RATE_SHARE * per_req["sluicegate"]["rps"]
     at_rate = {k: v for k, v in short.items() if k != "direct"}
-    agg = _rounds(at_rate, rounds, concurrency=RATE_USERS, duration=3.0, rate=rate)
+    agg = load_rounds(at_rate, rounds, concurrency=RATE_USERS, duration=3.0, rate=rate)
     res["rate"] = rate
     res["per_request_at_rate"] = {
         k: {
@@ -187,19 +199,19 @@ def run(c: Cluster, quick: bool = False, baseline_src: str | None = None) -> dic
     res["rate_kept"] = all(v["rps"] >= 0.95 * rate for v in res["per_request_at_rate"].values())
     for ref in ("nginx", "floor", "baseline"):
         if ref in agg:
-            ratios[f"cpu_vs_{ref}_at_rate"] = _ratio_spread(agg["sluicegate"], agg[ref])
+            ratios[f"cpu_vs_{ref}_at_rate"] = ratio_spread(agg["sluicegate"], agg[ref])
     if "nginx" in agg:
-        ratios["floor_cpu_vs_nginx_at_rate"] = _ratio_spread(agg["floor"], agg["nginx"])
+        ratios["floor_cpu_vs_nginx_at_rate"] = ratio_spread(agg["floor"], agg["nginx"])
 
     # Per chunk on long streams.
     events = LONG + 3  # the role event, the tokens, the finish event, [DONE]
     long: dict[str, tuple[Proc, bytes]] = {
-        "sluicegate": (router, _body("long", LONG)),
-        "floor": (floor_slow, _body("mock-model", LONG)),
+        "sluicegate": (router, body_of("long", LONG)),
+        "floor": (floor_slow, body_of("mock-model", LONG)),
     }
     if ngx_slow is not None:
-        long["nginx"] = (ngx_slow, _body("mock-model", LONG))
-    agg = _rounds(long, 2 if quick else 3, concurrency=100, requests=200, request_timeout=30)
+        long["nginx"] = (ngx_slow, body_of("mock-model", LONG))
+    agg = load_rounds(long, 2 if quick else 3, concurrency=100, requests=200, request_timeout=30)
     per_chunk = {k: sum(a["cpu"]) / (a["ok"] * events) * 1e6 for k, a in agg.items() if a["ok"]}
     res["per_chunk_us"] = per_chunk
     for ref in ("nginx", "floor"):
@@ -229,9 +241,9 @@ def bursts(c: Cluster, up: Proc, one: Proc, two: Proc, rounds: dict[int, int]) -
     beside it); the pooled p99 is shown too."""
     ngx = start_nginx(c, [up])
     floors = {w: _floor(c, up, workers=w) for w in (1, 2)}
-    body = _body("mock-model", BURST_TOKENS)
-    routed = _body("burst", BURST_TOKENS)
-    targets: dict[str, tuple[Proc, bytes]] = {
+    body = body_of("mock-model", BURST_TOKENS)
+    routed = body_of("burst", BURST_TOKENS)
+    targets: dict[str, tuple[Target, bytes]] = {
         "direct": (up, body),
         "sluicegate_1w": (one, routed),
         "sluicegate_2w": (two, routed),
@@ -240,44 +252,52 @@ def bursts(c: Cluster, up: Proc, one: Proc, two: Proc, rounds: dict[int, int]) -
         targets["nginx"] = (ngx, body)
     for w, proc in floors.items():
         targets[f"floor_{w}w"] = (proc, body)
-    out: dict[str, Any] = {"rounds": rounds, "tokens": BURST_TOKENS, "itl_ms": BURST_ITL_MS}
     try:
-        for size, n in rounds.items():
-            load = {"concurrency": size, "requests": size, "request_timeout": 30}
-            _rounds(targets, 1, **load)  # warm-up: the workers' pools, nginx's upstream keep-alive
-            per_round: dict[str, list[float]] = {k: [] for k in targets}
-            pooled: dict[str, list[float]] = {k: [] for k in targets}
-            errors = dict.fromkeys(targets, 0)
-            for rnd in range(n):
-                agg = _rounds(_rotated(targets, rnd), 1, **load)  # one round, its own order
-                for k, a in agg.items():
-                    per_round[k].append(pct(a["ttfb"], 0.99) * 1000)
-                    pooled[k] += a["ttfb"]
-                    errors[k] += a["errors"]
-            added = {
-                k: [t - d for t, d in zip(v, per_round["direct"], strict=True)]
-                for k, v in per_round.items()
-                if k != "direct"
-            }
-            direct_p99 = pct(pooled["direct"], 0.99) * 1000
-            out[str(size)] = {
-                k: {
-                    "ttft_p50_ms": pct(pooled[k], 0.5) * 1000,
-                    "ttft_p99_ms": pct(pooled[k], 0.99) * 1000,
-                    "added_p99_ms": pct(pooled[k], 0.99) * 1000 - direct_p99,
-                    "added_p99_rounds_ms": added.get(k, []),
-                    "errors": errors[k],
-                }
-                for k in targets
-            }
+        return burst_rounds(targets, rounds)
     finally:
         for p in (ngx, *floors.values()):
             if p is not None:
                 p.stop()
+
+
+def burst_rounds(
+    targets: Mapping[str, tuple[Target, bytes]], rounds: dict[int, int]
+) -> dict[str, Any]:
+    """`bursts()`'s measurement of given targets, `direct` among them (the mock itself, that
+    each round's added p99 is taken against): (body, figures) per size as `bursts()` says."""
+    out: dict[str, Any] = {"rounds": rounds, "tokens": BURST_TOKENS, "itl_ms": BURST_ITL_MS}
+    for size, n in rounds.items():
+        load = {"concurrency": size, "requests": size, "request_timeout": 30}
+        load_rounds(targets, 1, **load)  # warm-up: the workers' pools, nginx's upstream keep-alive
+        per_round: dict[str, list[float]] = {k: [] for k in targets}
+        pooled: dict[str, list[float]] = {k: [] for k in targets}
+        errors = dict.fromkeys(targets, 0)
+        for rnd in range(n):
+            agg = load_rounds(_rotated(targets, rnd), 1, **load)  # one round, its own order
+            for k, a in agg.items():
+                per_round[k].append(pct(a["ttfb"], 0.99) * 1000)
+                pooled[k] += a["ttfb"]
+                errors[k] += a["errors"]
+        added = {
+            k: [t - d for t, d in zip(v, per_round["direct"], strict=True)]
+            for k, v in per_round.items()
+            if k != "direct"
+        }
+        direct_p99 = pct(pooled["direct"], 0.99) * 1000
+        out[str(size)] = {
+            k: {
+                "ttft_p50_ms": pct(pooled[k], 0.5) * 1000,
+                "ttft_p99_ms": pct(pooled[k], 0.99) * 1000,
+                "added_p99_ms": pct(pooled[k], 0.99) * 1000 - direct_p99,
+                "added_p99_rounds_ms": added.get(k, []),
+                "errors": errors[k],
+            }
+            for k in targets
+        }
     return out
 
 
-def _rotated(targets: dict[str, Any], rnd: int) -> dict[str, Any]:
+def _rotated(targets: Mapping[str, Any], rnd: int) -> dict[str, Any]:
     keys = list(targets)
     keys = keys[rnd % len(keys) :] + keys[: rnd % len(keys)]
     return {k: targets[k] for k in keys}
@@ -310,14 +330,14 @@ def ab(c: Cluster, baseline_src: str, rounds: int, seconds: float, tokens: int) 
     fast = c.mock("hop-fast", tokens=tokens)
     slow = c.mock("hop-slow", tokens=LONG, itl_ms=ITL_MS)
     pair = {
-        "this": (_router(c, fast, slow), _body("m", tokens)),
-        "baseline": (_router(c, fast, slow, src=baseline_src), _body("m", tokens)),
+        "this": (_router(c, fast, slow), body_of("m", tokens)),
+        "baseline": (_router(c, fast, slow, src=baseline_src), body_of("m", tokens)),
     }
-    _rounds(pair, 1, concurrency=32, duration=1.0)
-    agg = _rounds(pair, rounds, concurrency=32, duration=seconds)
+    load_rounds(pair, 1, concurrency=32, duration=1.0)
+    agg = load_rounds(pair, rounds, concurrency=32, duration=seconds)
     return {
         "cpu_ms_per_req": {k: sum(a["cpu"]) / a["ok"] * 1000 for k, a in agg.items()},
-        "this_vs_baseline": _ratio_spread(agg["this"], agg["baseline"]),
+        "this_vs_baseline": ratio_spread(agg["this"], agg["baseline"]),
     }
 
 

