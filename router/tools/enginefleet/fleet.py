@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import random
@@ -378,7 +379,8 @@ class Engine:
 
 class Fleet:
     """`count` engines sharing one run directory (logs, ZMQ sockets), removed by `stop()`;
-    `roles` gives engine i its role (default: every one `both`)."""
+    `roles` gives engine i its role (default: every one `both`), and `max_model_lens` its
+    `--max-model-len` (default: every one `options.max_model_len`), kept across `restart_with`."""
 
     def __init__(
         self,
@@ -388,18 +390,29 @@ class Fleet:
         options: EngineOptions | None = None,
         run_dir: Path | None = None,
         roles: Sequence[str] | None = None,
+        max_model_lens: Sequence[int] | None = None,
     ) -> None:
         self.options = options or EngineOptions()
         roles = list(roles) if roles is not None else ["both"] * count
         if len(roles) != count:
             raise ValueError(f"{len(roles)} roles for {count} engines")
+        self.max_model_lens = list(max_model_lens) if max_model_lens is not None else None
+        if self.max_model_lens is not None and len(self.max_model_lens) != count:
+            raise ValueError(f"{len(self.max_model_lens)} max_model_lens for {count} engines")
         # Short: an ipc:// path must fit in a unix socket address (~107 bytes).
         self._own_run_dir = run_dir is None
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="sg-engines-"))
         self.engines = [
-            Engine(i, python, model_dir, self.run_dir, self.options, roles[i]) for i in range(count)
+            Engine(i, python, model_dir, self.run_dir, self._options_of(i), roles[i])
+            for i in range(count)
         ]
         self.broken: str | None = None  # why a caller (the engine tier) gave up on it, if it did
+
+    def _options_of(self, index: int) -> EngineOptions:
+        """The fleet's options, with engine `index`'s own context length where one is set."""
+        if self.max_model_lens is None:
+            return self.options
+        return dataclasses.replace(self.options, max_model_len=self.max_model_lens[index])
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start every engine at once (they load side by side), then wait for all of them."""
@@ -442,7 +455,7 @@ class Fleet:
             e.stop()
         self.options = options
         for e in self.engines:
-            e.options = options
+            e.options = self._options_of(e.index)
             e.model = options.model_name
         self.start(timeout_s)
 
@@ -474,8 +487,9 @@ def running(
     count: int = 2,
     options: EngineOptions | None = None,
     roles: Sequence[str] | None = None,
+    max_model_lens: Sequence[int] | None = None,
 ) -> Iterator[Fleet]:
-    fleet = Fleet(python, model_dir, count, options, roles=roles)
+    fleet = Fleet(python, model_dir, count, options, roles=roles, max_model_lens=max_model_lens)
     with fleet:
         yield fleet
 
