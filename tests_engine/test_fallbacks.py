@@ -1,13 +1,18 @@
 """A real vLLM with a small `--max-model-len` falls back to real vLLMs with a larger one.
 
-`small` is one engine of this module's own (`--max-model-len` SMALL_LEN, served as
-`tiny-llama-short`, a few KV blocks); `large` is the session's two engines (2,048 tokens). The
-router has `context_window_fallbacks: {small: [large]}`, and reads `small`'s context from its
+One engine of this module's own (`--max-model-len` SMALL_LEN, served as `tiny-llama-short`, a
+few KV blocks) is two models to the router: `small`, whose prompts the router counts with the
+model's own tokenizer (`affinity.tokenizers`, `via: router`), and `short`, which has no
+tokenizer. `large` is the session's two engines (2,048 tokens). The router has
+`context_window_fallbacks` from both to `large`, and reads the small engine's context from its
 `/v1/models`. What the client sees, through the official openai SDK:
 - a prompt over SMALL_LEN is answered by `large` without `small` being asked (the check before
   the call), streamed and not, with `x-sluicegate-model: large` and the large engine's body;
-- a prompt the check lets through (its content plus `max_tokens` fits; the chat template's
-  tokens push it over) gets the small engine's own context-length 400, and falls back on it;
+  one that fits exactly (its tokens plus `max_tokens` are SMALL_LEN) stays on `small`;
+- the same prompt to `short` passes the check (a prompt no tokenizer counts is never guessed),
+  gets the engine's own context-length 400, and falls back on it (vLLM 0.32 shortens a
+  `max_tokens` that does not fit beside the prompt rather than refusing it: only a prompt over
+  the context, or `max_tokens` over it alone, gets the 400);
 - with `"fallbacks": []` in the body the client gets that 400 as vLLM gave it, in OpenAI's shape.
 
 Whether `small` was asked is read from its own `http_requests_total` (vLLM's instrumentator).
@@ -75,21 +80,31 @@ def router(engine_fleet: Fleet, small: Engine) -> Iterator[Proc]:
             {"name": f"large-{e.index}", "url": e.url, "kind": "vllm", "models": {"large": e.model}}
             for e in engine_fleet.engines
         ]
-        short = {"name": "small-0", "url": small.url, "kind": "vllm"}
+        # The same engine twice, as two models: one counted by its tokenizer, one not.
+        smalls = [
+            {"name": f"{name}-0", "url": small.url, "kind": "vllm", "models": {name: small.model}}
+            for name in ("small", "short")
+        ]
         proc = start_router(
             cluster,
             engine_fleet,
             {
-                "backends": [{**short, "models": {"small": small.model}}, *large],
-                "context_window_fallbacks": {"small": ["large"]},
+                "backends": [*smalls, *large],
+                "context_window_fallbacks": {"small": ["large"], "short": ["large"]},
+                "affinity": {
+                    "tokenizers": {"small": {"via": "router", "path": str(small.model_dir)}}
+                },
                 "lora": {"refresh": 0.5},  # /v1/models, where max_model_len comes from
             },
         )
 
         def context_known() -> bool:
             rows = httpx.get(proc.url + "/admin/backends", timeout=10).json()
-            row = next(r for r in rows if r["name"] == "small-0")
-            return (row.get("engine") or {}).get("max_model_len") == SMALL_LEN
+            return all(
+                (r.get("engine") or {}).get("max_model_len") == SMALL_LEN
+                for r in rows
+                if r["name"] in ("small-0", "short-0")
+            )
 
         wait_for(context_known, "small's max_model_len read from its /v1/models", 60)
         yield proc
@@ -127,9 +142,11 @@ def engine_tokens(engine: Engine, messages: list[dict[str, str]]) -> int:
     return int(r.json()["count"])
 
 
-def create(router: Proc, messages: list[dict[str, str]], stream: bool, **extra: Any) -> Any:
+def create(
+    router: Proc, messages: list[dict[str, str]], stream: bool, model: str = "small", **extra: Any
+) -> Any:
     return sdk(router).chat.completions.with_raw_response.create(
-        model="small",
+        model=model,
         messages=messages,  # type: ignore[arg-type]
         max_tokens=extra.pop("max_tokens", MAX_TOKENS),
         temperature=0,
@@ -148,13 +165,17 @@ def served_text(raw: Any, stream: bool) -> tuple[str, set[str]]:
     return text, {c.model for c in chunks}
 
 
+def over(fleet: Fleet, seed: int) -> list[dict[str, str]]:
+    """A chat prompt over SMALL_LEN by half of it, well within the large engines' context."""
+    return [{"role": "user", "content": Words(fleet, seed=seed).text(3 * SMALL_LEN // 2)}]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_prompt_over_the_small_context_is_served_by_the_large_model_before_the_call(
     fleet: Fleet, small: Engine, router: Proc, stream: bool
 ) -> None:
-    # Over SMALL_LEN by any count: about 1.5x in the engine's tokens, and its bytes / 4 too.
-    messages = [{"role": "user", "content": Words(fleet, seed=48).text(3 * SMALL_LEN // 2)}]
-    assert SMALL_LEN < engine_tokens(small, messages) < fleet.options.max_model_len // 2
+    messages = over(fleet, 48 + stream)
+    assert SMALL_LEN < engine_tokens(small, messages) < fleet.options.max_model_len - MAX_TOKENS
     before = router_metrics(router).get(FELL_BACK, 0)
     refused, served = asked(small, "4xx"), asked(small, "2xx")
     raw = create(router, messages, stream)
@@ -166,21 +187,32 @@ def test_a_prompt_over_the_small_context_is_served_by_the_large_model_before_the
     assert router_metrics(router).get(FELL_BACK, 0) == before + 1
 
 
+def test_a_prompt_that_just_fits_stays_on_the_small_model(
+    fleet: Fleet, small: Engine, router: Proc
+) -> None:
+    # The router counts what the engine counts (the chat template included): a prompt whose
+    # tokens plus max_tokens are exactly the context is not sent away.
+    messages = [{"role": "user", "content": Words(fleet, seed=47).text(SMALL_LEN - 40)}]
+    max_tokens = SMALL_LEN - engine_tokens(small, messages)
+    assert 0 < max_tokens < 40
+    before = router_metrics(router).get(FELL_BACK, 0)
+    raw = create(router, messages, False, max_tokens=max_tokens)
+    assert raw.headers["x-sluicegate-model"] == "small"
+    _, models = served_text(raw, False)
+    assert models == {small.model}
+    assert router_metrics(router).get(FELL_BACK, 0) == before
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_the_small_engines_own_context_length_400_falls_back_too(
     fleet: Fleet, small: Engine, router: Proc, stream: bool
 ) -> None:
-    # The content plus max_tokens fits SMALL_LEN exactly, so the router's check before the call
-    # (it counts no more than the content) lets it through; the chat template's tokens (the
-    # engine counts them) push it over, and the engine refuses with its context-length 400.
-    content = Words(fleet, seed=49 + stream).text(SMALL_LEN // 2)
-    messages = [{"role": "user", "content": content}]
-    content_tokens = Words(fleet, seed=0).tokens(content)
-    max_tokens = SMALL_LEN - content_tokens
-    assert engine_tokens(small, messages) + max_tokens > SMALL_LEN  # the template's share
+    # `short` has no tokenizer: the check before the call counts only max_tokens, lets the
+    # prompt through, and the engine refuses it with its context-length 400.
+    messages = over(fleet, 50 + stream)
     before = router_metrics(router).get(FELL_BACK, 0)
     refused = asked(small, "4xx")
-    raw = create(router, messages, stream, max_tokens=max_tokens, extra_body={"ignore_eos": True})
+    raw = create(router, messages, stream, model="short")
     assert raw.headers["x-sluicegate-model"] == "large"
     text, models = served_text(raw, stream)
     assert text and models == {fleet.engines[0].model}
@@ -192,7 +224,7 @@ def test_the_small_engines_own_context_length_400_falls_back_too(
 def test_with_fallbacks_off_the_client_gets_vllms_400_in_openais_shape(
     fleet: Fleet, small: Engine, router: Proc, stream: bool
 ) -> None:
-    messages = [{"role": "user", "content": Words(fleet, seed=51).text(3 * SMALL_LEN // 2)}]
+    messages = over(fleet, 52 + stream)
     before = router_metrics(router).get(FELL_BACK, 0)
     refused = asked(small, "4xx")
     with pytest.raises(openai.BadRequestError) as caught:
