@@ -30,7 +30,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.tools.enginefleet.fleet import Engine, EngineOptions, Fleet
+from router.tools.enginefleet.fleet import START_TIMEOUT_S, Engine, EngineOptions, Fleet
 from router.tools.enginefleet.install import engine_home, ensure_venv
 from router.tools.enginefleet.model import write_model
 from tests.support.harness import Cluster, Proc
@@ -65,7 +65,9 @@ def small(engine_fleet: Fleet) -> Iterator[Engine]:
         max_model_lens=[SMALL_LEN],
     )
     try:
-        fleet.start()
+        # Twice the fleet's own allowance: it starts beside the tier's engines (and, on a
+        # shared machine, other sessions' ones).
+        fleet.start(2 * START_TIMEOUT_S)
         yield fleet.engines[0]
     finally:
         fleet.stop()
