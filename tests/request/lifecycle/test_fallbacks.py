@@ -68,6 +68,9 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
                 # s1's engine again, under another name and not scraped: the router knows its
                 # context only from its 400.
                 backend("t1", mocks["s1"], {"tiny": "small-model"}, metrics_path=None),
+                # s2's engine again, scraped (its context is known) but with no tokenizer: the
+                # router does not guess its prompts' length, the engine's 400 decides.
+                backend("u2", mocks["s2"], {"uncounted": "small-model"}),
                 backend("big", mocks["big"], {"big": "big-model"}),
                 backend(
                     "cloud",
@@ -93,7 +96,11 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
                 {"tiny": {"models": ["big"], "mid_stream": "error"}},
                 {"gone": ["big"]},
             ],
-            "context_window_fallbacks": [{"small": ["big"]}, {"tiny": ["big"]}],
+            "context_window_fallbacks": [
+                {"small": ["big"]},
+                {"tiny": ["big"]},
+                {"uncounted": ["big"]},
+            ],
             "content_policy_fallbacks": {"small": ["cloud"]},
             # A continuation may go to the cloud model (off by default for kind: openai).
             "migration": {"models": {"small": {"enabled": True}}},
@@ -120,7 +127,9 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
     def context_known() -> bool:
         rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=5).json()
         return all(
-            (r.get("engine") or {}).get("max_model_len") == 300 for r in rows if r["name"] in SMALL
+            (r.get("engine") or {}).get("max_model_len") == 300
+            for r in rows
+            if r["name"] in (*SMALL, "u2")
         )
 
     wait_for(context_known, "the small engines' max_model_len read from /v1/models")
@@ -301,6 +310,17 @@ def test_a_prompt_over_the_context_goes_to_the_long_model_after_the_engines_400(
     raw = ask_long(router, "tiny")
     assert raw.headers["x-sluicegate-model"] == "big"
     assert requests(fleet, "t1") == 1 and requests(fleet, "big") == 1
+    assert fallbacks(router, "context_window", "big") == before + 1
+
+
+def test_a_prompt_no_tokenizer_counts_is_not_guessed_but_left_to_the_engines_400(
+    fleet: dict[str, Proc],
+) -> None:
+    router = fleet["router"]
+    before = fallbacks(router, "context_window", "big")
+    raw = ask_long(router, "uncounted")  # its bytes / 4 alone are over the context
+    assert raw.headers["x-sluicegate-model"] == "big"
+    assert requests(fleet, "s2") == 1 and requests(fleet, "big") == 1  # asked, refused
     assert fallbacks(router, "context_window", "big") == before + 1
 
 
