@@ -248,6 +248,10 @@ def engines(args: argparse.Namespace) -> int:
     if roles and len(roles) != args.count:
         print(f"--roles: {len(roles)} roles for --count {args.count}", file=sys.stderr)
         return 2
+    lens: list[int] = args.max_model_len
+    if len(lens) not in (1, args.count):
+        print(f"--max-model-len: {len(lens)} values for --count {args.count}", file=sys.stderr)
+        return 2
     home = Path(args.home) if args.home else engine_home()
     python = ensure_venv(home)
     model = write_model(home / "models")
@@ -257,10 +261,11 @@ def engines(args: argparse.Namespace) -> int:
     options = EngineOptions(
         model_name=args.model_name,
         kv_blocks=args.kv_blocks,
-        max_model_len=args.max_model_len,
+        max_model_len=lens[0],
         nixl=nixl_dir(home) if roles else None,  # roles are for prefill/decode handoffs
     )
-    fleet = Fleet(python, model, args.count, options, roles=roles or None)
+    each = lens if len(lens) > 1 else None
+    fleet = Fleet(python, model, args.count, options, roles=roles or None, max_model_lens=each)
     # SIGTERM unwinds like Ctrl-C, through the `finally` that stops every engine. SIGINT is set
     # again because a shell starting us in the background hands it over ignored.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -399,7 +404,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_eng.add_argument("--pd", action="store_true", help="a prefill and a decode engine (--roles)")
     p_eng.add_argument("--kv-blocks", type=int, default=64, help="KV blocks (128 tokens) each")
-    p_eng.add_argument("--max-model-len", type=int, default=2048)
+    p_eng.add_argument(
+        "--max-model-len",
+        type=int,
+        nargs="+",
+        default=[2048],
+        help="the context length: one for every engine, or one per engine",
+    )
     p_eng.add_argument("--model-name", default="tiny-llama", help="the served model name")
     p_eng.add_argument("--home", help="venv and model (default $SLUICEGATE_ENGINE_HOME)")
     p_eng.add_argument("--write-config", help="where to write the sluicegate config")

@@ -104,6 +104,34 @@ class Bench:
                 errors[name] += m["errors"]
         return cpu, ok, errors
 
+    def compare_cpu(
+        self,
+        targets: dict[tuple[str, int], Proc],
+        body: dict[str, Any],
+        ratios: dict[str, tuple[str, str]],
+        *,
+        concurrency: int,
+        rounds: int,
+        seconds: float,
+    ) -> dict[str, Any]:
+        """`rounds()`, reported: router CPU ms per request by setting, the requests and errors,
+        and each of `ratios` (name -> (setting, against)) as the ratio of their CPU per request;
+        printed as one JSON line and returned."""
+        cpu, ok, errors = self.rounds(targets, body, concurrency, rounds, seconds)
+        per = {k: cpu[k] / ok[k] * 1000 for k in cpu}
+        line = {
+            "cpu_ms_per_req": per,
+            "requests": ok,
+            "errors": errors,
+            **{name: per[a] / per[b] for name, (a, b) in ratios.items()},
+            "rounds": rounds,
+            "routers_per_setting": len(targets) // len(cpu),
+            "seconds": seconds,
+            "concurrency": concurrency,
+        }
+        print(json.dumps(line), flush=True)
+        return line
+
     def close(self) -> None:
         self.cluster.close()
 

@@ -15,7 +15,6 @@ ratios of CPU per request (process trees, from /proc) within one run. Prints one
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -55,23 +54,12 @@ def main(baseline: str) -> int:
         }
         msgs = [{"role": "user", "content": "hi"}]
         body = {"model": "m", "stream": True, "max_tokens": 64, "messages": msgs}
-        cpu, ok, errors = bench.rounds(targets, body, CONCURRENCY, ROUNDS, SECONDS)
-        per = {k: cpu[k] / ok[k] * 1000 for k in sides}
-        print(
-            json.dumps(
-                {
-                    "cpu_ms_per_req": per,
-                    "requests": ok,
-                    "errors": errors,
-                    "empty_vs_plain_cpu": per["empty"] / per["plain"],
-                    "configured_vs_plain_cpu": per["configured"] / per["plain"],
-                    "rounds": ROUNDS,
-                    "routers_per_side": PER_SIDE,
-                    "seconds": SECONDS,
-                    "concurrency": CONCURRENCY,
-                }
-            ),
-            flush=True,
+        ratios = {
+            "empty_vs_plain_cpu": ("empty", "plain"),
+            "configured_vs_plain_cpu": ("configured", "plain"),
+        }
+        bench.compare_cpu(
+            targets, body, ratios, concurrency=CONCURRENCY, rounds=ROUNDS, seconds=SECONDS
         )
     finally:
         bench.cluster.close()

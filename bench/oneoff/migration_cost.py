@@ -12,7 +12,6 @@ from another's of the same code by about 1 %. Prints one JSON line.
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -39,21 +38,13 @@ def main() -> int:
         }
         msgs = [{"role": "user", "content": "hi"}]  # a call that may migrate has messages
         body = {"model": "m", "stream": True, "max_tokens": 64, "messages": msgs}
-        cpu, ok, _ = bench.rounds(targets, body, CONCURRENCY, ROUNDS, SECONDS)
-        per = {k: cpu[k] / ok[k] * 1000 for k in settings}
-        print(
-            json.dumps(
-                {
-                    "cpu_ms_per_req": per,
-                    "requests": ok,
-                    "on_vs_off_cpu": per["on"] / per["off"],
-                    "rounds": ROUNDS,
-                    "routers_per_setting": PER_SETTING,
-                    "seconds": SECONDS,
-                    "concurrency": CONCURRENCY,
-                }
-            ),
-            flush=True,
+        bench.compare_cpu(
+            targets,
+            body,
+            {"on_vs_off_cpu": ("on", "off")},
+            concurrency=CONCURRENCY,
+            rounds=ROUNDS,
+            seconds=SECONDS,
         )
     finally:
         bench.cluster.close()

@@ -210,6 +210,28 @@ def test_engines_roles_must_name_one_per_engine(capsys: pytest.CaptureFixture[st
     assert "1 roles for --count 2" in capsys.readouterr().err
 
 
+def test_each_engine_may_have_its_own_context_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from router.cli import main
+    from router.tools.enginefleet.fleet import Fleet
+
+    def lens(fleet: Fleet) -> list[str]:
+        return [e.args()[e.args().index("--max-model-len") + 1] for e in fleet.engines]
+
+    options = EngineOptions(max_model_len=1024)
+    assert lens(Fleet(Path("python"), tmp_path, 2, options, run_dir=tmp_path)) == ["1024"] * 2
+    fleet = Fleet(Path("python"), tmp_path, 2, options, run_dir=tmp_path, max_model_lens=[256, 512])
+    assert lens(fleet) == ["256", "512"]
+    fleet.options = EngineOptions(kv_blocks=8)  # what restart_with sets: the lengths stay
+    fleet.engines[0].options = fleet._options_of(0)
+    assert lens(fleet)[0] == "256" and fleet.engines[0].options.kv_blocks == 8
+    with pytest.raises(ValueError):
+        Fleet(Path("python"), tmp_path, 2, options, run_dir=tmp_path, max_model_lens=[256])
+    assert main(["engines", "--count", "2", "--max-model-len", "1", "2", "3"]) == 2
+    assert "3 values for --count 2" in capsys.readouterr().err
+
+
 FAKE_ENGINE = """
 import os, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer

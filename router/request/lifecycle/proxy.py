@@ -45,7 +45,7 @@ from router.request.lifecycle.hold import QueueHold, hold, hold_for
 from router.request.lifecycle.migrate import Again, carry_on
 from router.request.lifecycle.parts import Parts
 from router.request.lifecycle.watch import run_watched
-from router.request.placement.fallbacks import too_long
+from router.request.placement.fallbacks import context_limit, too_long
 from router.request.placement.response_ids import ANONYMOUS
 from router.request.placement.slo import NO_SLO, Slo
 
@@ -184,7 +184,7 @@ class ProxyCall(Response):
         call = self.call
         route = call.fallback
         if route is not None and route.chains.context_window is not None:
-            self._fits()
+            await self._fits()
         while True:
             attempts = await attempts_for(parts, call, send)
             try:
@@ -210,14 +210,24 @@ class ProxyCall(Response):
                 await answer_whole(call, send, refusal.response)
             return
 
-    def _fits(self) -> None:
+    async def _fits(self) -> None:
         """The context-window check before the call: a prompt its model's engines cannot take
-        goes to the model's context-window fallback at once."""
+        goes to the model's context-window fallback at once. The prompt is counted by its
+        model's tokenizer where it has one (a round trip with `via: engine`), else it counts
+        as 0: only `max_tokens` is checked, and the engine's own 400 decides after the call."""
         parts = self.parts
         call = self.call
         if parts.readings is None:
             return
-        if too_long(call.held_bytes, call.parsed(), call.backends, parts.readings()):
+        limit = context_limit(call.backends, parts.readings())
+        if limit is None:
+            return
+        payload = call.parsed()
+        prompt = 0
+        if parts.affinity.counts(call.model):
+            eligible = parts.health.eligible(call.backends, call.model)
+            prompt = await parts.affinity.prompt_tokens(call.model, payload, eligible) or 0
+        if too_long(prompt, payload, limit):
             fall_back(parts, call, FallbackReason.CONTEXT_WINDOW)
 
     def _elsewhere(self, send: Send) -> Callable[[], Awaitable[Again | None]]:

@@ -216,6 +216,32 @@ class Affinity:
             return request
         return replace(request, tokens=ids, model=model)
 
+    def counts(self, model: str) -> bool:
+        """Has `model` a tokenizer (`affinity.tokenizers`, or the default one of a model with
+        KV events), so that its prompts can be counted rather than estimated?"""
+        return model in self._tokenizers
+
+    async def prompt_tokens(
+        self, model: str, payload: dict[str, Any], backends: Sequence[Backend]
+    ) -> int | None:
+        """The prompt's tokens as `model`'s tokenizer counts them (a chat's template included),
+        never more than the engine would: a prompt past `max_prefix_chars` is counted up to
+        there. None when the model has no tokenizer or it could not count (the engine's
+        `/tokenize` down, a template that fails); the context-window check uses it
+        (router/request/placement/fallbacks.py)."""
+        tk = self._tokenizers.get(model)
+        if tk is None:
+            return None
+        if isinstance(tk, RouterTokenizer):
+            ids = await request_tokens(
+                tk, payload, self.config.tokenize_inline_chars, self.config.max_prefix_chars
+            )
+        elif self.kv is not None:
+            ids = await self._engine_tokens(tk, model, payload, backends, None)
+        else:
+            return None
+        return len(ids) if ids else None
+
     async def _engine_tokens(
         self,
         tk: EngineTokenizer,

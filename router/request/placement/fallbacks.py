@@ -8,9 +8,12 @@ only narrow the chain). `Route.next(reason, snapshot)` is the next model to try,
 client gets the original error. A target's chains are not followed: every fallback of a request
 comes from the chains of the model it named, in their order.
 
-`too_long` is the context-window check before the call: the request's prompt (its body's bytes
-/ 4, the estimate getting in uses) plus its `max_tokens`, against the shortest `max_model_len`
-its model's engines report in `/v1/models` (router/engine/scraper.py). No report, no check.
+`context_limit` and `too_long` are the context-window check before the call: the request's
+prompt plus its `max_tokens`, against the shortest `max_model_len` its model's engines report in
+`/v1/models` (router/engine/scraper.py); no report, no check. The prompt counts as its model's
+tokenizer counts it (`affinity.tokenizers`), and as 0 for a model without one: a guess (bytes / 4
+is one) would send away prompts that fit, and the engine's own context-length 400 sends a prompt
+that does not fit on after the call anyway.
 """
 
 from __future__ import annotations
@@ -142,22 +145,21 @@ def body_fallbacks(payload: dict[str, Any]) -> list[str] | str | None:
     return value
 
 
-def too_long(
-    body_bytes: int,
-    payload: dict[str, Any],
-    backends: Sequence[Backend],
-    readings: Mapping[str, EngineReading],
-) -> bool:
-    """Does the prompt plus `max_tokens` exceed the shortest context its engines report?"""
+def context_limit(backends: Sequence[Backend], readings: Mapping[str, EngineReading]) -> int | None:
+    """The shortest context the model's engines report; None when none reports one."""
     limit: int | None = None
     for b in backends:
         reading = readings.get(b.name)
         if reading is not None and reading.max_model_len is not None:
             if limit is None or reading.max_model_len < limit:
                 limit = reading.max_model_len
-    if limit is None:
-        return False
+    return limit
+
+
+def too_long(prompt_tokens: int, payload: dict[str, Any], limit: int) -> bool:
+    """Do the prompt's tokens (counted, never guessed: 0 when unknown) plus the `max_tokens` it
+    asks for exceed `limit`?"""
     asked = payload.get("max_completion_tokens") or payload.get("max_tokens") or 0
-    if not isinstance(asked, int):
+    if not isinstance(asked, int) or isinstance(asked, bool):
         asked = 0
-    return body_bytes // 4 + asked > limit
+    return prompt_tokens + asked > limit

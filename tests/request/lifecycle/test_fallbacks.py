@@ -1,7 +1,8 @@
 """Model fallbacks end to end: mock engines that refuse, rate-limit and die mid-answer, a mock cloud
 that checks its API key, one real router, the official openai and anthropic SDKs.
 
-`small` (two engines, a 300-token context they report in /v1/models) falls back to `cloud` (a
+`small` (two engines, a 300-token context they report in /v1/models, a router tokenizer that
+counts its prompts) falls back to `cloud` (a
 `kind: openai` backend whose key comes from `api_key_env`) on errors, content policy and
 mid-stream, and to `big` when the prompt does not fit; `tiny` (one of those engines again, not
 scraped, so the router learns its context only from its 400) falls back to `big` on the context
@@ -29,13 +30,14 @@ from tests.support.harness import (
     stats,
 )
 from tests.support.otlp_receiver import Receiver, Span
+from tests.support.tiny_tokenizer import write_tokenizer
 from tests.support.tool_call import NAMED, TOOLS
 from tests.support.wait import wait_for
 
 TOKEN = "fallbacks-admin-token"
 CLOUD_KEY = "sk-cloud-fallback-test"
 MSG = [{"role": "user", "content": "hi"}]
-LONG = [{"role": "user", "content": "x" * 2400}]  # ~600 tokens by any count: over 300
+LONG = [{"role": "user", "content": "x" * 2400}]  # over 300 tokens by any count
 SMALL = ("s1", "s2")
 ALL = ("s1", "s2", "big", "cloud")
 POLICY = (
@@ -47,6 +49,7 @@ POLICY = (
 @pytest.fixture(scope="module")
 def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
     short = ["--max-model-len", "300"]
+    tokenizer = write_tokenizer(module_procs.tmp / "tokenizer")
     mocks = {
         "s1": module_procs.mock(
             "s1", tokens=40, engine_args=[*short, "--served-model-name", "small-model"]
@@ -65,6 +68,9 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
                 # s1's engine again, under another name and not scraped: the router knows its
                 # context only from its 400.
                 backend("t1", mocks["s1"], {"tiny": "small-model"}, metrics_path=None),
+                # s2's engine again, scraped (its context is known) but with no tokenizer: the
+                # router does not guess its prompts' length, the engine's 400 decides.
+                backend("u2", mocks["s2"], {"uncounted": "small-model"}),
                 backend("big", mocks["big"], {"big": "big-model"}),
                 backend(
                     "cloud",
@@ -90,7 +96,11 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
                 {"tiny": {"models": ["big"], "mid_stream": "error"}},
                 {"gone": ["big"]},
             ],
-            "context_window_fallbacks": [{"small": ["big"]}, {"tiny": ["big"]}],
+            "context_window_fallbacks": [
+                {"small": ["big"]},
+                {"tiny": ["big"]},
+                {"uncounted": ["big"]},
+            ],
             "content_policy_fallbacks": {"small": ["cloud"]},
             # A continuation may go to the cloud model (off by default for kind: openai).
             "migration": {"models": {"small": {"enabled": True}}},
@@ -98,6 +108,8 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
             "retries": {"attempts": 3},
             "outlier": {"consecutive_failures": 1000},
             "engine_metrics": {"interval": 0.1},
+            # What counts `small`'s prompts for the check before the call (none: no check).
+            "affinity": {"tokenizers": {"small": {"via": "router", "path": str(tokenizer)}}},
             "admin_token": TOKEN,
             "tracing": {"otlp_endpoint": receiver.url},
             "console": {"enabled": True},
@@ -115,14 +127,12 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
     def context_known() -> bool:
         rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=5).json()
         return all(
-            (r.get("engine") or {}).get("max_model_len") == 300 for r in rows if r["name"] in SMALL
+            (r.get("engine") or {}).get("max_model_len") == 300
+            for r in rows
+            if r["name"] in (*SMALL, "u2")
         )
 
-    import time
-
-    t0 = time.monotonic()
     wait_for(context_known, "the small engines' max_model_len read from /v1/models")
-    print("context known after", time.monotonic() - t0)
     return fleet
 
 
@@ -166,6 +176,36 @@ def fallbacks(router: Proc, reason: str, to: str) -> float:
 def both(fleet: dict[str, Proc], **changes: Any) -> None:
     for name in SMALL:
         control(fleet[name], **changes)
+
+
+def ask_long(router: Proc, model: str) -> Any:
+    """A chat request over `small`'s context, answered whole (the raw response)."""
+    return sdk(router).chat.completions.with_raw_response.create(
+        model=model,
+        messages=LONG,  # type: ignore[arg-type]
+        max_tokens=5,
+    )
+
+
+def broken_stream(fleet: dict[str, Proc], model: str = "small", **extra: Any) -> tuple[str, str]:
+    """A stream that ends with an error event: (the text the client got, the error's text)."""
+    text = ""
+    with pytest.raises(openai.APIError) as caught:
+        for c in sdk(fleet["router"]).chat.completions.create(
+            model=model, messages=MSG, stream=True, max_tokens=40, **extra
+        ):
+            text += (c.choices[0].delta.content or "") if c.choices else ""
+    return text, str(caught.value)
+
+
+def released(fleet: dict[str, Proc], **engines_again: Any) -> None:
+    """After a client left: no lease is left, and the key's one parallel slot was given back
+    (it gets in again once the engines answer)."""
+    router = fleet["router"]
+    wait_for(lambda: leased(router) == 0, "no lease left")
+    control(fleet["cloud"], hold=False)
+    both(fleet, **engines_again)
+    sdk(router, "one").chat.completions.create(model="small", messages=MSG, max_tokens=5)
 
 
 def test_429_on_every_engine_falls_back_to_the_cloud_with_its_key(
@@ -255,11 +295,7 @@ def test_a_prompt_over_the_context_goes_to_the_long_model_before_the_call(
 ) -> None:
     router = fleet["router"]
     before = fallbacks(router, "context_window", "big")
-    raw = sdk(router).chat.completions.with_raw_response.create(
-        model="small",
-        messages=LONG,
-        max_tokens=5,  # type: ignore[arg-type]
-    )
+    raw = ask_long(router, "small")
     assert raw.headers["x-sluicegate-model"] == "big"
     assert raw.parse().model == "big-model"
     assert requests(fleet, "s1") == requests(fleet, "s2") == 0  # not asked at all
@@ -271,13 +307,20 @@ def test_a_prompt_over_the_context_goes_to_the_long_model_after_the_engines_400(
 ) -> None:
     router = fleet["router"]
     before = fallbacks(router, "context_window", "big")
-    raw = sdk(router).chat.completions.with_raw_response.create(
-        model="tiny",
-        messages=LONG,
-        max_tokens=5,  # type: ignore[arg-type]
-    )
+    raw = ask_long(router, "tiny")
     assert raw.headers["x-sluicegate-model"] == "big"
     assert requests(fleet, "t1") == 1 and requests(fleet, "big") == 1
+    assert fallbacks(router, "context_window", "big") == before + 1
+
+
+def test_a_prompt_no_tokenizer_counts_is_not_guessed_but_left_to_the_engines_400(
+    fleet: dict[str, Proc],
+) -> None:
+    router = fleet["router"]
+    before = fallbacks(router, "context_window", "big")
+    raw = ask_long(router, "uncounted")  # its bytes / 4 alone are over the context
+    assert raw.headers["x-sluicegate-model"] == "big"
+    assert requests(fleet, "s2") == 1 and requests(fleet, "big") == 1  # asked, refused
     assert fallbacks(router, "context_window", "big") == before + 1
 
 
@@ -383,12 +426,8 @@ def test_a_half_streamed_tool_call_ends_with_the_error_event(fleet: dict[str, Pr
 
 def test_a_chain_with_mid_stream_error_ends_the_stream(fleet: dict[str, Proc]) -> None:
     control(fleet["t1"], fail_at=[10])
-    with pytest.raises(openai.APIError) as caught:
-        for _ in sdk(fleet["router"]).chat.completions.create(
-            model="tiny", messages=MSG, stream=True, max_tokens=40
-        ):
-            pass
-    assert "No backend could continue it." in str(caught.value)
+    _, error = broken_stream(fleet, "tiny")
+    assert "No backend could continue it." in error
     assert requests(fleet, "big") == 0
 
 
@@ -462,13 +501,8 @@ def test_what_cannot_continue_honestly_ends_with_the_error_event(
     fleet: dict[str, Proc], extra: dict[str, Any], why: str
 ) -> None:
     both(fleet, fail_at=[10])
-    text = ""
-    with pytest.raises(openai.APIError) as caught:
-        for c in sdk(fleet["router"]).chat.completions.create(
-            model="small", messages=MSG, stream=True, max_tokens=40, **extra
-        ):
-            text += (c.choices[0].delta.content or "") if c.choices else ""
-    assert f"Not migrated: it asks for {why}." in str(caught.value)
+    text, error = broken_stream(fleet, **extra)
+    assert f"Not migrated: it asks for {why}." in error
     assert text == "".join(f"tok{i} " for i in range(10))
     assert requests(fleet, "cloud") == 0
 
@@ -478,13 +512,8 @@ def test_a_target_that_rejects_the_prefill_ends_with_the_error_event(
 ) -> None:
     both(fleet, fail_at=[10, 20])
     control(fleet["cloud"], fail_status=400)  # refuses the continuation
-    text = ""
-    with pytest.raises(openai.APIError) as caught:
-        for c in sdk(fleet["router"]).chat.completions.create(
-            model="small", messages=MSG, stream=True, max_tokens=40
-        ):
-            text += (c.choices[0].delta.content or "") if c.choices else ""
-    assert "No backend could continue it." in str(caught.value)
+    text, error = broken_stream(fleet)
+    assert "No backend could continue it." in error
     assert text == "".join(f"tok{i} " for i in range(20))  # nothing invented
     assert requests(fleet, "cloud") == 1
 
@@ -508,11 +537,7 @@ def test_nothing_leaks_when_the_client_leaves_during_the_fallback(fleet: dict[st
         sdk(router, "one", timeout=1).chat.completions.create(
             model="small", messages=MSG, max_tokens=5
         )
-    wait_for(lambda: leased(router) == 0, "no lease left")
-    control(fleet["cloud"], hold=False)
-    both(fleet, fail_status=0)
-    # The key's one parallel slot was given back: it gets in again.
-    sdk(router, "one").chat.completions.create(model="small", messages=MSG, max_tokens=5)
+    released(fleet, fail_status=0)
 
 
 def test_nothing_leaks_when_the_client_leaves_a_stream_continued_on_the_fallback(
@@ -526,7 +551,4 @@ def test_nothing_leaks_when_the_client_leaves_a_stream_continued_on_the_fallback
             model="small", messages=MSG, stream=True, max_tokens=40
         ):
             pass
-    wait_for(lambda: leased(router) == 0, "no lease left")
-    control(fleet["cloud"], hold=False)
-    both(fleet, fail_at=[])
-    sdk(router, "one").chat.completions.create(model="small", messages=MSG, max_tokens=5)
+    released(fleet, fail_at=[])

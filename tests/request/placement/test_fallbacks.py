@@ -9,7 +9,7 @@ from router.core.backend import Backend
 from router.core.engine import NEVER
 from router.core.errors import FallbackReason
 from router.core.settings import BackendConfig, Settings
-from router.request.placement.fallbacks import Fallbacks, body_fallbacks, too_long
+from router.request.placement.fallbacks import Fallbacks, body_fallbacks, context_limit, too_long
 
 ERROR, CONTEXT, MID = (
     FallbackReason.ERROR,
@@ -90,10 +90,14 @@ def test_the_body_member() -> None:
 def test_the_context_check_before_the_call() -> None:
     short = dataclasses.replace(NEVER, max_model_len=300)
     backends = FLEET["llama"]
-    readings = {"v": short}
-    assert too_long(2000, {}, backends, readings)  # ~500 tokens of prompt
-    assert not too_long(800, {}, backends, readings)
-    assert too_long(800, {"max_tokens": 200}, backends, readings)  # 200 + 200 > 300
-    assert too_long(800, {"max_completion_tokens": 200}, backends, readings)
-    assert not too_long(2000, {}, backends, {"v": NEVER})  # no report, no check
-    assert not too_long(2000, {}, backends, {})
+    assert context_limit(backends, {"v": short}) == 300
+    assert context_limit(backends, {"v": NEVER}) is None  # no report, no check
+    assert context_limit(backends, {}) is None
+    assert too_long(500, {}, 300)  # a prompt counted at 500 tokens
+    assert not too_long(200, {}, 300)
+    assert too_long(200, {"max_tokens": 200}, 300)  # 200 + 200 > 300
+    assert too_long(200, {"max_completion_tokens": 200}, 300)
+    assert not too_long(100, {"max_tokens": 200}, 300)  # exactly the context fits
+    # A prompt not counted (no tokenizer) is 0, never a guess: only max_tokens alone decides.
+    assert too_long(0, {"max_tokens": 301}, 300) and not too_long(0, {"max_tokens": 300}, 300)
+    assert not too_long(0, {"max_tokens": True}, 300)
