@@ -187,25 +187,13 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _peer(fleet: Any, bin_dir: Path, tmp: Path, target: str) -> peers.Peer:
-    """A peer in front of the engines. vllm-router's `kv_aware` trusts an engine's events only
-    once it has seen them from seq 0 with no gap (vLLM's seq restarts only with the engine), so
-    for it the engines start again under the subscribed router (about half a minute)."""
-    if PEER_TARGETS[target][1] != "kv_aware":
-        return _start_peer(fleet, bin_dir, tmp, target)
-    for e in fleet.engines:
-        e.stop()
-    peer = _start_peer(fleet, bin_dir, tmp, target, wait=False)
-    try:
-        fleet.ensure_up(START_S)
-        # Healthy once it has seen the engines healthy and subscribed to their events; the
-        # first batch (seq 0) comes with the first request, the warm-up, after a moment for
-        # the subscription to reach the engines' publishers through the forwarder.
-        peer.wait_healthy(START_S)
+    """A peer in front of the engines. vllm-router's `kv_aware` takes the first batch it sees
+    at any seq (the engines need no restart under it): the caches were just emptied (`_reset`),
+    so its empty index agrees with them once its subscription has reached the publishers
+    through the forwarder, a moment after it is healthy."""
+    peer = _start_peer(fleet, bin_dir, tmp, target)
+    if PEER_TARGETS[target][1] == "kv_aware":
         time.sleep(0.5)
-        _warm(fleet)
-    except BaseException:
-        peer.stop()
-        raise
     return peer
 
 
@@ -219,7 +207,7 @@ def _warm(fleet: Any) -> None:
         )
 
 
-def _start_peer(fleet: Any, bin_dir: Path, tmp: Path, target: str, wait: bool = True) -> peers.Peer:
+def _start_peer(fleet: Any, bin_dir: Path, tmp: Path, target: str) -> peers.Peer:
     kind, policy = PEER_TARGETS[target]
     extra: list[str] = []
     if policy == "kv_aware":  # the engines' KV events, where the fleet's forwarder serves them
@@ -231,7 +219,7 @@ def _start_peer(fleet: Any, bin_dir: Path, tmp: Path, target: str, wait: bool = 
             extra += ["--kv-event-replay-source", f"{e.url}={e.kv_replay_endpoint}"]
         extra += ["--kv-event-block-size", "128", "--kv-event-model", fleet.engines[0].model]
     urls = [e.url for e in fleet.engines]
-    return peers.start(bin_dir, kind, policy, urls, tmp / f"{kind}-{policy}.log", extra, wait)
+    return peers.start(bin_dir, kind, policy, urls, tmp / f"{kind}-{policy}.log", extra)
 
 
 def _reset(fleet: Any) -> None:
@@ -363,6 +351,8 @@ def _size(
     options = EngineOptions(
         kv_blocks=blocks,
         kv_events_tcp=True,  # the vLLM router's kv_aware subscribes on tcp:// only
+        # ... and only to the topic "": it drops every batch published under another one
+        kv_topic="",
         # kv_aware renders prompts to tokens through the engine (/v1/.../render): 403 without it
         extra_args=("--enable-scale-out",),
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache

@@ -154,6 +154,14 @@ def test_engines_run_on_loopback_with_the_tier_s_settings(tmp_path: Path) -> Non
     assert "--kv-transfer-config" not in args and "UCX_NET_DEVICES" not in e.env()
 
 
+def test_the_publishers_topic_is_the_option_s_and_subscribers_are_told_it(tmp_path: Path) -> None:
+    # The vLLM router's kv_aware drops batches under any topic but "" (bench kv_real).
+    for options, topic in ((EngineOptions(), "kv"), (EngineOptions(kv_topic=""), "")):
+        e = Engine(0, Path("python"), tmp_path, tmp_path, options)
+        events = json.loads(e.args()[e.args().index("--kv-events-config") + 1])
+        assert events["topic"] == e.kv_topic == topic
+
+
 def test_nixl_engines_get_their_role_and_a_side_channel_of_their_own(tmp_path: Path) -> None:
     options = EngineOptions(nixl=tmp_path / "nixl")
     roles = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}

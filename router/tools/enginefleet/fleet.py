@@ -71,6 +71,7 @@ class EngineOptions:
     kv_space_gib: int = 1
     nixl: Path | None = None  # the NIXL install (install.nixl_dir): NixlConnector on, as roles say
     kv_events_tcp: bool = False  # events on loopback tcp ports (a forwarder), not ipc paths
+    kv_topic: str = KV_TOPIC  # the publishers' ZMQ topic ("" for subscribers that take no other)
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -194,7 +195,7 @@ class Engine:
             self.kv_events_endpoint, self.kv_publish_endpoint, self.kv_replay_endpoint = (
                 f"tcp://127.0.0.1:{free_port()}" for _ in range(3)
             )
-        self.kv_topic = KV_TOPIC
+        self.kv_topic = options.kv_topic
         self.log_path = run_dir / f"engine-{index}.log"
         self.core = index % (os.cpu_count() or 1)
         self._popen: subprocess.Popen[bytes] | None = None
