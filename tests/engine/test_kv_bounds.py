@@ -341,8 +341,12 @@ async def test_batches_held_during_a_replay_are_bounded_in_bytes(
         assert feed.held_bytes == sum(b.size + kv_events.HOLD_OVERHEAD for b in feed.held)
         assert [b.seq for b in feed.held] == list(range(40 - held, 40))  # the newest kept
         replay.silent = False
-        await wait_for_async(lambda: kv.state("a") == "unsure", "the replay over")
-        assert kv.index.blocks("a") == 40 * held and not feed.held
+        # The held batches are applied as the replay ends: wait for the state and the blocks.
+        await wait_for_async(
+            lambda: kv.state("a") == "unsure" and kv.index.blocks("a") == 40 * held,
+            "the replay over, every held batch applied",
+        )
+        assert not feed.held
     finally:
         replay.close()
         await kv.aclose()
