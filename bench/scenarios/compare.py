@@ -19,7 +19,6 @@ import asyncio
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -27,6 +26,7 @@ import yaml
 from bench.kit.loadgen import run_load
 from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds
+from bench.kit.stats import alternating_rounds
 from tests.support.harness import Cluster, Proc, free_port, wait_http
 
 CHAT = "/v1/chat/completions"
@@ -176,21 +176,10 @@ def run(cluster: Cluster, quick: bool) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class _Agg:
-    """One target's rounds, summed."""
-
-    ok: int = 0
-    errors: int = 0
-    elapsed: float = 0.0
-    ttfb: list[float] = field(default_factory=list)
-    cpu: float = 0.0
-
-
 def _variant(
     targets: dict[str, tuple[Proc | None, Proc, str]], stream: bool, rounds: int, seconds: float
 ) -> dict[str, Any]:
-    def load(k: str, duration: float) -> tuple[int, int, float, list[float], float]:
+    def load(k: str, duration: float) -> tuple[int, int, float, list[float], dict[str, float]]:
         hop, tgt, model = targets[k]
         body = json.dumps(
             {
@@ -203,31 +192,17 @@ def _variant(
         cpu0 = cpu_seconds(hop.pid) if hop else 0.0
         r = asyncio.run(run_load("127.0.0.1", tgt.port, CHAT, body, CONCURRENCY, duration=duration))
         cpu1 = cpu_seconds(hop.pid) if hop else 0.0
-        return r.ok, r.errors, r.elapsed, r.ttfb, cpu1 - cpu0
+        return r.ok, r.errors, r.elapsed, r.ttfb, {"hop": cpu1 - cpu0}
 
-    for k in targets:  # warm-up: connections, pools, first-call caches
-        load(k, 1.0)
-    agg = {k: _Agg() for k in targets}
-    for rnd in range(rounds):
-        order = list(targets)
-        order = order[rnd % len(order) :] + order[: rnd % len(order)]
-        for k in order:
-            ok, errors, elapsed, ttfb, cpu = load(k, seconds)
-            a = agg[k]
-            a.ok += ok
-            a.errors += errors
-            a.elapsed += elapsed
-            a.ttfb += ttfb
-            a.cpu += cpu
     row: dict[str, Any] = {}
-    for k, a in agg.items():
+    for k, a in alternating_rounds(list(targets), load, rounds, seconds).items():
         row[k] = {
             "rps": a.ok / a.elapsed if a.elapsed else 0.0,
             "requests": a.ok,
             "errors": a.errors,
             "ttfc_p50_ms": _ms(_pct(a.ttfb, 0.5)),
             "ttfc_p99_ms": _ms(_pct(a.ttfb, 0.99)),
-            "cpu_ms_per_req": a.cpu / a.ok * 1000 if a.ok and k != "direct" else None,
+            "cpu_ms_per_req": a.cpu["hop"] / a.ok * 1000 if a.ok and k != "direct" else None,
         }
     sg = row["sluicegate"]
     for other in ("textbook", "litellm"):

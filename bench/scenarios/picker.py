@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 from bench.kit.loadgen import run_load
 from bench.kit.nginx import start_nginx
 from bench.kit.page import fmt, table
 from bench.kit.procstat import cpu_seconds
-from bench.kit.stats import pct
+from bench.kit.stats import alternating_rounds, pct
 from tests.support.harness import Cluster, Proc, free_port
 from tests.support.picker import Picker, envoy_config, http_filters, start_envoy, start_picker
 
@@ -74,15 +73,6 @@ def _envoy_with_picker(cluster: Cluster, picker: Picker, body: bool = True) -> P
         mode = http_filters(config)[0]["typed_config"]["processing_mode"]
         mode["response_body_mode"], mode["response_trailer_mode"] = "NONE", "SKIP"
     return start_envoy(cluster, config, listen, admin)
-
-
-@dataclass
-class _Agg:
-    ok: int = 0
-    errors: int = 0
-    elapsed: float = 0.0
-    ttfb: list[float] = field(default_factory=list)
-    cpu: dict[str, float] = field(default_factory=dict)
 
 
 def run(cluster: Cluster, quick: bool) -> dict[str, Any]:
@@ -166,23 +156,8 @@ def _variant(
         spent = {role: cpu_seconds(p.pid) - before[role] for role, p in procs.items()}
         return r.ok, r.errors, r.elapsed, r.ttfb, spent
 
-    for k in targets:  # warm-up: connections, pools, first-call caches
-        load(k, 1.0)
-    agg = {k: _Agg() for k in targets}
-    for rnd in range(rounds):
-        order = list(targets)
-        order = order[rnd % len(order) :] + order[: rnd % len(order)]
-        for k in order:
-            ok, errors, elapsed, ttfb, spent = load(k, seconds)
-            a = agg[k]
-            a.ok += ok
-            a.errors += errors
-            a.elapsed += elapsed
-            a.ttfb += ttfb
-            for role, cpu in spent.items():
-                a.cpu[role] = a.cpu.get(role, 0.0) + cpu
     row: dict[str, Any] = {}
-    for k, a in agg.items():
+    for k, a in alternating_rounds(list(targets), load, rounds, seconds).items():
         per = {role: cpu / a.ok * 1000 if a.ok else None for role, cpu in a.cpu.items()}
         total = sum(v for v in per.values() if v is not None) if a.ok else None
         row[k] = {

@@ -184,7 +184,7 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
         t.join(30)
     assert errors == [] and len(done) == 40
     assert stats(b)["completed"] == on_b and stats(b)["aborted"] == 0
-    wait_for(lambda: b.url not in backends(router), "b removed after its streams ended", 3)
+    wait_for(lambda: b.url not in backends(router), "b removed after its streams ended")
     assert list(backends(router)) == [a.url]
     assert metric(router, "sluicegate_discovery_events_total", event="removed") == removed + 1
     assert metric(router, "sluicegate_discovery_backends", source="kubernetes") == 1
@@ -379,7 +379,9 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
     m2, m3 = mocks["a"], mocks["b"]  # 127.0.0.2 and 127.0.0.3
     answers.records = {"vllm.test": ["127.0.0.2"]}
     ns = f"127.0.0.1:{dns_port}"
-    common = {"kind": "dns", "port": port, "interval": 0.3, "timeout": 0.5, "nameserver": ns}
+    # The fake DNS server answers from this (loaded) test process: a generous timeout, so that
+    # only a SERVFAIL makes a lookup fail (a slow answer would make the source stale too).
+    common = {"kind": "dns", "port": port, "interval": 0.3, "timeout": 5, "nameserver": ns}
     router = procs.router(
         {
             "discovery": [
@@ -396,7 +398,7 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
 
     # A new address joins and takes traffic.
     answers.records = {"vllm.test": ["127.0.0.2", "127.0.0.3", "127.0.0.5"]}
-    wait_for(lambda: m3.url in backends(router), "the new address joins", 3)
+    wait_for(lambda: m3.url in backends(router), "the new address joins")
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     # Ties go to either at random: 8 requests all went to one in a CI run (p = 2^-7); 24: 2^-23.
     for _ in range(24):
@@ -408,7 +410,6 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
     wait_for(
         lambda: metric(router, "sluicegate_discovery_events_total", event="models_failed") > 0,
         "models: auto failure counted",
-        3,
     )
     assert f"http://127.0.0.5:{port}" not in backends(router)
     wait_for(lambda: "models: auto" in router.log(), "the failure logged", 5)  # the log queue
@@ -418,12 +419,10 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
     wait_for(
         lambda: httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"],
         "stale after a failed lookup",
-        3,
     )
     wait_for(  # a few more failed rounds
         lambda: metric(router, "sluicegate_discovery_events_total", event="lookup_failed") >= 4,
         "failed lookups counted",
-        3,
     )
     assert set(backends(router)) == {m2.url, m3.url}
     ready = httpx.get(router.url + "/readyz")
@@ -434,7 +433,7 @@ def test_dns_backends_follow_changing_answers_and_a_bad_answer_keeps_the_last_se
     # An address vanishes: it drains (nothing in flight here) and goes.
     answers.failing = False
     answers.records = {"vllm.test": ["127.0.0.3"]}
-    wait_for(lambda: set(backends(router)) == {m3.url}, "the vanished address removed", 3)
+    wait_for(lambda: set(backends(router)) == {m3.url}, "the vanished address removed")
     assert metric(router, "sluicegate_discovery_backends", source="dns") == 1
     assert not httpx.get(router.url + "/readyz").json()["discovery"][0]["stale"]
 

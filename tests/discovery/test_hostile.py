@@ -60,20 +60,28 @@ class Running:
         return set(self.fleet.registry.snapshot.by_name)
 
 
-@contextlib.asynccontextmanager
-async def source(kube: FakeKube, tmp_path: Path, **extra: Any) -> AsyncIterator[Running]:
-    cfg = KubernetesDiscovery.model_validate(
+def k8s(port: int | str, models: object = ("m",), **extra: Any) -> KubernetesDiscovery:
+    """A Kubernetes source of service `vllm` in namespace `models`, as a config file names it."""
+    return KubernetesDiscovery.model_validate(
         {
             "kind": "kubernetes",
             "namespace": "models",
             "service": "vllm",
-            "port": "http",
-            "models": ["m"],
-            "kubeconfig": str(kube.kubeconfig(tmp_path / "kubeconfig")),
+            "port": port,
+            "models": list(models) if isinstance(models, tuple) else models,
             **extra,
         }
     )
-    fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+
+
+def empty_fleet() -> Fleet:
+    return Fleet(Registry([], "round_robin"), [], LocalRecords())
+
+
+@contextlib.asynccontextmanager
+async def source(kube: FakeKube, tmp_path: Path, **extra: Any) -> AsyncIterator[Running]:
+    cfg = k8s("http", kubeconfig=str(kube.kubeconfig(tmp_path / "kubeconfig")), **extra)
+    fleet = empty_fleet()
     events = Events()
     rec = Reconciler("k", cfg, fleet, no_streams, events, 30)
     src = KubernetesSource(cfg, rec)
@@ -296,18 +304,10 @@ def test_an_endless_models_answer_is_cut_at_the_size_cap_and_delays_no_other(
 def test_churn_logs_a_bounded_number_of_lines_and_a_summary(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    cfg = KubernetesDiscovery.model_validate(
-        {
-            "kind": "kubernetes",
-            "namespace": "models",
-            "service": "vllm",
-            "port": 8000,
-            "models": ["m"],
-        }
-    )
+    cfg = k8s(8000)
 
     async def run() -> None:
-        fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+        fleet = empty_fleet()
         rec = Reconciler("k", cfg, fleet, no_streams, Events(), 30)
         await rec.update([Endpoint(f"10.0.1.{i}", 8000, True) for i in range(200)])
         await rec.update([])
@@ -323,18 +323,10 @@ def test_churn_logs_a_bounded_number_of_lines_and_a_summary(
 def test_discovered_addresses_obey_the_backend_network_policy() -> None:
     from router.core.netpolicy import NetPolicy
 
-    cfg = KubernetesDiscovery.model_validate(
-        {
-            "kind": "kubernetes",
-            "namespace": "models",
-            "service": "vllm",
-            "port": 8000,
-            "models": ["m"],
-        }
-    )
+    cfg = k8s(8000)
 
     async def run() -> None:
-        fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+        fleet = empty_fleet()
         events = Events()
         rec = Reconciler("k", cfg, fleet, no_streams, events, 30, time.monotonic, NetPolicy())
         await rec.update(
@@ -360,17 +352,7 @@ def test_models_auto_keeps_to_models_allow_and_never_shadows_file_or_admin_model
     from router.core.settings import BackendConfig
 
     port = free_port()
-    cfg = KubernetesDiscovery.model_validate(
-        {
-            "kind": "kubernetes",
-            "namespace": "models",
-            "service": "vllm",
-            "port": port,
-            "models": "auto",
-            "models_allow": ["m", "llama-*"],
-            "shadow": shadow,
-        }
-    )
+    cfg = k8s(port, models="auto", models_allow=["m", "llama-*"], shadow=shadow)
     file_backend = BackendConfig(name="file-a", url="http://127.0.0.1:1", models={"m": "m"})
     name = f"vllm-127.0.0.5-{port}"
 
@@ -454,22 +436,14 @@ def test_models_auto_takes_only_plain_ids_and_at_most_the_cap() -> None:
     spaces, and a 10 KB id claims only plain ids, at most the cap (64); the rest is refused and
     counted. Before, every id was taken as a routable model."""
     port = free_port()
-    cfg = KubernetesDiscovery.model_validate(
-        {
-            "kind": "kubernetes",
-            "namespace": "models",
-            "service": "vllm",
-            "port": port,
-            "models": "auto",
-        }
-    )
+    cfg = k8s(port, models="auto")
     hostile = ("bad\x00id", "new\nline", "with space", "\x1b[31mred", "x" * 10_000)
     ids = hostile + tuple(f"m{i}" for i in range(5000))
     name = f"vllm-127.0.0.6-{port}"
 
     async def run() -> None:
         server = await _models_server("127.0.0.6", port, False, ids)
-        fleet = Fleet(Registry([], "round_robin"), [], LocalRecords())
+        fleet = empty_fleet()
         events = Events()
         try:
             rec = Reconciler("k", cfg, fleet, no_streams, events, 30)

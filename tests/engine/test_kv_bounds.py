@@ -97,6 +97,12 @@ def _kv_row(router: Proc) -> dict[str, Any]:
     return dict(r.json()["kv_events_state"])
 
 
+def _first_seq(router: Proc) -> object:
+    # Before the feed's first batch is applied there is no publisher yet (or no seq): "not yet".
+    publishers = _kv_row(router)["publishers"]
+    return publishers[0]["seq"] if publishers else None
+
+
 @pytest.mark.parametrize("ts", [-math.inf, math.inf, math.nan])
 def test_a_batch_stamped_with_no_finite_time_keeps_the_admin_api_answering(
     fed_router: tuple[Proc, Publisher], ts: float
@@ -105,7 +111,7 @@ def test_a_batch_stamped_with_no_finite_time_keeps_the_admin_api_answering(
     answered 500 (JSON has no infinity): such a time reads as none (0.0, long ago)."""
     router, pub = fed_router
     seq = pub.publish([stored([pub.seq + 1], None, [1, 2, 3, 4], BS)], ts=ts)
-    wait_for(lambda: _kv_row(router)["publishers"][0]["seq"] == seq, "the batch applied")
+    wait_for(lambda: _first_seq(router) == seq, "the batch applied")
     lag = _kv_row(router)["lag_seconds"]
     assert isinstance(lag, float) and math.isfinite(lag) and lag > 0
     r = httpx.get(router.url + "/admin/backends", timeout=5)
@@ -335,8 +341,12 @@ async def test_batches_held_during_a_replay_are_bounded_in_bytes(
         assert feed.held_bytes == sum(b.size + kv_events.HOLD_OVERHEAD for b in feed.held)
         assert [b.seq for b in feed.held] == list(range(40 - held, 40))  # the newest kept
         replay.silent = False
-        await wait_for_async(lambda: kv.state("a") == "unsure", "the replay over")
-        assert kv.index.blocks("a") == 40 * held and not feed.held
+        # The held batches are applied as the replay ends: wait for the state and the blocks.
+        await wait_for_async(
+            lambda: kv.state("a") == "unsure" and kv.index.blocks("a") == 40 * held,
+            "the replay over, every held batch applied",
+        )
+        assert not feed.held
     finally:
         replay.close()
         await kv.aclose()

@@ -433,8 +433,8 @@ async def late_by(work: Awaitable[T], seconds: float) -> tuple[T, float]:
     return result, done - due
 
 
-def stats(mock: Proc) -> dict[str, Any]:
-    r = httpx.get(mock.url + "/stats", timeout=5)
+def stats(mock: Proc, timeout: float = 5) -> dict[str, Any]:
+    r = httpx.get(mock.url + "/stats", timeout=timeout)
     r.raise_for_status()
     return dict(r.json())
 

@@ -55,10 +55,16 @@ def test_sigterm_with_200_streams_in_flight(procs: Cluster) -> None:
         async with httpx.AsyncClient(timeout=60, limits=limits) as c:
             tasks = [asyncio.create_task(one(c)) for _ in range(n)]
             # Polls another process (in a thread: the loop serves the streams meanwhile).
+            # A mock busy with 200 streams on a loaded machine may answer slowly: each poll
+            # waits as long as the whole wait may last, rather than fail on a slow answer.
             await asyncio.to_thread(
-                wait_for, lambda: stats(up)["running"] >= n, f"{n} streams running", 20, 0.05
+                wait_for,
+                lambda: stats(up, timeout=20)["running"] >= n,
+                f"{n} streams running",
+                20,
+                0.05,
             )
-            assert stats(up)["running"] == n
+            assert stats(up, timeout=20)["running"] == n
             router.signal(signal.SIGTERM)
             return await asyncio.gather(*tasks)
 

@@ -41,7 +41,9 @@ def fleet(module_procs: Cluster) -> dict[str, Any]:
         "health": {"interval": 60},
         "outlier": {"consecutive_failures": 3},
     }
-    env = {"SLUICEGATE_REDIS_URL": redis.url}
+    # 0.5 s: Redis must answer for the replicas to share (the 50 ms default is a serving
+    # budget a loaded test machine can miss).
+    env = {"SLUICEGATE_REDIS_URL": redis.url, "SLUICEGATE_REDIS_TIMEOUT": "0.5"}
     r1 = c.router(config, env=env)
     r2 = c.router(config, env=env)
     return {"c": c, "redis": redis, "a": a, "b": b, "r1": r1, "r2": r2, "config": config}

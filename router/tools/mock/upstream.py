@@ -66,7 +66,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.tools.mock import apis, wire
 from router.tools.mock.engine import Engine, EngineConfig, block_hashes
-from router.tools.mock.handoff import Handoff, HandoffConfig
+from router.tools.mock.handoff import Handoff, HandoffConfig, HandoffStats
 from router.tools.mock.kv_publish import mock_tokens
 
 # POST paths served by `_api` (other APIs than chat/completions/embeddings), in vLLM's shapes
@@ -425,6 +425,8 @@ class MockUpstream:
             changes = json.loads(body or b"{}")
             if changes.pop("reset_stats", False):
                 self.stats = Stats()
+                if self.handoff is not None:  # the handoff's counts too; blocks held stay held
+                    self.handoff.stats = HandoffStats()
             if changes.pop("reset_prefix_cache", False):  # vLLM: POST /reset_prefix_cache
                 if self.engine is None:
                     raise ValueError("reset_prefix_cache needs the engine model (--engine)")

@@ -54,7 +54,9 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
         "balancer": "round_robin",
         "api_keys": keys(),
     }
-    env = {"SLUICEGATE_REDIS_URL": server.url}
+    # 0.5 s: Redis must answer for the replicas to share (the 50 ms default is a serving
+    # budget a loaded test machine can miss).
+    env = {"SLUICEGATE_REDIS_URL": server.url, "SLUICEGATE_REDIS_TIMEOUT": "0.5"}
     r1 = c.router(shared, env=env)
     r2 = c.router(shared, env=env)
     return {"local": local, "r1": r1, "r2": r2, "a": a, "b": b, "redis": server}

@@ -76,7 +76,9 @@ def test_capacity_keeps_prefixes_and_old_blocks_expire(rds: Proc) -> None:
     other = chain("s", "x", "y", "z", "w", "v")
 
     async def body() -> None:
-        shared = SharedPrefixIndex(rds.url, prefix=prefix, ttl=60, clock=lambda: now[0])
+        shared = SharedPrefixIndex(
+            rds.url, prefix=prefix, timeout=1.0, ttl=60, clock=lambda: now[0]
+        )
         shared.record(first, "e", 6)
         await shared.match(first, ["e"])
         now[0] += 1

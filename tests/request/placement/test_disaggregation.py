@@ -117,9 +117,14 @@ def test_discovery_reads_the_role_from_the_slice_label() -> None:
     assert _slice_endpoints(sl({}), 8000)[0][0].role is None
 
 
-def test_long_prompt_goes_through_prefill_then_decode_byte_for_byte(procs: Cluster) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
-    router = pd_router(procs, [("p", p)], [("d", d)])
+def test_long_prompt_goes_through_prefill_then_decode_byte_for_byte(
+    pair: tuple[Proc, Proc, Proc],
+) -> None:
+    p, d, router = pair
+    split = router_metric(router, "sluicegate_disaggregated_requests_total", result="disaggregated")
+    prefills = router_metric(router, "sluicegate_prefill_seconds_count", backend="p")
+    ttft_split = router_metric(router, "sluicegate_ttft_seconds_count", path="disaggregated")
+    ttft_direct = router_metric(router, "sluicegate_ttft_seconds_count", path="direct")
     assert chat(router, LONG, "pd-1") == text_of(TOKENS)
 
     (phase1,) = legs(p, "pd-1")
@@ -151,28 +156,37 @@ def test_long_prompt_goes_through_prefill_then_decode_byte_for_byte(procs: Clust
 
     assert (
         router_metric(router, "sluicegate_disaggregated_requests_total", result="disaggregated")
-        == 2
+        == split + 2
     )
-    assert router_metric(router, "sluicegate_prefill_seconds_count", backend="p") == 2
-    assert router_metric(router, "sluicegate_ttft_seconds_count", path="disaggregated") == 2
-    assert router_metric(router, "sluicegate_ttft_seconds_count", path="direct") == 0
+    assert router_metric(router, "sluicegate_prefill_seconds_count", backend="p") == prefills + 2
+    assert (
+        router_metric(router, "sluicegate_ttft_seconds_count", path="disaggregated")
+        == ttft_split + 2
+    )
+    assert router_metric(router, "sluicegate_ttft_seconds_count", path="direct") == ttft_direct
 
 
-def test_short_prompt_is_served_whole_on_the_decode_engine(procs: Cluster) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
-    router = pd_router(procs, [("p", p)], [("d", d)])
+def test_short_prompt_is_served_whole_on_the_decode_engine(pair: tuple[Proc, Proc, Proc]) -> None:
+    p, d, router = pair
+    short = router_metric(router, "sluicegate_disaggregated_requests_total", result="short")
+    direct = router_metric(router, "sluicegate_ttft_seconds_count", path="direct")
     assert chat(router, SHORT, "short-1") == text_of(TOKENS)
     assert legs(p, "short-1") == []
     (only,) = legs(d, "short-1")
     assert "kv_transfer_params" not in only["body"]
     assert handoff(d)["local_tokens"] > 0 and handoff(d)["external_tokens"] == 0
-    assert router_metric(router, "sluicegate_disaggregated_requests_total", result="short") == 1
-    assert router_metric(router, "sluicegate_ttft_seconds_count", path="direct") == 1
+    assert (
+        router_metric(router, "sluicegate_disaggregated_requests_total", result="short")
+        == short + 1
+    )
+    assert router_metric(router, "sluicegate_ttft_seconds_count", path="direct") == direct + 1
 
 
-def test_whole_answer_counts_the_clients_tokens_once(procs: Cluster) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
-    router = pd_router(procs, [("p", p)], [("d", d)])
+def test_whole_answer_counts_the_clients_tokens_once(pair: tuple[Proc, Proc, Proc]) -> None:
+    p, _, router = pair
+    completion = router_metric(router, "sluicegate_tokens_total", kind="completion")
+    prompt = router_metric(router, "sluicegate_tokens_total", kind="prompt")
+    requests = router_metric(router, "sluicegate_requests_total")
     client = sdk(router)
     r = client.chat.completions.create(
         model="m",
@@ -183,10 +197,12 @@ def test_whole_answer_counts_the_clients_tokens_once(procs: Cluster) -> None:
     assert r.choices[0].message.content == text_of(4)
     assert r.usage is not None and r.usage.completion_tokens == 4  # not P's one token
     assert len(legs(p, "whole-1")) == 1 and legs(p, "whole-1")[0]["body"]["max_tokens"] == 1
-    assert router_metric(router, "sluicegate_tokens_total", kind="completion") == 4
-    prompt = router_metric(router, "sluicegate_tokens_total", kind="prompt")
-    assert prompt == r.usage.prompt_tokens  # counted once, as D reported it
-    assert router_metric(router, "sluicegate_requests_total") == 1
+    assert router_metric(router, "sluicegate_tokens_total", kind="completion") == completion + 4
+    # Counted once, as D reported it.
+    assert router_metric(router, "sluicegate_tokens_total", kind="prompt") == (
+        prompt + r.usage.prompt_tokens
+    )
+    assert router_metric(router, "sluicegate_requests_total") == requests + 1
 
 
 def test_phase1_failure_retries_on_another_prefill_engine(procs: Cluster) -> None:
@@ -235,9 +251,8 @@ def test_no_prefill_engine_left_means_a_direct_answer(procs: Cluster) -> None:
     assert in_flight(router) == 0
 
 
-def test_client_leaving_in_phase1_cancels_the_prefill_call(procs: Cluster) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
-    router = pd_router(procs, [("p", p)], [("d", d)])
+def test_client_leaving_in_phase1_cancels_the_prefill_call(pair: tuple[Proc, Proc, Proc]) -> None:
+    p, d, router = pair
     control(p, ttft_ms=5000)
     with pytest.raises(openai.APITimeoutError):
         sdk(router, timeout=0.5).chat.completions.create(
@@ -254,8 +269,10 @@ def test_client_leaving_in_phase1_cancels_the_prefill_call(procs: Cluster) -> No
     wait_for(lambda: in_flight(router) == 0, "nothing in flight", 3)
 
 
-def test_cached_prefix_on_the_decode_engine_goes_direct(procs: Cluster) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
+def test_cached_prefix_on_the_decode_engine_goes_direct(
+    procs: Cluster, pair: tuple[Proc, Proc, Proc]
+) -> None:
+    p, d, _ = pair
     router = pd_router(procs, [("p", p)], [("d", d)], balancer="cache_aware")
     assert chat(router, LONG, "c-1") == text_of(TOKENS)  # first: split, D now holds the prefix
     assert chat(router, LONG, "c-2") == text_of(TOKENS)
@@ -263,8 +280,8 @@ def test_cached_prefix_on_the_decode_engine_goes_direct(procs: Cluster) -> None:
     assert router_metric(router, "sluicegate_disaggregated_requests_total", result="cached") == 1
 
 
-def test_mock_decode_refuses_unknown_or_used_params(procs: Cluster) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
+def test_mock_decode_refuses_unknown_or_used_params(pair: tuple[Proc, Proc, Proc]) -> None:
+    p, d, _ = pair
     body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": LONG}]}
     first = httpx.post(
         p.url + "/v1/chat/completions",
@@ -315,8 +332,10 @@ def test_sglang_bootstrap_sends_both_at_once_and_relays_decode(procs: Cluster) -
     wait_for(lambda: in_flight(router) == 0, "nothing in flight", 3)
 
 
-def test_model_disaggregation_null_turns_it_off(procs: Cluster) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
+def test_model_disaggregation_null_turns_it_off(
+    procs: Cluster, pair: tuple[Proc, Proc, Proc]
+) -> None:
+    p, d, _ = pair
     router = pd_router(procs, [("p", p)], [("d", d)], model_disaggregation={"m": None})
     chat(router, LONG, "off-1")
     assert router_metric(router, "sluicegate_disaggregated_requests_total") == 0
@@ -325,11 +344,13 @@ def test_model_disaggregation_null_turns_it_off(procs: Cluster) -> None:
     )
 
 
-def test_quotas_see_one_request_per_split_request(procs: Cluster) -> None:
+def test_quotas_see_one_request_per_split_request(
+    procs: Cluster, pair: tuple[Proc, Proc, Proc]
+) -> None:
     import hashlib
 
     key = "sk-pd-quota-0123456789"
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
+    p, d, _ = pair
     router = pd_router(
         procs,
         [("p", p)],
@@ -348,14 +369,16 @@ def test_quotas_see_one_request_per_split_request(procs: Cluster) -> None:
         client.chat.completions.create(model="m", messages=messages)
 
 
-def test_trace_has_both_legs_and_the_log_line_names_both_backends(procs: Cluster) -> None:
+def test_trace_has_both_legs_and_the_log_line_names_both_backends(
+    procs: Cluster, pair: tuple[Proc, Proc, Proc]
+) -> None:
     import json
 
     from tests.support.otlp_receiver import Receiver
 
     receiver = Receiver().start()
     try:
-        p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
+        p, d, _ = pair
         router = pd_router(
             procs,
             [("p", p)],
@@ -395,15 +418,9 @@ def test_trace_has_both_legs_and_the_log_line_names_both_backends(procs: Cluster
     assert line["disaggregation"] == "disaggregated"
 
 
-def test_client_leaving_in_phase2_stops_the_decode_engine(procs: Cluster) -> None:
-    p = pd_mock(procs, "p", "prefill")
-    d = procs.mock(
-        "d",
-        tokens=500,
-        itl_ms=20,
-        engine_args=["--kv-role", "decode", "--kv-fail-delay-ms", str(FAIL_DELAY_MS)],
-    )
-    router = pd_router(procs, [("p", p)], [("d", d)])
+def test_client_leaving_in_phase2_stops_the_decode_engine(pair: tuple[Proc, Proc, Proc]) -> None:
+    p, d, router = pair
+    control(d, tokens=500, itl_ms=20)
     with httpx.stream(
         "POST",
         router.url + "/v1/chat/completions",

@@ -64,10 +64,12 @@ def victim() -> Iterator[HostileBackend]:
         h.stop()
 
 
-def hostile_router(procs: Cluster, hostile: HostilePrefill, mode: str, **cfg: Any) -> Any:
-    """The hostile prefill engine (picked first: weight 1000), a mock one behind it, one
-    decode engine."""
-    p2, d = pd_mock(procs, "p2", "prefill"), pd_mock(procs, "d", "decode")
+def hostile_router(
+    procs: Cluster, engines: tuple[Proc, Proc, Proc], hostile: HostilePrefill, mode: str, **cfg: Any
+) -> Any:
+    """The hostile prefill engine (picked first: weight 1000), the module's mock one behind it,
+    its decode engine."""
+    p2, d, _ = engines
     router = procs.router(
         {
             "backends": [
@@ -119,10 +121,10 @@ def client_params(victim: HostileBackend) -> dict[str, Any]:
 
 @pytest.mark.parametrize("content", [SHORT, LONG], ids=["served-whole", "split"])
 def test_a_clients_kv_transfer_params_never_reach_the_decode_engine(
-    procs: Cluster, victim: HostileBackend, content: str
+    pair: tuple[Proc, Proc, Proc], victim: HostileBackend, content: str
 ) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
-    router = pd_router(procs, [("p", p)], [("d", d)])
+    p, d, router = pair
+    before = metric(router, "sluicegate_disaggregated_requests_total", result="client_params")
     rid = f"own-{len(content)}"
     params = client_params(victim)
     assert chat_as(router, "k", rid, content, kv_transfer_params=params) == text_of(TOKENS)
@@ -134,7 +136,9 @@ def test_a_clients_kv_transfer_params_never_reach_the_decode_engine(
         assert sent is not None and sent["remote_engine_id"] == handoff(p)["engine_id"]
     assert all(seen.get("remote_port") != victim.port for seen in handoff(d)["seen"])
     assert victim.connections == 0  # the decode engine never went where the client said
-    assert metric(router, "sluicegate_disaggregated_requests_total", result="client_params") == 0
+    assert (
+        metric(router, "sluicegate_disaggregated_requests_total", result="client_params") == before
+    )
 
 
 def test_sglang_bootstrap_fields_of_a_client_are_removed(
@@ -158,8 +162,10 @@ def test_sglang_bootstrap_fields_of_a_client_are_removed(
     assert victim.connections == 0
 
 
-def test_a_trusted_key_keeps_its_own_kv_transfer_params(procs: Cluster) -> None:
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
+def test_a_trusted_key_keeps_its_own_kv_transfer_params(
+    procs: Cluster, pair: tuple[Proc, Proc, Proc]
+) -> None:
+    p, d, _ = pair
     keys = [
         {"sha256": hashlib.sha256(key.encode()).hexdigest(), "name": name}
         for key, name in ((TRUSTED_KEY, "trusted"), (OTHER_KEY, "other"))
@@ -203,9 +209,9 @@ def test_client_body_keeps_everything_but_the_handoff_fields() -> None:
 
 
 def test_deeply_nested_params_fail_that_prefill_engine_and_another_one_takes_it(
-    procs: Cluster, hostile_prefill: HostilePrefill
+    procs: Cluster, pair: tuple[Proc, Proc, Proc], hostile_prefill: HostilePrefill
 ) -> None:
-    router, p2, d = hostile_router(procs, hostile_prefill, "deep-params")
+    router, p2, d = hostile_router(procs, pair, hostile_prefill, "deep-params")
     assert chat_as(router, "k", "deep-1", LONG) == text_of(TOKENS)
     assert hostile_prefill.seen["deep-1"] == 1  # asked first, and refused
     assert len(legs(p2, "deep-1")) == 1
@@ -248,12 +254,12 @@ def test_an_answer_nested_past_the_readers_limit_is_a_bad_answer() -> None:
 
 
 def test_a_dripping_prefill_answer_ends_at_the_read_timeout(
-    procs: Cluster, hostile_prefill: HostilePrefill
+    procs: Cluster, pair: tuple[Proc, Proc, Proc], hostile_prefill: HostilePrefill
 ) -> None:
     # Each byte comes well within the read timeout, so only a deadline on the whole leg ends
     # it; the drip would go on for 10 s (40 x 0.25 s), ten times the deadline.
     router, p2, d = hostile_router(
-        procs, hostile_prefill, "drip", timeouts={"read": 1.0, "connect": 5}
+        procs, pair, hostile_prefill, "drip", timeouts={"read": 1.0, "connect": 5}
     )
     assert chat_as(router, "k", "drip-1", LONG) == text_of(TOKENS)
     assert len(legs(p2, "drip-1")) == 1 and len(legs(d, "drip-1")) == 1
@@ -336,9 +342,9 @@ def test_a_refused_handoff_then_served_whole_by_that_decode_engine_charges_neith
 
 
 def test_params_naming_another_host_fail_that_prefill_engine(
-    procs: Cluster, hostile_prefill: HostilePrefill
+    procs: Cluster, pair: tuple[Proc, Proc, Proc], hostile_prefill: HostilePrefill
 ) -> None:
-    router, p2, d = hostile_router(procs, hostile_prefill, "far-params")
+    router, p2, d = hostile_router(procs, pair, hostile_prefill, "far-params")
     assert chat_as(router, "k", "far-1", LONG) == text_of(TOKENS)
     assert hostile_prefill.seen["far-1"] == 1
     assert len(legs(p2, "far-1")) == 1
@@ -389,12 +395,18 @@ def test_check_remote_reads_a_dual_stack_peer_as_its_ipv4_address() -> None:
     check_remote(b'{"remote_host":"[::1]","remote_port":1}', "p", "0:0:0:0:0:0:0:1")
 
 
-def test_a_real_prefill_handoff_names_the_engine_it_came_from(procs: Cluster) -> None:
+def test_a_real_prefill_handoff_names_the_engine_it_came_from(
+    pair: tuple[Proc, Proc, Proc],
+) -> None:
     """The mock's params name the address its backend URL has: they pass, as vLLM's do when
     VLLM_NIXL_SIDE_CHANNEL_HOST is that address."""
-    p, d = pd_mock(procs, "p", "prefill"), pd_mock(procs, "d", "decode")
-    router = pd_router(procs, [("p", p)], [("d", d)])
+    _, d, router = pair
+    split = metric(router, "sluicegate_disaggregated_requests_total", result="disaggregated")
+    errors = metric(router, "sluicegate_upstream_errors_total")
     assert chat_as(router, "k", "real-1", LONG) == text_of(TOKENS)
     assert handoff(d)["pulled"] == 1
-    assert metric(router, "sluicegate_disaggregated_requests_total", result="disaggregated") == 1
-    assert metric(router, "sluicegate_upstream_errors_total") == 0
+    assert (
+        metric(router, "sluicegate_disaggregated_requests_total", result="disaggregated")
+        == split + 1
+    )
+    assert metric(router, "sluicegate_upstream_errors_total") == errors

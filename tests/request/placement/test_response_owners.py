@@ -35,6 +35,9 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
         "balancer": "round_robin",
         "api_keys": keys,
         "response_ids": {"max_per_key": CAP},
+        # Redis must answer for the owners to be shared: the 50 ms default is a serving
+        # budget, and a loaded test machine can miss it (the store then keeps ids locally).
+        "redis_timeout": 1.0,
     }
     env = {"SLUICEGATE_REDIS_URL": server.url}
     r1 = c.router(shared, env=env)
