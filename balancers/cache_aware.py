@@ -16,8 +16,9 @@ engines that may run its adapter, each with the adapter's tier (balancers/lora.p
 hints the pick is `least_load`'s. Reasons: `session`, `prefix`, `prefix_exact`,
 `prefix_approx`, `home` (what the pick held or was), `spill` (the prompt had a holder or an
 established home and was moved off it, for the count bound or its queue's cost), `load` (a
-prompt nobody holds and with no home yet, placed by load). The whole rule, its terms and the measurements behind
-each choice: docs/balancers.md#cache_aware. Pure: the match arrives as data in the context.
+prompt nobody holds and with no home yet, placed by load). The whole rule, its terms and the
+measurements behind each choice: docs/balancers.md#cache_aware. Pure: the match arrives as
+data in the context.
 """
 
 from __future__ import annotations
