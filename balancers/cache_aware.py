@@ -33,6 +33,7 @@ from balancers.context import NO_CONTEXT, Hints, KvHints, PickContext
 from balancers.least_inflight import weighted_choice
 from balancers.least_load import QUEUE_WEIGHT, LeastLoad, now_on
 from balancers.lora import ahead, eligible
+from balancers.prefix_homes import GROUP_SHARE
 from balancers.session_ring import Ring
 from router.core.engine import EngineReading
 
@@ -248,6 +249,7 @@ class CacheAware:
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
         settled = hints.home is not None and not hints.home_new
+        kept = max(1.0, GROUP_SHARE * most)  # the home's holding that outweighs a guest's
         for s, c in live:
             cached = min(prompt, kv.cached.get(c.name, 0))
             r = c.engine
@@ -266,12 +268,12 @@ class CacheAware:
             # A copy here evicts as much of another prefix, prefilled once more later, unless
             # its cache has room: per its live events, else per the index's count.
             # Exact holdings (live events) are the truth: where one is cached, the home yields.
-            # ... where the home holds none of it: while the home holds some, a guest's copy is
-            # the home's to keep (partial eviction at home turned a guest into the holder).
+            # ... unless the home still holds most of it (GROUP_SHARE of the best holder's): a
+            # guest's full copy outbid a home that had lost a prompt's tail to eviction.
             truth = (
                 bool(most)
                 and any(kv.cached.get(x) for x in kv.exact)
-                and not (hints.home is not None and kv.cached.get(hints.home))
+                and not (hints.home is not None and kv.cached.get(hints.home, 0) >= kept)
             )
             moved = _displaced(hints, c.name, cached / prompt, most / prompt, n, truth) * prompt
             live_room = c.name in kv.exact and self._has_room(kv, c, prompt)
