@@ -78,13 +78,22 @@ local function scored(key, blob, n, t)
     i = stop
   end
 end
-local function home(blob, n, backend, t)
-  local known = 0
-  while known < n do
-    local h = string.sub(blob, known * 8 + 1, known * 8 + 8)
-    if redis.call('HEXISTS', HOMES, h) == 0 then break end
-    known = known + 1
+-- Homed blocks are prefix-closed (a record homes a whole chain, head scored newest, and trims
+-- drop the oldest): the deepest homed block of a chain is found by binary search.
+local function homed(b, n)
+  local function has(m)
+    return redis.call('HEXISTS', HOMES, string.sub(b, (m - 1) * 8 + 1, m * 8)) == 1
   end
+  if n == 0 or not has(1) then return 0 end
+  local lo, hi = 1, n
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if has(mid) then lo = mid else hi = mid - 1 end
+  end
+  return lo
+end
+local function home(blob, n, backend, t)
+  local known = homed(blob, n)
   if known < n then
     local counted = known < GROUP_SHARE * n
     local owner, flag = backend, 'c'
@@ -154,11 +163,9 @@ for k = 1, nk do
   out[look + k] = redis.call('ZCARD', KEYS[k])
 end
 -- The prompt's deepest homed block and its home, then each candidate's share of homes.
-local depth, owner = 0, ''
-for m = 1, n do
-  local v = redis.call('HGET', HOMES, string.sub(blob, (m - 1) * 8 + 1, m * 8))
-  if not v then break end
-  depth, owner = m, string.sub(v, 2)
+local depth, owner = homed(blob, n), ''
+if depth > 0 then
+  owner = string.sub(redis.call('HGET', HOMES, string.sub(blob, depth * 8 - 7, depth * 8)), 2)
 end
 out[look + nk + 1] = depth
 out[look + nk + 2] = owner
