@@ -23,6 +23,9 @@ most `timeout` (`redis_timeout`); on failure or timeout the caller uses its loca
 local at once (one warning per outage) and a probe write every half second waits for Redis;
 queued records (the latest MAX_PENDING: the store's owed work) are then replayed.
 `entries`: (block, backend) pairs Redis held for the backends of this process's last scripts.
+The prefix homes table (balancers/prefix_homes.py) is shared in the same script and round trip:
+`...:homes` (block -> home), `...:homes_lru` (its recency, trimmed to MAX_HOME_BLOCKS) and
+`...:homes_count` (each backend's share); a lookup also answers the prompt's home (`look()`).
 """
 
 from __future__ import annotations
