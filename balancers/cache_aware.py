@@ -14,8 +14,11 @@ its home on a consistent-hash ring with bounded loads first. A new prompt with n
 and live events goes where the cache has room (`_with_room`). A LoRA request weighs only the
 engines that may run its adapter, each with the adapter's tier (balancers/lora.py). Without
 hints the pick is `least_load`'s. Reasons: `session`, `prefix`, `prefix_exact`,
-`prefix_approx`, `home`, `spill`, `load`. The whole rule, its terms and the measurements behind
-each choice: docs/balancers.md#cache_aware. Pure: the match arrives as data in the context.
+`prefix_approx`, `home` (what the pick held or was), `spill` (the prompt had a holder or an
+established home and was moved off it, for the count bound or its queue's cost), `load` (a
+prompt nobody holds and with no home yet, placed by load). The whole rule, its terms and the
+measurements behind each choice: docs/balancers.md#cache_aware. Pure: the match arrives as
+data in the context.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from balancers.context import NO_CONTEXT, Hints, KvHints, PickContext
 from balancers.least_inflight import weighted_choice
 from balancers.least_load import QUEUE_WEIGHT, LeastLoad, now_on
 from balancers.lora import ahead, eligible
+from balancers.prefix_homes import GROUP_SHARE
 from balancers.session_ring import Ring
 from router.core.engine import EngineReading
 
@@ -244,6 +248,8 @@ class CacheAware:
         n = max(1, hints.blocks)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
+        settled = hints.home is not None and not hints.home_new
+        kept = max(1.0, GROUP_SHARE * most)  # the home's holding that outweighs a guest's
         for s, c in live:
             cached = min(prompt, kv.cached.get(c.name, 0))
             r = c.engine
@@ -262,13 +268,24 @@ class CacheAware:
             # A copy here evicts as much of another prefix, prefilled once more later, unless
             # its cache has room: per its live events, else per the index's count.
             # Exact holdings (live events) are the truth: where one is cached, the home yields.
-            truth = bool(most) and any(kv.cached.get(x) for x in kv.exact)
+            # ... unless the home still holds most of it (GROUP_SHARE of the best holder's): a
+            # guest's full copy outbid a home that had lost a prompt's tail to eviction.
+            truth = (
+                bool(most)
+                and any(kv.cached.get(x) for x in kv.exact)
+                and not (hints.home is not None and kv.cached.get(hints.home, 0) >= kept)
+            )
             moved = _displaced(hints, c.name, cached / prompt, most / prompt, n, truth) * prompt
             live_room = c.name in kv.exact and self._has_room(kv, c, prompt)
             if moved and (live_room or (c.name not in kv.exact and c.name in hints.roomy)):
                 moved = 0.0
             uncached = prompt - cached + moved
-            cost = (ahead * prompt * p + uncached * p + before + batch * q) / c.weight
+            # A prefill delays the running batch as much as ours (the approximate rule's 1 + batch).
+            # An established home's prompt weighs prefill and queue only (docs/balancers.md): the
+            # learnt decode term priced one more running request above a whole prompt's prefill
+            # and moved homed prompts for a batch one request longer (issue 52, events thrash).
+            step = 0.0 if settled else batch * q
+            cost = (ahead * prompt * p + uncached * p * (1.0 + batch) + before + step) / c.weight
             options.append((cost, s, c))
         if not options:
             return self._spill(ctx, [c for _, c in live if not kv.cached.get(c.name)] or pool)
@@ -281,7 +298,7 @@ class CacheAware:
         elif chosen.name == hints.home:
             reason = "home"
         else:
-            reason = "spill" if passed_over else "load"
+            reason = "spill" if passed_over or most or _anchored(hints) else "load"
         return Choice(chosen, reason, hints.held.get(chosen.name, 0), cached)
 
     @staticmethod
@@ -300,7 +317,13 @@ class CacheAware:
             return Choice(chosen, "prefix", held)
         if chosen.name == hints.home:
             return Choice(chosen, "home", 0)
-        return Choice(chosen, "spill" if passed_over else "load", 0)
+        return Choice(chosen, "spill" if passed_over or _anchored(hints) else "load", 0)
+
+
+def _anchored(hints: Hints) -> bool:
+    """The prompt belonged somewhere (a candidate held part of it, or its group has an
+    established home): a pick elsewhere moved it (`spill`), not placed a new one (`load`)."""
+    return any(hints.held.values()) or (hints.home is not None and not hints.home_new)
 
 
 def _displaced(

@@ -16,6 +16,9 @@ own, so prompts that share only a short system header spread rather than follow 
 homes spread so the fleet's KV capacity holds as many prefixes as it can (the peers' "smallest
 tree").
 
+Per process; with Redis the table is shared (router/request/placement/affinity_store.py: the same
+rule in the prefix index's script, so replicas send an evicted prefix to the same home) and this
+one is kept warm beside it as the fallback.
 Bounded: at most MAX_HOME_BLOCKS entries (~190 bytes each, ~25 MB at the cap), least recently
 recorded first out. Cost: a lookup and a record walk the prompt's chain, about three dict
 operations per block (128 for a 32k-character prompt): tens of microseconds, paid only by
@@ -52,19 +55,11 @@ class PrefixHomes:
             if owner is None:
                 break
             home, depth = owner[0], i + 1
-        if home is None or home not in names or depth < GROUP_SHARE * len(hashes):
-            return None, 0
-        return home, depth
+        return settle(home, depth, len(hashes), names)
 
     def place(self, names: Mapping[str, float]) -> str | None:
         """A new group's home: the backend home to the fewest blocks per unit of weight."""
-        count = self._count
-        best, least = None, 0.0
-        for name, weight in names.items():
-            load = count.get(name, 0) / max(weight, 1e-9)
-            if best is None or load < least:
-                best, least = name, load
-        return best
+        return least_homed(self._count, names)
 
     def record(self, hashes: Sequence[bytes], backend: str) -> None:
         """`backend` was sent this prompt: the blocks with no home yet get it, or, the prompt
@@ -102,3 +97,23 @@ class PrefixHomes:
                 count[gone] = left
             else:
                 del count[gone]
+
+
+def settle(
+    home: str | None, depth: int, blocks: int, names: Mapping[str, float]
+) -> tuple[str | None, int]:
+    """`find()`'s answer from the deepest homed block (this table's, or the shared one's,
+    router/request/placement/affinity_store.py): (None, 0) for a new group or a gone home."""
+    if home is None or home not in names or depth < GROUP_SHARE * blocks:
+        return None, 0
+    return home, depth
+
+
+def least_homed(count: Mapping[str, int], names: Mapping[str, float]) -> str | None:
+    """The backend home to the fewest blocks per unit of weight (the first of equals)."""
+    best, least = None, 0.0
+    for name, weight in names.items():
+        load = count.get(name, 0) / max(weight, 1e-9)
+        if best is None or load < least:
+            best, least = name, load
+    return best

@@ -58,6 +58,10 @@ class PrefixIndex:
         lru = self._lru.get(backend)
         return None if lru is None else self._limits[backend] - len(lru)
 
+    def limit(self, backend: str, default: int) -> int:
+        """`backend`'s bound at its last record here (`default`: never recorded here)."""
+        return self._limits.get(backend, default)
+
     def match(self, hashes: Sequence[bytes], names: Iterable[str]) -> dict[str, int]:
         """For each of `names` holding at least the first block: how many leading blocks."""
         lru = self._lru

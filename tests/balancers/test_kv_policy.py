@@ -49,7 +49,7 @@ def test_the_engines_rates_set_the_exchange_rate() -> None:
         Candidate("a", 1.0, 6, reading(6, p=2e-6, q=5e-3)),
         Candidate("b", 1.0, 0, reading(0, p=2e-6, q=5e-3)),
     ]
-    assert pick(cpu, kv) == ("b", "load")
+    assert pick(cpu, kv) == ("b", "spill")
 
 
 def test_reasons_say_exact_or_approximate() -> None:
@@ -84,7 +84,7 @@ def test_pending_prefills_count_what_is_left_of_them() -> None:
     # With room in b's cache (its events say so) the copy evicts nothing: the two cost the
     # same and b's empty batch decides.
     roomy = KvHints(1088, {"a": 1024}, names, {"a": 1088}, {"b": 0}, {"a": 0.0})
-    assert pick(cands, roomy) == ("b", "load")
+    assert pick(cands, roomy) == ("b", "spill")
     # Hits answered on the holder are no longer pending: an idle holder with the prompt wins.
     assert pick(cands, KvHints(1088, {"a": 1024}, names)) == ("a", "prefix_exact")
 
@@ -335,4 +335,4 @@ def test_an_engine_never_taught_takes_its_peers_rates_not_the_default() -> None:
     cands[0] = Candidate("fresh", 1.0, 0, reading(0, p=slow_p, q=5e-3))
     assert pick(cands, kv) == ("holder", "prefix_exact")
     cands[0] = Candidate("fresh", 1.0, 0, reading(0, p=slow_p / 100, q=5e-3))
-    assert pick(cands, kv) == ("fresh", "load")
+    assert pick(cands, kv) == ("fresh", "spill")

@@ -18,6 +18,7 @@ import concurrent.futures
 import random
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -32,14 +33,27 @@ REQUESTS = 88
 WARM = 16  # the first requests place the prefixes; the rest must find them where they went
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[dict[str, Proc]]:
+@pytest.fixture(scope="module", params=["approximate", "kv_events"])
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Proc]]:
+    # With KV events the engines' own events say what is cached; the router tokenizes through
+    # their /tokenize (the default with no tokenizer named).
+    events = request.param == "kv_events"
+    run = Path(tmp_path_factory.mktemp("kvpressure"))
     c = Cluster()
     try:
-        mocks = {n: c.mock(n, engine_args=ENGINE) for n in ("a", "b")}
+        mocks = {
+            n: c.mock(
+                n,
+                engine_args=[*ENGINE, "--kv-events", f"ipc://{run}/{n}.sock"] if events else ENGINE,
+            )
+            for n in ("a", "b")
+        }
+        extra = {"kv_events": {}} if events else {}
         router = c.router(
             {
-                "backends": [backend(n, m) for n, m in mocks.items()],
+                "backends": [backend(n, m, **extra) for n, m in mocks.items()],
                 "balancer": "cache_aware",
                 "engine_metrics": {"interval": 0.1, "timeout": 1, "stale_after": 3},
                 "expose_backend_header": True,

@@ -129,7 +129,7 @@ def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     pick = Bound(bal, PickContext(hints=match, load_factor=4.0))
     assert chose(pick.pick([a, b, c]))[:2] == (a, "prefix")
     a = Candidate("a", 1.0, 12)
-    assert chose(pick.pick([a, b, c]))[:2] == (c, "load")
+    assert chose(pick.pick([a, b, c]))[:2] == (c, "spill")
     # The holder excluded (its attempt failed) or absent: plain least_load, reason load.
     pick = Bound(bal, PickContext(hints=match, load_factor=1.25))
     assert chose(pick.pick([a, b, c], exclude={"a"}))[:2] == (c, "load")
@@ -149,7 +149,7 @@ def test_the_prefix_outweighs_a_little_load_but_not_the_bound() -> None:
     queuing = Candidate("a", 1.0, 0, reading(running=16, kv=0.6, waiting=3))
     assert chose(pick.pick([queuing, cool]))[:2] == (queuing, "prefix")  # 3 ahead < 4
     queuing = Candidate("a", 1.0, 0, reading(running=16, kv=0.6, waiting=5))
-    assert chose(pick.pick([queuing, cool]))[:2] == (cool, "load")  # 5 ahead > 4
+    assert chose(pick.pick([queuing, cool]))[:2] == (cool, "spill")  # 5 ahead > 4
     # Among equal costs (no holder, no queue) the least loaded wins, as with least_load.
     other = Candidate("c", 1.0, 0, reading(running=3, kv=0.1))
     assert (
@@ -195,7 +195,7 @@ def test_a_holder_keeps_its_prompt_until_its_queue_costs_more_than_a_copy() -> N
     assert pick(Candidate("a", 1.0, 6, reading(6, 0.4))) == ("a", "prefix")
     # A copy on c costs (1 + 1) prefills x (1 + its 2 running) = 6 prefills of the prompt.
     assert pick(Candidate("a", 1.0, 6, reading(6, 0.4, waiting=5))) == ("a", "prefix")
-    assert pick(Candidate("a", 1.0, 6, reading(6, 0.4, waiting=7))) == ("c", "load")
+    assert pick(Candidate("a", 1.0, 6, reading(6, 0.4, waiting=7))) == ("c", "spill")
     # Its free KV no longer holds this prompt: one more ahead, still cheaper than a copy.
     assert pick(Candidate("a", 1.0, 6, reading(6, 0.98))) == ("a", "prefix")
     # Without a reading the count bound alone decides (as in the test above).
@@ -214,7 +214,7 @@ def test_a_prefix_evicted_everywhere_goes_back_to_its_home() -> None:
     # Home: its prefill x (1 + 2 running) = 3; b: (1 + 30/32) x (1 + 1) = 3.9.
     assert chose(pick.pick([busier, idle]))[:2] == (busier, "home")
     queuing = Candidate("a", 1.0, 2, reading(2, 0.2, waiting=3))
-    assert chose(pick.pick([queuing, idle]))[:2] == (idle, "load")  # 3 + 3 > 3.9
+    assert chose(pick.pick([queuing, idle]))[:2] == (idle, "spill")  # 3 + 3 > 3.9
     assert chose(pick.pick([busier, idle], exclude={"a"}))[:2] == (idle, "load")
     # A copy cached off its home (a guest) pays for the room it takes there: with b busier
     # it goes home (1 x 2 = 2 against 30/32 x 3 = 2.8).

@@ -35,7 +35,7 @@ from balancers.base import Balancer
 from balancers.cache_aware import CHARS_PER_TOKEN
 from balancers.context import Hints, KvHints
 from balancers.inflight.base import Readings
-from balancers.prefix_homes import PrefixHomes
+from balancers.prefix_homes import PrefixHomes, least_homed, settle
 from balancers.prefix_index import PrefixIndex
 from balancers.session_ring import point
 from router.core.backend import Backend
@@ -52,7 +52,7 @@ from router.request.placement.tokens import (
 )
 
 if TYPE_CHECKING:
-    from router.request.placement.affinity_store import SharedPrefixIndex
+    from router.request.placement.affinity_store import Shared, SharedPrefixIndex
     from router.upstream.pools import Pools
 
 MAX_SESSION_KEY_CHARS = 256
@@ -74,6 +74,9 @@ class RequestAffinity:
     keys: dict[tuple[int, bytes], list[bytes]] = field(default_factory=dict)
     # backend -> its (block size, namespace), for the backends with live events
     groups: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    # The shared index's whole answer (its homes table's, and each candidate's room); None: ask
+    # this process's own index and table
+    shared: Shared | None = None
 
     @property
     def token_count(self) -> int:
@@ -156,12 +159,13 @@ class Affinity:
         if shared is None or not request.hashes:
             return request
         names = [b.name for b in backends]
-        held = await shared.match(request.hashes, names)
-        if held is None:
+        found = await shared.look(request.hashes, names)
+        if found is None:
             held = self.index.match(request.hashes, names)
             if self._on_fallback is not None:
                 self._on_fallback()
-        return RequestAffinity(request.hashes, request.session, held)
+            return RequestAffinity(request.hashes, request.session, held)
+        return RequestAffinity(request.hashes, request.session, found.held, shared=found)
 
     def default_tokenizers(self, models: Iterable[str]) -> list[str]:
         """Models whose backends publish KV events and that `affinity.tokenizers` does not name
@@ -353,13 +357,39 @@ class Affinity:
         home, depth, new = None, 0, False
         if request.hashes:
             weights = {b.name: b.weight for b in eligible}
-            home, depth = self.homes.find(request.hashes, weights)
+            shared = request.shared
+            if shared is None:
+                home, depth = self.homes.find(request.hashes, weights)
+            else:  # every replica's table, as Redis answered it with the index
+                home, depth = settle(shared.home, shared.depth, len(request.hashes), weights)
             if home is None:  # a new group, or its home is gone: where homes are fewest
-                home, depth, new = self.homes.place(weights), len(request.hashes), True
+                homed = (
+                    self.homes.place(weights)
+                    if shared is None
+                    else least_homed(shared.counts, weights)
+                )
+                home, depth, new = homed, len(request.hashes), True
         n = len(request.hashes)
-        room = self.index.room
-        roomy = frozenset(b.name for b in eligible if (r := room(b.name)) is None or r >= n)
+        roomy = self._roomy(request, eligible, n)
         return Hints(n, self.config.block_chars, held, request.session, kv, home, depth, new, roomy)
+
+    def _roomy(
+        self, request: RequestAffinity, eligible: Sequence[Backend], n: int
+    ) -> frozenset[str]:
+        """The backends whose share of the index takes `n` blocks more without evicting: per
+        the shared index's count when it answered (this process's own index has not seen the
+        other replicas' records: a backend it never sent to looked empty, and a copy there
+        cost nothing), else per the local index."""
+        shared = request.shared
+        if shared is None:
+            room = self.index.room
+            return frozenset(b.name for b in eligible if (r := room(b.name)) is None or r >= n)
+        block_tokens = max(1, self.config.block_chars // CHARS_PER_TOKEN)
+        default = self.config.capacity_tokens // block_tokens
+        limit = self.index.limit
+        return frozenset(
+            b.name for b in eligible if limit(b.name, default) - shared.cards.get(b.name, 0) >= n
+        )
 
     def dispatched(self, hashes: list[bytes], backend: str, readings: Readings | None) -> None:
         """`backend` was sent this prompt: from now on it holds the prefix."""
@@ -371,8 +401,8 @@ class Affinity:
         )
         block_tokens = max(1, self.config.block_chars // CHARS_PER_TOKEN)
         self.index.record(hashes, backend, capacity // block_tokens)
-        self.homes.record(hashes, backend)
-        if self.shared is not None:
+        self.homes.record(hashes, backend)  # kept warm: the fallback while Redis is away
+        if self.shared is not None:  # its record carries the homes table's too
             self.shared.record(hashes, backend, capacity // block_tokens)
 
 
