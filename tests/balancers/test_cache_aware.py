@@ -21,7 +21,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support.harness import Cluster, Proc, backend, control, in_flight
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, in_flight
 from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "65536", "--decode-ms", "5"]
@@ -67,7 +67,7 @@ def counter(text: str, name: str, **labels: str) -> float:
 
 
 def router_metrics(router: Proc) -> str:
-    return httpx.get(router.url + "/metrics", timeout=5).text
+    return httpx.get(router.url + "/metrics", timeout=STARVED_S).text
 
 
 def log_lines(router: Proc, *ids: str) -> dict[str, dict[str, Any]]:
@@ -172,7 +172,7 @@ def test_the_mock_engine_reports_cached_tokens(fleet: dict[str, Proc]) -> None:
     sdk = client(mock)
 
     def counts() -> tuple[float, float]:
-        text = httpx.get(mock.url + "/metrics", timeout=5).text
+        text = httpx.get(mock.url + "/metrics", timeout=STARVED_S).text
         assert 'enable_prefix_caching="True"' in text
         return counter(text, "vllm:prefix_cache_queries_total"), counter(
             text, "vllm:prefix_cache_hits_total"
@@ -242,7 +242,7 @@ def test_bad_input_never_fails_a_request(fleet: dict[str, Proc]) -> None:
         {"model": "m", "max_tokens": 2, "messages": "not a list"},
         {"model": "m", "max_tokens": 2, "messages": [None, 3, {"role": 7, "content": {}}]},
     ):
-        resp = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=10)
+        resp = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=STARVED_S)
         assert resp.status_code == 200, resp.text
     assert in_flight(router) == 0
     lines = log_lines(router, "huge")
@@ -279,7 +279,7 @@ def test_a_session_key_sticks_and_moves_minimally_when_a_backend_is_added(
                     "messages": [{"role": "user", "content": "hi"}],
                 },
                 headers=headers,
-                timeout=10,
+                timeout=STARVED_S,
             )
             assert r.status_code == 200, r.text
             return r.headers["x-sluicegate-backend"]
@@ -294,13 +294,15 @@ def test_a_session_key_sticks_and_moves_minimally_when_a_backend_is_added(
             router.url + "/admin/backends",
             json=backend("c", fleet["c"]),
             headers={"authorization": f"Bearer {token}"},
-            timeout=5,
+            timeout=STARVED_S,
         )
         assert added.status_code == 201, added.text
 
         def c_is_read() -> bool:
             auth = {"authorization": f"Bearer {token}"}
-            listed = httpx.get(router.url + "/admin/backends", headers=auth, timeout=5).json()
+            listed = httpx.get(
+                router.url + "/admin/backends", headers=auth, timeout=STARVED_S
+            ).json()
             return any(
                 b["name"] == "c" and b["engine"] and not b["engine"]["stale"] for b in listed
             )

@@ -29,7 +29,7 @@ from router.engine.adapters import adapters_of, base_models
 from router.engine.parse import MAX_LORA_SERIES, parse
 from router.request.placement.prefix import block_hashes
 from router.tools.status import run as status
-from tests.support.harness import Cluster, Proc, backend, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, stats
 from tests.support.picking import Bound
 from tests.support.wait import wait_for
 
@@ -217,12 +217,12 @@ def ask(router: Proc, model: str) -> httpx.Response:
     return httpx.post(
         router.url + "/v1/chat/completions",
         json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-        timeout=10,
+        timeout=STARVED_S,
     )
 
 
 def lora_metric(router: Proc, adapter: str, result: str) -> float:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith("sluicegate_lora_loads_total{") and f'adapter="{adapter}"' in line:
@@ -232,7 +232,7 @@ def lora_metric(router: Proc, adapter: str, result: str) -> float:
 
 
 def engines(router: Proc) -> dict[str, Any]:
-    rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    rows = httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json()
     return {r["name"]: r["engine"] for r in rows}
 
 
@@ -290,7 +290,7 @@ def test_an_unknown_adapter_is_loaded_once_on_demand_and_unloaded_when_idle(
     # Idle for idle_unload: unloaded, and the engine no longer lists it.
     holder = fleet[where.pop()]
     wait_for(lambda: lora_metric(router, "chat", "unloaded") == 1, "the idle unload")
-    models = httpx.get(holder.url + "/v1/models", timeout=5).json()["data"]
+    models = httpx.get(holder.url + "/v1/models", timeout=STARVED_S).json()["data"]
     assert "chat" not in [m["id"] for m in models]
 
 
@@ -301,7 +301,7 @@ def test_a_failed_load_fails_that_adapter_only(fleet: dict[str, Any]) -> None:
     assert "Loading LoRA adapter `broken`" in r.json()["error"]["message"]
     assert lora_metric(router, "broken", "failed") >= 1
     # The engines stay healthy and keep serving the base model and other adapters.
-    rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    rows = httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json()
     assert all(row["healthy"] for row in rows), rows
     assert ask(router, "m").status_code == 200
     assert ask(router, "sql").status_code == 200
@@ -310,17 +310,19 @@ def test_a_failed_load_fails_that_adapter_only(fleet: dict[str, Any]) -> None:
 def test_the_mock_answers_the_load_endpoints_as_vllm(fleet: dict[str, Any], tmp_path: Path) -> None:
     b = fleet["b"]
     url = b.url + "/v1/load_lora_adapter"
-    r = httpx.post(url, json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=5)
+    r = httpx.post(url, json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=STARVED_S)
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'x' added successfully.")
-    again = httpx.post(url, json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=5)
+    again = httpx.post(url, json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=STARVED_S)
     assert (
         again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
     )
-    listed = {m["id"]: m for m in httpx.get(b.url + "/v1/models", timeout=5).json()["data"]}
+    listed = {m["id"]: m for m in httpx.get(b.url + "/v1/models", timeout=STARVED_S).json()["data"]}
     assert listed["x"]["parent"] == "mock-model" and listed["x"]["root"] == str(tmp_path)
-    gone = httpx.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=5)
+    gone = httpx.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=STARVED_S)
     assert gone.status_code == 200
-    missing = httpx.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=5)
+    missing = httpx.post(
+        b.url + "/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=STARVED_S
+    )
     assert missing.status_code == 404
 
 

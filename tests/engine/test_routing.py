@@ -1,7 +1,9 @@
 """Engine-aware routing end to end: mock vLLM/SGLang engines, a real router with `least_load`.
 
-Scrape interval 0.1 s, timeout 0.2 s, stale after 0.4 s, so every wait here is a poll with a
-deadline of a few intervals.
+Scrape interval 0.1 s, timeout 0.2 s, so every wait here is a poll with a deadline of a few
+intervals. Stale after 1 s, the default: a reading goes stale when no scrape has succeeded for that
+long, and on a loaded machine a router starved of CPU for a few scrapes would otherwise find its
+healthy engines stale too (with every reading stale the pick falls back to least in flight).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tests.support.wait import wait_for
 
 INTERVAL = 0.1
 SCRAPE_TIMEOUT = 0.2
+STALE_AFTER = 1.0
 ENGINE = ["--engine", "--max-num-seqs", "8", "--kv-tokens", "32768", "--decode-ms", "5"]
 ENGINE += ["--decode-ms-per-seq", "0", "--prefill-ms-per-1k", "5"]
 ENGINE += ["--background-prompt", "200", "--background-tokens", "100000"]
@@ -46,7 +49,7 @@ def fleet() -> Iterator[dict[str, Proc]]:
                 "engine_metrics": {
                     "interval": INTERVAL,
                     "timeout": SCRAPE_TIMEOUT,
-                    "stale_after": 0.4,
+                    "stale_after": STALE_AFTER,
                 },
                 "expose_backend_header": True,
                 "health": {"interval": 60},
@@ -131,7 +134,7 @@ def test_stale_engine_is_not_preferred(fleet: dict[str, Proc]) -> None:
     router = fleet["router"]
     control(fleet["a"], background=4)
     control(fleet["b"], metrics_status=404)  # idle, but we can no longer see it
-    wait_for(lambda: engines(router)["b"]["stale"], "b stale", 3)
+    wait_for(lambda: engines(router)["b"]["stale"], "b stale", STALE_AFTER + 2)
     assert engines(router)["b"]["scrape_error"] == "HTTP 404"
     got = burst(router, 8)
     assert got["b"] == 0, got
@@ -161,7 +164,7 @@ def test_scrape_faults_are_survived(
         f"scrape_error {error!r}",
         3,
     )
-    wait_for(lambda: engines(router)["a"]["stale"], "a stale", 3)
+    wait_for(lambda: engines(router)["a"]["stale"], "a stale", STALE_AFTER + 2)
     # Routing goes on, never to the engine we cannot read while others are fresh.
     got = burst(router, 6, max_tokens=4)
     assert sum(got.values()) == 6 and got["a"] == 0, got

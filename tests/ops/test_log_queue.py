@@ -19,7 +19,7 @@ import pytest
 
 from router.core.settings import BackendConfig, Settings
 from router.ops import logs
-from tests.support.harness import ROOT, Cluster, backend, free_port, stats, wait_http
+from tests.support.harness import ROOT, STARVED_S, Cluster, backend, free_port, stats, wait_http
 from tests.support.wait import wait_for
 
 
@@ -157,7 +157,7 @@ def test_router_with_a_stalled_stderr_keeps_serving(procs: Cluster) -> None:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/healthz", proc=router)
         body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-        with httpx.Client(base_url=url, timeout=10) as client:
+        with httpx.Client(base_url=url, timeout=STARVED_S) as client:
             for _ in range(500):
                 r = client.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200
@@ -171,7 +171,7 @@ def test_router_with_a_stalled_stderr_keeps_serving(procs: Cluster) -> None:
         assert dropped, "sluicegate_log_dropped_total not exported"
         # It still stops when asked, its last lines stuck behind the stalled pipe.
         router.send_signal(signal.SIGTERM)
-        assert router.wait(20) == 0
+        assert router.wait(STARVED_S) == 0
     finally:
         for p in (router, consumer):
             if p is not None and p.poll() is None:
@@ -190,16 +190,18 @@ def test_lines_logged_while_draining_on_sigterm_are_written(procs: Cluster) -> N
     done: list[int] = []
 
     def stream() -> None:
-        with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=10) as r:
+        with httpx.stream(
+            "POST", router.url + "/v1/chat/completions", json=body, timeout=STARVED_S
+        ) as r:
             done.append(sum(len(c) for c in r.iter_bytes()))
 
     t = threading.Thread(target=stream)
     t.start()
-    wait_for(lambda: stats(mock)["running"] == 1, "the stream under way", 5)
+    wait_for(lambda: stats(mock)["running"] == 1, "the stream under way", STARVED_S)
     router.signal(signal.SIGTERM)
-    t.join(10)
+    t.join(STARVED_S)
     assert done and done[0] > 0
-    assert router.popen.wait(15) == 0
+    assert router.popen.wait(STARVED_S) == 0
     lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
     # The request that finished during the drain, and the server's last words, made it out.
     assert any(line["msg"] == "request" and line.get("status") == 200 for line in lines)

@@ -31,6 +31,13 @@ from router.tools.enginefleet.fleet import free_port as fleet_free_port
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
+# How long a test's client waits for an answer: it catches a hang and times nothing. In a full
+# run on a loaded 2-core machine every process was starved at once for ~40 s (a fixture's setup
+# and two tests on other workers, each 40 s in the same window; the router's own requests take
+# ~2 ms there), so 5-10 s read timeouts failed tests whose router was only waiting for a CPU.
+# What a test holds the router to is its settings' timeouts (`late_by`), not this.
+STARVED_S = 60.0
+
 
 @functools.cache
 def _port_slice() -> range:
@@ -363,7 +370,7 @@ def backend(name: str, mock: Proc, models: Any = None, **extra: Any) -> dict[str
 
 
 def control(mock: Proc, **changes: Any) -> dict[str, Any]:
-    r = httpx.post(mock.url + "/control", json=changes, timeout=5)
+    r = httpx.post(mock.url + "/control", json=changes, timeout=STARVED_S)
     r.raise_for_status()
     return dict(r.json())
 
@@ -433,7 +440,7 @@ async def late_by(work: Awaitable[T], seconds: float) -> tuple[T, float]:
     return result, done - due
 
 
-def stats(mock: Proc, timeout: float = 5) -> dict[str, Any]:
+def stats(mock: Proc, timeout: float = STARVED_S) -> dict[str, Any]:
     r = httpx.get(mock.url + "/stats", timeout=timeout)
     r.raise_for_status()
     return dict(r.json())
