@@ -465,7 +465,7 @@ def test_shed_from_a_full_queue_is_429_with_retry_after(fleet: dict[str, Any]) -
     assert shed.status_code == 429
     assert float(shed.headers["retry-after"]) > 0
     assert shed.json()["error"]["message"]
-    assert served.status_code == 200  # served once the slot freed
+    assert served.status_code == 200, (served.headers, served.text)  # once the slot freed
     idle(fleet)
 
 
