@@ -14,10 +14,10 @@ the engines queue. Prefill costs 60 ms per 1k tokens: the burst of 88 requests s
 What is asserted does not depend on the machine's speed (on a loaded one the queues, and so the
 moves the cost model makes for them, differ from run to run): the router's own decisions
 (`sluicegate_routing_decisions_total` by reason) say how often it placed a prompt as new
-(`load`) and moved one off its holder or home (`spill`); a thrash moves a prefix for good, so
-no prefix may leave its engine for more than isolated spills; and the engines' counters must
-show the hits the decisions imply (each spill costs at most two prefills: its own, and the
-prefix its copy evicted), so the caches, not only the headers, hold the partition.
+(`load`), placed it again at its home (`home`) and moved one off its holder or home (`spill`);
+thrash re-places prefixes beyond what the spills' copies can have evicted; and the engines'
+counters must show the hits those decisions imply (each spill costs at most two prefills: its
+own, and the prefix its copy evicted), so the caches, not only the headers, hold the partition.
 """
 
 from __future__ import annotations
@@ -125,20 +125,20 @@ def test_the_partition_holds_under_kv_pressure(fleet: dict[str, Proc]) -> None:
     queries = sum(counter(e, "vllm:prefix_cache_queries_total") for e in engines) - queries
     hits = sum(counter(e, "vllm:prefix_cache_hits_total") for e in engines) - hits
     made = decisions(fleet["router"]) - before
-    where: dict[int, Counter[str]] = defaultdict(Counter)
+    where: dict[int, Counter[str]] = defaultdict(Counter)  # for the failure message
     for k, name in served[WARM:]:
         where[k][name] += 1
-    # Thrash placed a prefix evicted everywhere as new, by load, and it stayed where it went:
-    # here each prefix is placed once, and a move for a queue is a spill that comes back.
+    # Thrash placed a prefix evicted everywhere as new, by load, and its copy evicted another,
+    # placed again in turn. Here each prefix is placed once, a move for a queue is a `spill`
+    # (its copy may then serve the prefix too: a second holder, not a miss), and a prefix is
+    # placed again (`home`) only when a spill's copy evicted it: at most one per spill.
+    placed = made["load"] + made["home"]
     assert made["load"] <= PREFIXES, (dict(made), dict(where))
-    for k, c in where.items():
-        assert sum(c.values()) - max(c.values()) <= 2, (k, dict(where), dict(made))
-    assert made["spill"] <= REQUESTS // 8, (dict(made), dict(where))
+    assert placed - PREFIXES <= made["spill"] <= REQUESTS // 8, (dict(made), dict(where))
     # The caches show what the decisions imply: every request but each prefix's first
     # placement, its re-placements (`home`, `load` past the first) and two per spill hits its
     # prefix; one prefill more of slack. A thrashing fleet measured 0.5-0.7 here, a partitioned
     # one ~0.85.
-    placed = max(PREFIXES, made["load"] + made["home"])
     warm = REQUESTS - placed - 2 * made["spill"] - 1
     floor = warm * PREFIX_TOKENS / (REQUESTS * PROMPT_TOKENS)
     assert queries == REQUESTS * PROMPT_TOKENS, queries  # the sizes the floor is derived from
