@@ -27,6 +27,7 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -60,7 +61,7 @@ def fleet(
             )
             for n in ("a", "b")
         }
-        extra = {"kv_events": {}} if events else {}
+        extra: dict[str, Any] = {"kv_events": {}} if events else {}
         router = c.router(
             {
                 "backends": [backend(n, m, **extra) for n, m in mocks.items()],
