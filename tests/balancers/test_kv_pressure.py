@@ -10,6 +10,14 @@ each prefix stays on one engine and the engines' own counters show the hits.
 Sizes: a prefix is 4,096 characters (1,024 mock tokens, 64 blocks of 16), a request's own suffix
 64 tokens; each engine's KV holds 352 blocks (5.5 prompts), the running batch 2 sequences, so
 the engines queue. Prefill costs 60 ms per 1k tokens: the burst of 88 requests saturates both.
+
+What is asserted does not depend on the machine's speed (on a loaded one the queues, and so the
+moves the cost model makes for them, differ from run to run): the router's own decisions
+(`sluicegate_routing_decisions_total` by reason) say how often it placed a prompt as new
+(`load`), placed it again at its home (`home`) and moved one off its holder or home (`spill`);
+thrash re-places prefixes beyond what the spills' copies can have evicted; and the engines'
+counters must show the hits those decisions imply (each spill costs at most two prefills: its
+own, and the prefix its copy evicted), so the caches, not only the headers, hold the partition.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -31,6 +40,8 @@ ENGINE += ["--decode-ms", "2", "--decode-ms-per-seq", "0", "--prefill-ms-per-1k"
 PREFIXES = 8
 REQUESTS = 88
 WARM = 16  # the first requests place the prefixes; the rest must find them where they went
+PROMPT_TOKENS = 1088  # the mock's len(text) // 4 of the prompt `ask` sends
+PREFIX_TOKENS = 1024  # what a warm request finds cached: its prefix's 64 whole blocks
 
 
 @pytest.fixture(scope="module", params=["approximate", "kv_events"])
@@ -50,12 +61,14 @@ def fleet(
             )
             for n in ("a", "b")
         }
-        extra = {"kv_events": {}} if events else {}
+        extra: dict[str, Any] = {"kv_events": {}} if events else {}
         router = c.router(
             {
                 "backends": [backend(n, m, **extra) for n, m in mocks.items()],
                 "balancer": "cache_aware",
-                "engine_metrics": {"interval": 0.1, "timeout": 1, "stale_after": 3},
+                # A stale reading takes its engine out of the cost (its prompts spill): a starved
+                # machine's slow scrape must not make one stale, which is not what is tested.
+                "engine_metrics": {"interval": 0.1, "timeout": 5, "stale_after": 30},
                 "expose_backend_header": True,
                 "health": {"interval": 60},
             }
@@ -80,6 +93,17 @@ def counter(engine: Proc, name: str) -> float:
     )
 
 
+def decisions(router: Proc) -> Counter[str]:
+    """The router's picks so far, by reason."""
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("sluicegate_routing_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] += int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 def test_the_partition_holds_under_kv_pressure(fleet: dict[str, Proc]) -> None:
     sdk = OpenAI(base_url=fleet["router"].url + "/v1", api_key="unused", max_retries=0)
     texts = [prefix(k) for k in range(PREFIXES)]
@@ -96,15 +120,27 @@ def test_the_partition_holds_under_kv_pressure(fleet: dict[str, Proc]) -> None:
     engines = [fleet["a"], fleet["b"]]
     queries = sum(counter(e, "vllm:prefix_cache_queries_total") for e in engines)
     hits = sum(counter(e, "vllm:prefix_cache_hits_total") for e in engines)
+    before = decisions(fleet["router"])
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         served = list(pool.map(ask, range(REQUESTS)))
     queries = sum(counter(e, "vllm:prefix_cache_queries_total") for e in engines) - queries
     hits = sum(counter(e, "vllm:prefix_cache_hits_total") for e in engines) - hits
-    where: dict[int, Counter[str]] = defaultdict(Counter)
+    made = decisions(fleet["router"]) - before
+    where: dict[int, Counter[str]] = defaultdict(Counter)  # for the failure message
     for k, name in served[WARM:]:
         where[k][name] += 1
-    moved = sum(sum(c.values()) - max(c.values()) for c in where.values())
-    # A partitioned fleet prefills each prefix once or twice and then hits on it: ~0.85 of the
-    # prompt tokens. Thrash (a prefix moved by load, evicting another) measured 0.5-0.7 here.
-    assert hits / queries >= 0.8, (hits / queries, dict(where))
-    assert moved <= 4, dict(where)
+    # Thrash placed a prefix evicted everywhere as new, by load, and its copy evicted another,
+    # placed again in turn. Here each prefix is placed once, a move for a queue is a `spill`
+    # (its copy may then serve the prefix too: a second holder, not a miss), and a prefix is
+    # placed again (`home`) only when a spill's copy evicted it: at most one per spill.
+    placed = made["load"] + made["home"]
+    assert made["load"] <= PREFIXES, (dict(made), dict(where))
+    assert placed - PREFIXES <= made["spill"] <= REQUESTS // 8, (dict(made), dict(where))
+    # The caches show what the decisions imply: every request but each prefix's first
+    # placement, its re-placements (`home`, `load` past the first) and two per spill hits its
+    # prefix; one prefill more of slack. A thrashing fleet measured 0.5-0.7 here, a partitioned
+    # one ~0.85.
+    warm = REQUESTS - placed - 2 * made["spill"] - 1
+    floor = warm * PREFIX_TOKENS / (REQUESTS * PROMPT_TOKENS)
+    assert queries == REQUESTS * PROMPT_TOKENS, queries  # the sizes the floor is derived from
+    assert hits / queries >= floor, (hits / queries, floor, dict(made), dict(where))
