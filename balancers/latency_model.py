@@ -81,11 +81,13 @@ class Models:
 NO_MODELS = Models()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sample:
     x: Features
     ttft: float  # seconds from dispatch to the first token
-    tpot: float | None  # seconds per output token after the first
+    # Seconds per output token after the first: set when its stream ends (the sample is taken
+    # at the first token, so that a model is learnt one whole decode sooner), None until then.
+    tpot: float | None
 
 
 def _stratum(uncached: float) -> int:

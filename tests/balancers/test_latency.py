@@ -23,6 +23,7 @@ from balancers.latency_model import (
     Sample,
     fit,
 )
+from balancers.least_load import LeastLoad
 from router.core.engine import EngineReading
 from router.request.placement.latency_feed import RecentMin
 
@@ -309,3 +310,31 @@ def test_the_tightest_recent_slo_is_the_minimum_of_the_last_window_or_two() -> N
     assert recent.saw(50.0) == 50.0
     assert [recent.saw(500.0) for _ in range(2)] == [50.0, 50.0]  # the bucket rotates at 4
     assert [recent.saw(500.0) for _ in range(4)] == [50.0, 50.0, 50.0, 500.0]
+
+
+def test_without_a_model_every_pick_is_least_loads_own_over_a_moving_load() -> None:
+    """The fallback is least_load's pick, also as in-flight counts move between readings (its
+    `since` bookkeeping): the same choices, one for one, as a least_load of the same seed."""
+    gen = random.Random(3)
+    lat, load = Latency(random.Random(7)), LeastLoad(random.Random(7))
+    inflight = {"a": 0, "b": 0}
+    seq = 0
+    for i in range(400):
+        seq += i % 5 == 0  # a new reading every fifth pick; in-flight counts move in between
+        cands = [
+            Candidate(
+                n,
+                1.0,
+                inflight[n],
+                EngineReading(gen.randint(0, 3), gen.randint(0, 4), 0.1, None, None, 1.0, seq),
+            )
+            for n in "ab"
+        ]
+        got = lat.pick(cands, PickContext(latency=LatencyInputs(NO_MODELS, prompt_tokens=1000)))
+        want = load.pick(cands, PickContext())
+        assert got is not None and want is not None
+        assert (got.candidate.name, got.reason) == (want.candidate.name, "latency_fallback")
+        inflight[want.candidate.name] += 1
+        if gen.random() < 0.5:
+            n = gen.choice("ab")
+            inflight[n] = max(0, inflight[n] - 1)

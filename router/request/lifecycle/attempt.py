@@ -404,8 +404,10 @@ class Attempts:
             self._refuse(choice)
         prompt = _prompt_tokens(self.affinity, call)
         completion = max(0, call.estimate - len(call.body) // 4)
+        # A continuation's first token is a resumed stream's, not a TTFT: no sample from it.
+        features = choice.features if call.continuation is None else None
         self.held.tokens = parts.latency.tokens.dispatched(
-            backend, prompt - choice.cached, completion, choice.features, choice.predicted
+            backend, prompt - choice.cached, completion, features, choice.predicted
         )
 
     def _shed_early(self) -> None:

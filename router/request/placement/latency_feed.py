@@ -1,8 +1,10 @@
 """What `balancer: latency` learns from: each request's observed TTFT and TPOT, fed back off the
 balancer, and the models refitted from them as a runner chore.
 
-The request path records one sample per streamed attempt that reached its first token, at the
-attempt's end (`observe`, from its lease): the features its pick saw and what came of them. A
+The request path records one sample per streamed attempt at its first token (`first`, from the
+token load): the features its pick saw and the TTFT that came of them; its TPOT is filled in at
+the attempt's end (`observe`, from its lease). Taken at the end, the samples came one whole
+decode late: a short run of slow answers ended before the first model (docs/balancers.md). A
 non-streamed answer's first byte is its last, not a first token: it teaches nothing. `refit`
 runs every `latency.refit_interval` seconds on the app's runner and clock, and swaps the frozen
 `Models` the next picks read (balancers/latency_model.py).
@@ -46,6 +48,7 @@ class LatencyFeed:
         self.learner = Learner(config.min_samples)
         self.models: Models = NO_MODELS
         self.tokens = TokenLoad()
+        self.tokens.on_first = self.first
         self.slos = RecentMin()
 
     def inputs(
@@ -73,20 +76,29 @@ class LatencyFeed:
             tightest,
         )
 
+    def first(self, flight: TokenFlight) -> None:
+        """`flight`'s stream brought its first token: a sample of its TTFT, its TPOT to come."""
+        x = flight.features
+        first = flight.first_at
+        if x is None or len(x) != 6 or first is None:
+            return
+        sample = Sample((x[0], x[1], x[2], x[3], x[4], x[5]), first - flight.sent_at, None)
+        self.learner.add(flight.backend, sample)
+        flight.sample = sample
+
     def observe(
         self, flight: TokenFlight, usage: ResponseUsage | None
     ) -> tuple[float, float | None] | None:
-        """`flight` ended having streamed its first token: its (TTFT, TPOT) in seconds, and a
-        sample for the models when its pick recorded features; None when it never did."""
+        """`flight` ended having streamed its first token: its (TTFT, TPOT) in seconds, the
+        TPOT also on the sample its first token made; None when it never streamed one."""
         first = flight.first_at
         if first is None:
             return None
         ttft = first - flight.sent_at
         tpot = usage.time_per_output_token() if usage is not None else None
-        x = flight.features
-        if x is not None and len(x) == 6:
-            features = (x[0], x[1], x[2], x[3], x[4], x[5])
-            self.learner.add(flight.backend, Sample(features, ttft, tpot))
+        sample = flight.sample
+        if isinstance(sample, Sample):
+            sample.tpot = tpot
         return ttft, tpot
 
     def view(self, backend: str) -> dict[str, object]:

@@ -14,6 +14,7 @@ declare `needs_tokens`: other requests pay an attribute test.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 
 class TokenLoad:
@@ -22,6 +23,8 @@ class TokenLoad:
     def __init__(self) -> None:
         self.prefill: dict[str, int] = {}
         self.decode: dict[str, int] = {}
+        # Told a streamed flight's first token (the latency feed's sample is taken then).
+        self.on_first: Callable[[TokenFlight], None] | None = None
 
     def dispatched(
         self,
@@ -59,6 +62,7 @@ class TokenFlight:
         "load",
         "predicted",
         "prompt",
+        "sample",
         "sent_at",
         "streaming",
     )
@@ -81,6 +85,7 @@ class TokenFlight:
         self.sent_at = time.perf_counter()
         self.first_at: float | None = None
         self.streaming = False  # its answer is a stream: its first chunk is a first token
+        self.sample: object = None  # the learning sample its first token made (latency_feed)
 
     def first_token(self) -> None:
         if self.first_at is None:
@@ -88,6 +93,9 @@ class TokenFlight:
             if self.prompt:
                 self.load._drop(self.load.prefill, self.backend, self.prompt)
                 self.prompt = 0
+            told = self.load.on_first
+            if told is not None and self.streaming:
+                told(self)
 
     def streamed(self, n: int) -> None:
         d = n if n < self.decode else self.decode
