@@ -147,22 +147,36 @@ def run(c: Cluster, quick: bool) -> dict[str, Any]:
 
     theirs, theirs_tokens = asyncio.run(fixed_beside())
     return {
-        "seconds": seconds,
         "slots": SLOTS,
-        "tokens": TOKENS,
         "fixed_concurrency": FIXED,
+        **_compared(seconds, capacity, idle, (ours, ours_tps), (theirs, theirs_tokens)),
+    }
+
+
+def _compared(
+    seconds: float,
+    capacity: float,
+    idle: list[float],
+    ours: tuple[list[float], float],
+    theirs: tuple[list[float], int],
+) -> dict[str, Any]:
+    """The three runs' figures: idle TTFT, ours (TTFT, tokens/s) and the fixed runner's."""
+    (ours_ttft, ours_tps), (theirs_ttft, theirs_tokens) = ours, theirs
+    return {
+        "seconds": seconds,
+        "tokens": TOKENS,
         "capacity_tps": capacity,
         "idle": _ttft(idle),
-        "sluicegate": {**_ttft(ours), "fill": ours_tps / capacity, "tps": ours_tps},
+        "sluicegate": {**_ttft(ours_ttft), "fill": ours_tps / capacity, "tps": ours_tps},
         "fixed": {
-            **_ttft(theirs),
+            **_ttft(theirs_ttft),
             "fill": theirs_tokens / seconds / capacity,
             "tps": theirs_tokens / seconds,
         },
     }
 
 
-def section(r: dict[str, Any], date: str) -> list[str]:
+def _rows(r: dict[str, Any], *, tps: bool) -> list[str]:
     rows = []
     for name, label in (
         ("idle", "idle fleet"),
@@ -170,8 +184,16 @@ def section(r: dict[str, Any], date: str) -> list[str]:
         ("fixed", f"fixed concurrency {r['fixed_concurrency']}"),
     ):
         x = r[name]
-        fill = f"{x['fill']:.2f}" if "fill" in x else "-"
-        rows.append(f"| {label} | {x['p50_ms']:.1f} | {x['p90_ms']:.1f} | {fill} |")
+        cells = [f"{x['p50_ms']:.1f}", f"{x['p90_ms']:.1f}"]
+        if tps:
+            cells.append(f"{x['tps']:.0f}" if "tps" in x else "-")
+        cells.append(f"{x['fill']:.2f}" if "fill" in x else "-")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def section(r: dict[str, Any], date: str) -> list[str]:
+    rows = _rows(r, tps=False)
     return [
         "## Batch: filling idle capacity",
         "",
@@ -240,33 +262,15 @@ def run_real(c: Cluster, quick: bool) -> dict[str, Any]:
     finally:
         fleet.stop()
     return {
-        "seconds": seconds,
         "slots": REAL_SLOTS,
         "per_engine": REAL_PER_ENGINE,
-        "tokens": TOKENS,
         "fixed_concurrency": flat,
-        "capacity_tps": capacity,
-        "idle": _ttft(idle),
-        "sluicegate": {**_ttft(ours), "fill": ours_tps / capacity, "tps": ours_tps},
-        "fixed": {
-            **_ttft(theirs),
-            "fill": theirs_tokens / seconds / capacity,
-            "tps": theirs_tokens / seconds,
-        },
+        **_compared(seconds, capacity, idle, (ours, ours_tps), (theirs, theirs_tokens)),
     }
 
 
 def section_real(r: dict[str, Any], date: str) -> list[str]:
-    rows = []
-    for name, label in (
-        ("idle", "idle fleet"),
-        ("sluicegate", "sluicegate Batch API"),
-        ("fixed", f"fixed concurrency {r['fixed_concurrency']}"),
-    ):
-        x = r[name]
-        fill = f"{x['fill']:.2f}" if "fill" in x else "-"
-        tps = f"{x['tps']:.0f}" if "tps" in x else "-"
-        rows.append(f"| {label} | {x['p50_ms']:.1f} | {x['p90_ms']:.1f} | {tps} | {fill} |")
+    rows = _rows(r, tps=True)
     return [
         "## Batch on real vLLM engines",
         "",
