@@ -61,18 +61,25 @@ def on_the_hop(c: Cluster, quick: bool = False) -> dict[str, Any]:
     rounds = 2 if quick else HOP_ROUNDS
     out: dict[str, Any] = {"rounds": rounds, "policy": HOP_POLICY}
     try:
-        plain = hop.body_of("mock-model", hop.SHORT)
-        short: dict[str, tuple[hop.Target, bytes]] = {
-            "direct": (fast, plain),
-            "sluicegate": (router, hop.body_of("m", hop.SHORT)),
-        }
-        ngx = start_nginx(c, [fast])
-        started.append(ngx)
-        if ngx is not None:
-            short["nginx"] = (ngx, plain)
-        near = _peer_procs(bin_dir, fast, c.tmp, "fast")
-        started += near.values()
-        short |= {kind: (p, plain) for kind, p in near.items()}
+
+        def targets_for(
+            engine: Proc, model: str, tokens: int, name: str
+        ) -> tuple[dict[str, tuple[hop.Target, bytes]], dict[str, peers.Peer]]:
+            """One engine behind each: direct, sluicegate (as `model`), nginx, the peers."""
+            plain = hop.body_of("mock-model", tokens)
+            made: dict[str, tuple[hop.Target, bytes]] = {
+                "direct": (engine, plain),
+                "sluicegate": (router, hop.body_of(model, tokens)),
+            }
+            ngx = start_nginx(c, [engine])
+            started.append(ngx)
+            if ngx is not None:
+                made["nginx"] = (ngx, plain)
+            peers_of = _peer_procs(bin_dir, engine, c.tmp, name)
+            started.extend(peers_of.values())
+            return made | {kind: (p, plain) for kind, p in peers_of.items()}, peers_of
+
+        short, near = targets_for(fast, "m", hop.SHORT, "fast")
         hop.load_rounds(short, 1, concurrency=32, duration=1.0)  # warm-up
         agg = hop.load_rounds(short, rounds, concurrency=32, duration=3.0)
         out["per_request"] = {
@@ -94,18 +101,7 @@ def on_the_hop(c: Cluster, quick: bool = False) -> dict[str, Any]:
         for p in near.values():
             p.stop()
 
-        burst_plain = hop.body_of("mock-model", hop.BURST_TOKENS)
-        targets: dict[str, tuple[hop.Target, bytes]] = {
-            "direct": (bursty, burst_plain),
-            "sluicegate": (router, hop.body_of("burst", hop.BURST_TOKENS)),
-        }
-        ngx_burst = start_nginx(c, [bursty])
-        started.append(ngx_burst)
-        if ngx_burst is not None:
-            targets["nginx"] = (ngx_burst, burst_plain)
-        far = _peer_procs(bin_dir, bursty, c.tmp, "burst")
-        started += far.values()
-        targets |= {kind: (p, burst_plain) for kind, p in far.items()}
+        targets, _ = targets_for(bursty, "burst", hop.BURST_TOKENS, "burst")
         got = hop.burst_rounds(targets, {BURST: 3 if quick else BURST_ROUNDS})
         out["burst"] = got[str(BURST)]
     finally:
