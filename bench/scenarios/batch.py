@@ -212,7 +212,9 @@ def section(r: dict[str, Any], date: str) -> list[str]:
 # --- the same against the real vLLM engines (`--only batch_real`) ------------------------------
 
 REAL_SLOTS = 8  # requests in flight per engine (its backend's max_inflight)
-REAL_PER_ENGINE = 6  # batch lines per engine: two slots left for interactive requests
+# Batch lines per engine: half the slots. At 6 (two left) a CPU engine's step, which grows with
+# its batch, slowed interactive TTFT past the budget (68.6 ms against idle 29.4).
+REAL_PER_ENGINE = 4
 
 
 def run_real(c: Cluster, quick: bool) -> dict[str, Any]:
