@@ -311,7 +311,7 @@ class Attempts:
                 return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
         if call.record.batch:
-            eligible = self._with_room(eligible)
+            eligible = self._with_room(eligible, parts.readings() if parts.readings else None)
         self.readings = parts.readings() if parts.readings and self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
         return self.held.take(eligible, self.balancer, ctx, self.readings)
@@ -333,20 +333,18 @@ class Attempts:
         if all_readings:
             eligible = parts.admission.open_backends(eligible, all_readings)
             if call.record.batch:
-                eligible = self._with_room(eligible)
+                eligible = self._with_room(eligible, all_readings)
             if not eligible:
                 return _no_lease()
         self.readings = all_readings if self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
         return self.held.take(eligible, self.balancer, ctx, self.readings)
 
-    def _with_room(self, eligible: list[Backend]) -> list[Backend]:
+    def _with_room(self, eligible: list[Backend], readings: Readings | None) -> list[Backend]:
         """A batch line's candidates (docs/batch.md): only the engines whose readings show room
         by `batch.room_waiting` and `batch.room_kv_usage`; none left means no lease (the line
         is handed back and taken again when the fleet has room)."""
-        parts = self.parts
-        cfg = parts.settings.batch
-        readings = parts.readings() if parts.readings else None
+        cfg = self.parts.settings.batch
         if cfg is None or not readings:
             return eligible
         return [b for b in eligible if cfg.room_in(readings.get(b.name))]
