@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 from balancers.base import Candidate, Choice
@@ -105,6 +105,8 @@ class CacheAware:
                 return self._least(ctx, self._with_room(ctx, kv, pool))
         elif hints.session is None and not homed and not any(c.name in held for c in pool):
             return self._least(ctx, pool)
+        if hints.session is not None:
+            return self._by_session(ctx, hints.session, held, pool)
         score = self._load.score
         live = [
             (s + QUEUE_WEIGHT * self._ahead(ctx, c) / c.weight, c)
@@ -120,15 +122,6 @@ class CacheAware:
         def over(c: Candidate) -> bool:
             r = requests[c.name]
             return r + 1 / c.weight > cap and r >= floor
-
-        if hints.session is not None:
-            by_name = {c.name: c for _, c in live}
-            ring = self.ring(frozenset(by_name))
-            for i, name in enumerate(ring.walk(hints.session)):
-                c = by_name[name]
-                if not over(c):
-                    return Choice(c, "session" if i == 0 else "spill", held.get(name, 0))
-            return self._least(ctx, pool, "spill")
 
         if kv is not None:
             return self._by_cost(ctx, hints, kv, live, pool, over)
@@ -151,6 +144,24 @@ class CacheAware:
         best = min(cost for cost, _ in options)
         tied = [c for cost, c in options if cost == best]
         return self._settle(hints, tied, passed_over)
+
+    def _by_session(
+        self, ctx: PickContext, point: int, held: Mapping[str, int], pool: Sequence[Candidate]
+    ) -> Choice | None:
+        """The key's home on the ring of every candidate, or the next one clockwise under the
+        count bound. Only in-flight counts weigh here, so a stale or not yet scraped engine
+        reading moves no session: a moved session loses its whole cache, and a router just
+        started (every reading unread) would scatter its first sessions."""
+        requests = {c.name: c.inflight / c.weight for c in pool}
+        cap = math.ceil(ctx.load_factor * (sum(requests.values()) + 1) / len(pool))
+        floor = min(requests.values()) + SPILL_MIN_GAP
+        by_name = {c.name: c for c in pool}
+        for i, name in enumerate(self.ring(frozenset(by_name)).walk(point)):
+            c = by_name[name]
+            r = requests[name]
+            if not (r + 1 / c.weight > cap and r >= floor):
+                return Choice(c, "session" if i == 0 else "spill", held.get(name, 0))
+        return self._least(ctx, pool, "spill")
 
     def _by_time(
         self,

@@ -300,6 +300,23 @@ def test_a_session_sticks_under_the_bound_and_walks_the_ring_past_it() -> None:
     assert pick.pick(idle, exclude={home}).candidate.name == second
 
 
+def test_a_stale_or_unread_engine_reading_moves_no_session() -> None:
+    """Just after start every reading is unread (stale); later one engine's scrape may lag.
+    Neither moves a session off its home: only the in-flight counts bound it."""
+    bal = CacheAware(random.Random(3))
+    names = ("a", "b", "c")
+    keys = [point(f"user-{i}") for i in range(40)]
+    ring = Ring(list(names))
+    homes = [next(ring.walk(k)) for k in keys]
+    assert set(homes) == set(names)
+    unread = EngineReading(0.0, 0.0, 0.0, None, None, 0.0, 0, stale=True)
+    for stale in (set(names), {"a"}):
+        pool = [Candidate(n, 1.0, 0, unread if n in stale else reading(0)) for n in names]
+        for k, home in zip(keys, homes, strict=True):
+            pick = Bound(bal, PickContext(hints=Hints(0, 256, {}, k), load_factor=1.25))
+            assert chose(pick.pick(pool))[:2] == (pool[names.index(home)], "session")
+
+
 def test_the_redis_store_picks_with_the_hints() -> None:
     """Through the shared store the hinted choice and reason hold, and the lease counts."""
     import asyncio
