@@ -125,13 +125,14 @@ class Proc:
                 self.popen.wait(grace)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
-                self.popen.wait(5)
+                # A starved machine can take seconds to reap even a killed process.
+                self.popen.wait(STARVED_S)
         return self.popen.returncode
 
     def kill9(self) -> None:
         if self.alive():
             self.popen.kill()
-            self.popen.wait(5)
+            self.popen.wait(STARVED_S)
 
 
 class Cluster:
