@@ -13,6 +13,8 @@ import pytest
 from router.tools.status import ErrorRates, render_table
 from tests.support.harness import ROOT, Cluster, Proc, backend, control, free_port
 
+BASE_EJECTION_S = 30.0  # outlier.base_ejection: the first ejection lasts this long
+
 
 @pytest.fixture(scope="module")
 def fleet(module_procs: Cluster) -> dict[str, Proc]:
@@ -27,7 +29,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
                 {"name": "dead", "url": dead, "models": ["d"]},
             ],
             # `dead` is its model's only backend: let the outlier detector eject it anyway.
-            "outlier": {"max_ejection_percent": 100},
+            "outlier": {"max_ejection_percent": 100, "base_ejection": BASE_EJECTION_S},
             # One probe at start, then none during the module: `dead` is out by ejection (what
             # the test reads), not by failed probes, however slowly the tests before it run.
             "health": {"interval": 300, "unhealthy_interval": 300},
@@ -116,6 +118,7 @@ def test_table_shows_in_flight_weight_health_and_error_rate(
 
 def test_cooling_backend_shows_until_when(fleet: dict[str, Proc]) -> None:
     router = fleet["router"]
+    started = time.monotonic()
     control(fleet["cool"], fail_status=503, retry_after=120)
     try:
         r = httpx.post(router.url + "/v1/completions", json={"model": "c"})
@@ -123,11 +126,12 @@ def test_cooling_backend_shows_until_when(fleet: dict[str, Proc]) -> None:
     finally:
         control(fleet["cool"], fail_status=0, retry_after=None)
     rows = table(status("--url", router.url).stdout)
+    elapsed = time.monotonic() - started
     assert rows["cool"]["HEALTH"] == "cooling"
     until = rows["cool"]["EJECTED UNTIL"]
     assert until.endswith("s)") and "(in " in until, until
     seconds = int(until.split("(in ")[1].rstrip("s)"))
-    assert 100 <= seconds <= 120
+    assert 120 - elapsed - 1 <= seconds <= 120
 
 
 def test_watch_refreshes_and_stops_after_count(fleet: dict[str, Proc]) -> None:
@@ -142,13 +146,15 @@ def test_watch_refreshes_and_stops_after_count(fleet: dict[str, Proc]) -> None:
 
 def test_ejected_backend_shows_reason_and_until_when(fleet: dict[str, Proc]) -> None:
     router = fleet["router"]
+    started = time.monotonic()
     for _ in range(6):  # the outlier detector ejects after 5 failures in a row
         assert httpx.post(router.url + "/v1/completions", json={"model": "d"}).status_code == 502
     rows = table(status("--url", router.url).stdout)
+    elapsed = time.monotonic() - started  # a loaded machine's slow CLI start included
     assert rows["dead"]["HEALTH"] == "ejected"
     assert rows["dead"]["DETAIL"].startswith("ejected: 5 consecutive failures")
     seconds = int(rows["dead"]["EJECTED UNTIL"].split("(in ")[1].rstrip("s)"))
-    assert 20 <= seconds <= 30
+    assert BASE_EJECTION_S - elapsed - 1 <= seconds <= BASE_EJECTION_S
 
 
 def test_unreachable_router_is_one_line_and_exit_1() -> None:
