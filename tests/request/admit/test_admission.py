@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, control, in_flight, sha, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, in_flight, sha, stats
 from tests.support.wait import wait_for
 
 CRIT = "sk-admission-critical-0123456789"
@@ -159,7 +159,7 @@ def test_a_client_that_leaves_while_queued_never_reaches_a_backend(
         await asyncio.to_thread(
             wait_for, lambda: stats(mock)["running"] == 1, "the blocker running"
         )
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with httpx.AsyncClient(timeout=STARVED_S) as http:
             leaver = asyncio.create_task(
                 http.post(
                     router.url + CHAT,
@@ -188,7 +188,7 @@ def test_max_wait_and_the_timeout_header_answer_503_with_retry_after(
 
     async def expired(r: Proc, key: str | None, headers: dict[str, str]) -> tuple[Any, float]:
         auth = {"authorization": f"Bearer {key}"} if key else {}
-        async with httpx.AsyncClient(timeout=15) as http:
+        async with httpx.AsyncClient(timeout=STARVED_S) as http:
 
             async def post(rid: str) -> httpx.Response:
                 return await http.post(
