@@ -130,8 +130,9 @@ class CacheAware:
         # A new group cached nowhere has nothing exact to weigh: where its home goes is a
         # partition's question, priced in prefills as without events (`_by_time`). In seconds,
         # the pending prefills of the groups placed just before it sent it off its proposed
-        # home, and on 2 real engines under pressure 5 of 8 runs homed 5 prefixes on one engine
-        # and 3 on the other (the five thrashed); the approximate cost split them 4/4 each time.
+        # home: on 2 real engines under pressure 3 of 9 runs homed 5 prefixes on one engine and
+        # 3 on the other (the five thrashed); priced in prefills, 4/4 in all 16 approximate runs
+        # and in the 3 events runs since.
         fresh = hints.home_new and not any(kv.cached.get(c.name) for _, c in live) if kv else False
         if kv is not None and not fresh:
             return self._by_cost(ctx, hints, kv, live, pool, over)
