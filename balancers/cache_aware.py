@@ -9,7 +9,11 @@ prefill a copy off the prompt's holder or home displaces (`_displaced`: the copy
 there, prefilled again later); lowest wins, `least_load`'s score breaks ties. A prompt held
 nowhere goes to its home (`home`) unless the home's queue costs more than that. Without engine
 readings a holder over the bounded-load guardrail (ceil(load_factor x (total + 1) / n)
-requests, SPILL_MIN_GAP above the least loaded) is passed over (`spill`). A session key goes to
+requests, SPILL_MIN_GAP above the least loaded) is passed over (`spill`). An established home
+counts as holding its homed blocks where the approximate index guesses less (`_homed`); a new
+group cached nowhere is priced in prefills even with events, and a copy off its proposed home
+pays the displaced prefill even into room: its home is the partition's choice, under KV
+pressure too (docs/balancers.md, "What the index forgets"). A session key goes to
 its home on a consistent-hash ring with bounded loads first. A new prompt with no home known
 and live events goes where the cache has room (`_with_room`). A LoRA request weighs only the
 engines that may run its adapter, each with the adapter's tier (balancers/lora.py). Without
@@ -123,7 +127,14 @@ class CacheAware:
             r = requests[c.name]
             return r + 1 / c.weight > cap and r >= floor
 
-        if kv is not None:
+        # A new group cached nowhere has nothing exact to weigh: where its home goes is a
+        # partition's question, priced in prefills as without events (`_by_time`). In seconds,
+        # the pending prefills of the groups placed just before it sent it off its proposed
+        # home: on 2 real engines under pressure 3 of 9 runs homed 5 prefixes on one engine and
+        # 3 on the other (the five thrashed); priced in prefills, 4/4 in all 16 approximate runs
+        # and in the 3 events runs since.
+        fresh = hints.home_new and not any(kv.cached.get(c.name) for _, c in live) if kv else False
+        if kv is not None and not fresh:
             return self._by_cost(ctx, hints, kv, live, pool, over)
         if all(c.engine is not None for _, c in live):
             return self._by_time(ctx, hints, live, pool)
@@ -185,8 +196,11 @@ class CacheAware:
             share = min(1.0, blocks / n)
             # What a copy here throws away of the holder's (or home's) and evicts as much of
             # another prefix here, prefilled once more later (docs/balancers.md#cache_aware).
-            moved = 0.0 if c.name in hints.roomy else _displaced(hints, c.name, share, most, n)
-            options.append(((ahead + (1.0 - share + moved) * (1.0 + batch)) / c.weight, s, c))
+            # Off a new group's proposed home a copy pays even into room (`_by_cost`).
+            free = c.name in hints.roomy and not hints.home_new
+            moved = 0.0 if free else _displaced(hints, c.name, share, most, n)
+            uncached = 1.0 - _homed(hints, c.name, share, n)
+            options.append(((ahead + (uncached + moved) * (1.0 + batch)) / c.weight, s, c))
         if not options:  # every holder is over the bound: the least loaded takes it
             return self._spill(ctx, [c for _, c in live if c.name not in held] or pool)
         best = min(options, key=lambda o: o[:2])[:2]
@@ -287,8 +301,13 @@ class CacheAware:
                 and not (hints.home is not None and kv.cached.get(hints.home, 0) >= kept)
             )
             moved = _displaced(hints, c.name, cached / prompt, most / prompt, n, truth) * prompt
+            # ... unless it takes the copy without evicting now; but a new group placed off its
+            # proposed home only takes that room later, when the caches fill: on 2 real engines
+            # under pressure new groups went where the caches still had room, 5 homed on one
+            # engine and 3 on the other, and the five thrashed all run.
             live_room = c.name in kv.exact and self._has_room(kv, c, prompt)
-            if moved and (live_room or (c.name not in kv.exact and c.name in hints.roomy)):
+            free = truth or not hints.home_new
+            if moved and free and (live_room or (c.name not in kv.exact and c.name in hints.roomy)):
                 moved = 0.0
             uncached = prompt - cached + moved
             # A prefill delays the running batch as much as ours (the approximate rule's 1 + batch).
@@ -335,6 +354,19 @@ def _anchored(hints: Hints) -> bool:
     """The prompt belonged somewhere (a candidate held part of it, or its group has an
     established home): a pick elsewhere moved it (`spill`), not placed a new one (`load`)."""
     return any(hints.held.values()) or (hints.home is not None and not hints.home_new)
+
+
+def _homed(hints: Hints, name: str, share: float, blocks: int) -> float:
+    """The share of the prompt `name` is taken to hold without KV events: the index's `share`,
+    or on the prompt's established home its homed share. The index's LRU guess forgets what
+    the engine still holds (it counts CHARS_PER_TOKEN characters a token; vLLM's tokens ran
+    longer, so 4 prefixes of 1,024 tokens looked like more than 40 blocks hold), and the home,
+    priced as a miss, lost its prompts to a copy elsewhere that evicted another prefix there
+    (issue 52: 4-5 spills a run on 2 real engines, hit 0.69-0.72 against the vLLM router's
+    0.84). Where the home truly lost it, a copy elsewhere prefills as much and evicts more."""
+    if name == hints.home and not hints.home_new:
+        return max(share, min(1.0, hints.home_blocks / blocks))
+    return share
 
 
 def _displaced(

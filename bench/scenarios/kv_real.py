@@ -77,6 +77,7 @@ TTFT_BOUND = 1.15  # issue 52: TTFT p50 and p90 within this many times the refer
 NO_LOSS = 1.05  # "loses nothing": TTFT p50/p90 within this of least_load's (the runs' noise)
 START_S = 600.0  # engines' start on a shared, loaded machine (4 min was seen to be too short)
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+BASELINE_TAG = " (baseline)"  # `--baseline-src`: this target's router from another checkout
 
 
 def _shim(tmp: Path) -> Path:
@@ -239,9 +240,10 @@ def _one(
     bin_dir: Path | None = None,
     dataset: str = "prefix",
     prompts: int = PROMPTS,
+    baseline_src: str | None = None,
 ) -> dict[str, Any]:
-    """One run of `vllm bench serve` through a fresh router (ours or a peer): per-request
-    figures and counts."""
+    """One run of `vllm bench serve` through a fresh router (ours, a baseline checkout's, or a
+    peer): per-request figures and counts."""
     model_dir = fleet.engines[0].model_dir
     _reset(fleet)
     router: Any
@@ -249,11 +251,14 @@ def _one(
         assert bin_dir is not None
         router = _peer(fleet, bin_dir, tmp, target)
     else:
-        router = cluster.router(_config(fleet, target), env={"SLUICEGATE_LOG_LEVEL": "warning"})
+        ours = target.removesuffix(BASELINE_TAG)
+        src = baseline_src if ours != target else None
+        env = {"SLUICEGATE_LOG_LEVEL": "warning"}
+        router = cluster.router(_config(fleet, ours), env=env, src=src)
     try:
         if target not in PEER_TARGETS:
             wait_http(router.url + "/readyz")
-        if target == "cache_aware_events":
+        if target.removesuffix(BASELINE_TAG) == "cache_aware_events":
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
@@ -343,6 +348,7 @@ def _size(
     plan: list[tuple[str, tuple[str, ...], int]],
     seed: int,
     prompts: int = PROMPTS,
+    baseline_src: str | None = None,
 ) -> tuple[dict[str, Any], int]:
     """The engines started at `blocks` KV blocks each, then each (dataset, targets, rounds) of
     `plan`: every round in another order."""
@@ -372,8 +378,9 @@ def _size(
                     seed += 1
                     began = time.monotonic()
                     one = _one(
-                        cluster, fleet, python, shim, tmp, target, seed, bin_dir, dataset, prompts
-                    )
+                        cluster, fleet, python, shim, tmp, target, seed, bin_dir, dataset,
+                        prompts, baseline_src,
+                    )  # fmt: skip
                     runs[target].append(one)
                     split = one["split"]
                     print(
@@ -397,11 +404,14 @@ def run(
     sizes: tuple[str, ...] = tuple(SIZES),
     rounds: int = ROUNDS,
     targets: tuple[str, ...] = TARGETS,
+    baseline_src: str | None = None,
 ) -> dict[str, Any]:
     from router.tools.enginefleet.install import engine_home, ensure_venv
     from router.tools.enginefleet.model import write_model
 
     rounds = 1 if quick else rounds
+    if baseline_src:  # each of ours beside the same target from the other checkout
+        targets = (*targets, *(t + BASELINE_TAG for t in targets if t in OURS))
     prompts = QUICK_PROMPTS if quick else PROMPTS
     started = time.monotonic()
     home = engine_home()
@@ -423,8 +433,9 @@ def run(
         if size == "roomy":  # random prompts: cache-aware must lose nothing to least_load
             plan.append(("random", targets, min(rounds, RANDOM_ROUNDS)))
         res, seed = _size(
-            cluster, python, model_dir, bin_dir, tmp, shim, SIZES[size], plan, seed, prompts
-        )
+            cluster, python, model_dir, bin_dir, tmp, shim, SIZES[size], plan, seed, prompts,
+            baseline_src,
+        )  # fmt: skip
         out["sizes"][size] = {"kv_blocks": SIZES[size], **res}
     out["criteria"] = criteria(out)
     out["seconds"] = round(time.monotonic() - started)
@@ -481,10 +492,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--targets", nargs="+", choices=list(TARGETS), default=list(TARGETS))
     ap.add_argument("--quick", action="store_true", help="QUICK_PROMPTS prompts, one round")
+    ap.add_argument("--baseline-src", help="also each of our targets from this checkout")
     args = ap.parse_args()
     c = Cluster()
     try:
-        res = run(c, args.quick, tuple(args.sizes), args.rounds, tuple(args.targets))
+        res = run(
+            c, args.quick, tuple(args.sizes), args.rounds, tuple(args.targets), args.baseline_src
+        )
         print(json.dumps(res, indent=2))
     finally:
         c.close()

@@ -211,10 +211,14 @@ def test_a_prefix_evicted_everywhere_goes_back_to_its_home() -> None:
     busier = Candidate("a", 1.0, 2, reading(2, 0.2))
     idle = Candidate("b", 1.0, 1, reading(1, 0.1))
     pick = Bound(bal, PickContext(hints=home))
-    # Home: its prefill x (1 + 2 running) = 3; b: (1 + 30/32) x (1 + 1) = 3.9.
+    # The index no longer guesses it there, but its home is taken to hold its homed blocks
+    # (the index's LRU guess forgets what the engine keeps): home (2/32) x (1 + 2 running)
+    # = 0.19; b: (1 + 30/32) x (1 + 1) = 3.9. A queue of 3 is still cheaper than the copy.
     assert chose(pick.pick([busier, idle]))[:2] == (busier, "home")
     queuing = Candidate("a", 1.0, 2, reading(2, 0.2, waiting=3))
-    assert chose(pick.pick([queuing, idle]))[:2] == (idle, "spill")  # 3 + 3 > 3.9
+    assert chose(pick.pick([queuing, idle]))[:2] == (queuing, "home")  # 3.19 < 3.9
+    queuing = Candidate("a", 1.0, 2, reading(2, 0.2, waiting=4))
+    assert chose(pick.pick([queuing, idle]))[:2] == (idle, "spill")  # 4.19 > 3.9
     assert chose(pick.pick([busier, idle], exclude={"a"}))[:2] == (idle, "load")
     # A copy cached off its home (a guest) pays for the room it takes there: with b busier
     # it goes home (1 x 2 = 2 against 30/32 x 3 = 2.8).
