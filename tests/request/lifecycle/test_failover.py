@@ -6,6 +6,7 @@ Short probe intervals keep these quick; every wait is bounded and polls loopback
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from typing import Any
@@ -345,9 +346,18 @@ def test_kill9_under_load_ejects_and_restart_readmits(procs: Cluster) -> None:
         f"{outcomes['wrong_text']} wrong texts; ejected after {figures['ejected_s']:.2f}s "
         f"(bound 1.5s), traffic again {figures['back_s']:.2f}s after restart (bound 2.0s)"
     )
-    log = router.log()
-    assert log.count('"msg": "ejected", "event": "ejected", "backend": "c"') == 1
-    assert log.count('"msg": "ejection over", "event": "ejection over", "backend": "c"') == 1
+    # Out once, back once: by the outlier detector's run of failed attempts (`ejected`), and
+    # by the probes (`unhealthy`, also while ejected), or by the probes alone where a starved
+    # load generator sent too few requests to c for a run of failures.
+    events = [
+        e["event"]
+        for line in router.log().splitlines()
+        if line.startswith("{") and (e := json.loads(line)).get("backend") == "c" and "event" in e
+    ]
+    assert "ejected" in events or "unhealthy" in events, events
+    for loss, back in (("ejected", "ejection over"), ("unhealthy", "healthy")):
+        assert events.count(loss) <= 1, events
+        assert loss not in events or events[events.index(loss) :].count(back) == 1, events
     assert outcomes["failed"] == 0, outcomes
     assert outcomes["wrong_text"] == 0, outcomes
     assert outcomes["ended_mid_stream"] <= workers, outcomes
