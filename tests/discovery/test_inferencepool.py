@@ -22,7 +22,7 @@ from router.discovery.reconcile import Reconciler
 from router.registry.fleet import Fleet, LocalRecords, Registry
 from tests.discovery.test_hostile import Events, no_streams
 from tests.support.fake_kube import FakeKube
-from tests.support.harness import Cluster, Proc, admin_backends, free_port, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, admin_backends, free_port, stats
 from tests.support.wait import wait_for, wait_for_async
 
 VLLM = {"app": "vllm", "model": "llama"}
@@ -222,7 +222,9 @@ def test_410_gone_relists_the_pool_and_the_pods(kube: FakeKube, tmp_path: Path) 
             kube.expire()
             kube.drop_watches()
             want = names("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.1:8001", "10.0.0.2:8001")
-            await wait_for_async(lambda: r.names == want, "the lost changes, after re-lists")
+            await wait_for_async(
+                lambda: r.names == want, "the lost changes, after re-lists", STARVED_S
+            )
             assert kube.requests.count("410") >= 2  # both watches were told
             assert "expired" in r.events.seen
 

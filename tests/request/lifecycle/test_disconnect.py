@@ -38,7 +38,9 @@ def _wait_record(up: Proc, request_id: str, key: str) -> dict[str, Any]:
 
 
 def test_close_after_five_chunks_stops_generation(fleet: dict[str, Proc]) -> None:
-    control(fleet["up"], reset_stats=True, ttft_ms=0, itl_ms=20, tokens=500)
+    # 100 ms a token: the router's notice of the close and its cancel fit inside one token even
+    # on a starved machine (at 20 ms one took two tokens more).
+    control(fleet["up"], reset_stats=True, ttft_ms=0, itl_ms=100, tokens=500)
     rid = "disc-5-chunks"
     received = 0
     with (
