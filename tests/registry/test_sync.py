@@ -130,6 +130,8 @@ def test_a_lost_message_heals_within_two_seconds(procs: Cluster, shared: dict[st
     r1 = start_router(procs, shared)
     r2 = start_router(procs, shared)
     with redis.Redis.from_url(shared["redis"].url) as client:
+        # Both routers subscribe after they answer /healthz: wait until both have.
+        wait_for(lambda: len(client.client_list(_type="pubsub")) >= 2, "both subscribed", 10)
         # Cut every subscriber: the change below is published to nobody.
         killed = client.client_kill_filter(_type="pubsub")
         assert killed >= 2
