@@ -310,9 +310,10 @@ class Attempts:
                     self._shed_early()  # a sheddable request out of reach: not queued first
                 return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
+        readings = parts.readings() if parts.readings else None
         if call.record.batch:
-            eligible = self._with_room(eligible, parts.readings() if parts.readings else None)
-        self.readings = parts.readings() if parts.readings and self.engine_aware else None
+            eligible = self._with_room(eligible, readings)
+        self.readings = readings if self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
         return self.held.take(eligible, self.balancer, ctx, self.readings)
 

@@ -96,9 +96,8 @@ class LatencyFeed:
             return None
         ttft = first - flight.sent_at
         tpot = usage.time_per_output_token() if usage is not None else None
-        sample = flight.sample
-        if isinstance(sample, Sample):
-            sample.tpot = tpot
+        if flight.sample is not None:
+            flight.sample.tpot = tpot
         return ttft, tpot
 
     def view(self, backend: str) -> dict[str, object]:

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from balancers.latency_model import Sample
 
 
 class TokenLoad:
@@ -85,7 +89,7 @@ class TokenFlight:
         self.sent_at = time.perf_counter()
         self.first_at: float | None = None
         self.streaming = False  # its answer is a stream: its first chunk is a first token
-        self.sample: object = None  # the learning sample its first token made (latency_feed)
+        self.sample: Sample | None = None  # the learning sample its first token made
 
     def first_token(self) -> None:
         if self.first_at is None:
