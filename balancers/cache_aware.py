@@ -119,13 +119,7 @@ class CacheAware:
         ]
         if not live:  # only stale readings: nothing to weigh the cache against
             return self._least(ctx, pool)
-        requests = {c.name: c.inflight / c.weight for _, c in live}
-        cap = math.ceil(ctx.load_factor * (sum(requests.values()) + 1) / len(live))
-        floor = min(requests.values()) + SPILL_MIN_GAP
-
-        def over(c: Candidate) -> bool:
-            r = requests[c.name]
-            return r + 1 / c.weight > cap and r >= floor
+        over = _over_bound([c for _, c in live], ctx.load_factor)
 
         # A new group cached nowhere has nothing exact to weigh: where its home goes is a
         # partition's question, priced in prefills as without events (`_by_time`). In seconds,
@@ -163,14 +157,11 @@ class CacheAware:
         count bound. Only in-flight counts weigh here, so a stale or not yet scraped engine
         reading moves no session: a moved session loses its whole cache, and a router just
         started (every reading unread) would scatter its first sessions."""
-        requests = {c.name: c.inflight / c.weight for c in pool}
-        cap = math.ceil(ctx.load_factor * (sum(requests.values()) + 1) / len(pool))
-        floor = min(requests.values()) + SPILL_MIN_GAP
+        over = _over_bound(pool, ctx.load_factor)
         by_name = {c.name: c for c in pool}
         for i, name in enumerate(self.ring(frozenset(by_name)).walk(point)):
             c = by_name[name]
-            r = requests[name]
-            if not (r + 1 / c.weight > cap and r >= floor):
+            if not over(c):
                 return Choice(c, "session" if i == 0 else "spill", held.get(name, 0))
         return self._least(ctx, pool, "spill")
 
@@ -348,6 +339,20 @@ class CacheAware:
         if chosen.name == hints.home:
             return Choice(chosen, "home", 0)
         return Choice(chosen, "spill" if passed_over or _anchored(hints) else "load", 0)
+
+
+def _over_bound(pool: Sequence[Candidate], load_factor: float) -> Callable[[Candidate], bool]:
+    """The bounded-load guardrail over `pool`: a candidate over ceil(load_factor x (total + 1)
+    / n) requests per weight and SPILL_MIN_GAP above the least loaded is passed over."""
+    requests = {c.name: c.inflight / c.weight for c in pool}
+    cap = math.ceil(load_factor * (sum(requests.values()) + 1) / len(pool))
+    floor = min(requests.values()) + SPILL_MIN_GAP
+
+    def over(c: Candidate) -> bool:
+        r = requests[c.name]
+        return r + 1 / c.weight > cap and r >= floor
+
+    return over
 
 
 def _anchored(hints: Hints) -> bool:
