@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.enginefleet.fleet import below_ephemeral
 from router.tools.enginefleet.fleet import free_port as fleet_free_port
+from tests.support.zygote import Zygote, forkable
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -153,6 +154,14 @@ class Cluster:
         log_path = self.tmp / f"{name}-{port}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         fh = open(log_path, "wb")
+        if forkable(args, full_env, cwd):
+            fh.close()
+            forked = Zygote.spawn(args, full_env, cwd, log_path)
+            if forked is not None:
+                proc = Proc(forked, port, log_path)  # type: ignore[arg-type]
+                self.procs.append(proc)
+                return proc
+            fh = open(log_path, "wb")
         popen = subprocess.Popen(
             args,
             stdout=fh,
