@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.support.harness import Cluster, Proc, backend, control, expected_text, stats
-from tests.support.wait import wait_for
+from tests.support.wait import wait_for, wait_for_async
 
 FAST_HEALTH = {
     "interval": 0.5,
@@ -393,7 +393,11 @@ def test_monitor_probes_added_backends_at_once_and_stops_for_removed(procs: Clus
             # At once: the next round would be 30 s away.
             await asyncio.to_thread(wait_for, lambda: stats(b)["probes"] >= 1, 10)
             assert monitor.probing() == {"b"}  # a's task is gone
-            assert book.describe("b")["last_probe_latency_ms"] is not None
+            # The mock counts a probe when it arrives; the book records it once answered.
+            await wait_for_async(
+                lambda: book.describe("b")["last_probe_latency_ms"] is not None,
+                "b's answered probe recorded in the book",
+            )
         finally:
             await monitor.aclose()
 
