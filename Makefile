@@ -52,8 +52,10 @@ system-deps:
 
 # The venv and the distribution's packages install side by side (pip and apt wait on the network
 # and the disk, not on each other); mypy runs beside the tests, which leave CPU idle while they
-# wait on their servers, and so do three test processes on two cores (4:31 against 5:17 with two,
-# one quiet machine). Together that keeps `make test` on a fresh machine within its 6 minutes.
+# wait on their servers, and so do four test processes on two cores (since routers fork from a
+# process that imported them once, tests/support/zygote.py, the suite waits more than it
+# computes: 4:04 against 4:46 with three, one quiet machine). Together that keeps `make test` on
+# a fresh machine within its 6 minutes.
 # The suite starts hundreds of router and mock processes, each importing ~130 of the project's
 # modules: compiled once here, they are not compiled again by each process where the environment
 # says not to write bytecode (PYTHONDONTWRITEBYTECODE), ~0.15 s of CPU saved per router start.
@@ -62,7 +64,7 @@ test:
 	$(VENV)/bin/ruff check .
 	@$(PY) -m compileall -q -j0 router balancers health tests >/dev/null
 	@$(VENV)/bin/mypy > .mypy.out 2>&1 & mypy=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile; tests=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n 4 --dist loadfile; tests=$$?; \
 	wait $$mypy; typed=$$?; cat .mypy.out; rm -f .mypy.out; \
 	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
