@@ -206,8 +206,12 @@ def test_sentinel_failover_under_load(module_procs: Cluster, mocks: dict[str, Pr
         "SLUICEGATE_REDIS_SENTINEL_MASTER": "mymaster",
     }
     routers = start_routers(module_procs, mocks, [env, env])
-    # Longs run through the failover and are left by their clients once counts are checked.
-    long_tokens, short_tokens = 500, 4
+    # Longs run through the failover and are left by their clients once counts are checked: at
+    # 40 ms a token they outlast every bound main() waits on before it counts them (3 x 30 s, the
+    # counts' 3 lease TTLs, and a starved machine's stall), else they end first and the counts
+    # agree at 0, which proves nothing.
+    short_tokens = 4
+    long_tokens = int((3 * 30 + 3 * LEASE_TTL + STARVED_S) / 0.040)
 
     def master_port() -> int:
         addr = cli(sentinels[0].port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster")
