@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -59,6 +60,9 @@ def machine() -> dict[str, Any]:
 
 
 def main() -> int:
+    # Routers start as they are deployed (`python -m router.cli`), not forked from the test
+    # harness's zygote: a measured process must not differ from the baseline's or the image's.
+    os.environ["SLUICEGATE_TEST_FORK"] = "0"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", action="append", choices=sorted(BY_NAME))
