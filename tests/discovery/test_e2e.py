@@ -161,25 +161,29 @@ def test_scale_up_drain_and_removal_never_cut_a_stream(
         chat(router)
         assert time.monotonic() - t0 < 2.0, "the new endpoint got no traffic within 2 s"
 
-    # Terminating: 20 streams in flight on b all complete; no new request goes to b.
+    # Terminating: 20 streams in flight on b all complete; no new request goes to b. b holds
+    # its streams until the checks below are done, so they are in flight however slow the
+    # machine (streams of a fixed length ended first on a starved one).
     for m in (a, b):
         control(m, itl_ms=100, tokens=30, reset_stats=True)
+    control(b, hold=True)
     threads, done, errors = streams(router, 40)
-    wait_for(lambda: stats(a)["requests"] + stats(b)["requests"] == 40, "40 streams started", 5)
-    on_b = stats(b)["requests"]
+    wait_for(lambda: stats(a)["requests"] + stats(b)["held"] == 40, "40 streams started", 5)
+    on_b = stats(b)["held"]
     assert on_b >= 15, (backends(router), stats(a)["requests"])  # about 20 on b
     control(a, itl_ms=0, tokens=4)  # the checks below need quick answers from a
     put_mock(kube, b, "vllm-b", ready=False, serving=True, terminating=True)
-    wait_for(lambda: backends(router)[b.url]["draining"], "b draining", 2)
+    wait_for(lambda: backends(router)[b.url]["draining"], "b draining")
     for _ in range(10):
         chat(router)
-    assert stats(b)["requests"] == on_b, "a terminating endpoint got a new request"
+    assert stats(b)["held"] == on_b, "a terminating endpoint got a new request"
 
     # Deleted while its streams run: it stays (draining) until they end, then goes. Nothing
     # shows the delete arrived: watch two of the reconciler's ticks, where it would have gone.
     kube.delete_slice("vllm-b")
     time.sleep(2 * RECONCILE_TICK)
     assert b.url in backends(router), "removed while its streams were still running"
+    control(b, hold=False)  # its streams run on (3 s) while it is deleted
     for t in threads:
         t.join(30)
     assert errors == [] and len(done) == 40
