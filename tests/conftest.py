@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import ast
 import ssl
+import sys
+import threading
 from collections.abc import Iterator
 from types import ModuleType
 from typing import cast
@@ -36,6 +39,30 @@ def _share_default_ssl_context(transports: ModuleType) -> None:
 
 _share_default_ssl_context(httpx._transports.default)
 _share_default_ssl_context(httpx2._transports.default)
+
+
+# CPython before 3.11.8 keeps `ast.parse`'s recursion-depth count per interpreter, not per thread
+# (cpython gh-106905): two threads parsing at once (pytest rendering a failure's source while a
+# test's thread prints a traceback, whose carets parse the line) raise a spurious
+# `SystemError: AST constructor recursion depth mismatch`. Seen in loaded runs, in the layer
+# test and in pytest's own failure report (a worker crashed, its tests lost). Parses take turns,
+# and one that still meets the error is parsed again.
+def _parse_in_turn() -> None:
+    parse = ast.parse
+    turn = threading.RLock()
+
+    def parse_in_turn(*args: object, **kwargs: object) -> ast.AST:
+        with turn:
+            try:
+                return parse(*args, **kwargs)  # type: ignore[arg-type]
+            except SystemError:
+                return parse(*args, **kwargs)  # type: ignore[arg-type]
+
+    ast.parse = parse_in_turn  # type: ignore[assignment]
+
+
+if sys.version_info < (3, 11, 8):
+    _parse_in_turn()
 
 
 @pytest.fixture

@@ -34,7 +34,6 @@ from router.core.errors import (
 )
 from router.core.settings import BackendConfig, PoolLimits, Timeouts
 from router.upstream.pools import Pools
-from tests.support.source import parse
 
 # (what the transport or the OS raises, the kind it is, the error the client would get)
 UPSTREAM_CASES: list[tuple[BaseException, FailureKind, type[Exception], int]] = [
@@ -151,12 +150,14 @@ def _exception_classes() -> list[tuple[str, str]]:
         for path in sorted((root / package).rglob("*.py")):
             name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
             module = importlib.import_module(name)
-            top = {n.name for n in parse(path).body if isinstance(n, ast.ClassDef)}
+            top = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
             for cls_name in top:
                 cls = getattr(module, cls_name)
                 if isinstance(cls, type) and issubclass(cls, BaseException):
                     found.append((name, cls_name))
-            nested = {n.name for n in ast.walk(parse(path)) if isinstance(n, ast.ClassDef)} - top
+            nested = {
+                n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)
+            } - top
             found += [(name, n) for n in nested if n.endswith(("Error", "Exception"))]
     return found
 

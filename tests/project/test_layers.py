@@ -16,8 +16,6 @@ import ast
 import re
 from pathlib import Path
 
-from tests.support.source import parse
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("router", "balancers", "health", "bench")
 ROOMS = ("lifecycle", "admit", "placement", "usage", "migration", "wire")
@@ -84,7 +82,7 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, known: set[str]) -> set[str]:
     """Project modules `path` imports (also under TYPE_CHECKING: a circle there is a smell too)."""
     deps: set[str] = set()
-    for node in ast.walk(parse(path)):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
@@ -169,7 +167,7 @@ def test_every_module_is_placed_and_markers_are_only_markers() -> None:
     for name in modules:
         _layer(name)  # fails naming an unlisted module
     for marker in PACKAGE_MARKERS:
-        tree = parse(modules[marker])
+        tree = ast.parse(modules[marker].read_text(encoding="utf-8"))
         assert all(
             isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in tree.body
         ), f"{marker}: a package marker holds code; place it in LAYERS instead"
