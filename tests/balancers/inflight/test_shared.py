@@ -182,8 +182,11 @@ def test_capacity_full_with_redis_is_503_retry_after(
 def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
     procs: Cluster, mocks: dict[str, Proc]
 ) -> None:
-    tokens = 80
-    reset(mocks, itl_ms=150)  # 80 tokens: ~12 s streams, outliving the kill and the expiry
+    # Streams that outlive every bound observe() waits on (200 running, agreement, convergence
+    # after the kill) and a starved machine's stall: 12 s streams ended under load before the
+    # last of the 200 had started. a's clients leave them once the counts are checked.
+    tokens = int((30 + 10 + 20 + STARVED_S) / 0.150)
+    reset(mocks, itl_ms=150)
     rd = procs.redis()
     # A short lease: the killed router's requests stop counting ~4 s after its last beat.
     env = {"SLUICEGATE_REDIS_URL": rd.url, "SLUICEGATE_REDIS_LEASE_TTL": "4", **REDIS_ENV}
@@ -196,11 +199,15 @@ def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
         on_b = [asyncio.ensure_future(stream_text(cb, tokens)) for _ in range(100)]
         loop = asyncio.get_running_loop()
         seen = await loop.run_in_executor(None, observe)
-        done_a = await asyncio.gather(*on_a, return_exceptions=True)
-        done_b = await asyncio.gather(*on_b, return_exceptions=True)
+        # a's streams ran through b's death uncut; b's all failed with their router.
+        cut_a = [repr(t.exception()) for t in on_a if t.done() and not t.cancelled()]
+        done_b = await asyncio.wait_for(asyncio.gather(*on_b, return_exceptions=True), STARVED_S)
+        for t in on_a:
+            t.cancel()
+        await asyncio.gather(*on_a, return_exceptions=True)
         await ca.close()
         await cb.close()
-        return done_a, done_b, seen
+        return cut_a, done_b, seen
 
     def observe() -> dict[str, Any]:
         wait_for(lambda: sum(running(mocks).values()) == 200, "200 streams running", 30, 0.2)
@@ -230,18 +237,23 @@ def test_two_routers_two_workers_share_counts_and_forget_a_killed_one(
             "after": running(mocks),
         }
 
-    done_a, done_b, seen = asyncio.run(main())
+    cut_a, done_b, seen = asyncio.run(main())
     mean = 50
     for name in NAMES:
         assert abs(seen["mocks"][name] - mean) <= mean * 0.10, seen
     assert seen["redis"] == seen["mocks"], seen
     assert seen["admin_a"] == seen["mocks"] and seen["admin_b"] == seen["mocks"], seen
     assert seen["converge_s"] <= 15, seen
-    assert all(t == expected_text(tokens) for t in done_a), [
-        repr(t) for t in done_a if t != expected_text(tokens)
-    ][:3]
+    assert cut_a == [], cut_a[:3]
     assert all(isinstance(t, Exception) for t in done_b)  # their router died under them
-    wait_for(lambda: redis_counts(rd.url) == dict.fromkeys(NAMES, 0), "no count left", 5, 0.2)
+    # a's clients left: no count left anywhere.
+    idle = dict.fromkeys(NAMES, 0)
+    wait_for(
+        lambda: running(mocks) == redis_counts(rd.url) == admin_counts(ra) == idle,
+        "no count left",
+        STARVED_S,
+        0.2,
+    )
     print(
         f"\nspread {seen['mocks']}; counts back to truth {seen['converge_s']:.1f}s after kill -9;"
         f" workers that fell back to local counts for a moment: {len(seen['degraded_logs'])};"
