@@ -6,9 +6,10 @@ events the tokens each engine's own events say it holds), each candidate's cost 
 this prompt would take there, its own prefill and the work queued ahead of it, in prefills
 (`_by_time`; with KV events their exact holdings, wherever the home decides: nothing cached,
 or the home keeps most of it) or, with KV events where another engine caches it, in seconds
-from the engines' own rates (`_by_cost`), plus the
-prefill a copy off the prompt's holder or home displaces (`_displaced`: the copy evicts as much
-there, prefilled again later); lowest wins, `least_load`'s score breaks ties. A prompt held
+from the engines' own rates (`_by_cost`), plus the prefill a copy off the prompt's holder or
+home displaces (`_displaced`: the copy evicts as much there, prefilled again later); lowest
+wins, the home at equal cost when nobody holds the prompt, else `least_load`'s score breaks
+ties. A prompt held
 nowhere goes to its home (`home`) unless the home's queue costs more than that. Without engine
 readings a holder over the bounded-load guardrail (ceil(load_factor x (total + 1) / n)
 requests, SPILL_MIN_GAP above the least loaded) is passed over (`spill`). An established home
@@ -208,7 +209,12 @@ class CacheAware:
                 free = c.name in hints.roomy and not hints.home_new
             moved = 0.0 if free else _displaced(hints, c.name, share, most, n)
             uncached = 1.0 - (share if exact else _homed(hints, c.name, share, n))
-            options.append(((ahead + (uncached + moved) * (1.0 + batch)) / c.weight, s, c))
+            # Held nowhere, at equal cost the home wins: balance that saves nothing is no reason
+            # to leave the partition (2 real engines: a new group's home 1 x (1 + 3 running)
+            # against a copy's (1 + 1) x (1 + 1) went by load's tie-break, off its proposal).
+            # A holder's ties still go by load: a hot prefix spreads as soon as it pays.
+            tie = -math.inf if c.name == hints.home and not most else s
+            options.append(((ahead + (uncached + moved) * (1.0 + batch)) / c.weight, tie, c))
         if not options:  # every holder is over the bound: the least loaded takes it
             return self._spill(ctx, [c for _, c in live if c.name not in held] or pool)
         best = min(options, key=lambda o: o[:2])[:2]

@@ -105,3 +105,21 @@ def test_with_events_the_home_keeps_its_prompt_whatever_the_engines_learnt_per_t
         "b",
         "prefix_exact",
     )
+
+
+def test_at_equal_cost_the_home_wins() -> None:
+    """A new group's proposed home running 3 against an engine running 1, nothing queued: the
+    home costs 1 x (1 + 3) = 4 prefills, a copy elsewhere (1 + 1) x (1 + 1) = 4. Balance that
+    saves nothing is no reason to leave the partition's choice; least_load's tie-break sent it
+    off (2 real engines under pressure, with and without events)."""
+    cands = [Candidate("a", 1.0, 3, reading(3)), Candidate("b", 1.0, 1, reading(1))]
+    new = Hints(17, 256, {}, home="a", home_blocks=17, home_new=True)
+    assert pick(cands, new) == ("a", "home")
+    kv = KvHints(1088, {}, frozenset({"a", "b"}), {}, {"a": 5120, "b": 5120}, {})
+    assert pick(cands, Hints(17, 256, {}, None, kv, home="a", home_blocks=17, home_new=True)) == (
+        "a",
+        "home",
+    )
+    # One more running on the home tips it (1 x 5 > 4): placed by load.
+    cands[0] = Candidate("a", 1.0, 4, reading(4))
+    assert pick(cands, new) == ("b", "load")
