@@ -4,9 +4,12 @@ With the prompt's hints (`PickContext.hints`: the blocks the prefix index says e
 holds, the prompt's home (balancers/prefix_homes.py), the session's ring point, and with KV
 events the tokens each engine's own events say it holds), each candidate's cost is the time
 this prompt would take there, its own prefill and the work queued ahead of it, in prefills
-(`_by_time`) or, with KV events, in seconds from the engine's own rates (`_by_cost`), plus the
-prefill a copy off the prompt's holder or home displaces (`_displaced`: the copy evicts as much
-there, prefilled again later); lowest wins, `least_load`'s score breaks ties. A prompt held
+(`_by_time`; with KV events their exact holdings, wherever the home decides: nothing cached,
+or the home keeps most of it) or, with KV events where another engine caches it, in seconds
+from the engines' own rates (`_by_cost`), plus the prefill a copy off the prompt's holder or
+home displaces (`_displaced`: the copy evicts as much there, prefilled again later); lowest
+wins, the home at equal cost when nobody holds the prompt, else `least_load`'s score breaks
+ties. A prompt held
 nowhere goes to its home (`home`) unless the home's queue costs more than that. Without engine
 readings a holder over the bounded-load guardrail (ceil(load_factor x (total + 1) / n)
 requests, SPILL_MIN_GAP above the least loaded) is passed over (`spill`). An established home
@@ -127,8 +130,14 @@ class CacheAware:
         # home: on 2 real engines under pressure 3 of 9 runs homed 5 prefixes on one engine and
         # 3 on the other (the five thrashed); priced in prefills, 4/4 in all 16 approximate runs
         # and in the 3 events runs since.
-        fresh = hints.home_new and not any(kv.cached.get(c.name) for _, c in live) if kv else False
-        if kv is not None and not fresh:
+        # Where the home decides (nothing cached anywhere, or the home keeps most of it) the
+        # trade is the partition's too: in prefills, with the events' exact holdings. In
+        # seconds, the engines' learnt prefill rates decided it, and those are a request's
+        # whole prefill time over its uncached tokens: a home serving hits computes few
+        # tokens per prefill, so it looked up to 8x slower per token than its identical peer
+        # and its prompts moved off it (issue 52, 2 real engines under pressure: 3 spills
+        # and 2 new groups off their home in one run, hit 0.69 against 0.80 without events).
+        if kv is not None and not _home_decides(hints, kv, live):
             return self._by_cost(ctx, hints, kv, live, pool, over)
         if all(c.engine is not None for _, c in live):
             return self._by_time(ctx, hints, live, pool)
@@ -174,29 +183,46 @@ class CacheAware:
     ) -> Choice | None:
         """Every live candidate has a fresh reading: the cost in prefills of this prompt."""
         held = hints.held
+        kv = hints.kv
         prompt = max(1.0, hints.blocks * hints.block_chars / CHARS_PER_TOKEN)
         n = max(1, hints.blocks)
-        most = min(1.0, max((held.get(c.name, 0) for _, c in live), default=0) / n)
+        shares = {c.name: min(1.0, held.get(c.name, 0) / n) for _, c in live}
+        if kv is not None:  # live events are exact: their share, and their room
+            prompt = max(1.0, kv.tokens)
+            for x in kv.exact & shares.keys():
+                shares[x] = min(1.0, kv.cached.get(x, 0) / prompt)
+        most = max(shares.values(), default=0.0)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
         for s, c in live:
             r = c.engine
             assert r is not None
             ahead, batch = self._ahead_and_batch(ctx, c, r, prompt)
-            blocks = held.get(c.name, 0)
-            share = min(1.0, blocks / n)
+            share = shares[c.name]
+            exact = kv is not None and c.name in kv.exact
             # What a copy here throws away of the holder's (or home's) and evicts as much of
             # another prefix here, prefilled once more later (docs/balancers.md#cache_aware).
             # Off a new group's proposed home a copy pays even into room (`_by_cost`).
-            free = c.name in hints.roomy and not hints.home_new
+            if kv is not None and exact:
+                free = self._has_room(kv, c, int(prompt)) and not hints.home_new
+            else:
+                free = c.name in hints.roomy and not hints.home_new
             moved = 0.0 if free else _displaced(hints, c.name, share, most, n)
-            uncached = 1.0 - _homed(hints, c.name, share, n)
-            options.append(((ahead + (uncached + moved) * (1.0 + batch)) / c.weight, s, c))
+            uncached = 1.0 - (share if exact else _homed(hints, c.name, share, n))
+            # Held nowhere, at equal cost the home wins: balance that saves nothing is no reason
+            # to leave the partition (2 real engines: a new group's home 1 x (1 + 3 running)
+            # against a copy's (1 + 1) x (1 + 1) went by load's tie-break, off its proposal).
+            # A holder's ties still go by load: a hot prefix spreads as soon as it pays.
+            tie = -math.inf if c.name == hints.home and not most else s
+            options.append(((ahead + (uncached + moved) * (1.0 + batch)) / c.weight, tie, c))
         if not options:  # every holder is over the bound: the least loaded takes it
             return self._spill(ctx, [c for _, c in live if c.name not in held] or pool)
         best = min(options, key=lambda o: o[:2])[:2]
         tied = [c for cost, s, c in options if (cost, s) == best]
-        return self._settle(hints, tied, passed_over)
+        if kv is None:
+            return self._settle(hints, tied, passed_over)
+        chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._rng.random())
+        return self._exact(hints, kv, chosen, passed_over or bool(most))
 
     def _with_room(
         self, ctx: PickContext, kv: KvHints, pool: Sequence[Candidate]
@@ -313,13 +339,19 @@ class CacheAware:
         best = min(options, key=lambda o: o[:2])[:2]
         tied = [c for cost, s, c in options if (cost, s) == best]
         chosen = tied[0] if len(tied) == 1 else weighted_choice(tied, self._rng.random())
-        cached = min(prompt, kv.cached.get(chosen.name, 0))
+        return self._exact(hints, kv, chosen, passed_over or bool(most))
+
+    @staticmethod
+    def _exact(hints: Hints, kv: KvHints, chosen: Candidate, moved: bool) -> Choice:
+        """The pick with KV hints, its reason by what its events (or the index) say it holds;
+        `moved`: a holder was passed over."""
+        cached = min(max(1, kv.tokens), kv.cached.get(chosen.name, 0))
         if cached:
             reason = "prefix_exact" if chosen.name in kv.exact else "prefix_approx"
         elif chosen.name == hints.home:
             reason = "home"
         else:
-            reason = "spill" if passed_over or most or _anchored(hints) else "load"
+            reason = "spill" if moved or _anchored(hints) else "load"
         return Choice(chosen, reason, hints.held.get(chosen.name, 0), cached)
 
     @staticmethod
@@ -353,6 +385,17 @@ def _over_bound(pool: Sequence[Candidate], load_factor: float) -> Callable[[Cand
         return r + 1 / c.weight > cap and r >= floor
 
     return over
+
+
+def _home_decides(hints: Hints, kv: KvHints, live: Sequence[tuple[float, Candidate]]) -> bool:
+    """With KV events, the prompt's home (a candidate) is where it belongs: nothing is cached
+    anywhere, or the home holds at least GROUP_SHARE of what the best holder holds (a guest's
+    full copy does not outbid a home that lost a prompt's tail to eviction)."""
+    home = hints.home
+    if home is None or not any(c.name == home for _, c in live):
+        return False
+    most = max((kv.cached.get(c.name, 0) for _, c in live), default=0)
+    return not most or kv.cached.get(home, 0) >= max(1.0, GROUP_SHARE * most)
 
 
 def _anchored(hints: Hints) -> bool:

@@ -65,3 +65,61 @@ def test_the_home_keeps_a_prompt_the_index_forgot() -> None:
     # A queue past the copy's price moves it (10.3 > 9.7), counted as a spill.
     cands[0] = Candidate("a", 1.0, 14, reading(4, waiting=10))
     assert pick(cands, hints) == ("b", "spill")
+
+
+def test_with_events_the_home_keeps_its_prompt_whatever_the_engines_learnt_per_token() -> None:
+    """Two identical engines taught prefill rates 8x apart: a rate is a request's whole
+    prefill time over the tokens it computed, so the home, whose prompts hit, computes few
+    tokens per prefill and looks slow. In seconds (4 x 1,088 x 1.5 ms = 6.6 s on `a` against
+    10 x 1,088 x 0.18 ms + its copy = 4.6 s on `b`) that moved a homed prompt to a busier
+    engine, and its copy evicted another prefix there (issue 52: 2 real engines under
+    pressure). Where the home decides, the trade is in prefills, with the events' exact
+    holdings: `a` 4 + 64/1,088 x (1 + 1) = 4.1 against `b` 10 + (1 + 1,024/1,088) x (1 + 6)."""
+    names = frozenset({"a", "b"})
+
+    def rated(running: float, waiting: float, p: float) -> EngineReading:
+        return EngineReading(
+            waiting, running, 0.9, 5120, 0.0, 1.0, 1, prefill_s_per_token=p, step_s_per_seq=Q
+        )
+
+    cands = [
+        Candidate("a", 1.0, 5, rated(1, 4, 1.5e-3)),
+        Candidate("b", 1.0, 16, rated(6, 10, 1.8e-4)),
+    ]
+    kv = KvHints(1088, {"a": 1024}, names, {}, {"a": 5120, "b": 5120}, {})
+    homed = Hints(17, 256, {"a": 16}, None, kv, home="a", home_blocks=16)
+    assert pick(cands, homed) == ("a", "prefix_exact")
+    # Evicted everywhere, it goes home all the same (1 x (1 + 1) + 4 against b's 10 + ...).
+    gone = KvHints(1088, {}, names, {}, {"a": 5120, "b": 5120}, {})
+    assert pick(cands, Hints(17, 256, {}, None, gone, home="a", home_blocks=16)) == ("a", "home")
+    # Its queue past the copy's price still moves it, counted as a spill.
+    cands[0] = Candidate("a", 1.0, 25, rated(1, 20, 1.5e-3))
+    cands[1] = Candidate("b", 1.0, 2, rated(1, 0, 1.8e-4))
+    assert pick(cands, homed) == ("b", "spill")
+    # A prefix filled behind the router's back (cached on b, nothing on its home) is the
+    # events' truth, in seconds, as before.
+    hidden = KvHints(1088, {"b": 1024}, names, {}, {"a": 5120, "b": 5120}, {})
+    cands[0] = Candidate("a", 1.0, 1, rated(1, 0, P))
+    cands[1] = Candidate("b", 1.0, 1, rated(1, 0, P))
+    assert pick(cands, Hints(17, 256, {}, None, hidden, home="a", home_blocks=16)) == (
+        "b",
+        "prefix_exact",
+    )
+
+
+def test_at_equal_cost_the_home_wins() -> None:
+    """A new group's proposed home running 3 against an engine running 1, nothing queued: the
+    home costs 1 x (1 + 3) = 4 prefills, a copy elsewhere (1 + 1) x (1 + 1) = 4. Balance that
+    saves nothing is no reason to leave the partition's choice; least_load's tie-break sent it
+    off (2 real engines under pressure, with and without events)."""
+    cands = [Candidate("a", 1.0, 3, reading(3)), Candidate("b", 1.0, 1, reading(1))]
+    new = Hints(17, 256, {}, home="a", home_blocks=17, home_new=True)
+    assert pick(cands, new) == ("a", "home")
+    kv = KvHints(1088, {}, frozenset({"a", "b"}), {}, {"a": 5120, "b": 5120}, {})
+    assert pick(cands, Hints(17, 256, {}, None, kv, home="a", home_blocks=17, home_new=True)) == (
+        "a",
+        "home",
+    )
+    # One more running on the home tips it (1 x 5 > 4): placed by load.
+    cands[0] = Candidate("a", 1.0, 4, reading(4))
+    assert pick(cands, new) == ("b", "load")
