@@ -22,7 +22,7 @@ from balancers.least_inflight import EXACT_SCAN_MAX, LeastInflight, weighted_cho
 from balancers.plugin import adapted
 from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
-from tests.support.harness import Cluster, Proc, backend, control, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, stats
 from tests.support.wait import wait_for
 
 N = 10_000
@@ -285,7 +285,7 @@ def requests_by(mocks: dict[str, Proc]) -> dict[str, int]:
 
 
 def admin_counts(router: Proc) -> dict[str, int]:
-    rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    rows = httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json()
     return {r["name"]: r["in_flight"] for r in rows}
 
 

@@ -33,7 +33,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support.harness import Cluster, Proc, backend
+from tests.support.harness import STARVED_S, Cluster, Proc, backend
 
 ENGINE = ["--engine", "--max-num-seqs", "2", "--kv-tokens", "5632", "--block-size", "16"]
 ENGINE += ["--decode-ms", "2", "--decode-ms-per-seq", "0", "--prefill-ms-per-1k", "60"]
@@ -85,7 +85,7 @@ def prefix(k: int) -> str:
 
 
 def counter(engine: Proc, name: str) -> float:
-    text = httpx.get(engine.url + "/metrics", timeout=5).text
+    text = httpx.get(engine.url + "/metrics", timeout=STARVED_S).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -95,7 +95,7 @@ def counter(engine: Proc, name: str) -> float:
 
 def decisions(router: Proc) -> Counter[str]:
     """The router's picks so far, by reason."""
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     out: Counter[str] = Counter()
     for line in text.splitlines():
         if line.startswith("sluicegate_routing_decisions_total{"):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, in_flight, streamed_chat
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, in_flight, streamed_chat
 from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "8", "--decode-ms", "20"]
@@ -42,7 +42,7 @@ def router(module_procs: Cluster) -> Proc:
 
 
 def metric(router: Proc, name: str, labels: str = "") -> float:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

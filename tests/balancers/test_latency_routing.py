@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, admin_backends, backend, streamed_chat
+from tests.support.harness import STARVED_S, Cluster, Proc, admin_backends, backend, streamed_chat
 from tests.support.wait import wait_for
 
 KEY = "test-session-key"
@@ -61,7 +61,7 @@ def chat(
 
 
 def metric(router: Proc, name: str, labels: str = "") -> float:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     total = 0.0
     for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M):
         if labels in (m.group(1) or ""):

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import ROOT, Cluster, Proc, backend, control, stats
+from tests.support.harness import ROOT, STARVED_S, Cluster, Proc, backend, control, stats
 
 EXAMPLE = ROOT / "examples" / "sluicegate-priority"
 
@@ -127,12 +127,12 @@ def test_router_routes_through_the_plugin(
         assert requests_by(mocks) == {"primary": 6, "overflow": 3}
     finally:
         held.close()
-    rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    rows = httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json()
     assert {r["inflight_store"] for r in rows} == {store}
     # Its bare Candidate reaches the request path as a Choice made by load.
     routed = [
         line
-        for line in httpx.get(router.url + "/metrics", timeout=5).text.splitlines()
+        for line in httpx.get(router.url + "/metrics", timeout=STARVED_S).text.splitlines()
         if line.startswith("sluicegate_routing_decisions_total{")
     ]
     assert routed and all('balancer="priority"' in r and 'reason="load"' in r for r in routed)

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.batch.test_batches import chat_line, jsonl
-from tests.support.harness import Cluster, Proc, backend, metric
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, metric
 from tests.support.wait import wait_for
 
 TICK = 0.05
@@ -44,7 +44,7 @@ def config(procs: Cluster, redis: Proc, mock: Proc, **batch: Any) -> dict[str, A
 
 
 def live(router: Proc) -> dict[str, Any]:
-    return dict(httpx.get(router.url + "/console/api/live", timeout=5).json())
+    return dict(httpx.get(router.url + "/console/api/live", timeout=STARVED_S).json())
 
 
 def submit(router: Proc, n: int) -> tuple[openai.OpenAI, str]:

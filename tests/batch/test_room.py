@@ -9,7 +9,7 @@ import httpx
 import openai
 
 from tests.batch.test_batches import chat_line, jsonl
-from tests.support.harness import Cluster, backend, stats
+from tests.support.harness import STARVED_S, Cluster, backend, stats
 from tests.support.wait import wait_for
 
 # An engine of one slot kept busy by three hidden sequences: two always wait in its queue.
@@ -34,7 +34,7 @@ def test_batch_lines_run_only_on_engines_whose_readings_show_room(procs: Cluster
     )
 
     def read() -> bool:
-        r = httpx.get(router.url + "/admin/backends", timeout=5)
+        r = httpx.get(router.url + "/admin/backends", timeout=STARVED_S)
         seen = {row["name"]: row["engine"] for row in r.json()}
         full, free = seen["full"], seen["free"]
         return full is not None and full["waiting"] >= 1 and free is not None

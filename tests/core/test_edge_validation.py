@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from router.core.backend import Backend
 from router.core.settings import BackendConfig, ConfigError, load_settings
-from tests.support.harness import Cluster, Proc, backend
+from tests.support.harness import STARVED_S, Cluster, Proc, backend
 from tests.support.wait import wait_for
 
 TOKEN = "admin-token-for-edge-tests"
@@ -128,7 +128,7 @@ def weight_of(router: Proc, name: str) -> float:
 
 
 def invalid_records_metric(router: Proc) -> float:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     for line in text.splitlines():
         if line.startswith("sluicegate_registry_invalid_records_total "):
             return float(line.split()[1])

@@ -25,7 +25,15 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from router.discovery.runner import _TICK as RECONCILE_TICK
 from tests.support.fake_kube import FakeKube, endpoint, kube_source, mock_host, put_mock
-from tests.support.harness import Cluster, Proc, admin_backends, control, free_port, stats
+from tests.support.harness import (
+    STARVED_S,
+    Cluster,
+    Proc,
+    admin_backends,
+    control,
+    free_port,
+    stats,
+)
 from tests.support.wait import wait_for
 
 MODEL = "mock-model"
@@ -116,7 +124,7 @@ def chat(router: Proc, stream: bool = False) -> str:
 
 
 def metric(router: Proc, name: str, **labels: str) -> float:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     total = 0.0
     for line in text.splitlines():
@@ -251,7 +259,7 @@ def test_api_server_down_under_load_removes_nothing_and_fails_nothing(
             )
 
         wait_for(an_outage_the_fleet_outlived, "an outage of 2 s, the fleet whole", 10, 0.2)
-        ready = httpx.get(router.url + "/readyz", timeout=5)
+        ready = httpx.get(router.url + "/readyz", timeout=STARVED_S)
         assert ready.status_code == 200
         (src,) = ready.json()["discovery"]
         assert src["stale"] is True and src["backends"] == 2

@@ -25,7 +25,7 @@ from router.engine import kv_events, kv_index
 from router.engine.kv_events import KvEvents
 from router.engine.kv_index import TokenIndex
 from router.engine.kv_wire import Stored
-from tests.support.harness import Cluster, Proc, backend
+from tests.support.harness import STARVED_S, Cluster, Proc, backend
 from tests.support.kv_publisher import Publisher, frames, removed, stored
 from tests.support.wait import wait_for, wait_for_async
 
@@ -92,7 +92,7 @@ def fed_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc,
 
 
 def _kv_row(router: Proc) -> dict[str, Any]:
-    r = httpx.get(router.url + "/admin/backends/a", timeout=5)
+    r = httpx.get(router.url + "/admin/backends/a", timeout=STARVED_S)
     assert r.status_code == 200, r.text
     return dict(r.json()["kv_events_state"])
 
@@ -114,9 +114,9 @@ def test_a_batch_stamped_with_no_finite_time_keeps_the_admin_api_answering(
     wait_for(lambda: _first_seq(router) == seq, "the batch applied")
     lag = _kv_row(router)["lag_seconds"]
     assert isinstance(lag, float) and math.isfinite(lag) and lag > 0
-    r = httpx.get(router.url + "/admin/backends", timeout=5)
+    r = httpx.get(router.url + "/admin/backends", timeout=STARVED_S)
     assert r.status_code == 200 and r.json()[0]["kv_events_state"]["lag_seconds"] == lag
-    assert httpx.get(router.url + "/metrics", timeout=5).status_code == 200
+    assert httpx.get(router.url + "/metrics", timeout=STARVED_S).status_code == 200
 
 
 # --- one publisher's flood: message size, work per loop turn, held and replayed bytes -------

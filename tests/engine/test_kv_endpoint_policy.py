@@ -21,7 +21,7 @@ from router.core.backend import Backend
 from router.core.settings import DEFAULT_DENIED_NETWORKS, BackendConfig
 from router.engine.kv_endpoints import EndpointRefused, host_of, path_refusal
 from router.engine.kv_events import KvEvents
-from tests.support.harness import Cluster, Proc, backend, free_port
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, free_port
 from tests.support.kv_publisher import Publisher, stored
 from tests.support.wait import wait_for
 
@@ -80,7 +80,7 @@ def router(cluster: Cluster, run: Path) -> Proc:
 
 
 def _publisher(router: Proc, name: str) -> dict[str, Any]:
-    r = httpx.get(f"{router.url}/admin/backends/{name}", headers=AUTH, timeout=5)
+    r = httpx.get(f"{router.url}/admin/backends/{name}", headers=AUTH, timeout=STARVED_S)
     assert r.status_code == 200, r.text
     state = r.json()["kv_events_state"]
     publishers = state["publishers"] if state else []
@@ -126,7 +126,8 @@ def test_the_api_may_not_make_the_router_bind_or_use_ipc(router: Proc, run: Path
     assert r.status_code == 400 and "kv_events.bind" in r.json()["error"]["message"]
     assert _nothing_listens(port)
     names = {
-        b["name"] for b in httpx.get(router.url + "/admin/backends", headers=AUTH, timeout=5).json()
+        b["name"]
+        for b in httpx.get(router.url + "/admin/backends", headers=AUTH, timeout=STARVED_S).json()
     }
     assert names == {"a", "filebound"}
 

@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from router.tools.status import run as status
-from tests.support.harness import Cluster, Proc, backend, control, stats, streamed_chat
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, stats, streamed_chat
 from tests.support.wait import wait_for
 
 INTERVAL = 0.1
@@ -61,7 +61,7 @@ def fleet() -> Iterator[dict[str, Proc]]:
 
 
 def engines(router: Proc) -> dict[str, dict[str, Any]]:
-    r = httpx.get(router.url + "/admin/backends", timeout=5)
+    r = httpx.get(router.url + "/admin/backends", timeout=STARVED_S)
     r.raise_for_status()
     return {b["name"]: b["engine"] for b in r.json()}
 
@@ -175,7 +175,7 @@ def test_scrape_faults_are_survived(
         before = stats(fleet["a"])["metrics_scrapes"]
         time.sleep(window)
         assert stats(fleet["a"])["metrics_scrapes"] - before <= window / SCRAPE_TIMEOUT + 1
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     line = next(
         x
         for x in text.splitlines()
@@ -205,7 +205,7 @@ def test_usage_and_metrics_through_the_router(fleet: dict[str, Proc]) -> None:
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.prompt_tokens == 100 and chunks[-1].usage.completion_tokens == 5
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith("tok0")
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     assert 'sluicegate_routing_decisions_total{backend="' in text
     assert 'balancer="least_load"' in text
     for name in ("waiting", "running", "kv_usage"):

@@ -45,6 +45,7 @@ import httpx
 from openai import OpenAI
 
 from tests.image import base, daemon
+from tests.support.harness import STARVED_S
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "sluicegate-image-test:latest"
@@ -360,7 +361,7 @@ class Run:
         if finish is None or text.split() != [f"tok{i}" for i in range(FAST_TOKENS)]:
             raise Failed(f"stream: finish {finish!r}, text {text[:80]!r}")
         self.ok(f"streamed completion through the router ({len(text.split())} tokens)")
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=STARVED_S).text
         if "sluicegate_requests_total{" not in metrics:
             raise Failed("/metrics: no sluicegate_requests_total")
         self.ok("/metrics has the request counters")
@@ -391,7 +392,7 @@ class Run:
             text, finish = self.stream(port)
             if finish is None or len(text.split()) != FAST_TOKENS:
                 raise Failed(f"--workers 2: stream finish {finish!r}")
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=STARVED_S).text
         if "sluicegate_requests_total{" not in metrics:
             raise Failed("--workers 2: /metrics has no sluicegate_requests_total")
         self.ok("--workers 2 --tmpfs /tmp: healthy, streams, /metrics")
@@ -439,7 +440,7 @@ class Run:
         readyz: int | str = "not asked"
         while reader.is_alive() and stopper.poll() is None and readyz != 503:
             try:
-                readyz = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code
+                readyz = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=STARVED_S).status_code
             except httpx.HTTPError as exc:
                 readyz = type(exc).__name__
             time.sleep(0.2)

@@ -27,7 +27,7 @@ from balancers.inflight.local import LocalInflight
 from balancers.round_robin import RoundRobin
 from router.core.backend import Backend
 from router.ops.metrics import MeteredInflight, Metrics
-from tests.support.harness import Cluster, Proc, backend, control, free_port
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, free_port
 from tests.support.wait import wait_for
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -58,7 +58,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
 
 
 def scrape(router: Proc) -> Samples:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     out: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

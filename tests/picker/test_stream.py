@@ -33,7 +33,15 @@ from router.picker.proto.external_processor_pb2 import (
     ProcessingResponse,
 )
 from router.picker.stream import FAIRNESS, FAIRNESS_BUCKETS, tenant_of
-from tests.support.harness import Cluster, Proc, backend, expected_text, metric, stream_text
+from tests.support.harness import (
+    STARVED_S,
+    Cluster,
+    Proc,
+    backend,
+    expected_text,
+    metric,
+    stream_text,
+)
 from tests.support.picker import (
     CHAT,
     Picker,
@@ -330,7 +338,7 @@ def test_the_http_port_serves_no_proxy_route(fleet: dict[str, Proc]) -> None:
     picker = fleet["picker"]
     r = httpx.post(picker.url + CHAT, content=chat(), timeout=5)
     assert r.status_code == 404
-    assert "sluicegate_requests_total" in httpx.get(picker.url + "/metrics", timeout=5).text
+    assert "sluicegate_requests_total" in httpx.get(picker.url + "/metrics", timeout=STARVED_S).text
 
 
 # -- behind a real Envoy ---------------------------------------------------------------------
@@ -470,7 +478,7 @@ def test_shed_from_a_full_queue_is_429_with_retry_after(fleet: dict[str, Any]) -
 
 
 def _queued(fleet: dict[str, Any]) -> str:
-    page = httpx.get(fleet["picker"].url + "/metrics", timeout=5).text
+    page = httpx.get(fleet["picker"].url + "/metrics", timeout=STARVED_S).text
     lines = [
         line
         for line in page.splitlines()

@@ -416,14 +416,14 @@ def streamed_chat(
 
 def in_flight(router: Proc) -> int:
     """The router's in-flight count over all its backends, as its admin API reports it."""
-    r = httpx.get(router.url + "/admin/backends", timeout=5)
+    r = httpx.get(router.url + "/admin/backends", timeout=STARVED_S)
     r.raise_for_status()
     return sum(int(b["in_flight"]) for b in r.json())
 
 
 def metric(router: Proc, name: str, **labels: str) -> float:
     """The sum of the router's `/metrics` samples named `name` whose labels include `labels`."""
-    page = httpx.get(router.url + "/metrics", timeout=5).text
+    page = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     return sum(
         s.value
         for family in text_string_to_metric_families(page)

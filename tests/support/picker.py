@@ -30,7 +30,7 @@ from router.picker.proto.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from tests.support.harness import ROOT, Cluster, Proc, free_port, wait_http
+from tests.support.harness import ROOT, STARVED_S, Cluster, Proc, free_port, wait_http
 
 EXAMPLE = ROOT / "examples" / "endpoint-picker" / "envoy.yaml"
 ENVOY = Path(sys.executable).parent / "envoy"
@@ -124,7 +124,7 @@ def envoy_in_front(
 
 def in_flight(picker: Proc) -> dict[str, int]:
     """The picker's in-flight count per backend, as its admin API reports it."""
-    rows = httpx.get(picker.url + "/admin/backends", timeout=5).json()
+    rows = httpx.get(picker.url + "/admin/backends", timeout=STARVED_S).json()
     return {row["name"]: int(row["in_flight"]) for row in rows}
 
 

@@ -26,7 +26,7 @@ import yaml
 from dnslib import QTYPE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
-from tests.support.harness import ROOT, Cluster, Proc, free_port
+from tests.support.harness import ROOT, STARVED_S, Cluster, Proc, free_port
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
@@ -198,7 +198,7 @@ def fleet(module_procs: Cluster, pki: Path, dns_port: int) -> Iterator[dict[str,
 
 
 def rows(router: Proc) -> dict[str, dict[str, Any]]:
-    r = httpx.get(router.url + "/admin/backends", headers=AUTH, timeout=5)
+    r = httpx.get(router.url + "/admin/backends", headers=AUTH, timeout=STARVED_S)
     r.raise_for_status()
     return {b["name"]: b for b in r.json()}
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from router.tools.mock.kv_publish import mock_tokens
-from tests.support.harness import Cluster, Proc, backend, control, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, stats
 from tests.support.wait import wait_for
 
 KEY = "sk-api-test"
@@ -60,7 +60,7 @@ def ant(router: Proc, key: str = KEY) -> anthropic.Anthropic:
 def holder_of(fleet: dict[str, Any], response_id: str) -> str:
     """Which mock engine stored the response (its /stats lists each request's response)."""
     for name in ("a", "b"):
-        r = httpx.get(fleet[name].url + f"/v1/responses/{response_id}", timeout=5)
+        r = httpx.get(fleet[name].url + f"/v1/responses/{response_id}", timeout=STARVED_S)
         if r.status_code == 200:
             return name
     raise AssertionError(f"no engine holds {response_id}")
@@ -71,7 +71,7 @@ def last_request(mock: Proc, path: str) -> dict[str, Any]:
 
 
 def tokens_metric(router: Proc, kind: str) -> float:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith("sluicegate_tokens_total{") and f'kind="{kind}"' in line:
@@ -291,7 +291,7 @@ def test_backend_404_is_relayed_and_does_not_eject(fleet: dict[str, Any]) -> Non
                 timeout=5,
             )
             assert r.status_code == 404 and "failing on purpose" in r.text  # the backend's
-        backends = httpx.get(router.url + "/admin/backends", timeout=5).json()
+        backends = httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json()
         assert all(b["healthy"] and b["consecutive_failures"] == 0 for b in backends)
     finally:
         for name in ("a", "b"):
@@ -307,7 +307,7 @@ def _no_leak(fleet: dict[str, Any]) -> Iterator[None]:
             lambda r=router: (
                 sum(
                     int(b["in_flight"])
-                    for b in httpx.get(r.url + "/admin/backends", timeout=5).json()
+                    for b in httpx.get(r.url + "/admin/backends", timeout=STARVED_S).json()
                 )
                 == 0
             ),

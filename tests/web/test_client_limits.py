@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend
+from tests.support.harness import STARVED_S, Cluster, Proc, backend
 from tests.support.wait import wait_for
 
 HEADER_TIMEOUT = 2.0  # long enough for the cap test to hold its idle sockets
@@ -89,7 +89,7 @@ def test_idle_and_slowloris_heads_are_closed_after_header_timeout(
     took = time.monotonic() - start
     assert HEADER_TIMEOUT * 0.8 <= took <= HEADER_TIMEOUT + 2.0
     assert closed_after(idle, 3.0) < 3.0
-    assert httpx.get(router.url + "/healthz", timeout=5).status_code == 200
+    assert httpx.get(router.url + "/healthz", timeout=STARVED_S).status_code == 200
 
 
 def test_a_kept_alive_connections_next_head_has_the_same_limit(
@@ -139,7 +139,7 @@ def test_a_body_that_stops_short_or_trickles_gets_408_after_body_timeout(
         assert BODY_TIMEOUT * 0.8 <= took <= BODY_TIMEOUT + 2.0
     for s in (short, trickle):
         assert closed_after(s, 3.0) < 3.0
-    assert httpx.get(router.url + "/healthz", timeout=5).status_code == 200
+    assert httpx.get(router.url + "/healthz", timeout=STARVED_S).status_code == 200
 
 
 def test_idle_keepalive_connection_is_closed(router: Proc, sockets: list[socket.socket]) -> None:
@@ -179,7 +179,7 @@ def test_connections_past_the_cap_get_a_fast_503(
 
     def healthy() -> bool:
         try:
-            return httpx.get(router.url + "/healthz", timeout=5).status_code == 200
+            return httpx.get(router.url + "/healthz", timeout=STARVED_S).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.support.browser import Browser, chromium_path
-from tests.support.harness import Cluster, Proc, backend, wait_http
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, wait_http
 
 TOKEN = "console-admin-token"
 RIGHT = {"authorization": f"Bearer {TOKEN}"}
@@ -71,24 +71,29 @@ def browser(site: Site) -> Browser:
 
 def test_the_live_view_is_an_admin_read_and_shows_no_secret(site: Site) -> None:
     live = site.router.url + "/console/api/live"
-    r = httpx.get(live, timeout=5)
+    r = httpx.get(live, timeout=STARVED_S)
     assert r.status_code == 401 and r.json()["error"]["code"] == "missing_admin_token"
-    r = httpx.get(live, headers=RIGHT, timeout=5)
+    r = httpx.get(live, headers=RIGHT, timeout=STARVED_S)
     assert r.status_code == 200 and r.headers["cache-control"] == "no-store"
     assert [b["name"] for b in r.json()["backends"]] == ["a", "b"]
     assert r.json()["actions"] is True
-    assert httpx.get(site.open.url + "/console/api/live", timeout=5).json()["actions"] is False
+    assert (
+        httpx.get(site.open.url + "/console/api/live", timeout=STARVED_S).json()["actions"] is False
+    )
     for url in (live, site.router.url + "/console"):
-        assert UPSTREAM_KEY not in httpx.get(url, headers=RIGHT, timeout=5).text
-    js = httpx.get(site.router.url + "/console/static/console.js", timeout=5)
+        assert UPSTREAM_KEY not in httpx.get(url, headers=RIGHT, timeout=STARVED_S).text
+    js = httpx.get(site.router.url + "/console/static/console.js", timeout=STARVED_S)
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
     assert js.headers["content-security-policy"] == page_csp(site)
     for name in ("index.html", "..%2Fconsole.py", "nope.js"):
-        assert httpx.get(f"{site.router.url}/console/static/{name}", timeout=5).status_code == 404
+        assert (
+            httpx.get(f"{site.router.url}/console/static/{name}", timeout=STARVED_S).status_code
+            == 404
+        )
 
 
 def page_csp(site: Site) -> str:
-    page = httpx.get(site.router.url + "/console", timeout=5)
+    page = httpx.get(site.router.url + "/console", timeout=STARVED_S)
     return str(page.headers["content-security-policy"])
 
 
@@ -109,13 +114,13 @@ def enter_token(b: Browser, token: str) -> None:
 
 
 def admin_row(router: Proc, name: str) -> dict[str, Any]:
-    r = httpx.get(f"{router.url}/admin/backends/{name}", headers=RIGHT, timeout=5)
+    r = httpx.get(f"{router.url}/admin/backends/{name}", headers=RIGHT, timeout=STARVED_S)
     r.raise_for_status()
     return dict(r.json())
 
 
 def test_page_loads_under_its_csp_and_lists_both_backends(site: Site, browser: Browser) -> None:
-    page = httpx.get(site.router.url + "/console", timeout=5)
+    page = httpx.get(site.router.url + "/console", timeout=STARVED_S)
     assert page.status_code == 200
     csp = page.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "default-src 'none'" in csp

@@ -59,7 +59,7 @@ def running(mocks: dict[str, Proc]) -> dict[str, int]:
 
 
 def admin(router: Proc) -> list[dict[str, Any]]:
-    return list(httpx.get(router.url + "/admin/backends", timeout=5).json())
+    return list(httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json())
 
 
 def admin_counts(router: Proc) -> dict[str, int]:

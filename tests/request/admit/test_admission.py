@@ -48,7 +48,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
 
 def metric(router: Proc, name: str, **labels: str) -> float:
     """Sum of a metric's samples whose labels include `labels`."""
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     total = 0.0
     for line in text.splitlines():
         m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)

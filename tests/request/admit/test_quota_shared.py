@@ -23,7 +23,7 @@ from router.core.redis_client import RedisTarget
 from router.request.admit.quota import KeyLimits, Reservation
 from router.request.admit.quota_shared import SharedQuotas, SharedReservation, key_tag
 from tests.support.answers import answered_async
-from tests.support.harness import Cluster, Proc, backend, late_by, sha, wait_http
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, late_by, sha, wait_http
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.redis
@@ -362,14 +362,14 @@ def test_redis_killed_each_process_enforces_its_share_and_says_so(procs: Cluster
         )
 
     def quotas() -> dict[str, Any]:
-        return dict(httpx.get(router.url + "/readyz", timeout=5).json()["quotas"])
+        return dict(httpx.get(router.url + "/readyz", timeout=STARVED_S).json()["quotas"])
 
     def all_say(mode: str) -> Callable[[], bool]:
         # Each answer comes from either worker: several in a row must say it.
         return lambda: all(quotas() == {"mode": mode, "processes": 2} for _ in range(8))
 
     def degraded_metric() -> str:
-        text = httpx.get(router.url + "/metrics", timeout=5).text
+        text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
         return next(x for x in text.splitlines() if x.startswith("sluicegate_quota_degraded "))
 
     wait_for(all_say("shared"), "shared")  # both workers registered and see each other

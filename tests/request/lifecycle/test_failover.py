@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, control, expected_text, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, expected_text, stats
 from tests.support.wait import wait_for, wait_for_async
 
 FAST_HEALTH = {
@@ -29,7 +29,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def rows(router: Proc) -> dict[str, dict[str, Any]]:
-    r = httpx.get(router.url + "/admin/backends", timeout=5)
+    r = httpx.get(router.url + "/admin/backends", timeout=STARVED_S)
     r.raise_for_status()
     return {row["name"]: row for row in r.json()}
 

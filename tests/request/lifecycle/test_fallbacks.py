@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from tests.support.harness import (
+    STARVED_S,
     Cluster,
     Proc,
     backend,
@@ -125,7 +126,7 @@ def fleet(module_procs: Cluster, receiver: Receiver) -> dict[str, Proc]:
     fleet = {**mocks, "t1": mocks["s1"], "router": router}
 
     def context_known() -> bool:
-        rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=5).json()
+        rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=STARVED_S).json()
         return all(
             (r.get("engine") or {}).get("max_model_len") == 300
             for r in rows
@@ -142,7 +143,7 @@ def _admin() -> dict[str, str]:
 
 def leased(router: Proc) -> int:
     """The router's in-flight count over all its backends (its admin API's)."""
-    rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=5).json()
+    rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=STARVED_S).json()
     return sum(int(r["in_flight"]) for r in rows)
 
 
@@ -276,7 +277,7 @@ def test_engines_cooling_down_are_not_asked_again(fleet: dict[str, Proc]) -> Non
     both(fleet, fail_status=0, retry_after=None)
 
     def cooled() -> bool:
-        rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=5).json()
+        rows = httpx.get(router.url + "/admin/backends", headers=_admin(), timeout=STARVED_S).json()
         return all(r["healthy"] for r in rows if r["name"] in SMALL)
 
     wait_for(cooled, "the cool-down's end", within=5)
@@ -519,13 +520,13 @@ def test_a_target_that_rejects_the_prefill_ends_with_the_error_event(
 
 
 def test_the_admin_api_shows_the_chains(fleet: dict[str, Proc]) -> None:
-    rows = httpx.get(fleet["router"].url + "/admin/fallbacks", headers=_admin(), timeout=5)
+    rows = httpx.get(fleet["router"].url + "/admin/fallbacks", headers=_admin(), timeout=STARVED_S)
     chains = {(r["model"], r["kind"]): r for r in rows.json()["data"]}
     assert chains[("small", "fallbacks")]["to"] == ["cloud", "claude"]
     assert chains[("tiny", "fallbacks")]["mid_stream"] == "error"
     assert chains[("small", "context_window_fallbacks")]["to"] == ["big"]
     assert chains[("small", "content_policy_fallbacks")]["to"] == ["cloud"]
-    live = httpx.get(fleet["router"].url + "/console/api/live", headers=_admin(), timeout=5)
+    live = httpx.get(fleet["router"].url + "/console/api/live", headers=_admin(), timeout=STARVED_S)
     assert live.json()["fallbacks"] == rows.json()["data"]  # the console shows the same
 
 

@@ -22,7 +22,7 @@ import pytest
 from router.scaling.keda import externalscaler_pb2 as pb
 from router.scaling.keda.externalscaler_pb2_grpc import ExternalScalerStub
 from tests.support.fake_kube import FakeKube, kube_source, put_mock
-from tests.support.harness import Cluster, Proc, free_port
+from tests.support.harness import STARVED_S, Cluster, Proc, free_port
 from tests.support.wait import wait_for
 
 MODEL = "sfz-model"
@@ -65,7 +65,7 @@ def _no_pods(kube: FakeKube, router: Proc) -> Iterator[None]:
 
 
 def metric(router: Proc, name: str) -> float:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     line = f'{name}{{model="{MODEL}"}} '
     for row in text.splitlines():
         if row.startswith(line):
@@ -255,5 +255,5 @@ def test_max_held_refuses_at_once_other_models_flow_and_cancel_leaks_nothing(
             f.result(timeout=10)
     wait_for(lambda: held(router) == 0, what="the held count back to 0 after cancels")
     assert metric(router, "sluicegate_model_demand") == 0
-    body_held = httpx.get(router.url + "/metrics", timeout=5).text
+    body_held = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     assert "sluicegate_body_bytes_held 0.0" in body_held

@@ -20,7 +20,16 @@ import httpx
 import openai
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, control, expected_text, in_flight, stats
+from tests.support.harness import (
+    STARVED_S,
+    Cluster,
+    Proc,
+    backend,
+    control,
+    expected_text,
+    in_flight,
+    stats,
+)
 from tests.support.hostile_backend import HostileBackend
 
 MSG: list[Any] = [{"role": "user", "content": "tell me a story"}]
@@ -33,7 +42,7 @@ def sdk(router: Proc) -> openai.OpenAI:
 
 
 def row(router: Proc, name: str) -> dict[str, Any]:
-    r = httpx.get(f"{router.url}/admin/backends/{name}", timeout=5)
+    r = httpx.get(f"{router.url}/admin/backends/{name}", timeout=STARVED_S)
     r.raise_for_status()
     return dict(r.json())
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.harness import Cluster, Proc, backend, control, in_flight, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, in_flight, stats
 from tests.support.wait import wait_for
 
 MSG = [{"role": "user", "content": "tell me a long story"}]
@@ -28,7 +28,7 @@ def expected(n: int, start: int = 0) -> str:
 
 
 def metric(router: Proc, name: str, **labels: str) -> float:
-    page = httpx.get(router.url + "/metrics", timeout=5).text
+    page = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     total = 0.0
     for family in text_string_to_metric_families(page):
         for s in family.samples:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support.harness import Cluster, Proc, backend, in_flight, wait_http
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, in_flight, wait_http
 from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "65536", "--decode-ms", "2"]
@@ -89,7 +89,7 @@ def follow_up(messages: list[Any], answer: str) -> list[Any]:
 
 def counter(router: Proc, name: str, **labels: str) -> float:
     total = 0.0
-    for line in httpx.get(router.url + "/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(router.url + "/metrics", timeout=STARVED_S).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])

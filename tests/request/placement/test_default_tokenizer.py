@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend
+from tests.support.harness import STARVED_S, Cluster, Proc, backend
 from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "8192", "--decode-ms", "2"]
@@ -51,7 +51,7 @@ def chat(base: str, text: str, model: str) -> httpx.Response:
 
 
 def kv(router: Proc) -> dict[str, dict[str, object]]:
-    rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    rows = httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json()
     return {r["name"]: r["kv_events_state"] for r in rows}
 
 
@@ -77,5 +77,5 @@ def test_a_prefix_filled_behind_the_routers_back_is_found_exactly(fleet: dict[st
         assert r.headers["x-sluicegate-backend"] == hidden
         details = r.json()["usage"].get("prompt_tokens_details") or {}
         assert int(details.get("cached_tokens") or 0) > 600
-    metrics = httpx.get(router.url + "/metrics", timeout=5).text
+    metrics = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     assert 'reason="prefix_exact"' in metrics

@@ -20,7 +20,7 @@ from balancers.disaggregation import decide
 from router.discovery.kubernetes import _slice_endpoints
 from router.discovery.reconcile import Endpoint
 from router.request.placement.pd import PREFILL_PARAMS, BadPrefillAnswer, transfer_params
-from tests.support.harness import Cluster, Proc, backend, control, in_flight, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, in_flight, stats
 from tests.support.wait import wait_for
 
 FAIL_DELAY_MS = 200  # the mock decode's 500 after a failed pull (vLLM's is ~5 s)
@@ -88,7 +88,7 @@ def handoff(mock: Proc) -> dict[str, Any]:
 
 
 def router_metric(router: Proc, name: str, **labels: str) -> float:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -302,7 +302,7 @@ def test_mock_decode_refuses_unknown_or_used_params(pair: tuple[Proc, Proc, Proc
         )
         assert again.status_code == 500
         assert time.monotonic() - started >= FAIL_DELAY_MS / 1000
-    metrics = httpx.get(d.url + "/metrics", timeout=5).text
+    metrics = httpx.get(d.url + "/metrics", timeout=STARVED_S).text
     assert "vllm:nixl_num_failed_transfers_total" in metrics
     assert 'source="external_kv_transfer"' in metrics
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.harness import Cluster, Proc, backend, control
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control
 from tests.support.wait import wait_for
 
 ENGINE = ["--engine", "--max-num-seqs", "16", "--kv-tokens", "8192", "--decode-ms", "2"]
@@ -67,7 +67,7 @@ def chat(base: str, text: str, model: str) -> tuple[str | None, int]:
 
 
 def kv_rows(router: Proc) -> dict[str, Any]:
-    rows = httpx.get(router.url + "/admin/backends", timeout=5).json()
+    rows = httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json()
     return {r["name"]: r["kv_events_state"] for r in rows}
 
 
@@ -85,7 +85,7 @@ def test_hidden_traffic_and_a_reset_move_the_routers_choice(fleet: dict[str, Pro
     for _ in range(3):
         name, cached = chat(router.url, doc, "m")
         assert name == "b" and cached > 0
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     assert 'reason="prefix_exact"' in text and 'sluicegate_kv_events_total{backend="b"' in text
     assert 'sluicegate_kv_index_blocks{backend="b"}' in text
 

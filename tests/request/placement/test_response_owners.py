@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from router.request.placement.response_ids import owner_of
-from tests.support.harness import Cluster, Proc, backend, sha, stats
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, sha, stats
 
 A = "sk-owner-a-0123456789"
 B = "sk-owner-b-0123456789"
@@ -139,7 +139,7 @@ def test_an_id_reused_on_another_engine_does_not_replace_the_owners(
     planted = create(r1, B, "planted", request_id)
     assert planted == response_id
     held = {
-        name: httpx.get(fleet[name].url + f"/v1/responses/{response_id}", timeout=5).json()
+        name: httpx.get(fleet[name].url + f"/v1/responses/{response_id}", timeout=STARVED_S).json()
         for name in ("a", "b")
     }
     assert sorted(h["instructions"] for h in held.values()) == sorted([secret, "planted"])

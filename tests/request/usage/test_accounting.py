@@ -17,7 +17,7 @@ import pytest
 import redis as redis_lib
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.support.harness import Cluster, Proc, backend, control, sha, wait_http
+from tests.support.harness import STARVED_S, Cluster, Proc, backend, control, sha, wait_http
 from tests.support.wait import wait_for
 
 ADMIN = "admin-usage-token-0123456789"
@@ -62,7 +62,7 @@ def fleet(module_procs: Cluster) -> dict[str, Proc]:
 
 
 def engine_counts(mock: Proc) -> dict[str, float]:
-    text = httpx.get(mock.url + "/metrics", timeout=5).text
+    text = httpx.get(mock.url + "/metrics", timeout=STARVED_S).text
     out = {}
     for name in ("prompt_tokens", "generation_tokens", "prefix_cache_hits"):
         found = re.search(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
@@ -72,7 +72,7 @@ def engine_counts(mock: Proc) -> dict[str, float]:
 
 
 def router_tokens(router: Proc, key: str, model: str) -> dict[str, float]:
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
     out = {"prompt": 0.0, "completion": 0.0, "cached": 0.0}
     for kind in out:
         labels = rf'key="{key}",kind="{kind}",model="{model}"'
@@ -84,7 +84,7 @@ def router_tokens(router: Proc, key: str, model: str) -> dict[str, float]:
 
 def usage(router: Proc, token: str | None = ADMIN, **params: str) -> httpx.Response:
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    return httpx.get(router.url + "/admin/usage", params=params, headers=headers, timeout=5)
+    return httpx.get(router.url + "/admin/usage", params=params, headers=headers, timeout=STARVED_S)
 
 
 def sdk(router: Proc, key: str) -> openai.OpenAI:

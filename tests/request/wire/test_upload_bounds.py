@@ -25,7 +25,7 @@ import pytest
 
 from router.request.wire.multipart import MAX_PART_HEADER, MAX_PARTS, BadForm, form_fields
 from router.tools.mock.upstream import _form as mock_form
-from tests.support.harness import ROOT, Cluster, Proc, backend, metric, stats
+from tests.support.harness import ROOT, STARVED_S, Cluster, Proc, backend, metric, stats
 from tests.support.wait import wait_for
 
 BOUNDARY = "XyZzy"
@@ -267,10 +267,10 @@ def anthropic_error(r: httpx.Response | bytes, status: int) -> dict[str, Any]:
 def test_messages_answers_405_in_anthropics_shape(forms: dict[str, Proc]) -> None:
     url = forms["router"].url
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        r = httpx.get(url + path, timeout=5)
+        r = httpx.get(url + path, timeout=STARVED_S)
         assert anthropic_error(r, 405)["type"] == "invalid_request_error"
         assert "POST" in r.headers["allow"]
-    r = httpx.get(url + "/v1/chat/completions", timeout=5)
+    r = httpx.get(url + "/v1/chat/completions", timeout=STARVED_S)
     assert r.status_code == 405 and "error" in r.json() and "type" not in r.json()
 
 
