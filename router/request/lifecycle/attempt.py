@@ -310,7 +310,9 @@ class Attempts:
                     self._shed_early()  # a sheddable request out of reach: not queued first
                 return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
-        readings = parts.readings() if parts.readings else None
+        # Read once, and only where used: a batch line's room filter, an engine-aware balancer.
+        used = call.record.batch or self.engine_aware
+        readings = parts.readings() if parts.readings and used else None
         if call.record.batch:
             eligible = self._with_room(eligible, readings)
         self.readings = readings if self.engine_aware else None
@@ -419,7 +421,9 @@ class Attempts:
             return
         parts = self.parts
         eligible = parts.health.eligible(call.backends, call.model)
-        readings = parts.readings() if parts.readings else None
+        # Read once, and only where used: a batch line's room filter, an engine-aware balancer.
+        used = call.record.batch or self.engine_aware
+        readings = parts.readings() if parts.readings and used else None
         candidates = [
             Candidate(b.name, b.weight, 0, readings.get(b.name) if readings else None)
             for b in eligible
