@@ -1,6 +1,6 @@
 """The engine tier's fixtures: two real vLLM engines for the whole session, routers per test.
 
-`engine_fleet` starts the engines once (about 40 s; the venv is installed first if absent) and
+`engine_fleet` starts the engines once (about 33 s; the venv is installed first if absent) and
 stops them at the end of the session, whatever happened: a finalizer stops every process group,
 and the engines die with this process if it is killed (PR_SET_PDEATHSIG). `fleet` hands the
 same fleet to a test after making sure every engine is up again (a test that kills one and fails
