@@ -44,7 +44,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]
                 "backends": [backend(n, m, kv_events={}) for n, m in mocks.items()],
                 "balancer": "cache_aware",
                 "affinity": {"tokenizers": {"m": {"via": "engine"}}},
-                "engine_metrics": {"interval": 0.1, "timeout": 1, "stale_after": 3},
+                # A stale reading takes its engine out of the weighing, holder or not: kept
+                # fresh for longer than a starved machine's scrape can take.
+                "engine_metrics": {"interval": 0.1, "timeout": STARVED_S, "stale_after": 60},
                 "expose_backend_header": True,
                 "health": {"interval": 60},
             }
@@ -71,6 +73,21 @@ def kv_rows(router: Proc) -> dict[str, Any]:
     return {r["name"]: r["kv_events_state"] for r in rows}
 
 
+def idle_readings(router: Proc) -> None:
+    """Until the router reads both engines fresh and idle: a reading taken while the direct
+    request ran shows its engine busy with its KV in use, a fair reason to copy the prefix
+    elsewhere (a machine at load average 10 routed one to `a` that way)."""
+
+    def idle() -> bool:
+        rows = httpx.get(router.url + "/admin/backends", timeout=STARVED_S).json()
+        return all(
+            (e := r["engine"]) and not e["stale"] and e["running"] == 0 and e["waiting"] == 0
+            for r in rows
+        )
+
+    wait_for(idle, "the router reads both engines idle")
+
+
 def test_hidden_traffic_and_a_reset_move_the_routers_choice(fleet: dict[str, Proc]) -> None:
     router, a, b = fleet["router"], fleet["a"], fleet["b"]
     doc = "You answer for ACME; cite policy sections precisely. " * 80  # ~4k chars, 1k tokens
@@ -83,6 +100,7 @@ def test_hidden_traffic_and_a_reset_move_the_routers_choice(fleet: dict[str, Pro
     wait_for(lambda: kv_rows(router)["b"]["blocks"] > 0, "b's blocks indexed")
     assert kv_rows(router)["b"]["state"] == "live"  # its first batch was seq 0
     for _ in range(3):
+        idle_readings(router)
         name, cached = chat(router.url, doc, "m")
         assert name == "b" and cached > 0
     text = httpx.get(router.url + "/metrics", timeout=STARVED_S).text
@@ -94,6 +112,7 @@ def test_hidden_traffic_and_a_reset_move_the_routers_choice(fleet: dict[str, Pro
     wait_for(lambda: kv_rows(router)["b"]["blocks"] == 0, "b's index cleared")
     chat(a.url, doc, "mock-model")
     wait_for(lambda: kv_rows(router)["a"]["blocks"] > 0, "a's blocks indexed")
+    idle_readings(router)
     name, cached = chat(router.url, doc, "m")
     assert name == "a" and cached > 0
     status = kv_rows(router)["a"]
