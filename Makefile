@@ -119,7 +119,14 @@ lint: $(STAMP)
 engines: $(STAMP)
 	$(VENV)/bin/sluicegate engines
 
-engine-venv: $(STAMP)
+# The vLLM venv installs beside the router's own .venv, not after it: its installer
+# (router/tools/enginefleet/install.py) needs only the standard library, and both pips wait on
+# the disk and the index more than on the CPU.
+engine-venv:
+	@$(PYTHON) -c 'from router.tools.enginefleet.install import engine_home, ensure_venv; \
+	  ensure_venv(engine_home())' & vllm=$$!; \
+	  $(MAKE) --no-print-directory $(STAMP) || { kill $$vllm; exit 1; }; \
+	  wait $$vllm
 	$(VENV)/bin/sluicegate engines --install-only
 
 # The whole tier is bounded (SIGINT first, so pytest still prints what failed and stops the
