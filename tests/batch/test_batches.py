@@ -15,7 +15,17 @@ import pytest
 from pydantic import ValidationError
 
 from router.core.settings import Settings
-from tests.support.harness import Cluster, Proc, _cli, backend, booked, expected_text, metric, sha
+from tests.support.harness import (
+    STARVED_S,
+    Cluster,
+    Proc,
+    _cli,
+    backend,
+    booked,
+    expected_text,
+    metric,
+    sha,
+)
 from tests.support.wait import wait_for
 
 KEY = "sk-batch-one"
@@ -87,7 +97,9 @@ def test_a_job_of_60_lines_completes_with_exact_output(router: Proc) -> None:
     )
     assert job.status == "in_progress" and job.request_counts.total == 60
     assert job.metadata == {"run": "t1"}
-    wait_for(lambda: c.batches.retrieve(job.id).status == "completed", "the job completes")
+    wait_for(
+        lambda: c.batches.retrieve(job.id).status == "completed", "the job completes", STARVED_S
+    )
     done = c.batches.retrieve(job.id)
     assert done.request_counts.completed == 60 and done.request_counts.failed == 0
     assert done.output_file_id is not None and done.error_file_id is None
@@ -169,7 +181,9 @@ def test_batch_tokens_never_push_the_keys_interactive_requests_into_429(router: 
     job = c.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    wait_for(lambda: c.batches.retrieve(job.id).status == "completed", "the job completes")
+    wait_for(
+        lambda: c.batches.retrieve(job.id).status == "completed", "the job completes", STARVED_S
+    )
     assert c.batches.retrieve(job.id).request_counts.completed == 40
     spent = booked(router, "three:batch", ADMIN)
     assert spent["requests"] == 40  # booked once per line, with the batch marker

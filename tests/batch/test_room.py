@@ -48,7 +48,10 @@ def test_batch_lines_run_only_on_engines_whose_readings_show_room(procs: Cluster
     job = c.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    wait_for(lambda: c.batches.retrieve(job.id).status == "completed", "the job completes")
+    # Where the lines ran is the point, not how soon: 10 s fell short at load average 16.
+    wait_for(
+        lambda: c.batches.retrieve(job.id).status == "completed", "the job completes", STARVED_S
+    )
     done = c.batches.retrieve(job.id)
     assert done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (LINES, 0)
