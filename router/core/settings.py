@@ -70,7 +70,11 @@ class ServerConfig(_Strict):
     header_timeout: float = Field(10.0, gt=0)  # a request head must be complete within this
     # A request body must be complete this many seconds after its head, or 408 and close.
     body_timeout: float = Field(30.0, gt=0, le=3600)
-    keepalive_timeout: float = Field(5.0, gt=0)  # an idle kept-alive connection is closed
+    # An idle kept-alive connection is closed after this. Longer than the official SDKs' own
+    # idle expiry (httpx's 5 s), so the client drops an idle connection first: at 5 s both ends
+    # closed it at once, and a request sent on it as the router closed it failed with
+    # "Connection error" (seen on a loaded machine). nginx keeps 75 s.
+    keepalive_timeout: float = Field(75.0, gt=0)
     max_connections: int = Field(10_000, ge=1)  # past this, new connections get 503 and close
 
 

@@ -20,7 +20,7 @@ from balancers.prefix_index import PrefixIndex
 from router.request.placement.affinity_store import SharedPrefixIndex
 from router.request.placement.prefix import block_hashes
 from router.state.store import PROBE_EVERY
-from tests.support.harness import Cluster, Proc, late_by
+from tests.support.harness import STARVED_S, Cluster, Proc, late_by
 from tests.support.wait import wait_for_async
 
 pytestmark = pytest.mark.redis
@@ -108,7 +108,14 @@ def test_a_stopped_redis_answers_locally_in_time_and_recovers(
         shared = SharedPrefixIndex(rd.url, timeout=timeout, flush_after=60)
         await shared.start()
         shared.record(p, "e", 100)
-        assert await shared.match(p, ["e"]) == {"e": 3}  # the record applies, then the lookup
+
+        async def through_redis() -> bool:  # the record applies, then the lookup
+            return await shared.match(p, ["e"]) == {"e": 3} and not shared.degraded
+
+        # On a starved machine a first round trip outlasted the 50 ms under test and fell back
+        # like an outage (None): that is the rule, not what this test is about.
+        await wait_for_async(through_redis, "a lookup answered through Redis", STARVED_S, 0.05)
+        before = shared.fallbacks
         rd.signal(signal.SIGSTOP)  # accepts nothing, answers nothing: "slow"
         try:
             shared.record(p, "f", 100)
@@ -119,7 +126,7 @@ def test_a_stopped_redis_answers_locally_in_time_and_recovers(
                 found, late = await late_by(shared.match(p, ["e", "f"]), timeout)
                 assert found is None
                 assert late < timeout
-            assert shared.degraded and shared.fallbacks == 6
+            assert shared.degraded and shared.fallbacks - before == 6
         finally:
             rd.signal(signal.SIGCONT)
         await wait_for_async(lambda: not shared.degraded, "the shared index back", 5, 0.05)
