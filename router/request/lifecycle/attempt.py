@@ -310,14 +310,20 @@ class Attempts:
                     self._shed_early()  # a sheddable request out of reach: not queued first
                 return admission.acquire(call.ticket, self._try_admit, call.parked)
         eligible = parts.health.eligible(call.backends, call.model)
-        # Read once, and only where used: a batch line's room filter, an engine-aware balancer.
-        used = call.record.batch or self.engine_aware
-        readings = parts.readings() if parts.readings and used else None
+        readings = self._read_engines()
         if call.record.batch:
             eligible = self._with_room(eligible, readings)
         self.readings = readings if self.engine_aware else None
         ctx = self._context(eligible, self.exclude)
         return self.held.take(eligible, self.balancer, ctx, self.readings)
+
+    def _read_engines(self) -> Readings | None:
+        """The engines' readings, read once per pick and only where used: a batch line's room
+        filter, an engine-aware balancer."""
+        read = self.parts.readings
+        return (
+            read() if read is not None and (self.call.record.batch or self.engine_aware) else None
+        )
 
     def _try_admit(self) -> Awaitable[Lease | None]:
         """One pick-and-count among backends with room by max_inflight and engine readings;
@@ -421,9 +427,7 @@ class Attempts:
             return
         parts = self.parts
         eligible = parts.health.eligible(call.backends, call.model)
-        # Read once, and only where used: a batch line's room filter, an engine-aware balancer.
-        used = call.record.batch or self.engine_aware
-        readings = parts.readings() if parts.readings and used else None
+        readings = self._read_engines()
         candidates = [
             Candidate(b.name, b.weight, 0, readings.get(b.name) if readings else None)
             for b in eligible
