@@ -181,7 +181,8 @@ class CacheAware:
         live: Sequence[tuple[float, Candidate]],
         pool: Sequence[Candidate],
     ) -> Choice | None:
-        """Every live candidate has a fresh reading: the cost in prefills of this prompt."""
+        """Every live candidate has a fresh reading: the cost in prefills of this prompt, among
+        the engines a homed prompt may move to."""
         held = hints.held
         kv = hints.kv
         prompt = max(1.0, hints.blocks * hints.block_chars / CHARS_PER_TOKEN)
@@ -194,11 +195,26 @@ class CacheAware:
         most = max(shares.values(), default=0.0)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
+        # The prompt's home (established, or proposed for a new group), a candidate, keeps it
+        # from every engine that cannot start it now (a queue, or no KV free for it) and holds
+        # no more of it: the cost rule then weighs only the engines that can. Where every engine
+        # queues, a move trades one queue for another and pays a copy that evicts another
+        # prefix there; on 2 real engines under KV pressure such moves were the spills left
+        # (1-4 a run with events, 0-2 without), and rounds with spills lost hit rate (0.71-0.78
+        # against 0.82-0.84) and multiplied TTFT (issue 52). Work-conserving all the same: as
+        # soon as an engine has nothing waiting and KV free, a long queue at home flows to it.
+        home = hints.home if any(c.name == hints.home for _, c in live) else None
+        kept = 0.0
+        if home is not None:
+            exact_home = kv is not None and home in kv.exact
+            kept = shares[home] if exact_home else _homed(hints, home, shares[home], n)
         for s, c in live:
             r = c.engine
             assert r is not None
             ahead, batch = self._ahead_and_batch(ctx, c, r, prompt)
             share = shares[c.name]
+            if home is not None and c.name != home and ahead and share <= kept:
+                continue  # a copy behind a queue (above)
             exact = kv is not None and c.name in kv.exact
             # What a copy here throws away of the holder's (or home's) and evicts as much of
             # another prefix here, prefilled once more later (docs/balancers.md#cache_aware).

@@ -6,6 +6,7 @@ prompt off its home."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from balancers.base import Candidate
 from balancers.cache_aware import CacheAware, Hints, KvHints
@@ -92,9 +93,10 @@ def test_with_events_the_home_keeps_its_prompt_whatever_the_engines_learnt_per_t
     # Evicted everywhere, it goes home all the same (1 x (1 + 1) + 4 against b's 10 + ...).
     gone = KvHints(1088, {}, names, {}, {"a": 5120, "b": 5120}, {})
     assert pick(cands, Hints(17, 256, {}, None, gone, home="a", home_blocks=16)) == ("a", "home")
-    # Its queue past the copy's price still moves it, counted as a spill.
+    # Its queue past the copy's price still moves it to an engine that can start it now (KV
+    # free), counted as a spill.
     cands[0] = Candidate("a", 1.0, 25, rated(1, 20, 1.5e-3))
-    cands[1] = Candidate("b", 1.0, 2, rated(1, 0, 1.8e-4))
+    cands[1] = Candidate("b", 1.0, 2, replace(rated(1, 0, 1.8e-4), kv_usage=0.2))
     assert pick(cands, homed) == ("b", "spill")
     # A prefix filled behind the router's back (cached on b, nothing on its home) is the
     # events' truth, in seconds, as before.
@@ -123,3 +125,35 @@ def test_at_equal_cost_the_home_wins() -> None:
     # One more running on the home tips it (1 x 5 > 4): placed by load.
     cands[0] = Candidate("a", 1.0, 4, reading(4))
     assert pick(cands, new) == ("b", "load")
+
+
+def test_a_homed_prompt_leaves_its_home_only_for_an_engine_that_starts_it_now() -> None:
+    """The home queues 14, the other engine 1: by cost the copy wins (b: 1 + (1 + 16/17) x
+    (1 + 2) = 6.8 prefills against a: 14 + 1/17 x (1 + 4) = 14.3). But behind b's queue the
+    copy waits too, and it evicts another prefix there: on 2 real engines under pressure such
+    moves were the spills that cost hit rate and multiplied TTFT (issue 52). The prompt stays
+    home unless an engine can start it now; then the cost decides."""
+    hints = Hints(17, 256, {"a": 16}, home="a", home_blocks=16)
+    cands = [Candidate("a", 1.0, 18, reading(4, 14)), Candidate("b", 1.0, 3, reading(2, 1))]
+    assert pick(cands, hints) == ("a", "prefix")
+    # With KV events where the home decides, the same.
+    names = frozenset({"a", "b"})
+    kv = KvHints(1088, {"a": 1024}, names, {}, {"a": 5120, "b": 5120}, {})
+    with_kv = Hints(17, 256, {"a": 16}, None, kv, home="a", home_blocks=16)
+    assert pick(cands, with_kv) == ("a", "prefix_exact")
+    # A new group's proposed home keeps it too (a: 14 + 1 x 5 = 19; b: 1 + 2 x 3 = 7).
+    new = Hints(17, 256, {}, home="a", home_blocks=17, home_new=True)
+    assert pick(cands, new) == ("a", "home")
+    # An engine that can start it now (nothing waiting, KV free) takes it by cost.
+    cands[1] = Candidate("b", 1.0, 2, reading(2))
+    assert pick(cands, hints) == ("b", "spill")
+    assert pick(cands, with_kv) == ("b", "spill")
+    assert pick(cands, new) == ("b", "load")
+    # No KV free for it on b (10 % of 5,120 tokens < 1,088): it would wait, so home.
+    full = EngineReading(0, 2, 0.9, 5120, 0.0, 1.0, 1, prefill_s_per_token=P, step_s_per_seq=Q)
+    cands[1] = Candidate("b", 1.0, 2, full)
+    assert pick(cands, hints) == ("a", "prefix")
+    # An engine that holds more of it than the home is weighed by cost though it queues.
+    cands[1] = Candidate("b", 1.0, 3, reading(2, 1))
+    both = Hints(17, 256, {"a": 4, "b": 16}, home="a", home_blocks=4)
+    assert pick(cands, both) == ("b", "prefix")
