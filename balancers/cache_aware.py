@@ -10,7 +10,10 @@ from the engines' own rates (`_by_cost`), plus the prefill a copy off the prompt
 home displaces (`_displaced`: the copy evicts as much there, prefilled again later); lowest
 wins, the home at equal cost when nobody holds the prompt, else `least_load`'s score breaks
 ties. A prompt held
-nowhere goes to its home (`home`) unless the home's queue costs more than that. Without engine
+nowhere goes to its home (`home`) unless the home's queue costs more than that. With engine
+readings a prompt with a home leaves it only for an engine that can start it now (nothing
+waiting, KV free for it) or holds more of it: a copy behind a queue trades one queue for
+another and evicts another prefix there. Without engine
 readings a holder over the bounded-load guardrail (ceil(load_factor x (total + 1) / n)
 requests, SPILL_MIN_GAP above the least loaded) is passed over (`spill`). An established home
 counts as holding its homed blocks where the approximate index guesses less (`_homed`); a new
