@@ -200,7 +200,8 @@ class CacheAware:
         passed_over = False
         # The prompt's home (established, or proposed for a new group), a candidate, keeps it
         # from every engine that cannot start it now (a queue, or no KV free for it) and holds
-        # no more of it: the cost rule then weighs only the engines that can. Where every engine
+        # less of it (a holder as good as the home copies nothing: a hot prefix spreads by
+        # queue): the cost rule then weighs only the engines that can. Where every engine
         # queues, a move trades one queue for another and pays a copy that evicts another
         # prefix there; on 2 real engines under KV pressure such moves were the spills left
         # (1-4 a run with events, 0-2 without), and rounds with spills lost hit rate (0.71-0.78
@@ -216,7 +217,7 @@ class CacheAware:
             assert r is not None
             ahead, batch = self._ahead_and_batch(ctx, c, r, prompt)
             share = shares[c.name]
-            if home is not None and c.name != home and ahead and share <= kept:
+            if home is not None and c.name != home and ahead and (share < kept or not share):
                 continue  # a copy behind a queue (above)
             exact = kv is not None and c.name in kv.exact
             # What a copy here throws away of the holder's (or home's) and evicts as much of

@@ -153,7 +153,8 @@ def test_a_homed_prompt_leaves_its_home_only_for_an_engine_that_starts_it_now() 
     full = EngineReading(0, 2, 0.9, 5120, 0.0, 1.0, 1, prefill_s_per_token=P, step_s_per_seq=Q)
     cands[1] = Candidate("b", 1.0, 2, full)
     assert pick(cands, hints) == ("a", "prefix")
-    # An engine that holds more of it than the home is weighed by cost though it queues.
+    # An engine that holds as much of it as the home is weighed by cost though it queues: a
+    # hot prefix cached on both goes to the shorter queue (b: 1 + 1/17 x 3; a: 14 + ...).
     cands[1] = Candidate("b", 1.0, 3, reading(2, 1))
-    both = Hints(17, 256, {"a": 4, "b": 16}, home="a", home_blocks=4)
+    both = Hints(17, 256, {"a": 16, "b": 16}, home="a", home_blocks=16)
     assert pick(cands, both) == ("b", "prefix")
