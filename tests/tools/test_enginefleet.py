@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -374,3 +375,35 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_handed_out_once() -> N
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50
     assert all(1024 <= p < low for p in ports), (low, ports)
+
+
+def test_two_processes_never_hand_out_ports_of_one_block() -> None:
+    """Two test suites on one machine drew ports from the same worker's slice, and a router's
+    port chosen free was bound by the other suite's mock first (its test then talked to that
+    mock). Each process hands out only ports of blocks it holds a machine-wide claim on."""
+    from router.tools.enginefleet.fleet import _CLAIM_BLOCK, below_ephemeral, free_port
+
+    span = below_ephemeral()
+    ports = range(span.stop - 10 * _CLAIM_BLOCK, span.stop)
+    code = (
+        "import sys\n"
+        "from router.tools.enginefleet.fleet import free_port\n"
+        f"print(*[free_port(range({ports.start}, {ports.stop})) for _ in range(30)], flush=True)\n"
+        "sys.stdin.read()\n"  # holds its claims until the test closes its stdin
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        theirs = [int(p) for p in child.stdout.readline().split()]
+        ours = [free_port(ports) for _ in range(30)]
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert len(theirs) == 30
+    theirs_in = {p // _CLAIM_BLOCK for p in theirs if p in ports}
+    ours_in = {p // _CLAIM_BLOCK for p in ours if p in ports}
+    assert theirs_in and ours_in, (theirs, ours)
+    assert not theirs_in & ours_in, (theirs, ours)

@@ -88,6 +88,13 @@ class EngineOptions:
 
 _HANDED_OUT: set[int] = set()
 _PORT_SPAN = 12000  # ports below the ephemeral range that free_port() draws from
+# free_port() hands out ports from blocks of this many that this process holds a machine-wide
+# claim on (an flock on a file per block, released when the process ends): two test suites on
+# one machine drew from the same worker's slice, and a router's port chosen free was bound by
+# the other suite's mock before the router started, so its test talked to that mock.
+_CLAIM_BLOCK = 100
+_CLAIMS: dict[int, int] = {}  # block (port // _CLAIM_BLOCK) -> the open lock file holding it
+_SPENT: set[int] = set()  # claimed blocks with no port left to hand out
 
 
 def below_ephemeral() -> range:
@@ -106,25 +113,79 @@ def free_port(ports: range | None = None) -> int:
     are chosen, and binds them again on a restart: a port from the ephemeral range can meanwhile
     become the local end of any outgoing connection on the machine (a router's probe, a client),
     and a NIXL listener that finds its port taken hangs the engine's start for good (vLLM waits
-    for the listener's thread without a timeout, and the thread died)."""
+    for the listener's thread without a timeout, and the thread died). Only ports of blocks this
+    process holds the machine-wide claim on (`_CLAIM_BLOCK`) are handed out."""
     if ports is None:
         ports = below_ephemeral()
     if len(ports) >= 100:
         rng = random.Random()
-        for _ in range(400):
-            port = rng.randrange(ports.start, ports.stop)
-            if port in _HANDED_OUT:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _HANDED_OUT.add(port)
-            return port
+        for _ in range(20):
+            block = _held_block(ports, rng)
+            if block is None:
+                break
+            for port in rng.sample(block, len(block)):
+                if port not in _HANDED_OUT and _bindable(port):
+                    _HANDED_OUT.add(port)
+                    return port
+            _SPENT.add(block.start // _CLAIM_BLOCK)
     with socket.socket() as s:  # an unusual port range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _held_block(ports: range, rng: random.Random) -> range | None:
+    """Ports of `ports` in a block this process holds the claim on, with ports left: one it
+    holds, else one it claims now (tried at random); None when every block tried is another
+    process's."""
+    first, last = ports.start // _CLAIM_BLOCK, (ports.stop - 1) // _CLAIM_BLOCK
+    for b in _CLAIMS:
+        if first <= b <= last and b not in _SPENT:
+            return _block_ports(b, ports)
+    for _ in range(64):
+        b = rng.randint(first, last)
+        if b not in _SPENT and _claim(b):
+            return _block_ports(b, ports)
+    return None
+
+
+def _block_ports(b: int, ports: range) -> range:
+    return range(max(ports.start, b * _CLAIM_BLOCK), min(ports.stop, (b + 1) * _CLAIM_BLOCK))
+
+
+def _claim(b: int) -> bool:
+    """This process holds block `b`'s claim from now on (or already did). Where claims cannot be
+    taken (no fcntl, the lock directory not writable) every block counts as this process's, as
+    before claims: a second suite on the machine may then collide again, nothing else fails."""
+    if b in _CLAIMS:
+        return True
+    try:
+        import fcntl
+    except ImportError:
+        _CLAIMS[b] = -1
+        return True
+    directory = Path(tempfile.gettempdir()) / "sluicegate-ports"
+    try:
+        directory.mkdir(mode=0o1777, exist_ok=True)
+        fd = os.open(directory / f"{b}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        _CLAIMS[b] = -1
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _CLAIMS[b] = fd
+    return True
 
 
 class _Forwarder:
