@@ -11,9 +11,9 @@ home displaces (`_displaced`: the copy evicts as much there, prefilled again lat
 wins, the home at equal cost when nobody holds the prompt, else `least_load`'s score breaks
 ties. A prompt held
 nowhere goes to its home (`home`) unless the home's queue costs more than that. With engine
-readings a prompt with a home leaves it only for an engine that can start it now (nothing
-waiting, KV free for it) or holds more of it: a copy behind a queue trades one queue for
-another and evicts another prefix there. Without engine
+readings a prompt with an established home leaves it only for an engine that can start it now
+(nothing waiting, KV free for it) or holds as much of it: a copy behind a queue trades one queue
+for another and evicts another prefix there. Without engine
 readings a holder over the bounded-load guardrail (ceil(load_factor x (total + 1) / n)
 requests, SPILL_MIN_GAP above the least loaded) is passed over (`spill`). An established home
 counts as holding its homed blocks where the approximate index guesses less (`_homed`); a new
@@ -198,16 +198,19 @@ class CacheAware:
         most = max(shares.values(), default=0.0)
         options: list[tuple[float, float, Candidate]] = []
         passed_over = False
-        # The prompt's home (established, or proposed for a new group), a candidate, keeps it
-        # from every engine that cannot start it now (a queue, or no KV free for it) and holds
-        # less of it (a holder as good as the home copies nothing: a hot prefix spreads by
-        # queue): the cost rule then weighs only the engines that can. Where every engine
+        # The prompt's established home, a candidate, keeps it from every engine that cannot
+        # start it now (a queue, or no KV free for it) and holds less of it (a holder as good
+        # as the home copies nothing: a hot prefix spreads by queue): the cost rule then weighs
+        # only the engines that can. A new group's proposed home holds nothing yet, so its
+        # cost alone decides (random prompts, each a new group, go by queue). Where every engine
         # queues, a move trades one queue for another and pays a copy that evicts another
         # prefix there; on 2 real engines under KV pressure such moves were the spills left
         # (1-4 a run with events, 0-2 without), and rounds with spills lost hit rate (0.71-0.78
         # against 0.82-0.84) and multiplied TTFT (issue 52). Work-conserving all the same: as
         # soon as an engine has nothing waiting and KV free, a long queue at home flows to it.
         home = hints.home if any(c.name == hints.home for _, c in live) else None
+        if hints.home_new:  # a proposal holds nothing yet: its cost decides (below)
+            home = None
         kept = 0.0
         if home is not None:
             exact_home = kv is not None and home in kv.exact

@@ -141,9 +141,11 @@ def test_a_homed_prompt_leaves_its_home_only_for_an_engine_that_starts_it_now() 
     kv = KvHints(1088, {"a": 1024}, names, {}, {"a": 5120, "b": 5120}, {})
     with_kv = Hints(17, 256, {"a": 16}, None, kv, home="a", home_blocks=16)
     assert pick(cands, with_kv) == ("a", "prefix_exact")
-    # A new group's proposed home keeps it too (a: 14 + 1 x 5 = 19; b: 1 + 2 x 3 = 7).
+    # A new group's proposed home holds nothing yet: its queue past the copy's price places it
+    # by load (a: 14 + 1 x 5 = 19; b: 1 + 2 x 3 = 7), as on random prompts (every one a new
+    # group) least_load would.
     new = Hints(17, 256, {}, home="a", home_blocks=17, home_new=True)
-    assert pick(cands, new) == ("a", "home")
+    assert pick(cands, new) == ("b", "load")
     # An engine that can start it now (nothing waiting, KV free) takes it by cost.
     cands[1] = Candidate("b", 1.0, 2, reading(2))
     assert pick(cands, hints) == ("b", "spill")
