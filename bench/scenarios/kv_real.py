@@ -77,6 +77,7 @@ TTFT_BOUND = 1.15  # issue 52: TTFT p50 and p90 within this many times the refer
 NO_LOSS = 1.05  # "loses nothing": TTFT p50/p90 within this of least_load's (the runs' noise)
 START_S = 600.0  # engines' start on a shared, loaded machine (4 min was seen to be too short)
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+RETRIES = "sluicegate_retries_total"
 BASELINE_TAG = " (baseline)"  # `--baseline-src`: this target's router from another checkout
 
 
@@ -87,8 +88,9 @@ def _shim(tmp: Path) -> Path:
     return dist.parent
 
 
-def _counts(url: str) -> dict[str, float]:
-    out = {HITS: 0.0, QUERIES: 0.0}
+def _counts(url: str, names: tuple[str, ...] = (HITS, QUERIES)) -> dict[str, float]:
+    """Each family of `names` on the page at `url`, summed over its series."""
+    out = dict.fromkeys(names, 0.0)
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         for name in out:
             if line.startswith(name) and line[len(name)] in " {":
@@ -282,12 +284,7 @@ def _one(
         if target not in PEER_TARGETS:
             reasons = {k: int(v) for k, v in routing_reasons(router.url).items() if v}
             # A pick per attempt: retries say whether more picks than prompts were re-tries.
-            page = httpx.get(router.url + "/metrics", timeout=5).text
-            retries = sum(
-                float(line.rsplit(" ", 1)[1])
-                for line in page.splitlines()
-                if line.startswith("sluicegate_retries_total{")
-            )
+            retries = _counts(router.url, (RETRIES,))[RETRIES]
             rates = {
                 r["name"]: {
                     k: (r.get("engine") or {}).get(k)
