@@ -68,13 +68,21 @@ async def _no_lease() -> None:
 
 async def attempts_for(parts: Parts, call: Call, send: Send) -> Attempts:
     """The request's attempts, with its affinity looked up (the shared prefix index, the
-    engine's token ids: a round trip each, when configured)."""
-    affinity = parts.affinity.prepare(
-        call.balancer,
-        call.client_headers,
-        call.parsed(),
-        call.endpoint.usage == "responses",
-        call.adapter,
+    engine's token ids: a round trip each, when configured). A lookup that computes nothing
+    (`/tokenize`, `/detokenize`, count_tokens: usage `none`) has none: its prompt is never
+    prefilled, so its engine holds nothing of it afterwards (`vllm bench serve` tokenizes
+    every prompt through the router before a run whose tokenizer disagrees with the engine's,
+    and each call taught the index a prefix no engine held)."""
+    affinity = (
+        None
+        if call.endpoint.usage == "none"
+        else parts.affinity.prepare(
+            call.balancer,
+            call.client_headers,
+            call.parsed(),
+            call.endpoint.usage == "responses",
+            call.adapter,
+        )
     )
     if affinity is not None and parts.affinity.shared is not None:
         affinity = await parts.affinity.look_up(affinity, call.backends)  # one round trip
