@@ -127,6 +127,15 @@ def test_a_request_counts_on_its_engine_until_it_ends(fleet: dict[str, Proc]) ->
         lambda: all(r is not None and r["publishers"] for r in kv_rows(router).values()),
         "a's and b's event feeds found",
     )
+    # A feed is live from its engine's first batch: a prompt of whole blocks straight to each (a
+    # shorter one stores no block, so publishes nothing), so this test does not lean on the one
+    # before it for that (alone, no request was counted on a feed not yet live).
+    for name in ("a", "b"):
+        chat(fleet[name].url, f"First whole blocks for {name}. " * 40, "mock-model")
+    wait_for(
+        lambda: all(r["state"] == "live" for r in kv_rows(router).values()),
+        "a's and b's feeds live",
+    )
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "Spell out the policy, slowly. " * 60}],
